@@ -1,0 +1,34 @@
+#!/usr/bin/env bash
+# Train on one machine with torchrun.
+#
+# Usage: launch/local.sh [megalite train args...]
+#   e.g. launch/local.sh --config configs/<name>.toml
+#
+# With NVIDIA GPUs it starts one process per visible GPU; without, 8 CPU
+# processes (gloo) with one OpenMP thread each so they don't oversubscribe cores.
+# Overrides: NPROC=<processes>, OMP_NUM_THREADS=<threads per process>.
+# The repo root is put on PYTHONPATH so this works without `pip install -e .`.
+set -euo pipefail
+
+REPO_ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+export PYTHONPATH="${REPO_ROOT}${PYTHONPATH:+:${PYTHONPATH}}"
+
+GPUS=0
+if command -v nvidia-smi >/dev/null 2>&1; then
+    GPUS="$(nvidia-smi -L 2>/dev/null | grep -c '^GPU' || true)"
+fi
+if [[ "${GPUS:-0}" -gt 0 ]]; then
+    NPROC="${NPROC:-${GPUS}}"
+else
+    NPROC="${NPROC:-8}"
+    export OMP_NUM_THREADS="${OMP_NUM_THREADS:-1}"
+fi
+
+if command -v torchrun >/dev/null 2>&1; then
+    TORCHRUN=(torchrun)
+else
+    TORCHRUN=(python3 -m torch.distributed.run)
+fi
+
+echo "local.sh: ${NPROC} processes (GPUs found: ${GPUS})" >&2
+exec "${TORCHRUN[@]}" --standalone --nproc-per-node "${NPROC}" -m megalite train "$@"

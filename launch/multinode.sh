@@ -1,0 +1,62 @@
+#!/usr/bin/env bash
+# Train across several machines: run this once on every node.
+#
+# Usage: NNODES=2 RDZV_ENDPOINT=node0:29500 launch/multinode.sh [megalite train args...]
+#
+# Environment:
+#   NNODES          number of machines (required; defaults to $SLURM_NNODES under SLURM)
+#   RDZV_ENDPOINT   host:port of the c10d rendezvous, normally the first node
+#                   (required; or set MASTER_ADDR and optionally MASTER_PORT, default 29500)
+#   RDZV_ID         job id shared by all nodes (default: megalite)
+#   NODE_RANK       optional fixed rank of this node (default: $SLURM_NODEID if set;
+#                   otherwise c10d assigns ranks in arrival order)
+#   NPROC_PER_NODE  processes per node (default: GPU count, or 8 CPU processes)
+#   OMP_NUM_THREADS threads per CPU process (default 1, CPU only)
+#   MAX_RESTARTS    torchrun restarts on failure (default 0)
+set -euo pipefail
+
+REPO_ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+export PYTHONPATH="${REPO_ROOT}${PYTHONPATH:+:${PYTHONPATH}}"
+
+NNODES="${NNODES:-${SLURM_NNODES:-}}"
+if [[ -z "${NNODES}" ]]; then
+    echo "multinode.sh: set NNODES to the number of machines" >&2
+    exit 2
+fi
+if [[ -z "${RDZV_ENDPOINT:-}" && -n "${MASTER_ADDR:-}" ]]; then
+    RDZV_ENDPOINT="${MASTER_ADDR}:${MASTER_PORT:-29500}"
+fi
+if [[ -z "${RDZV_ENDPOINT:-}" ]]; then
+    echo "multinode.sh: set RDZV_ENDPOINT=host:port (the first node) or MASTER_ADDR" >&2
+    exit 2
+fi
+RDZV_ID="${RDZV_ID:-megalite}"
+NODE_RANK="${NODE_RANK:-${SLURM_NODEID:-}}"
+
+GPUS=0
+if command -v nvidia-smi >/dev/null 2>&1; then
+    GPUS="$(nvidia-smi -L 2>/dev/null | grep -c '^GPU' || true)"
+fi
+if [[ "${GPUS:-0}" -gt 0 ]]; then
+    NPROC_PER_NODE="${NPROC_PER_NODE:-${GPUS}}"
+else
+    NPROC_PER_NODE="${NPROC_PER_NODE:-8}"
+    export OMP_NUM_THREADS="${OMP_NUM_THREADS:-1}"
+fi
+
+if command -v torchrun >/dev/null 2>&1; then
+    TORCHRUN=(torchrun)
+else
+    TORCHRUN=(python3 -m torch.distributed.run)
+fi
+EXTRA=()
+if [[ -n "${NODE_RANK}" ]]; then
+    EXTRA+=(--node-rank "${NODE_RANK}")
+fi
+
+echo "multinode.sh: $(hostname) node_rank=${NODE_RANK:-auto} nnodes=${NNODES}" \
+     "nproc_per_node=${NPROC_PER_NODE} rdzv=${RDZV_ENDPOINT} id=${RDZV_ID}" >&2
+exec "${TORCHRUN[@]}" --nnodes "${NNODES}" --nproc-per-node "${NPROC_PER_NODE}" \
+    --rdzv-backend c10d --rdzv-endpoint "${RDZV_ENDPOINT}" --rdzv-id "${RDZV_ID}" \
+    --max-restarts "${MAX_RESTARTS:-0}" ${EXTRA[@]+"${EXTRA[@]}"} \
+    -m megalite train "$@"

@@ -1,0 +1,267 @@
+"""Byte-level token data: prepare a corpus, read it back, and draw batches.
+
+Tokens are raw UTF-8 bytes (vocab 256) so there is no tokenizer to download or
+train, and the default corpus is the Python standard library's own sources, so
+a first run needs no network.  On disk a corpus is a flat ``uint16`` ``.bin``
+file plus a ``.json`` file with the same stem that says how to read it.
+
+Batches are a pure function of ``(seed, batch_index)``: every data-parallel
+rank draws the same global batch and keeps only its own rows.  That makes a run
+with N dp ranks see exactly the data a single process would, and makes resuming
+a matter of restoring one integer.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sysconfig
+from pathlib import Path
+
+import numpy as np
+import torch
+
+FORMAT = "megalite-tokens"
+VERSION = 1
+TEXT_SUFFIXES = (".py", ".txt", ".md", ".rst", ".json", ".toml", ".c", ".h")
+_SKIP_STDLIB_DIRS = {"site-packages", "test", "tests", "idlelib", "lib2to3"}
+
+
+class DataError(ValueError):
+    """A data problem the user can fix; the message is one line naming the cause."""
+
+
+class ByteTokenizer:
+    """UTF-8 bytes as token ids: lossless for any text, no vocabulary file needed."""
+
+    vocab_size = 256
+
+    def encode(self, text: str) -> list[int]:
+        return list(text.encode("utf-8"))
+
+    def decode(self, ids) -> str:
+        # A sampled sequence may cut a multi-byte character; replace, don't fail.
+        return bytes(int(i) for i in ids).decode("utf-8", errors="replace")
+
+
+def meta_path(path: str | Path) -> Path:
+    """The JSON file that describes the token file at ``path``."""
+    return Path(path).with_suffix(".json")
+
+
+def default_corpus_files(max_bytes: int = 4_000_000) -> list[Path]:
+    """The stdlib's own ``.py`` files, sorted, up to ``max_bytes`` in total.
+
+    Sorting by relative path keeps the corpus identical across machines with
+    the same Python version; tests and vendored tools are skipped because they
+    are large and repetitive.  Files are taken in order and the walk stops at
+    the first file that would push the total past ``max_bytes``.
+    """
+    root = Path(sysconfig.get_paths()["stdlib"])
+    found = []
+    for dirpath, dirnames, filenames in os.walk(root):
+        dirnames[:] = [d for d in dirnames if d not in _SKIP_STDLIB_DIRS]
+        found += [Path(dirpath) / n for n in filenames if n.endswith(".py")]
+    found.sort(key=lambda p: p.relative_to(root).as_posix())
+    files, total = [], 0
+    for path in found:
+        size = path.stat().st_size
+        if total + size > max_bytes:
+            break
+        files.append(path)
+        total += size
+    return files
+
+
+def _expand_sources(sources: list[str | Path]) -> list[Path]:
+    """Files named directly, plus text files found (sorted) under named folders."""
+    files: list[Path] = []
+    for source in sources:
+        path = Path(source)
+        if not path.exists():
+            raise DataError(f"prepare: source '{source}' does not exist")
+        if path.is_dir():
+            found = [p for p in path.rglob("*") if p.is_file() and p.suffix in TEXT_SUFFIXES]
+            files.extend(sorted(found, key=lambda p: p.relative_to(path).as_posix()))
+        else:
+            files.append(path)
+    return files
+
+
+def _atomic_write(path: Path, data: bytes) -> None:
+    """Write to a temp name in the same folder, then rename, so readers never see half a file."""
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    with open(tmp, "wb") as f:
+        f.write(data)
+        os.fsync(f.fileno())  # data on disk before the rename makes it visible
+    os.replace(tmp, path)
+
+
+def prepare(sources: list[str | Path], out: str | Path, val_fraction: float = 0.1, log=print) -> dict:
+    """Byte-encode text files into ``out`` (.bin) and its ``.json``; return the meta dict.
+
+    The last ``val_fraction`` of tokens is the validation split.  The json is
+    written last, so a token file with a json beside it is always complete.
+    """
+    out = Path(out)
+    if out.suffix != ".bin":
+        raise DataError(f"prepare: output '{out}' must end with .bin")
+    if not 0.0 <= val_fraction < 1.0:
+        raise DataError(f"prepare: val_fraction must be in [0, 1), got {val_fraction}")
+    files = _expand_sources(list(sources))
+    texts = [f.read_bytes().decode("utf-8", errors="replace") for f in files]
+    text = "\n\n".join(texts)
+    if not text:
+        raise DataError(f"prepare: no text found in sources {[str(s) for s in sources]} "
+                        f"(folders are searched for {' '.join(TEXT_SUFFIXES)})")
+    tokens = np.frombuffer(text.encode("utf-8"), dtype=np.uint8).astype(np.uint16)
+    num_tokens = int(tokens.size)
+    meta = {
+        "format": FORMAT,
+        "version": VERSION,
+        "tokenizer": "byte",
+        "vocab_size": ByteTokenizer.vocab_size,
+        "dtype": "uint16",
+        "num_tokens": num_tokens,
+        "val_start": num_tokens - int(num_tokens * val_fraction),
+        "sources": [str(s) for s in sources],
+    }
+    out.parent.mkdir(parents=True, exist_ok=True)
+    _atomic_write(out, tokens.tobytes())
+    _atomic_write(meta_path(out), (json.dumps(meta, indent=2) + "\n").encode("utf-8"))
+    log(f"prepare: wrote {num_tokens:,} tokens from {len(files)} files to {out} "
+        f"(val from token {meta['val_start']:,})")
+    return meta
+
+
+def ensure_data(path: str | Path, log=print) -> None:
+    """Build the default stdlib corpus at ``path`` unless it (and its json) already exist.
+
+    Not safe to call from several ranks at once: the caller runs it on rank 0
+    and barriers before anyone opens the data.
+    """
+    path = Path(path)
+    if path.exists() and meta_path(path).exists():
+        return
+    log(f"data: '{path}' not found; building it from the Python standard library sources")
+    prepare(default_corpus_files(), path, log=log)
+
+
+class TokenDataset:
+    """One split ("train" or "val") of a prepared token file, memory-mapped read-only."""
+
+    def __init__(self, path: str | Path, split: str):
+        path = Path(path)
+        if split not in ("train", "val"):
+            raise DataError(f"TokenDataset: split must be 'train' or 'val', got '{split}'")
+        if not path.exists():
+            raise DataError(f"data.path: token file '{path}' does not exist "
+                            "(run `megalite prepare` or remove data.path to use the default corpus)")
+        mpath = meta_path(path)
+        if not mpath.exists():
+            raise DataError(f"data.path: metadata '{mpath}' for token file '{path}' does not exist "
+                            "(re-run `megalite prepare`)")
+        try:
+            meta = json.loads(mpath.read_text(encoding="utf-8"))
+        except ValueError as e:
+            raise DataError(f"data.path: metadata '{mpath}' is not valid JSON ({e})") from None
+        if not isinstance(meta, dict) or meta.get("format") != FORMAT or meta.get("version") != VERSION:
+            raise DataError(f"data.path: metadata '{mpath}' is not format '{FORMAT}' version {VERSION}")
+        if meta.get("dtype") != "uint16":
+            raise DataError(f"data.path: metadata '{mpath}' has dtype {meta.get('dtype')!r}, expected 'uint16'")
+        num_tokens, val_start = meta.get("num_tokens"), meta.get("val_start")
+        if not (isinstance(num_tokens, int) and isinstance(val_start, int) and 0 <= val_start <= num_tokens):
+            raise DataError(f"data.path: metadata '{mpath}' needs integers 0 <= val_start <= num_tokens")
+        size = path.stat().st_size
+        if size != 2 * num_tokens:
+            raise DataError(f"data.path: token file '{path}' has {size} bytes, expected "
+                            f"{2 * num_tokens} for num_tokens={num_tokens} in '{mpath.name}'")
+        lo, hi = (0, val_start) if split == "train" else (val_start, num_tokens)
+        if hi <= lo:
+            raise DataError(f"data.path: the {split} split of '{path}' is empty "
+                            f"(num_tokens={num_tokens}, val_start={val_start})")
+        self.path, self.split, self.meta = path, split, meta
+        self.vocab_size = int(meta.get("vocab_size", ByteTokenizer.vocab_size))
+        self.tokens = np.memmap(path, dtype=np.uint16, mode="r", shape=(num_tokens,))[lo:hi]
+
+    def __len__(self) -> int:
+        return int(self.tokens.shape[0])
+
+
+def _check_shapes(dataset: TokenDataset, block_size: int, batch_size: int, dp_rank: int, dp_size: int,
+                  batch_field: str) -> None:
+    if block_size < 1 or len(dataset) < block_size + 1:
+        raise DataError(f"model.block_size: {block_size} needs at least {block_size + 1} tokens but the "
+                        f"{dataset.split} split of '{dataset.path}' has {len(dataset)}")
+    if batch_size < 1 or dp_size < 1 or batch_size % dp_size != 0:
+        raise DataError(f"{batch_field}: {batch_size} must be a positive multiple of the "
+                        f"data-parallel size {dp_size}")
+    if not 0 <= dp_rank < dp_size:
+        raise DataError(f"data: dp_rank {dp_rank} must be in [0, {dp_size})")
+
+
+def _draw(dataset, block_size, batch_size, dp_rank, dp_size, rng):
+    """Draw the global batch's start offsets from ``rng`` and slice out this dp rank's rows.
+
+    All ranks draw all offsets so the result does not depend on dp_size.
+    """
+    starts = rng.integers(0, len(dataset) - block_size - 1, size=batch_size, endpoint=True)
+    per_rank = batch_size // dp_size
+    mine = starts[dp_rank * per_rank:(dp_rank + 1) * per_rank]
+    rows = np.asarray(dataset.tokens[mine[:, None] + np.arange(block_size + 1)], dtype=np.int64)
+    return torch.from_numpy(rows[:, :-1].copy()), torch.from_numpy(rows[:, 1:].copy())
+
+
+class BatchSampler:
+    """Random (x, y) training batches, a pure function of (seed, batch index).
+
+    Batch k uses ``PCG64([seed, k])``, so the state to checkpoint is just k.
+    """
+
+    def __init__(self, dataset: TokenDataset, block_size: int, global_batch_size: int,
+                 dp_rank: int, dp_size: int, seed: int):
+        _check_shapes(dataset, block_size, global_batch_size, dp_rank, dp_size, "train.global_batch_size")
+        if not isinstance(seed, int) or seed < 0:
+            raise DataError(f"train.seed: must be a non-negative integer, got {seed!r}")
+        self.dataset, self.block_size, self.global_batch_size = dataset, block_size, global_batch_size
+        self.dp_rank, self.dp_size, self.seed = dp_rank, dp_size, seed
+        self.batch_index = 0
+
+    @property
+    def local_batch_size(self) -> int:
+        return self.global_batch_size // self.dp_size
+
+    def batch_at(self, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """This rank's rows of batch ``k``, without moving the counter."""
+        rng = np.random.Generator(np.random.PCG64([self.seed, k]))
+        return _draw(self.dataset, self.block_size, self.global_batch_size, self.dp_rank, self.dp_size, rng)
+
+    def next_batch(self) -> tuple[torch.Tensor, torch.Tensor]:
+        batch = self.batch_at(self.batch_index)
+        self.batch_index += 1
+        return batch
+
+    def state_dict(self) -> dict:
+        return {"batch_index": self.batch_index}
+
+    def load_state_dict(self, state: dict) -> None:
+        k = state.get("batch_index") if isinstance(state, dict) else None
+        if not isinstance(k, int) or isinstance(k, bool) or k < 0:
+            raise DataError(f"sampler state: 'batch_index' must be a non-negative integer, got {k!r}")
+        self.batch_index = k
+
+
+def eval_batches(dataset: TokenDataset, block_size: int, batch_size: int, dp_rank: int, dp_size: int,
+                 num_batches: int, seed: int, batch_field: str = "train.global_batch_size"):
+    """Fixed validation batches, so every eval compares the same tokens.
+
+    Batch i uses ``PCG64([seed, 2**32 - 1 - i])``: a stream training batch
+    indices will not reach.  ``batch_size`` is global and split across dp ranks
+    exactly like training batches; ``batch_field`` names it in error messages.
+    """
+    _check_shapes(dataset, block_size, batch_size, dp_rank, dp_size, batch_field)
+    out = []
+    for i in range(num_batches):
+        rng = np.random.Generator(np.random.PCG64([seed, 2**32 - 1 - i]))
+        out.append(_draw(dataset, block_size, batch_size, dp_rank, dp_size, rng))
+    return out

@@ -1,0 +1,159 @@
+"""Data parallelism: bucketed gradient all-reduce over dp, and AdamW with optional ZeRO-1 state sharding.
+
+Gradients live in a few flat buckets (each parameter's .grad is a view into one), so the dp all-reduce
+is one collective per bucket, not one per parameter. With zero1, each parameter's flattened local
+tensor is cut into dp ceil-sized pieces; dp rank r keeps the AdamW moments of piece r of every
+parameter, updates only those elements, and the updated pieces are all-gathered back.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from .grid import Axis
+from .tensor import partition_of, shard_range, tp_box
+
+
+def _buckets(params: list, bucket_bytes: float) -> list[list]:
+    """Group parameters in order into buckets of about bucket_bytes each."""
+    out, cur, size = [], [], 0
+    for p in params:
+        cur.append(p)
+        size += p.numel() * 4
+        if size >= bucket_bytes:
+            out.append(cur)
+            cur, size = [], 0
+    if cur:
+        out.append(cur)
+    return out
+
+
+class GradBuffer:
+    """Flat fp32 gradient buckets; parameter .grad tensors are views into them.
+
+    Autograd accumulates micro-batch gradients into the views in place; `all_reduce_mean()` then
+    averages each whole bucket over dp with one collective.
+    """
+
+    def __init__(self, params: list, dp: Axis, bucket_mb: float = 25.0):
+        self.dp = dp
+        self.buffers = []
+        # Backward produces gradients roughly from the last layer to the first: bucket in that order.
+        for bucket in _buckets(list(reversed(params)), bucket_mb * 2**20):
+            flat = torch.zeros(sum(p.numel() for p in bucket), dtype=torch.float32, device=bucket[0].device)
+            offset = 0
+            for p in bucket:
+                p.grad = flat[offset:offset + p.numel()].view_as(p)
+                offset += p.numel()
+            self.buffers.append(flat)
+
+    def zero(self) -> None:
+        for b in self.buffers:
+            b.zero_()
+
+    def all_reduce_mean(self) -> None:
+        if not self.dp.active:
+            return
+        works = [dist.all_reduce(b, group=self.dp.group, async_op=True) for b in self.buffers]
+        for w, b in zip(works, self.buffers):
+            w.wait()
+            b.div_(self.dp.size)
+
+
+@dataclass
+class _Entry:
+    name: str
+    param: torch.Tensor
+    start: int  # [start, end) of the flattened local tensor whose moments this rank keeps
+    end: int
+    decay: bool
+
+
+class ShardedAdamW:
+    """AdamW (decoupled weight decay, bias-corrected moments) over flat pieces of parameters.
+
+    Without zero1 every rank keeps moments for whole parameters. With zero1 dp rank r keeps piece r.
+    The arithmetic is elementwise, so both give the same result; only memory and traffic differ.
+    State is keyed by global parameter name, never by position.
+    """
+
+    def __init__(self, named_params: list, tp: Axis, dp: Axis, zero1: bool, betas=(0.9, 0.95), eps: float = 1e-8,
+                 weight_decay: float = 0.0, bucket_mb: float = 25.0):
+        self.tp, self.dp, self.zero1 = tp, dp, zero1 and dp.active
+        self.betas, self.eps, self.weight_decay = betas, eps, weight_decay
+        self.step_count = 0
+        self.entries: list[_Entry] = []
+        self.exp_avg: dict[str, torch.Tensor] = {}
+        self.exp_avg_sq: dict[str, torch.Tensor] = {}
+        for name, p in named_params:
+            n = self.valid_numel(p)
+            a, b = self.piece(n, dp.rank) if self.zero1 else (0, n)
+            # No decay on biases and LayerNorm parameters (the 1-D ones), as in GPT-2 / nanoGPT.
+            self.entries.append(_Entry(name, p, a, b, decay=p.dim() >= 2))
+            self.exp_avg[name] = torch.zeros(b - a, dtype=torch.float32, device=p.device)
+            self.exp_avg_sq[name] = torch.zeros(b - a, dtype=torch.float32, device=p.device)
+        self._gather_buckets = _buckets([e.param for e in self.entries], bucket_mb * 2**20) if self.zero1 else []
+
+    def piece(self, numel: int, dp_rank: int) -> tuple[int, int]:
+        return shard_range(numel, dp_rank, self.dp.size)
+
+    def valid_numel(self, p) -> int:
+        """Elements of the local tensor that belong to the global one: vocab padding rows sit at the end
+        of dim 0, so the valid elements are a prefix of the flattened tensor and padding is never sharded."""
+        return math.prod(b - a for a, b in tp_box(partition_of(p), self.tp.rank, self.tp.size))
+
+    @torch.no_grad()
+    def step(self, lr: float, grad_scale: float = 1.0) -> None:
+        self.step_count += 1
+        b1, b2 = self.betas
+        bc1, bc2 = 1 - b1 ** self.step_count, 1 - b2 ** self.step_count
+        for e in self.entries:
+            w = e.param.data.view(-1)[e.start:e.end]
+            g = e.param.grad.view(-1)[e.start:e.end]
+            if grad_scale != 1.0:
+                g = g * grad_scale
+            m, v = self.exp_avg[e.name], self.exp_avg_sq[e.name]
+            if e.decay and self.weight_decay:
+                w.mul_(1 - lr * self.weight_decay)
+            m.lerp_(g, 1 - b1)
+            v.mul_(b2).addcmul_(g, g, value=1 - b2)
+            denom = (v.sqrt() / math.sqrt(bc2)).add_(self.eps)
+            w.addcdiv_(m, denom, value=-lr / bc1)
+        if self.zero1:
+            self._all_gather()
+
+    def _all_gather(self) -> None:
+        """Every dp rank sends its updated pieces; each parameter is rebuilt from all dp pieces."""
+        n = self.dp.size
+        for bucket in self._gather_buckets:
+            sizes = [self.valid_numel(p) for p in bucket]
+            chunks = [math.ceil(k / n) for k in sizes]
+            mine = torch.zeros(sum(chunks), dtype=torch.float32, device=bucket[0].device)
+            off = 0
+            for p, k, c in zip(bucket, sizes, chunks):
+                a, b = self.piece(k, self.dp.rank)
+                mine[off:off + b - a] = p.data.view(-1)[a:b]
+                off += c
+            gathered = [torch.empty_like(mine) for _ in range(n)]
+            dist.all_gather(gathered, mine, group=self.dp.group)
+            for r, buf in enumerate(gathered):
+                off = 0
+                for p, k, c in zip(bucket, sizes, chunks):
+                    a, b = self.piece(k, r)
+                    p.data.view(-1)[a:b] = buf[off:off + b - a]
+                    off += c
+
+    # -- state, keyed by global name (checkpoints turn this into safetensors + JSON)
+    def state_tensors(self) -> dict[str, torch.Tensor]:
+        out = {}
+        for e in self.entries:
+            out[f"{e.name}.exp_avg"] = self.exp_avg[e.name]
+            out[f"{e.name}.exp_avg_sq"] = self.exp_avg_sq[e.name]
+        return out
+
+    def piece_of(self, name: str) -> tuple[int, int]:
+        e = next(e for e in self.entries if e.name == name)
+        return e.start, e.end

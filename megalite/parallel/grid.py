@@ -1,0 +1,147 @@
+"""The parallel grid: every rank's (tp, pp, dp) coordinate and the process groups it talks on.
+
+Rank order: tp varies fastest, then dp, then pp (rank = tp + TP * (dp + DP * pp)), so the ranks of one
+tensor-parallel group are neighbours (one machine, fast links) and pipeline stages are furthest apart.
+
+    8 ranks, tp=2 pp=2 dp=2:          pp stage 0          pp stage 1
+                                   dp0      dp1        dp0      dp1
+                          tp0      r0       r2         r4       r6
+                          tp1      r1       r3         r5       r7
+
+The maths (`coord_of`, `rank_of`, `*_ranks`) needs no process group and is unit-tested alone. A grid is
+an object passed to whatever needs it; nothing here is global, so two grids can live in one process.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import NamedTuple, Optional
+
+import torch.distributed as dist
+
+
+class Coord(NamedTuple):
+    tp: int
+    pp: int
+    dp: int
+
+
+@dataclass
+class Axis:
+    """One parallel axis as seen from this rank: its size, our index along it, and the group."""
+    size: int
+    rank: int
+    group: Optional[object] = None  # a torch.distributed ProcessGroup; None when size == 1 or no dist
+
+    @property
+    def active(self) -> bool:
+        return self.size > 1
+
+
+class Layout(NamedTuple):
+    tp: int
+    pp: int
+    dp: int
+
+    @property
+    def world_size(self) -> int:
+        return self.tp * self.pp * self.dp
+
+    def coord_of(self, rank: int) -> Coord:
+        if not 0 <= rank < self.world_size:
+            raise ValueError(f"rank {rank} is outside a world of {self.world_size}")
+        tp = rank % self.tp
+        dp = (rank // self.tp) % self.dp
+        pp = rank // (self.tp * self.dp)
+        return Coord(tp, pp, dp)
+
+    def rank_of(self, coord: Coord) -> int:
+        tp, pp, dp = coord
+        return tp + self.tp * (dp + self.dp * pp)
+
+    def coords(self) -> list[Coord]:
+        return [self.coord_of(r) for r in range(self.world_size)]
+
+    # The member ranks of the group along each axis that contains `coord`.
+    def tp_ranks(self, c: Coord) -> list[int]:
+        return [self.rank_of(Coord(t, c.pp, c.dp)) for t in range(self.tp)]
+
+    def dp_ranks(self, c: Coord) -> list[int]:
+        return [self.rank_of(Coord(c.tp, c.pp, d)) for d in range(self.dp)]
+
+    def pp_ranks(self, c: Coord) -> list[int]:
+        return [self.rank_of(Coord(c.tp, p, c.dp)) for p in range(self.pp)]
+
+    def mp_ranks(self, c: Coord) -> list[int]:
+        """Model-parallel group: all tp and pp ranks of one dp replica (one whole copy of the model)."""
+        return sorted(self.rank_of(Coord(t, p, c.dp)) for t in range(self.tp) for p in range(self.pp))
+
+    def embed_ranks(self, c: Coord) -> list[int]:
+        """First and last pipeline stage: they hold the two copies of the tied token embedding."""
+        return sorted({self.rank_of(Coord(c.tp, 0, c.dp)), self.rank_of(Coord(c.tp, self.pp - 1, c.dp))})
+
+    def __str__(self) -> str:
+        return f"tp={self.tp} pp={self.pp} dp={self.dp}"
+
+
+class ParallelGrid:
+    """This rank's place in a Layout plus its process groups.
+
+    Build with `ParallelGrid.create(layout)` after `dist.init_process_group`, or `ParallelGrid.single()`
+    for one plain process (no torch.distributed at all: generation, conversion, unit tests).
+    """
+
+    def __init__(self, layout: Layout, rank: int, tp: Axis, pp: Axis, dp: Axis, mp: Axis, embed: Axis,
+                 world: Optional[object] = None, aux: Optional[object] = None):
+        self.layout, self.rank = layout, rank
+        self.coord = layout.coord_of(rank)
+        self.tp, self.pp, self.dp, self.mp, self.embed = tp, pp, dp, mp, embed
+        self.world = world  # the default group; None for single()
+        self.aux = aux  # a separate gloo group for background work (async checkpoint coordination)
+
+    @classmethod
+    def single(cls) -> "ParallelGrid":
+        one = Axis(1, 0)
+        return cls(Layout(1, 1, 1), 0, one, one, one, one, one)
+
+    @classmethod
+    def create(cls, layout: Layout) -> "ParallelGrid":
+        """Create every group of every axis (all ranks must call new_group for all groups, in order)."""
+        rank, world = dist.get_rank(), dist.get_world_size()
+        if world != layout.world_size:
+            raise ValueError(f"world size {world} != tp*pp*dp of {layout}")
+        me = layout.coord_of(rank)
+        axes = {}
+        for name, members_of in [("tp", layout.tp_ranks), ("pp", layout.pp_ranks), ("dp", layout.dp_ranks),
+                                 ("mp", layout.mp_ranks), ("embed", layout.embed_ranks)]:
+            seen = []
+            for c in layout.coords():
+                members = members_of(c)
+                if members in seen:
+                    continue
+                seen.append(members)
+                group = dist.new_group(members) if len(members) > 1 else None
+                if rank in members:
+                    axes[name] = Axis(len(members), members.index(rank), group)
+        aux = dist.new_group(backend="gloo")
+        return cls(layout, rank, world=dist.group.WORLD, aux=aux, **axes)
+
+    # Pipeline neighbours, as global ranks for point-to-point sends.
+    @property
+    def is_first_stage(self) -> bool:
+        return self.coord.pp == 0
+
+    @property
+    def is_last_stage(self) -> bool:
+        return self.coord.pp == self.layout.pp - 1
+
+    @property
+    def prev_rank(self) -> int:
+        return self.layout.rank_of(self.coord._replace(pp=self.coord.pp - 1))
+
+    @property
+    def next_rank(self) -> int:
+        return self.layout.rank_of(self.coord._replace(pp=self.coord.pp + 1))
+
+    def __repr__(self) -> str:
+        c = self.coord
+        return f"ParallelGrid({self.layout}; rank {self.rank} = tp{c.tp} pp{c.pp} dp{c.dp})"

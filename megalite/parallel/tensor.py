@@ -1,0 +1,312 @@
+"""Tensor parallelism in three tiers: raw collectives -> autograd functions that pair them -> layers.
+
+Also home of the *partition tag*: every parameter is tagged once with its global shape, the dim it is
+split on across tp (or None: replicated) and what it is tied to. Init, grad-norm, ZeRO, checkpoints and
+the converter all read the tag; nothing infers a split from a parameter's name.
+"""
+from __future__ import annotations
+
+import math
+import zlib
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+import torch.nn.functional as F
+
+from .grid import Axis
+
+
+# ---------------------------------------------------------------- the partition tag
+@dataclass(frozen=True)
+class Partition:
+    """How one parameter is laid out across the grid.
+
+    global_shape: the shape of the whole tensor (vocab rows unpadded).
+    dim: the dim split across tp ranks (ceil-sized chunks, the last possibly short: vocab padding),
+         or None when every tp rank holds a full replica.
+    tied_to: global name of the parameter this one is a copy of (the LM head on the last pipeline stage
+             is a copy of `wte.weight`); tied copies are never saved, only loaded from their source.
+    """
+    global_shape: tuple
+    dim: Optional[int] = None
+    tied_to: Optional[str] = None
+
+    def to_json(self) -> dict:
+        return {"global_shape": list(self.global_shape), "dim": self.dim, "tied_to": self.tied_to}
+
+
+def shard_range(n: int, rank: int, size: int) -> tuple[int, int]:
+    """[start, end) of chunk `rank` when n items are cut into `size` ceil-sized chunks (last may be short)."""
+    chunk = math.ceil(n / size)
+    start = min(rank * chunk, n)
+    return start, min(start + chunk, n)
+
+
+def local_shape(p: Partition, tp_size: int) -> tuple:
+    """Shape of the local tensor: the split dim holds ceil(n / tp) rows (zero padding on the last rank)."""
+    shape = list(p.global_shape)
+    if p.dim is not None:
+        shape[p.dim] = math.ceil(shape[p.dim] / tp_size)
+    return tuple(shape)
+
+
+def tp_box(p: Partition, tp_rank: int, tp_size: int) -> list[tuple[int, int]]:
+    """The [start, end) ranges, per dim, of the global tensor that a tp rank holds (its valid part)."""
+    box = [(0, n) for n in p.global_shape]
+    if p.dim is not None:
+        box[p.dim] = shard_range(p.global_shape[p.dim], tp_rank, tp_size)
+    return box
+
+
+def tag(param: nn.Parameter, partition: Partition) -> nn.Parameter:
+    param.partition = partition
+    return param
+
+
+def partition_of(param: torch.Tensor) -> Partition:
+    try:
+        return param.partition
+    except AttributeError:
+        raise TypeError(f"parameter of shape {tuple(param.shape)} carries no partition tag") from None
+
+
+def valid_view(t: torch.Tensor, p: Partition, tp_rank: int, tp_size: int) -> torch.Tensor:
+    """The local tensor without its padding rows (what a checkpoint stores)."""
+    if p.dim is None:
+        return t
+    start, end = shard_range(p.global_shape[p.dim], tp_rank, tp_size)
+    return t.narrow(p.dim, 0, end - start)
+
+
+def init_local(name: str, p: Partition, init: str, seed: int, std: float, tp_rank: int, tp_size: int) -> torch.Tensor:
+    """Initialise the *full* tensor from (seed, global name), keep this rank's slice, pad with zeros.
+
+    Seeding by name makes every layout, and every stage assignment of the layers, start from the same model.
+    """
+    if init == "ones":
+        full = torch.ones(p.global_shape)
+    elif init == "zeros":
+        full = torch.zeros(p.global_shape)
+    else:
+        g = torch.Generator().manual_seed(seed * 1_000_003 + zlib.crc32(name.encode()))
+        full = torch.empty(p.global_shape).normal_(0.0, std, generator=g)
+    box = tp_box(p, tp_rank, tp_size)
+    part = full[tuple(slice(a, b) for a, b in box)]
+    local = torch.zeros(local_shape(p, tp_size))
+    local[tuple(slice(0, b - a) for a, b in box)] = part
+    return local
+
+
+# ---------------------------------------------------------------- tier 1: raw collectives
+def _all_reduce(x: torch.Tensor, axis: Axis, op=dist.ReduceOp.SUM) -> torch.Tensor:
+    if axis.active:
+        x = x.contiguous()
+        dist.all_reduce(x, op=op, group=axis.group)
+    return x
+
+
+def _gather_last(x: torch.Tensor, axis: Axis) -> torch.Tensor:
+    if not axis.active:
+        return x
+    parts = [torch.empty_like(x) for _ in range(axis.size)]
+    dist.all_gather(parts, x.contiguous(), group=axis.group)
+    return torch.cat(parts, dim=-1)
+
+
+def _split_last(x: torch.Tensor, axis: Axis) -> torch.Tensor:
+    if not axis.active:
+        return x
+    return x.chunk(axis.size, dim=-1)[axis.rank].contiguous()
+
+
+# ---------------------------------------------------------------- tier 2: autograd pairs
+class _CopyToTP(torch.autograd.Function):
+    """forward: identity; backward: all-reduce over tp."""
+
+    @staticmethod
+    def forward(ctx, x, axis):
+        ctx.axis = axis
+        return x
+
+    @staticmethod
+    def backward(ctx, g):
+        return _all_reduce(g.clone(), ctx.axis), None
+
+
+class _ReduceFromTP(torch.autograd.Function):
+    """forward: all-reduce over tp; backward: identity."""
+
+    @staticmethod
+    def forward(ctx, x, axis):
+        return _all_reduce(x.clone(), axis)
+
+    @staticmethod
+    def backward(ctx, g):
+        return g, None
+
+
+class _GatherFromTP(torch.autograd.Function):
+    """forward: all-gather along the last dim; backward: keep this rank's chunk."""
+
+    @staticmethod
+    def forward(ctx, x, axis):
+        ctx.axis = axis
+        return _gather_last(x, axis)
+
+    @staticmethod
+    def backward(ctx, g):
+        return _split_last(g, ctx.axis), None
+
+
+class _ScatterToTP(torch.autograd.Function):
+    """forward: keep this rank's chunk of the last dim; backward: all-gather."""
+
+    @staticmethod
+    def forward(ctx, x, axis):
+        ctx.axis = axis
+        return _split_last(x, axis)
+
+    @staticmethod
+    def backward(ctx, g):
+        return _gather_last(g, ctx.axis), None
+
+
+# ---------------------------------------------------------------- tier 3: thin public wrappers
+def copy_to_tp(x, axis: Axis):
+    return _CopyToTP.apply(x, axis) if axis.active else x
+
+
+def reduce_from_tp(x, axis: Axis):
+    return _ReduceFromTP.apply(x, axis) if axis.active else x
+
+
+def gather_from_tp(x, axis: Axis):
+    return _GatherFromTP.apply(x, axis) if axis.active else x
+
+
+def scatter_to_tp(x, axis: Axis):
+    return _ScatterToTP.apply(x, axis) if axis.active else x
+
+
+# ---------------------------------------------------------------- layers
+class ColumnParallelLinear(nn.Module):
+    """y = x W^T + b with W's output rows split across tp: each rank computes its slice of the outputs.
+
+    `stack` > 1 fuses several same-shaped projections (q, k, v) into one weight of global shape
+    (stack, out, in), split on the `out` dim: the stored tensor means the same thing at every tp size.
+    forward: copy_to_tp on the input (its backward all-reduces the input gradient); output stays split
+    unless gather_output.
+    """
+
+    def __init__(self, in_features: int, out_features: int, tp: Axis, bias: bool = True, stack: int = 1,
+                 gather_output: bool = False):
+        super().__init__()
+        self.tp, self.gather_output = tp, gather_output
+        lead = (stack,) if stack > 1 else ()
+        split = len(lead)
+        self.weight = _param(Partition(lead + (out_features, in_features), dim=split), tp, "normal")
+        self.bias = _param(Partition(lead + (out_features,), dim=split), tp, "zeros") if bias else None
+        self.in_features = in_features
+
+    def forward(self, x):  # (..., in) -> (..., stack * out / tp)
+        x = copy_to_tp(x, self.tp)
+        y = F.linear(x, self.weight.reshape(-1, self.in_features),
+                     None if self.bias is None else self.bias.reshape(-1))
+        return gather_from_tp(y, self.tp) if self.gather_output else y
+
+
+class RowParallelLinear(nn.Module):
+    """y = x W^T + b with W's input columns split across tp: each rank holds a partial sum.
+
+    forward: local matmul, then reduce_from_tp (all-reduce) of the partial sums, then the replicated bias;
+    backward: the output gradient is used as is (identity), the input gradient stays split.
+    """
+
+    def __init__(self, in_features: int, out_features: int, tp: Axis, bias: bool = True):
+        super().__init__()
+        self.tp = tp
+        self.weight = _param(Partition((out_features, in_features), dim=1), tp, "normal")
+        self.bias = _param(Partition((out_features,), dim=None), tp, "zeros") if bias else None
+
+    def forward(self, x):  # (..., in / tp) -> (..., out)
+        y = reduce_from_tp(F.linear(x, self.weight), self.tp)
+        return y if self.bias is None else y + self.bias
+
+
+class VocabParallelEmbedding(nn.Module):
+    """Embedding whose vocab rows are split across tp (ceil chunks; padding rows on the last rank).
+
+    forward: ids outside this rank's range are masked to zero vectors, then reduce_from_tp sums the
+    partial lookups; backward: identity, so each rank's rows receive only their own ids' gradients.
+    """
+
+    def __init__(self, num_embeddings: int, dim: int, tp: Axis):
+        super().__init__()
+        self.tp = tp
+        self.weight = _param(Partition((num_embeddings, dim), dim=0), tp, "normal")
+        self.start, self.end = shard_range(num_embeddings, tp.rank, tp.size)
+
+    def forward(self, ids):  # (B, T) -> (B, T, C)
+        if not self.tp.active:
+            return F.embedding(ids, self.weight)
+        outside = (ids < self.start) | (ids >= self.end)
+        local = (ids - self.start).masked_fill(outside, 0)
+        out = F.embedding(local, self.weight).masked_fill(outside.unsqueeze(-1), 0.0)
+        return reduce_from_tp(out, self.tp)
+
+
+def _param(p: Partition, tp: Axis, init: str) -> nn.Parameter:
+    """A zero parameter of this rank's local shape, tagged; `init` names how init_weights fills it."""
+    param = tag(nn.Parameter(torch.zeros(local_shape(p, tp.size))), p)
+    param.init = init
+    return param
+
+
+class _VocabParallelCrossEntropy(torch.autograd.Function):
+    """Cross-entropy over vocab-split logits; no rank ever holds a full-vocab row.
+
+    forward: all-reduce MAX of the row maxima, all-reduce SUM of exp-sums and of the target logit;
+    backward: softmax - one_hot on the local columns (no communication).
+    """
+
+    @staticmethod
+    def forward(ctx, logits, target, vocab_start, vocab_valid, axis):
+        # logits: (N, V_local) float32 with columns >= vocab_valid being padding
+        logits = logits.clone()
+        if vocab_valid < logits.shape[-1]:
+            logits[:, vocab_valid:] = float("-inf")
+        row_max = logits.max(dim=-1).values
+        _all_reduce(row_max, axis, dist.ReduceOp.MAX)
+        logits.sub_(row_max.unsqueeze(-1))
+        local_t = target - vocab_start
+        inside = (local_t >= 0) & (local_t < vocab_valid)
+        local_t = local_t.masked_fill(~inside, 0)
+        t_logit = logits.gather(-1, local_t.unsqueeze(-1)).squeeze(-1).masked_fill(~inside, 0.0)
+        _all_reduce(t_logit, axis)
+        exp = logits.exp_()
+        sum_exp = exp.sum(dim=-1)
+        _all_reduce(sum_exp, axis)
+        loss = sum_exp.log() - t_logit
+        exp.div_(sum_exp.unsqueeze(-1))  # softmax, kept for backward
+        ctx.save_for_backward(exp, local_t, inside)
+        return loss
+
+    @staticmethod
+    def backward(ctx, g):
+        softmax, local_t, inside = ctx.saved_tensors
+        grad = softmax.clone()
+        rows = torch.arange(grad.shape[0], device=grad.device)
+        grad[rows, local_t] -= inside.to(grad.dtype)
+        return grad * g.unsqueeze(-1), None, None, None, None
+
+
+def vocab_parallel_cross_entropy(logits: torch.Tensor, target: torch.Tensor, vocab_size: int, tp: Axis):
+    """Per-token loss from logits (..., V_local) split over tp; vocab padding is never counted."""
+    start, end = shard_range(vocab_size, tp.rank, tp.size)
+    shape = target.shape
+    loss = _VocabParallelCrossEntropy.apply(logits.float().reshape(-1, logits.shape[-1]), target.reshape(-1),
+                                            start, end - start, tp)
+    return loss.reshape(shape)

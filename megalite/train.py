@@ -1,0 +1,222 @@
+"""train(config): the training recipe, importable, with no argument parsing.
+
+    build the grid -> build this rank's stage of the model -> init from the seed (full tensors, keep slice)
+    -> per step: draw this dp rank's rows -> run the pipeline schedule over micro-batches
+    -> sync tied embeddings over first/last stage -> average gradients over dp (buckets)
+    -> clip by the global norm -> AdamW (ZeRO-1 optionally) -> log, eval, checkpoint
+"""
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import random
+import time
+from dataclasses import dataclass, field
+from datetime import timedelta
+from pathlib import Path
+from typing import Optional
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+from .config import Config, num_microbatches, validate
+from .data import BatchSampler, TokenDataset, ensure_data, eval_batches
+from .model import GPTStage
+from .optim import grad_norm, lr_at
+from .parallel.data import GradBuffer, ShardedAdamW
+from .parallel.grid import Layout, ParallelGrid
+from .parallel.pipeline import P2P, SCHEDULES, forward_only
+
+
+# ---------------------------------------------------------------- process group
+def init_distributed(timeout_s: float = 1800) -> tuple[torch.device, str]:
+    """Join the torchrun job (or make a world of one); nccl with one GPU per rank, else gloo."""
+    use_cuda = torch.cuda.is_available()
+    backend = "nccl" if use_cuda else "gloo"
+    if use_cuda:
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
+    device = torch.device("cuda", torch.cuda.current_device()) if use_cuda else torch.device("cpu")
+    if not dist.is_initialized():
+        if "WORLD_SIZE" in os.environ:
+            dist.init_process_group(backend, timeout=timedelta(seconds=timeout_s))
+        else:  # a plain `megalite train` without torchrun: a world of one
+            dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1,
+                                    timeout=timedelta(seconds=timeout_s))
+    return device, backend
+
+
+def world_size_from_env() -> int:
+    return int(os.environ.get("WORLD_SIZE", "1"))
+
+
+# ---------------------------------------------------------------- what a run is made of
+@dataclass
+class Trainer:
+    """Everything a step needs, built once by `build()`; checkpoints save and restore its state."""
+    cfg: Config
+    grid: ParallelGrid
+    device: torch.device
+    model: GPTStage
+    params: list  # [(global name, parameter)] in a fixed order
+    grads: GradBuffer
+    optimizer: ShardedAdamW
+    sampler: BatchSampler
+    val: list
+    step: int = 0
+    tokens_seen: int = 0
+    history: list = field(default_factory=list)
+
+    @property
+    def precision(self) -> str:
+        p = self.cfg.train.precision
+        return ("bf16" if self.device.type == "cuda" else "fp32") if p == "auto" else p
+
+    def autocast(self):
+        if self.precision == "bf16":
+            return torch.autocast(device_type=self.device.type, dtype=torch.bfloat16)
+        return contextlib.nullcontext()
+
+
+def seed_everything(seed: int, grid: ParallelGrid) -> None:
+    """tp ranks share a stream (dropout on the replicated residual must agree); pp/dp ranks differ."""
+    s = seed + 1000 * grid.coord.pp + grid.coord.dp
+    random.seed(s)
+    np.random.seed(s % 2**32)
+    torch.manual_seed(s)
+
+
+def build(cfg: Config, grid: ParallelGrid, device: torch.device) -> Trainer:
+    t = cfg.train
+    model = GPTStage(cfg.model, grid).to(device)
+    model.init_weights(t.seed)
+    params = sorted(model.global_parameters(), key=lambda np_: np_[0])
+    grads = GradBuffer([p for _, p in params], grid.dp, cfg.parallel.bucket_mb)
+    opt = ShardedAdamW(params, grid.tp, grid.dp, cfg.parallel.zero1, betas=(t.beta1, t.beta2),
+                       weight_decay=t.weight_decay, bucket_mb=cfg.parallel.bucket_mb)
+    train_ds, val_ds = TokenDataset(cfg.data.path, "train"), TokenDataset(cfg.data.path, "val")
+    c = grid.coord
+    sampler = BatchSampler(train_ds, cfg.model.block_size, t.global_batch_size, c.dp, grid.layout.dp, t.seed)
+    val = eval_batches(val_ds, cfg.model.block_size, t.global_batch_size, c.dp, grid.layout.dp,
+                       t.eval_batches, t.seed)
+    seed_everything(t.seed, grid)
+    return Trainer(cfg, grid, device, model, params, grads, opt, sampler, val)
+
+
+# ---------------------------------------------------------------- one step
+def _micro(tensor: torch.Tensor, n: int, device) -> list:
+    return [m.to(device) for m in tensor.chunk(n)]
+
+
+def _run_pipeline(tr: Trainer, x, y, train: bool) -> float:
+    """Schedule the micro-batches of (x, y) through the pipeline; return the global mean loss."""
+    cfg, grid = tr.cfg, tr.grid
+    m = num_microbatches(cfg)
+    xs, ys = _micro(x, m, tr.device), _micro(y, m, tr.device)
+    shape = (cfg.train.micro_batch_size, cfg.model.block_size, cfg.model.n_embd)
+    p2p = P2P(grid, shape, torch.float32, tr.device) if grid.layout.pp > 1 else None
+
+    def stage_fn(inp, i):
+        with tr.autocast():
+            out = tr.model(inp, ys[i] if grid.is_last_stage else None)
+        return out / m if grid.is_last_stage else out  # the mean over micro-batches is a sum of means / m
+
+    tr.model.train(train)
+    if train:
+        losses = SCHEDULES[cfg.parallel.schedule](stage_fn, xs, m, grid, p2p)
+    else:
+        losses = forward_only(stage_fn, xs, m, grid, p2p)
+    # One number for every rank: the last stage's tp-rank-0 members contribute their dp share.
+    total = torch.zeros(1, dtype=torch.float64)
+    if grid.is_last_stage and grid.coord.tp == 0:
+        total += sum(l.double().cpu() for l in losses).item() / grid.layout.dp
+    if grid.world is not None and grid.layout.world_size > 1:
+        dist.all_reduce(total, group=grid.aux)
+    return total.item()
+
+
+def train_step(tr: Trainer) -> dict:
+    cfg, grid = tr.cfg, tr.grid
+    t0 = time.perf_counter()
+    lr = lr_at(tr.step, cfg.train)
+    x, y = tr.sampler.next_batch()
+    tr.grads.zero()
+    loss = _run_pipeline(tr, x, y, train=True)
+    # The tied embedding has two copies (first and last stage): add their gradients so both step alike.
+    if grid.embed.active:
+        for name, p in tr.params:
+            if name == "wte.weight":
+                dist.all_reduce(p.grad, group=grid.embed.group)
+    tr.grads.all_reduce_mean()
+    norm = grad_norm(tr.params, grid)
+    clip = cfg.train.grad_clip
+    scale = clip / (norm + 1e-6) if clip > 0 and norm > clip else 1.0
+    tr.optimizer.step(lr, grad_scale=scale)
+    tr.step += 1
+    tokens = cfg.train.global_batch_size * cfg.model.block_size
+    tr.tokens_seen += tokens
+    dt = time.perf_counter() - t0
+    return {"step": tr.step, "loss": loss, "lr": lr, "grad_norm": norm, "tokens_per_s": tokens / dt,
+            "ms_per_step": dt * 1000, "tokens_seen": tr.tokens_seen}
+
+
+def evaluate(tr: Trainer) -> float:
+    with torch.no_grad():
+        return sum(_run_pipeline(tr, x, y, train=False) for x, y in tr.val) / len(tr.val)
+
+
+# ---------------------------------------------------------------- the loop
+def _log_line(rec: dict, total: int, elapsed: float, done_steps: int) -> str:
+    eta = elapsed / max(1, done_steps) * (total - rec["step"])
+    val = f" | val {rec['val_loss']:.4f}" if "val_loss" in rec else ""
+    return (f"step {rec['step']:>5}/{total} | loss {rec['loss']:.4f}{val} | lr {rec['lr']:.2e} | "
+            f"grad-norm {rec['grad_norm']:.3f} | {rec['tokens_per_s']:,.0f} tok/s | "
+            f"{rec['ms_per_step']:.0f} ms/step | ETA {_fmt_time(eta)}")
+
+
+def _fmt_time(s: float) -> str:
+    s = int(s)
+    return f"{s // 3600}h{s // 60 % 60:02d}m" if s >= 3600 else f"{s // 60}m{s % 60:02d}s"
+
+
+def prepare_data(cfg: Config, rank: int) -> None:
+    """Build the default corpus once, on rank 0, if the configured file is missing and auto_prepare is on."""
+    if cfg.data.auto_prepare and rank == 0 and not Path(cfg.data.path).exists():
+        ensure_data(cfg.data.path)
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        dist.barrier()
+
+
+def train(cfg: Config, log=print) -> list[dict]:
+    """Train per `cfg` on the current torchrun job (or one process); return every step's metrics."""
+    validate(cfg, world_size_from_env())
+    device, _ = init_distributed()
+    grid = ParallelGrid.create(Layout(cfg.parallel.tp, cfg.parallel.pp, cfg.parallel.dp))
+    prepare_data(cfg, grid.rank)
+    tr = build(cfg, grid, device)
+    is_logger = grid.rank == 0
+    out = Path(cfg.train.out_dir)
+    metrics_file = None
+    if is_logger:
+        out.mkdir(parents=True, exist_ok=True)
+        metrics_file = open(out / "metrics.jsonl", "w")
+        log(f"megalite: {grid.layout} on {grid.layout.world_size} {device.type} process(es), "
+            f"{num_microbatches(cfg)} micro-batches/step, schedule {cfg.parallel.schedule}, "
+            f"zero1 {'on' if cfg.parallel.zero1 else 'off'}, precision {tr.precision}")
+    start, t_start = tr.step, time.perf_counter()
+    try:
+        while tr.step < cfg.train.steps:
+            rec = train_step(tr)
+            if tr.step % cfg.train.eval_interval == 0 or tr.step == cfg.train.steps:
+                rec["val_loss"] = evaluate(tr)
+            tr.history.append(rec)
+            if is_logger:
+                metrics_file.write(json.dumps(rec) + "\n")
+                metrics_file.flush()
+                if tr.step % cfg.train.log_interval == 0 or tr.step == cfg.train.steps or tr.step == start + 1:
+                    log(_log_line(rec, cfg.train.steps, time.perf_counter() - t_start, tr.step - start))
+    finally:
+        if metrics_file:
+            metrics_file.close()
+    return tr.history
