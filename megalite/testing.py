@@ -81,3 +81,30 @@ def run_parallel(fn: Callable[..., Any], world_size: int, tmp_dir: str | os.Path
         raise RankFailed(f"rank {rank} of {world_size} failed:\n{tb}")
     if failed is not None:
         raise RankFailed(f"a rank exited with code {failed.exitcode} without a Python error")
+
+
+def gather_full_model(named_params, grid) -> dict:
+    """Reassemble every parameter's full global tensor on every rank (tests only: holds the whole model).
+
+    Reads each parameter's partition tag: tp slices are all-gathered over tp and concatenated along the
+    split dim (padding dropped); pipeline stages exchange their parameters over the model-parallel group.
+    """
+    import torch
+    from .parallel.tensor import partition_of, valid_view
+    mine = {}
+    for name, p in named_params:
+        part = partition_of(p)
+        if part.tied_to:
+            continue
+        local = valid_view(p.detach(), part, grid.tp.rank, grid.tp.size).cpu()
+        if part.dim is not None and grid.tp.active:
+            pieces = [None] * grid.tp.size
+            dist.all_gather_object(pieces, local, group=grid.tp.group)
+            local = torch.cat(pieces, dim=part.dim)
+        mine[name] = local
+    if grid.mp.active:
+        everyone = [None] * grid.mp.size
+        dist.all_gather_object(everyone, mine, group=grid.mp.group)
+        for d in everyone:
+            mine.update(d)
+    return mine

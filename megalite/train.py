@@ -188,8 +188,9 @@ def prepare_data(cfg: Config, rank: int) -> None:
         dist.barrier()
 
 
-def train(cfg: Config, log=print) -> list[dict]:
-    """Train per `cfg` on the current torchrun job (or one process); return every step's metrics."""
+def train(cfg: Config, log=print) -> Trainer:
+    """Train per `cfg` on the current torchrun job (or one process); return the Trainer (its .history
+    holds every step's metrics)."""
     validate(cfg, world_size_from_env())
     device, _ = init_distributed()
     grid = ParallelGrid.create(Layout(cfg.parallel.tp, cfg.parallel.pp, cfg.parallel.dp))
@@ -219,4 +220,4 @@ def train(cfg: Config, log=print) -> list[dict]:
     finally:
         if metrics_file:
             metrics_file.close()
-    return tr.history
+    return tr
