@@ -44,6 +44,7 @@ class ParallelConfig:
 @dataclass
 class TrainConfig:
     steps: int = 100
+    stop_at_step: int = 0  # stop early (with a checkpoint) after this step; the schedule still spans `steps`
     global_batch_size: int = 16
     micro_batch_size: int = 4
     lr: float = 3e-3
@@ -179,7 +180,7 @@ def validate(cfg: Config, world_size: int | None = None) -> Config:
             raise ConfigError(f"{name} = {value}: must be a positive integer")
     for name, value in [("train.lr", t.lr), ("train.min_lr", t.min_lr), ("train.weight_decay", t.weight_decay),
                         ("train.grad_clip", t.grad_clip), ("train.warmup_steps", t.warmup_steps),
-                        ("checkpoint.interval", cfg.checkpoint.interval),
+                        ("checkpoint.interval", cfg.checkpoint.interval), ("train.stop_at_step", t.stop_at_step),
                         ("checkpoint.keep_last", cfg.checkpoint.keep_last)]:
         if value < 0:
             raise ConfigError(f"{name} = {value}: must not be negative")

@@ -27,12 +27,12 @@ def grad_norm(named_params, grid: ParallelGrid) -> float:
     the tied LM-head copy is skipped; the partial sums are then added over the model-parallel group
     (all tp and pp ranks of one dp replica). Gradients are identical across dp after the all-reduce.
     """
-    sq = torch.zeros((), dtype=torch.float64)
+    sq = torch.zeros((), dtype=torch.float64, device=named_params[0][1].device)
     for _, p in named_params:
         part = partition_of(p)
         if part.tied_to or (part.dim is None and grid.tp.rank != 0):
             continue
-        sq += p.grad.detach().double().pow(2).sum().cpu()
+        sq += p.grad.detach().double().pow(2).sum()
     if grid.mp.active:
-        dist.all_reduce(sq, group=grid.mp.group)  # gloo handles the CPU float64 scalar on any backend
+        dist.all_reduce(sq, group=grid.mp.group)
     return math.sqrt(sq.item())

@@ -11,6 +11,7 @@ import contextlib
 import json
 import os
 import random
+import signal
 import time
 from dataclasses import dataclass, field
 from datetime import timedelta
@@ -21,6 +22,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+from .checkpoint.manager import CheckpointManager
 from .config import Config, num_microbatches, validate
 from .data import BatchSampler, TokenDataset, ensure_data, eval_batches
 from .model import GPTStage
@@ -67,6 +69,7 @@ class Trainer:
     step: int = 0
     tokens_seen: int = 0
     history: list = field(default_factory=list)
+    stopped_by: Optional[str] = None
 
     @property
     def precision(self) -> str:
@@ -132,7 +135,7 @@ def _run_pipeline(tr: Trainer, x, y, train: bool) -> float:
     if grid.is_last_stage and grid.coord.tp == 0:
         total += sum(l.double().cpu() for l in losses).item() / grid.layout.dp
     if grid.world is not None and grid.layout.world_size > 1:
-        dist.all_reduce(total, group=grid.aux)
+        dist.all_reduce(total, group=grid.cpu)
     return total.item()
 
 
@@ -196,16 +199,17 @@ def train(cfg: Config, log=print) -> Trainer:
     grid = ParallelGrid.create(Layout(cfg.parallel.tp, cfg.parallel.pp, cfg.parallel.dp))
     prepare_data(cfg, grid.rank)
     tr = build(cfg, grid, device)
+    ckpt = CheckpointManager(cfg, grid, log)
+    ckpt.check_writable()
+    ckpt.resume(tr)
     is_logger = grid.rank == 0
-    out = Path(cfg.train.out_dir)
-    metrics_file = None
+    metrics_file = _open_metrics(Path(cfg.train.out_dir), tr.step) if is_logger else None
     if is_logger:
-        out.mkdir(parents=True, exist_ok=True)
-        metrics_file = open(out / "metrics.jsonl", "w")
         log(f"megalite: {grid.layout} on {grid.layout.world_size} {device.type} process(es), "
             f"{num_microbatches(cfg)} micro-batches/step, schedule {cfg.parallel.schedule}, "
             f"zero1 {'on' if cfg.parallel.zero1 else 'off'}, precision {tr.precision}")
     start, t_start = tr.step, time.perf_counter()
+    ckpt.install_signal_handlers()
     try:
         while tr.step < cfg.train.steps:
             rec = train_step(tr)
@@ -217,7 +221,33 @@ def train(cfg: Config, log=print) -> Trainer:
                 metrics_file.flush()
                 if tr.step % cfg.train.log_interval == 0 or tr.step == cfg.train.steps or tr.step == start + 1:
                     log(_log_line(rec, cfg.train.steps, time.perf_counter() - t_start, tr.step - start))
+            ckpt.after_step(tr)
+            signum = ckpt.stop_requested()
+            if signum or tr.step == cfg.train.stop_at_step:
+                ckpt.finish(tr)
+                tr.stopped_by = signal.Signals(signum).name if signum else "train.stop_at_step"
+                log_rank0 = log if is_logger else (lambda *a: None)
+                where = f"; checkpoint {cfg.checkpoint.dir}" if cfg.checkpoint.dir else " (no checkpoint.dir set)"
+                log_rank0(f"megalite: stopped by {tr.stopped_by} at step {tr.step}/{cfg.train.steps}{where}")
+                break
+        else:
+            ckpt.finish(tr)
     finally:
+        ckpt.restore_signal_handlers()
         if metrics_file:
             metrics_file.close()
     return tr
+
+
+def _open_metrics(out: Path, resumed_step: int):
+    """metrics.jsonl: fresh runs start it anew; resumed runs keep the lines up to the resumed step."""
+    out.mkdir(parents=True, exist_ok=True)
+    path = out / "metrics.jsonl"
+    kept = []
+    if resumed_step and path.exists():
+        kept = [line for line in path.read_text().splitlines() if line.strip()
+                and json.loads(line).get("step", 0) <= resumed_step]
+    f = open(path, "w")
+    for line in kept:
+        f.write(line + "\n")
+    return f

@@ -91,12 +91,13 @@ class ParallelGrid:
     """
 
     def __init__(self, layout: Layout, rank: int, tp: Axis, pp: Axis, dp: Axis, mp: Axis, embed: Axis,
-                 world: Optional[object] = None, aux: Optional[object] = None):
+                 world: Optional[object] = None, cpu: Optional[object] = None, aux: Optional[object] = None):
         self.layout, self.rank = layout, rank
         self.coord = layout.coord_of(rank)
         self.tp, self.pp, self.dp, self.mp, self.embed = tp, pp, dp, mp, embed
         self.world = world  # the default group; None for single()
-        self.aux = aux  # a separate gloo group for background work (async checkpoint coordination)
+        self.cpu = cpu  # a gloo group over all ranks for small host-side values (loss, stop flag)
+        self.aux = aux  # another gloo group, used only by background work (async checkpoint commits)
 
     @classmethod
     def single(cls) -> "ParallelGrid":
@@ -122,8 +123,9 @@ class ParallelGrid:
                 group = dist.new_group(members) if len(members) > 1 else None
                 if rank in members:
                     axes[name] = Axis(len(members), members.index(rank), group)
+        cpu = dist.new_group(backend="gloo")
         aux = dist.new_group(backend="gloo")
-        return cls(layout, rank, world=dist.group.WORLD, aux=aux, **axes)
+        return cls(layout, rank, world=dist.group.WORLD, cpu=cpu, aux=aux, **axes)
 
     # Pipeline neighbours, as global ranks for point-to-point sends.
     @property

@@ -1,0 +1,130 @@
+"""The rank-coded checkpoint tree, and nothing else: names, paths, the `latest` pointer, who writes what.
+
+    <root>/
+      latest                        one line: the name of the newest committed step folder
+      step_00000200/
+        manifest.json               the whole picture (manifest.py)
+        tp00-pp00-dp00/             written only by the rank at that coordinate
+          model.safetensors         its share of the (tp, pp) model slice
+          optimizer.safetensors     its share of the optimizer state (its ZeRO-1 piece with zero1)
+          state.json                RNG states, sampler position, step
+      .tmp-step_00000200/           a save in progress (renamed into place on commit)
+
+Every function here has its inverse next to it, and both are unit-tested.
+"""
+from __future__ import annotations
+
+import os
+import re
+from pathlib import Path
+from typing import Iterable, Optional
+
+from ..parallel.grid import Coord
+
+MANIFEST = "manifest.json"
+MODEL_FILE = "model.safetensors"
+OPTIM_FILE = "optimizer.safetensors"
+STATE_FILE = "state.json"
+LATEST = "latest"
+LOCK = "lock"
+TMP_PREFIX = ".tmp-"
+
+_COORD_RE = re.compile(r"^tp(\d{2,})-pp(\d{2,})-dp(\d{2,})$")
+_STEP_RE = re.compile(r"^step_(\d{8,})$")
+
+
+class CheckpointError(RuntimeError):
+    """A checkpoint problem: the message is one line naming the file or field and what was expected."""
+
+
+def coord_dir(c: Coord) -> str:
+    return f"tp{c.tp:02d}-pp{c.pp:02d}-dp{c.dp:02d}"
+
+
+def parse_coord_dir(name: str) -> Coord:
+    m = _COORD_RE.match(name)
+    if not m:
+        raise ValueError(f"'{name}' is not a coordinate folder (expected tpNN-ppNN-dpNN)")
+    return Coord(int(m[1]), int(m[2]), int(m[3]))
+
+
+def step_dir(step: int) -> str:
+    return f"step_{step:08d}"
+
+
+def parse_step_dir(name: str) -> Optional[int]:
+    m = _STEP_RE.match(name)
+    return int(m[1]) if m else None
+
+
+def tmp_dir(step: int) -> str:
+    return TMP_PREFIX + step_dir(step)
+
+
+def committed_steps(root: Path) -> list[int]:
+    """Steps with a committed folder under root (a manifest present), ascending."""
+    if not root.is_dir():
+        return []
+    steps = [parse_step_dir(p.name) for p in root.iterdir() if p.is_dir() and (p / MANIFEST).exists()]
+    return sorted(s for s in steps if s is not None)
+
+
+def read_latest(root: Path) -> Optional[str]:
+    f = root / LATEST
+    if not f.exists():
+        return None
+    return f.read_text().strip()
+
+
+def write_latest(root: Path, name: str) -> None:
+    """Replace `latest` atomically: write a temp file, fsync it, os.replace, fsync the folder."""
+    tmp = root / f".{LATEST}.tmp"
+    with open(tmp, "w") as f:
+        f.write(name + "\n")
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, root / LATEST)
+    fsync_dir(root)
+
+
+def fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def is_step_dir(path: Path) -> bool:
+    return (path / MANIFEST).is_file()
+
+
+def resolve(path: str | os.PathLike) -> Path:
+    """A step folder, or a checkpoint root meaning the step that `latest` names."""
+    p = Path(path)
+    if is_step_dir(p):
+        return p
+    if not p.exists():
+        raise CheckpointError(f"checkpoint '{p}' does not exist")
+    name = read_latest(p)
+    if name is None:
+        raise CheckpointError(f"'{p}' is not a checkpoint: no {MANIFEST} and no '{LATEST}' file")
+    target = p / name
+    if not is_step_dir(target):
+        raise CheckpointError(f"{p / LATEST} names '{name}', which is missing or has no {MANIFEST}")
+    return target
+
+
+def assign_to_dp(sizes: Iterable[tuple[str, int]], dp: int) -> dict[str, int]:
+    """Spread replicated tensors over dp ranks so each writes a similar number of bytes.
+
+    Greedy, largest first, ties broken by name: a pure function of (names, sizes, dp), so every rank
+    computes the same assignment without talking.
+    """
+    load = [0] * dp
+    out = {}
+    for name, size in sorted(sizes, key=lambda ns: (-ns[1], ns[0])):
+        r = min(range(dp), key=lambda i: (load[i], i))
+        out[name] = r
+        load[r] += size
+    return out

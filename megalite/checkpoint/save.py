@@ -1,0 +1,266 @@
+"""Per-coordinate writes, the atomic commit, keep_last, and asynchronous saves.
+
+Commit protocol (all coordination on the grid's `aux` gloo group, never shared with training):
+  1. rank 0 removes stale `.tmp-step_*` folders of killed runs and creates `.tmp-step_N/`;
+  2. every rank writes its own `tpXX-ppXX-dpXX/` folder (safetensors + JSON), fsyncs, and reports the
+     files with sizes and checksums (or its error) to rank 0;
+  3. rank 0, if all succeeded, writes manifest.json, fsyncs, renames `.tmp-step_N` -> `step_N`, and only
+     then replaces `latest`; then prunes to keep_last. On any failure it removes the temporary folder;
+  4. rank 0 broadcasts the outcome, and every rank returns or raises the same CheckpointError.
+"""
+from __future__ import annotations
+
+import os
+import shutil
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Optional
+
+import torch
+import torch.distributed as dist
+from safetensors.torch import save as st_save
+
+from .. import __version__
+from ..parallel.tensor import partition_of, tp_box, valid_view
+from . import manifest as mf
+from .layout import (MODEL_FILE, OPTIM_FILE, STATE_FILE, TMP_PREFIX, CheckpointError, assign_to_dp, committed_steps,
+                     coord_dir, fsync_dir, read_latest, step_dir, tmp_dir, write_latest)
+from .state import capture_rng, dumps_json
+
+
+@dataclass
+class Payload:
+    """What one rank writes: tensors per file (key -> tensor), their manifest records, and its state.json."""
+    files: dict = field(default_factory=dict)  # file name -> {key: tensor}
+    records: list = field(default_factory=list)  # manifest records of the slices (without "file")
+    state: dict = field(default_factory=dict)
+
+
+def collect(params, optimizer, grid, state: dict) -> Payload:
+    """Decide what this coordinate writes; tensors are live views (staged later if async).
+
+    The model slice of a (tp, pp) pair is identical on every dp replica, so its tensors are spread over
+    the dp ranks (assign_to_dp); without zero1 the optimizer moments are replicated too and spread the
+    same way; with zero1 each dp rank writes its own pieces.
+    """
+    c, dp = grid.coord, grid.layout.dp
+    own = [(n, p) for n, p in params if not partition_of(p).tied_to]  # tied copies load from their source
+    sizes = [(n, p.numel()) for n, p in own]
+    owner = assign_to_dp(sizes, dp)
+    pay = Payload(files={MODEL_FILE: {}, OPTIM_FILE: {}}, state=state)
+    for name, p in own:
+        part = partition_of(p)
+        box = [list(r) for r in tp_box(part, c.tp, grid.layout.tp)]
+        common = {"name": name, "shape": list(part.global_shape), "dtype": "float32", "partition":
+                  {"dim": part.dim, "tied_to": part.tied_to}, "box": box}
+        if owner[name] == c.dp:
+            pay.files[MODEL_FILE][name] = valid_view(p.detach(), part, c.tp, grid.layout.tp)
+            pay.records.append({**common, "kind": "model", "file": MODEL_FILE, "key": name})
+        if optimizer is None:
+            continue
+        a, b = optimizer.piece_of(name)
+        if optimizer.zero1:
+            if b == a:
+                continue
+            flat = [a, b]
+        elif owner[name] == c.dp:
+            flat = None
+        else:
+            continue
+        box_shape = [hi - lo for lo, hi in box]
+        for moment, store in (("exp_avg", optimizer.exp_avg), ("exp_avg_sq", optimizer.exp_avg_sq)):
+            t = store[name] if flat else store[name].view(box_shape)
+            key = f"{name}.{moment}"
+            pay.files[OPTIM_FILE][key] = t
+            pay.records.append({**common, "name": key, "kind": moment, "file": OPTIM_FILE, "key": key,
+                                "flat": flat})
+    return pay
+
+
+class Stager:
+    """Host copies of a payload in buffers reused from one save to the next (async saves)."""
+
+    def __init__(self):
+        self.buffers: dict = {}
+
+    def stage(self, pay: Payload) -> Payload:
+        out = Payload(files={}, records=pay.records, state=pay.state)
+        for fname, tensors in pay.files.items():
+            out.files[fname] = {}
+            for key, t in tensors.items():
+                buf = self.buffers.get((fname, key))
+                if buf is None or buf.shape != t.shape:
+                    buf = torch.empty(t.shape, dtype=t.dtype, pin_memory=t.is_cuda)
+                    self.buffers[(fname, key)] = buf
+                buf.copy_(t, non_blocking=True)
+                out.files[fname][key] = buf
+        if torch.cuda.is_available():
+            torch.cuda.synchronize()
+        return out
+
+
+def _write_file(path: Path, data: bytes) -> None:
+    with open(path, "wb") as f:
+        f.write(data)
+        f.flush()
+        os.fsync(f.fileno())
+
+
+def write_rank(folder: Path, pay: Payload, rel: str) -> dict:
+    """Write one coordinate's folder; return its report for the manifest."""
+    folder.mkdir(parents=True, exist_ok=True)
+    report = {"files": {}, "tensors": []}
+    crcs = {}
+    for fname, tensors in pay.files.items():
+        tensors = {k: v.detach().cpu().contiguous() for k, v in tensors.items()}
+        data = st_save(tensors, metadata={"format": "pt", "producer": f"megalite {__version__}"})
+        _write_file(folder / fname, data)
+        report["files"][f"{rel}/{fname}"] = {"bytes": len(data), "crc32": f"{mf.crc32_bytes(data):08x}"}
+        crcs[fname] = {k: f"{mf.crc32_bytes(t.numpy()):08x}" for k, t in tensors.items()}
+    data = dumps_json(pay.state).encode()
+    _write_file(folder / STATE_FILE, data)
+    report["files"][f"{rel}/{STATE_FILE}"] = {"bytes": len(data), "crc32": f"{mf.crc32_bytes(data):08x}"}
+    for r in pay.records:
+        report["tensors"].append({**r, "file": f"{rel}/{r['file']}", "crc32": crcs[r["file"]][r["key"]]})
+    fsync_dir(folder)
+    return report
+
+
+# ---------------------------------------------------------------- collective helpers (world of one allowed)
+def bcast_object(obj, grid, group=None):
+    """Rank 0's `obj` on every rank (on `group`, by default the checkpoint's own aux group)."""
+    if grid.layout.world_size == 1:
+        return obj
+    box = [obj]
+    dist.broadcast_object_list(box, src=0, group=group or grid.aux)
+    return box[0]
+
+
+def _gather(obj, grid) -> Optional[list]:
+    if grid.layout.world_size == 1:
+        return [obj]
+    out = [None] * grid.layout.world_size if grid.rank == 0 else None
+    dist.gather_object(obj, out, dst=0, group=grid.aux)
+    return out
+
+
+def remove_stale_tmp(root: Path) -> None:
+    for p in root.glob(TMP_PREFIX + "*"):
+        shutil.rmtree(p, ignore_errors=True)
+
+
+def prune(root: Path, keep_last: int) -> list[int]:
+    """Delete the oldest committed steps beyond keep_last; never the one `latest` names."""
+    if keep_last <= 0:
+        return []
+    latest = read_latest(root)
+    steps = committed_steps(root)
+    doomed = [s for s in steps[:-keep_last] if step_dir(s) != latest]
+    for s in doomed:
+        shutil.rmtree(root / step_dir(s), ignore_errors=True)
+    return doomed
+
+
+def save_collective(root: Path, step: int, pay: Payload, grid, meta: dict, keep_last: int = 0) -> Path:
+    """Steps 1-4 of the protocol above. Every rank calls it; every rank returns or raises alike."""
+    root = Path(root)
+    tmp = root / tmp_dir(step)
+    err = None
+    if grid.rank == 0:
+        try:
+            root.mkdir(parents=True, exist_ok=True)
+            remove_stale_tmp(root)
+            tmp.mkdir()
+        except OSError as e:
+            err = f"checkpoint step {step}: cannot create {tmp} ({e.strerror or e})"
+    err = bcast_object(err, grid)
+    if err:
+        raise CheckpointError(err)
+    rel = coord_dir(grid.coord)
+    try:
+        report = write_rank(tmp / rel, pay, rel)
+    except Exception as e:  # noqa: BLE001 - every failure becomes the same one-line error on all ranks
+        why = getattr(e, "strerror", None) or str(e)
+        report = {"error": f"rank {grid.rank} ({rel}) failed to write: {why}"}
+    reports = _gather(report, grid)
+    outcome = None
+    if grid.rank == 0:
+        failures = [r["error"] for r in reports if "error" in r]
+        try:
+            if failures:
+                raise CheckpointError(failures[0])
+            man = mf.build(meta, reports)
+            mf.write(tmp, man)
+            fsync_dir(tmp)
+            final = root / step_dir(step)
+            if final.exists():  # re-saving a step (e.g. after a resume): move the old one aside first
+                old = root / (TMP_PREFIX + "old-" + step_dir(step))
+                os.replace(final, old)
+                os.replace(tmp, final)
+                shutil.rmtree(old, ignore_errors=True)
+            else:
+                os.replace(tmp, final)
+            fsync_dir(root)
+            write_latest(root, step_dir(step))
+            prune(root, keep_last)
+        except Exception as e:  # noqa: BLE001
+            shutil.rmtree(tmp, ignore_errors=True)
+            msg = str(e) if isinstance(e, CheckpointError) else (getattr(e, "strerror", None) or str(e))
+            outcome = (f"checkpoint step {step} was not saved ({msg}); "
+                       f"{root / 'latest'} still names {read_latest(root) or 'nothing'}")
+    outcome = bcast_object(outcome, grid)
+    if outcome:
+        raise CheckpointError(outcome)
+    return root / step_dir(step)
+
+
+def manifest_meta(cfg_dict: dict, layout, zero1: bool, step: int, tokens_seen: int, optimizer,
+                  sampler_state: dict, client_state: Optional[dict]) -> dict:
+    return {"megalite_version": __version__, "torch_version": torch.__version__,
+            "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "step": step, "tokens_seen": tokens_seen,
+            "layout": {"tp": layout.tp, "pp": layout.pp, "dp": layout.dp, "zero1": bool(zero1)},
+            "config": cfg_dict, "data": sampler_state,
+            "optimizer": None if optimizer is None else {
+                "type": "adamw", "step": optimizer.step_count, "betas": list(optimizer.betas),
+                "eps": optimizer.eps, "weight_decay": optimizer.weight_decay},
+            "client_state": client_state or {}}
+
+
+class AsyncSaver:
+    """At most one save in flight: the caller blocks only for staging; writing and commit run in a thread.
+
+    A failure in the thread is kept and raised by the next `poll()`/`wait()` in the training loop.
+    """
+
+    def __init__(self):
+        self.stager = Stager()
+        self.thread: Optional[threading.Thread] = None
+        self.error: Optional[BaseException] = None
+        self.last: Optional[Path] = None
+
+    def submit(self, root, step, pay, grid, meta, keep_last) -> None:
+        self.wait()
+        staged = self.stager.stage(pay)
+
+        def run():
+            try:
+                self.last = save_collective(root, step, staged, grid, meta, keep_last)
+            except BaseException as e:  # noqa: BLE001
+                self.error = e
+
+        self.thread = threading.Thread(target=run, name=f"megalite-ckpt-{step}", daemon=True)
+        self.thread.start()
+
+    def poll(self) -> None:
+        if self.thread is not None and not self.thread.is_alive():
+            self.wait()
+
+    def wait(self) -> None:
+        if self.thread is not None:
+            self.thread.join()
+            self.thread = None
+        if self.error is not None:
+            e, self.error = self.error, None
+            raise e
