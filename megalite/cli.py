@@ -14,6 +14,8 @@ EPILOGS = {
     "train": "example:\n  torchrun --nproc-per-node 8 -m megalite train --config configs/tiny-cpu.toml "
              "--parallel.tp=2 --parallel.pp=2 --parallel.dp=2",
     "prepare": "example:\n  megalite prepare ~/books/ notes.txt --out data/mine.bin",
+    "inspect": "example:\n  megalite inspect runs/demo/checkpoints",
+    "verify": "example:\n  megalite verify runs/demo/checkpoints/step_00000060",
 }
 
 # The errors a user can fix; anything else is a bug and keeps its traceback.
@@ -43,14 +45,45 @@ def _cmd_train(args, rest) -> int:
     from .config import load_config
     from .train import train
     cfg = load_config(args.config, rest)
-    train(cfg)
+    try:
+        train(cfg)
+    finally:
+        _shutdown_distributed()
     return 0
+
+
+def _shutdown_distributed() -> None:
+    """Leave the job together: a rank that exits while peers still talk to it can abort them."""
+    import torch.distributed as dist
+    if dist.is_initialized():
+        try:
+            dist.barrier()
+        finally:
+            dist.destroy_process_group()
 
 
 def _cmd_prepare(args, rest) -> int:
     from .data import default_corpus_files, prepare
     sources = args.sources or default_corpus_files()
     prepare(sources, args.out, val_fraction=args.val_fraction, log=(lambda *a: None) if args.quiet else print)
+    return 0
+
+
+def _cmd_inspect(args, rest) -> int:
+    from .checkpoint.verify import inspect
+    print(inspect(args.ckpt))
+    return 0
+
+
+def _cmd_verify(args, rest) -> int:
+    from .checkpoint.verify import verify
+    step, problems = verify(args.ckpt)
+    for p in problems:
+        print(p)
+    if problems:
+        print(f"verify: {len(problems)} problem(s) in {step}", file=sys.stderr)
+        return 1
+    print(f"verify: {step} is complete and intact")
     return 0
 
 
@@ -75,6 +108,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--out", required=True, help="output .bin path")
     p.add_argument("--val-fraction", type=float, default=0.1)
     p.add_argument("--quiet", action="store_true")
+
+    p = add("inspect", "describe a checkpoint: step, layout, tensors and bytes per coordinate", _cmd_inspect)
+    p.add_argument("ckpt", help="a step folder, or a checkpoint root (the step `latest` names)")
+
+    p = add("verify", "check every file's size and checksum, every coordinate, and that slices tile each "
+                      "tensor; one line per problem, exit 1 if any", _cmd_verify)
+    p.add_argument("ckpt", help="a step folder, or a checkpoint root (the step `latest` names)")
     return ap
 
 

@@ -81,7 +81,8 @@ def tiny_toml(token_file, tmp_path) -> Path:
 @pytest.fixture
 def train_single():
     """Train a config in this process (a world of one, single-threaded like the workers); return
-    (losses, full params, full grads of the last step)."""
+    {"history": per-step metrics, "loss": per-step losses, "params": full params, "grads": full grads of
+    the last step}."""
 
     def run(cfg: Config):
         from megalite.testing import gather_full_model
@@ -92,8 +93,9 @@ def train_single():
             tr = train(cfg, log=lambda *a: None)
         finally:
             torch.set_num_threads(threads)
-        return ([r["loss"] for r in tr.history], gather_full_model(tr.params, tr.grid),
-                gather_full_model(grads_of(tr.params), tr.grid))
+        return {"history": tr.history, "loss": [r["loss"] for r in tr.history],
+                "params": gather_full_model(tr.params, tr.grid),
+                "grads": gather_full_model(grads_of(tr.params), tr.grid)}
 
     return run
 

@@ -115,16 +115,25 @@ def resolve(path: str | os.PathLike) -> Path:
     return target
 
 
-def assign_to_dp(sizes: Iterable[tuple[str, int]], dp: int) -> dict[str, int]:
-    """Spread replicated tensors over dp ranks so each writes a similar number of bytes.
+def assign_writers(tensors: Iterable[tuple[str, int, bool]], tp: int, dp: int) -> dict[str, tuple]:
+    """Who writes each tensor of one pipeline stage, so that no copy is written twice and every rank
+    writes a similar number of bytes.
 
-    Greedy, largest first, ties broken by name: a pure function of (names, sizes, dp), so every rank
-    computes the same assignment without talking.
+    `tensors` are (name, numel, replicated_over_tp). A tp-split tensor is written by every tp rank (its own
+    slice) at one chosen dp index: owner (None, d). A tp-replicated tensor is identical on all tp*dp ranks
+    of the stage and is written once, by owner (t, d). Greedy, largest first, ties by name: a pure
+    function of its inputs, so every rank computes the same answer without talking.
     """
-    load = [0] * dp
+    load = [[0] * dp for _ in range(tp)]
     out = {}
-    for name, size in sorted(sizes, key=lambda ns: (-ns[1], ns[0])):
-        r = min(range(dp), key=lambda i: (load[i], i))
-        out[name] = r
-        load[r] += size
+    for name, size, replicated in sorted(tensors, key=lambda x: (-x[1], x[0])):
+        if replicated:
+            t, d = min(((t, d) for t in range(tp) for d in range(dp)), key=lambda td: (load[td[0]][td[1]], td))
+            load[t][d] += size
+            out[name] = (t, d)
+        else:
+            d = min(range(dp), key=lambda d: (sum(load[t][d] for t in range(tp)), d))
+            for t in range(tp):
+                load[t][d] += size // tp
+            out[name] = (None, d)
     return out

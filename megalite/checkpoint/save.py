@@ -25,7 +25,7 @@ from safetensors.torch import save as st_save
 from .. import __version__
 from ..parallel.tensor import partition_of, tp_box, valid_view
 from . import manifest as mf
-from .layout import (MODEL_FILE, OPTIM_FILE, STATE_FILE, TMP_PREFIX, CheckpointError, assign_to_dp, committed_steps,
+from .layout import (MODEL_FILE, OPTIM_FILE, STATE_FILE, TMP_PREFIX, CheckpointError, assign_writers, committed_steps,
                      coord_dir, fsync_dir, read_latest, step_dir, tmp_dir, write_latest)
 from .state import capture_rng, dumps_json
 
@@ -41,31 +41,34 @@ class Payload:
 def collect(params, optimizer, grid, state: dict) -> Payload:
     """Decide what this coordinate writes; tensors are live views (staged later if async).
 
-    The model slice of a (tp, pp) pair is identical on every dp replica, so its tensors are spread over
-    the dp ranks (assign_to_dp); without zero1 the optimizer moments are replicated too and spread the
-    same way; with zero1 each dp rank writes its own pieces.
+    The model slice of a (tp, pp) pair is identical on every dp replica (and a tp-replicated tensor on
+    every rank of the stage), so tensors are spread over the writers (assign_writers); without zero1 the
+    optimizer moments are replicated the same way and follow their parameter; with zero1 each dp rank
+    writes its own pieces.
     """
-    c, dp = grid.coord, grid.layout.dp
+    c, L = grid.coord, grid.layout
     own = [(n, p) for n, p in params if not partition_of(p).tied_to]  # tied copies load from their source
-    sizes = [(n, p.numel()) for n, p in own]
-    owner = assign_to_dp(sizes, dp)
+    owner = assign_writers([(n, p.numel() * L.tp if partition_of(p).dim is not None else p.numel(),
+                             partition_of(p).dim is None) for n, p in own], L.tp, L.dp)
     pay = Payload(files={MODEL_FILE: {}, OPTIM_FILE: {}}, state=state)
     for name, p in own:
         part = partition_of(p)
-        box = [list(r) for r in tp_box(part, c.tp, grid.layout.tp)]
+        box = [list(r) for r in tp_box(part, c.tp, L.tp)]
         common = {"name": name, "shape": list(part.global_shape), "dtype": "float32", "partition":
                   {"dim": part.dim, "tied_to": part.tied_to}, "box": box}
-        if owner[name] == c.dp:
-            pay.files[MODEL_FILE][name] = valid_view(p.detach(), part, c.tp, grid.layout.tp)
+        t_owner, d_owner = owner[name]
+        my_tp = t_owner is None or t_owner == c.tp  # replicated over tp: one tp rank writes it
+        if my_tp and d_owner == c.dp:
+            pay.files[MODEL_FILE][name] = valid_view(p.detach(), part, c.tp, L.tp)
             pay.records.append({**common, "kind": "model", "file": MODEL_FILE, "key": name})
-        if optimizer is None:
+        if optimizer is None or not my_tp:
             continue
         a, b = optimizer.piece_of(name)
         if optimizer.zero1:
             if b == a:
                 continue
             flat = [a, b]
-        elif owner[name] == c.dp:
+        elif d_owner == c.dp:
             flat = None
         else:
             continue
