@@ -6,6 +6,7 @@ on the last. With tp = pp = 1 it is the whole GPT-2.
 """
 from __future__ import annotations
 
+import dataclasses
 import math
 from typing import Iterator, Optional
 
@@ -19,6 +20,12 @@ from .parallel.grid import Axis, ParallelGrid
 from .parallel.pipeline import partition_layers
 from .parallel.tensor import (ColumnParallelLinear, Partition, RowParallelLinear, VocabParallelEmbedding,
                               copy_to_tp, init_local, partition_of, tag, vocab_parallel_cross_entropy)
+
+
+def _place(module: nn.Module, placement: str) -> None:
+    """Record in each parameter's tag which pipeline stage owns it."""
+    for p in module.parameters():
+        tag(p, dataclasses.replace(partition_of(p), placement=placement))
 
 
 def _replicated(shape: tuple, init: str) -> nn.Parameter:
@@ -92,10 +99,13 @@ class GPTStage(nn.Module):
             self.wpe = _replicated((cfg.block_size, cfg.n_embd), "normal")
             self.drop = nn.Dropout(cfg.dropout)
         self.blocks = nn.ModuleDict({str(i): Block(cfg, grid.tp) for i in layers})
+        for i in layers:
+            _place(self.blocks[str(i)], f"layer.{i}")
         if self.last:
             self.ln_f = LayerNorm(cfg.n_embd)
+            _place(self.ln_f, "last")
             if not self.first:  # the tied LM head lives on another stage: keep a synchronised copy
-                wte = Partition((cfg.vocab_size, cfg.n_embd), dim=0, tied_to="wte.weight")
+                wte = Partition((cfg.vocab_size, cfg.n_embd), dim=0, tied_to="wte.weight", placement="last")
                 self.lm_head = tag(nn.Parameter(torch.zeros(_local_rows(cfg, grid.tp), cfg.n_embd)), wte)
                 self.lm_head.init = "normal"  # same name and seed as wte.weight: starts identical
 

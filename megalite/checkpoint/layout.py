@@ -14,12 +14,15 @@ Every function here has its inverse next to it, and both are unit-tested.
 """
 from __future__ import annotations
 
+import math
 import os
 import re
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterable, Optional
 
-from ..parallel.grid import Coord
+from ..parallel.grid import Coord, Layout
+from ..parallel.tensor import Partition, shard_range, tp_box
 
 MANIFEST = "manifest.json"
 MODEL_FILE = "model.safetensors"
@@ -137,3 +140,51 @@ def assign_writers(tensors: Iterable[tuple[str, int, bool]], tp: int, dp: int) -
                 load[t][d] += size // tp
             out[name] = (None, d)
     return out
+
+
+@dataclass(frozen=True)
+class WriteItem:
+    """One slice a coordinate writes: which tensor, which part of it, into which file under which key."""
+    name: str  # global parameter name
+    kind: str  # "model" | "exp_avg" | "exp_avg_sq"
+    file: str  # MODEL_FILE or OPTIM_FILE
+    box: tuple  # ((start, end) per dim) of the global tensor
+    flat: Optional[tuple] = None  # ZeRO-1: elements [a, b) of the box, row-major
+
+    @property
+    def key(self) -> str:
+        return self.name if self.kind == "model" else f"{self.name}.{self.kind}"
+
+
+def plan_writes(tensors: Iterable[tuple[str, Partition]], coord: Coord, layout: Layout, zero1: bool,
+                optimizer: bool = True) -> list[WriteItem]:
+    """Everything the coordinate `coord` writes, given the (name, partition) of the tensors its pipeline
+    stage holds. Live saves, `split` and `reshard` all ask this one function, so they agree on the tree.
+
+    Tied copies are never written (they load from their source). Without zero1 a moment follows its
+    parameter's writer; with zero1 every dp rank writes its own piece of each moment.
+    """
+    own = [(n, p) for n, p in tensors if not p.tied_to]
+    owner = assign_writers([(n, math.prod(p.global_shape), p.dim is None) for n, p in own], layout.tp, layout.dp)
+    items = []
+    for name, part in own:
+        box = tuple(tp_box(part, coord.tp, layout.tp))
+        t_owner, d_owner = owner[name]
+        if t_owner is not None and t_owner != coord.tp:
+            continue  # tp-replicated: another tp rank of this stage writes it
+        if d_owner == coord.dp:
+            items.append(WriteItem(name, "model", MODEL_FILE, box))
+        if not optimizer:
+            continue
+        if zero1:
+            a, b = shard_range(math.prod(e - s for s, e in box), coord.dp, layout.dp)
+            flat = (a, b) if b > a else None
+            if flat is None:
+                continue
+        elif d_owner != coord.dp:
+            continue
+        else:
+            flat = None
+        for kind in ("exp_avg", "exp_avg_sq"):
+            items.append(WriteItem(name, kind, OPTIM_FILE, box, flat))
+    return items

@@ -13,8 +13,9 @@
       "files": { "tp00-pp00-dp00/model.safetensors": {"bytes": 123, "crc32": "89abcdef"}, ... }
     }
     TENSOR = {"shape": [global shape], "dtype": "float32",
-              "partition": {"dim": split dim over tp or null, "tied_to": null},
-              "slices": [{"file": "...", "key": "<key in that file>",
+              "partition": {"dim": split dim over tp or null, "tied_to": null,
+                            "placement": "first" | "last" | "layer.<i>"  (which pipeline stage owns it)},
+              "slices": [{"file": "...", "key": "<key in that file>", "crc32": "<of the tensor's bytes>",
                           "box": [[start, end] per dim of the global tensor],
                           "flat": [a, b]    only for ZeRO-1 pieces: elements [a, b) of the box, row-major}]}
 """
@@ -53,7 +54,7 @@ def build(meta: dict, reports: list[dict]) -> dict:
             section = man["model"] if t["kind"] == "model" else man["optimizer_state"]
             entry = section.setdefault(t["name"], {"shape": t["shape"], "dtype": t["dtype"],
                                                    "partition": t["partition"], "slices": []})
-            sl = {"file": t["file"], "key": t["key"], "box": t["box"]}
+            sl = {"file": t["file"], "key": t["key"], "box": t["box"], "crc32": t["crc32"]}
             if t.get("flat") is not None:
                 sl["flat"] = t["flat"]
             entry["slices"].append(sl)

@@ -23,10 +23,10 @@ import torch.distributed as dist
 from safetensors.torch import save as st_save
 
 from .. import __version__
-from ..parallel.tensor import partition_of, tp_box, valid_view
+from ..parallel.tensor import partition_of, valid_view
 from . import manifest as mf
-from .layout import (MODEL_FILE, OPTIM_FILE, STATE_FILE, TMP_PREFIX, CheckpointError, assign_writers, committed_steps,
-                     coord_dir, fsync_dir, read_latest, step_dir, tmp_dir, write_latest)
+from .layout import (MODEL_FILE, OPTIM_FILE, STATE_FILE, TMP_PREFIX, CheckpointError, committed_steps,
+                     coord_dir, fsync_dir, plan_writes, read_latest, step_dir, tmp_dir, write_latest)
 from .state import capture_rng, dumps_json
 
 
@@ -39,47 +39,32 @@ class Payload:
 
 
 def collect(params, optimizer, grid, state: dict) -> Payload:
-    """Decide what this coordinate writes; tensors are live views (staged later if async).
-
-    The model slice of a (tp, pp) pair is identical on every dp replica (and a tp-replicated tensor on
-    every rank of the stage), so tensors are spread over the writers (assign_writers); without zero1 the
-    optimizer moments are replicated the same way and follow their parameter; with zero1 each dp rank
-    writes its own pieces.
-    """
+    """This coordinate's share of the live state (plan_writes decides which); tensors are views, staged
+    to host buffers later if the save is asynchronous."""
     c, L = grid.coord, grid.layout
-    own = [(n, p) for n, p in params if not partition_of(p).tied_to]  # tied copies load from their source
-    owner = assign_writers([(n, p.numel() * L.tp if partition_of(p).dim is not None else p.numel(),
-                             partition_of(p).dim is None) for n, p in own], L.tp, L.dp)
+    live = dict(params)
+    items = plan_writes([(n, partition_of(p)) for n, p in params], c, L,
+                        zero1=bool(optimizer is not None and optimizer.zero1), optimizer=optimizer is not None)
     pay = Payload(files={MODEL_FILE: {}, OPTIM_FILE: {}}, state=state)
-    for name, p in own:
+    for it in items:
+        p = live[it.name]
         part = partition_of(p)
-        box = [list(r) for r in tp_box(part, c.tp, L.tp)]
-        common = {"name": name, "shape": list(part.global_shape), "dtype": "float32", "partition":
-                  {"dim": part.dim, "tied_to": part.tied_to}, "box": box}
-        t_owner, d_owner = owner[name]
-        my_tp = t_owner is None or t_owner == c.tp  # replicated over tp: one tp rank writes it
-        if my_tp and d_owner == c.dp:
-            pay.files[MODEL_FILE][name] = valid_view(p.detach(), part, c.tp, L.tp)
-            pay.records.append({**common, "kind": "model", "file": MODEL_FILE, "key": name})
-        if optimizer is None or not my_tp:
-            continue
-        a, b = optimizer.piece_of(name)
-        if optimizer.zero1:
-            if b == a:
-                continue
-            flat = [a, b]
-        elif d_owner == c.dp:
-            flat = None
+        if it.kind == "model":
+            t = valid_view(p.detach(), part, c.tp, L.tp)
         else:
-            continue
-        box_shape = [hi - lo for lo, hi in box]
-        for moment, store in (("exp_avg", optimizer.exp_avg), ("exp_avg_sq", optimizer.exp_avg_sq)):
-            t = store[name] if flat else store[name].view(box_shape)
-            key = f"{name}.{moment}"
-            pay.files[OPTIM_FILE][key] = t
-            pay.records.append({**common, "name": key, "kind": moment, "file": OPTIM_FILE, "key": key,
-                                "flat": flat})
+            store = optimizer.exp_avg if it.kind == "exp_avg" else optimizer.exp_avg_sq
+            t = store[it.name] if it.flat else store[it.name].view([e - s for s, e in it.box])
+        add(pay, it, part, t)
     return pay
+
+
+def add(pay: Payload, it, part, tensor) -> None:
+    """Put one planned slice into the payload, with its manifest record."""
+    pay.files.setdefault(it.file, {})[it.key] = tensor
+    pay.records.append({"name": it.key, "kind": it.kind, "file": it.file, "key": it.key,
+                        "shape": list(part.global_shape), "dtype": "float32",
+                        "partition": part.to_json(), "box": [list(r) for r in it.box],
+                        "flat": list(it.flat) if it.flat else None})
 
 
 class Stager:

@@ -30,6 +30,16 @@ def partition_layers(n_layer: int, pp: int) -> list[range]:
     return out
 
 
+def stage_of(placement: str, n_layer: int, pp: int) -> int:
+    """The pipeline stage that owns a parameter with this placement (see Partition.placement)."""
+    if placement == "first":
+        return 0
+    if placement == "last":
+        return pp - 1
+    layer = int(placement.split(".", 1)[1])
+    return next(s for s, r in enumerate(partition_layers(n_layer, pp)) if layer in r)
+
+
 def num_warmup_microbatches(pp: int, pp_rank: int, num_micro: int) -> int:
     """1F1B warm-up: stage s runs (pp - s - 1) forwards before its first backward."""
     return min(pp - pp_rank - 1, num_micro)

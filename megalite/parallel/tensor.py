@@ -29,13 +29,20 @@ class Partition:
          or None when every tp rank holds a full replica.
     tied_to: global name of the parameter this one is a copy of (the LM head on the last pipeline stage
              is a copy of `wte.weight`); tied copies are never saved, only loaded from their source.
+    placement: which pipeline stage owns it: "first", "last", or "layer.<i>" (the stage holding layer i);
+             `pipeline.stage_of` turns it into a stage index for any pp.
     """
     global_shape: tuple
     dim: Optional[int] = None
     tied_to: Optional[str] = None
+    placement: str = "first"
 
     def to_json(self) -> dict:
-        return {"global_shape": list(self.global_shape), "dim": self.dim, "tied_to": self.tied_to}
+        return {"dim": self.dim, "tied_to": self.tied_to, "placement": self.placement}
+
+    @classmethod
+    def from_json(cls, shape, d: dict) -> "Partition":
+        return cls(tuple(shape), d.get("dim"), d.get("tied_to"), d.get("placement", "first"))
 
 
 def shard_range(n: int, rank: int, size: int) -> tuple[int, int]:
