@@ -16,6 +16,11 @@ EPILOGS = {
     "prepare": "example:\n  megalite prepare ~/books/ notes.txt --out data/mine.bin",
     "inspect": "example:\n  megalite inspect runs/demo/checkpoints",
     "verify": "example:\n  megalite verify runs/demo/checkpoints/step_00000060",
+    "convert": "examples:\n  megalite convert runs/demo/checkpoints --out model.safetensors\n"
+               "  megalite convert runs/demo/checkpoints --format hf-gpt2 --out gpt2-demo/",
+    "split": "example:\n  megalite split model.safetensors --tp 2 --pp 2 --dp 1 --out ckpt-222/",
+    "reshard": "example:\n  megalite reshard runs/demo/checkpoints --tp 1 --pp 4 --dp 2 --out ckpt-142/",
+    "generate": "example:\n  megalite generate --model model.safetensors --prompt 'def ' --max-new-tokens 100",
 }
 
 # The errors a user can fix; anything else is a bug and keeps its traceback.
@@ -87,6 +92,39 @@ def _cmd_verify(args, rest) -> int:
     return 0
 
 
+def _cmd_convert(args, rest) -> int:
+    from .convert import convert
+    out = convert(args.ckpt, args.out, dtype=args.dtype, fmt=args.format, force=args.force, quiet=args.quiet)
+    if not args.quiet:
+        print(f"convert: wrote {out}")
+    return 0
+
+
+def _cmd_split(args, rest) -> int:
+    from .convert import split
+    out = split(args.model, args.out, args.tp, args.pp, args.dp, zero1=args.zero1 == "on", step=args.step,
+                force=args.force, quiet=args.quiet)
+    if not args.quiet:
+        print(f"split: wrote {out}")
+    return 0
+
+
+def _cmd_reshard(args, rest) -> int:
+    from .convert import reshard
+    zero1 = None if args.zero1 is None else args.zero1 == "on"
+    out = reshard(args.ckpt, args.out, args.tp, args.pp, args.dp, zero1=zero1, force=args.force, quiet=args.quiet)
+    if not args.quiet:
+        print(f"reshard: wrote {out}")
+    return 0
+
+
+def _cmd_generate(args, rest) -> int:
+    from .generate import sample_text
+    print(sample_text(args.model, args.prompt, max_new_tokens=args.max_new_tokens, temperature=args.temperature,
+                      top_k=args.top_k, seed=args.seed))
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     ap = _Parser(prog="megalite", description="A small Megatron-style 3D-parallel GPT trainer.")
     ap.add_argument("--version", action="version", version=f"megalite {__version__}")
@@ -112,10 +150,49 @@ def build_parser() -> argparse.ArgumentParser:
     p = add("inspect", "describe a checkpoint: step, layout, tensors and bytes per coordinate", _cmd_inspect)
     p.add_argument("ckpt", help="a step folder, or a checkpoint root (the step `latest` names)")
 
+    p = add("convert", "reassemble a checkpoint of any layout into one safetensors file (or an HF GPT-2 "
+                       "folder with --format hf-gpt2), one tensor at a time", _cmd_convert)
+    p.add_argument("ckpt", help="a step folder, or a checkpoint root (the step `latest` names)")
+    p.add_argument("--out", required=True)
+    p.add_argument("--dtype", default="fp32", help="fp32 | bf16 | fp16")
+    p.add_argument("--format", default="megalite", help="megalite (one .safetensors) | hf-gpt2 (a folder)")
+    p.add_argument("--force", action="store_true", help="replace --out if it exists")
+    p.add_argument("--quiet", action="store_true")
+
+    p = add("split", "cut one model file (megalite or HF GPT-2 folder) into a checkpoint at a layout "
+                     "(fresh optimizer state)", _cmd_split)
+    p.add_argument("model")
+    _layout_flags(p)
+    p.add_argument("--zero1", choices=["on", "off"], default="off")
+    p.add_argument("--step", type=int, default=0, help="the step the checkpoint says it is at")
+
+    p = add("reshard", "move a full training checkpoint (model, optimizer, step, data position) to a new "
+                       "layout", _cmd_reshard)
+    p.add_argument("ckpt")
+    _layout_flags(p)
+    p.add_argument("--zero1", choices=["on", "off"], default=None, help="default: as in the source")
+
+    p = add("generate", "sample text from a single-file model in one plain process", _cmd_generate)
+    p.add_argument("--model", required=True, help="a `megalite convert` file or an HF GPT-2 folder")
+    p.add_argument("--prompt", default="\n")
+    p.add_argument("--max-new-tokens", type=int, default=200)
+    p.add_argument("--temperature", type=float, default=0.8)
+    p.add_argument("--top-k", type=int, default=0)
+    p.add_argument("--seed", type=int, default=0)
+
     p = add("verify", "check every file's size and checksum, every coordinate, and that slices tile each "
                       "tensor; one line per problem, exit 1 if any", _cmd_verify)
     p.add_argument("ckpt", help="a step folder, or a checkpoint root (the step `latest` names)")
     return ap
+
+
+def _layout_flags(p) -> None:
+    p.add_argument("--tp", type=int, required=True)
+    p.add_argument("--pp", type=int, required=True)
+    p.add_argument("--dp", type=int, required=True)
+    p.add_argument("--out", required=True)
+    p.add_argument("--force", action="store_true", help="replace --out if it exists")
+    p.add_argument("--quiet", action="store_true")
 
 
 def main(argv=None) -> int:

@@ -66,6 +66,8 @@ def load_into(path, params, optimizer, grid, model_cfg: Optional[dict] = None,
         entry = _entry(man["model"], name, part.global_shape, step)
         box = [list(r) for r in tp_box(part, c.tp, L.tp)]
         plan.append((name, p, part, entry, box))
+    if optimizer is not None and not man["optimizer_state"]:
+        optimizer = None  # a weights-only checkpoint (from `megalite split`): the optimizer starts fresh
     if optimizer is not None:
         for name, p, part, entry, box in plan:
             for moment in ("exp_avg", "exp_avg_sq"):
@@ -90,7 +92,8 @@ def load_into(path, params, optimizer, grid, model_cfg: Optional[dict] = None,
             raise CheckpointError(f"{step.name}: {coord_dir(c)}/{STATE_FILE} is missing") from None
         except json.JSONDecodeError as e:
             raise CheckpointError(f"{step.name}: {coord_dir(c)}/{STATE_FILE} is not valid JSON ({e})") from None
-        restore_rng(state["rng"])
-        rng = True
+        if state.get("rng") is not None:  # None after split/reshard: no per-rank stream to restore
+            restore_rng(state["rng"])
+            rng = True
     return Loaded(step, int(man["step"]), int(man.get("tokens_seen", 0)), man.get("data") or {},
                   man.get("client_state") or {}, same, rng, man)

@@ -1,0 +1,53 @@
+"""Sample from a single-file model in one plain process (no torch.distributed), proving the file is a model."""
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from .config import ModelConfig
+from .convert import ConvertError, read_model_file
+from .data import ByteTokenizer
+from .model import GPTStage
+from .parallel.grid import ParallelGrid
+
+
+def load_model(path) -> GPTStage:
+    """A whole GPT (tp = pp = 1) from a `megalite convert` file or an HF GPT-2 folder."""
+    m, get, names = read_model_file(path)
+    model = GPTStage(ModelConfig(**m), ParallelGrid.single())
+    with torch.no_grad():
+        for name, p in model.global_parameters():
+            if name not in names:
+                raise ConvertError(f"{path}: tensor '{name}' is missing")
+            t = get(name)
+            if t.shape != p.shape:
+                raise ConvertError(f"{path}: tensor '{name}' has shape {list(t.shape)}, expected {list(p.shape)}")
+            p.copy_(t)
+    return model.eval()
+
+
+@torch.no_grad()
+def generate(model: GPTStage, ids: list[int], max_new_tokens: int = 200, temperature: float = 0.8,
+             top_k: int = 0, seed: int = 0) -> list[int]:
+    """Autoregressive sampling; the context is cropped to block_size. temperature 0 means greedy."""
+    g = torch.Generator().manual_seed(seed)
+    x = torch.tensor([ids], dtype=torch.long)
+    for _ in range(max_new_tokens):
+        logits = model(x[:, -model.cfg.block_size:])[:, -1, :]  # (1, V)
+        if temperature <= 0:
+            nxt = logits.argmax(-1, keepdim=True)
+        else:
+            logits = logits / temperature
+            if top_k:
+                kth = torch.topk(logits, min(top_k, logits.shape[-1])).values[:, -1:]
+                logits = logits.masked_fill(logits < kth, float("-inf"))
+            nxt = torch.multinomial(torch.softmax(logits, -1), 1, generator=g)
+        x = torch.cat([x, nxt], dim=1)
+    return x[0].tolist()
+
+
+def sample_text(path: str | Path, prompt: str, **kw) -> str:
+    tok = ByteTokenizer()
+    out = generate(load_model(path), tok.encode(prompt) or [10], **kw)
+    return tok.decode(out)
