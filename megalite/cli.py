@@ -20,6 +20,7 @@ EPILOGS = {
                "  megalite convert runs/demo/checkpoints --format hf-gpt2 --out gpt2-demo/",
     "split": "example:\n  megalite split model.safetensors --tp 2 --pp 2 --dp 1 --out ckpt-222/",
     "reshard": "example:\n  megalite reshard runs/demo/checkpoints --tp 1 --pp 4 --dp 2 --out ckpt-142/",
+    "stress": "example:\n  megalite stress ckpt --trials 10",
     "generate": "example:\n  megalite generate --model model.safetensors --prompt 'def ' --max-new-tokens 100",
 }
 
@@ -125,6 +126,12 @@ def _cmd_generate(args, rest) -> int:
     return 0
 
 
+def _cmd_stress(args, rest) -> int:
+    from .faults import stress_ckpt
+    r = stress_ckpt(trials=args.trials, steps=args.steps, width=args.width, workdir=args.workdir, seed=args.seed)
+    return 0 if r["valid_latest"] == r["trials"] == r["resumed_exactly"] else 1
+
+
 def build_parser() -> argparse.ArgumentParser:
     ap = _Parser(prog="megalite", description="A small Megatron-style 3D-parallel GPT trainer.")
     ap.add_argument("--version", action="version", version=f"megalite {__version__}")
@@ -178,6 +185,15 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-new-tokens", type=int, default=200)
     p.add_argument("--temperature", type=float, default=0.8)
     p.add_argument("--top-k", type=int, default=0)
+    p.add_argument("--seed", type=int, default=0)
+
+    p = add("stress", "fault injection: `stress ckpt` kills a random rank mid-save, N times, and checks that "
+                      "latest stays valid and resumes exactly", _cmd_stress)
+    p.add_argument("what", choices=["ckpt"])
+    p.add_argument("--trials", type=int, default=5)
+    p.add_argument("--steps", type=int, default=12)
+    p.add_argument("--width", type=int, default=64, help="model n_embd (bigger: longer saves)")
+    p.add_argument("--workdir", default=None)
     p.add_argument("--seed", type=int, default=0)
 
     p = add("verify", "check every file's size and checksum, every coordinate, and that slices tile each "

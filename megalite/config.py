@@ -76,6 +76,7 @@ class CheckpointConfig:
     async_: bool = False  # spelled `async` in TOML and on the command line
     keep_last: int = 0  # 0: keep every checkpoint
     resume: str = ""  # "" (fresh), "auto", or a checkpoint path
+    on_error: str = "stop"  # a failed save: "stop" (raise) or "continue" (warn, keep training)
 
 
 @dataclass
@@ -190,6 +191,8 @@ def validate(cfg: Config, world_size: int | None = None) -> Config:
         raise ConfigError(f"data.val_fraction = {cfg.data.val_fraction}: expected a value in (0, 1)")
     if par.schedule not in ("1f1b", "afab"):
         raise ConfigError(f"parallel.schedule = '{par.schedule}': expected '1f1b' or 'afab'")
+    if cfg.checkpoint.on_error not in ("stop", "continue"):
+        raise ConfigError(f"checkpoint.on_error = '{cfg.checkpoint.on_error}': expected 'stop' or 'continue'")
     if t.precision not in ("auto", "fp32", "bf16"):
         raise ConfigError(f"train.precision = '{t.precision}': expected 'auto', 'fp32' or 'bf16'")
     if m.n_embd % m.n_head:

@@ -24,6 +24,7 @@ import torch.distributed as dist
 
 from .checkpoint.manager import CheckpointManager
 from .config import Config, num_microbatches, validate
+from .faults import maybe_crash
 from .data import BatchSampler, TokenDataset, ensure_data, eval_batches
 from .model import GPTStage
 from .optim import grad_norm, lr_at
@@ -213,6 +214,7 @@ def train(cfg: Config, log=print) -> Trainer:
     try:
         while tr.step < cfg.train.steps:
             rec = train_step(tr)
+            maybe_crash(tr.step, grid.rank)  # fault injection for tests; a no-op unless MEGALITE_CRASH_* is set
             if tr.step % cfg.train.eval_interval == 0 or tr.step == cfg.train.steps:
                 rec["val_loss"] = evaluate(tr)
             tr.history.append(rec)
@@ -234,6 +236,7 @@ def train(cfg: Config, log=print) -> Trainer:
             ckpt.finish(tr)
     finally:
         ckpt.restore_signal_handlers()
+        ckpt.release()
         if metrics_file:
             metrics_file.close()
     return tr

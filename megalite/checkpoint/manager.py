@@ -1,16 +1,19 @@
 """The training loop's checkpoint policy: resume, save every `interval`, at the end, and on SIGTERM/SIGINT."""
 from __future__ import annotations
 
+import fcntl
 import os
 import signal
+import socket
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
 
 from . import load_checkpoint, save_checkpoint
-from .layout import LATEST, CheckpointError, read_latest, step_dir
+from .layout import LATEST, LOCK, CheckpointError, committed_steps, read_latest, step_dir
 from .save import AsyncSaver, bcast_object
+from .verify import verify
 
 
 class CheckpointManager:
@@ -22,10 +25,13 @@ class CheckpointManager:
         self.last_saved = -1
         self._signal = 0
         self._old_handlers = {}
+        self._lock_fd = None
 
     # ------------------------------------------------------------ start-up
     def check_writable(self) -> None:
-        """Fail before the first step, not after an hour of training, if the folder cannot be written."""
+        """Fail before the first step, not after an hour of training: the folder must be writable and not
+        in use by another run. The lock is an flock held by rank 0 for the run, so a killed run never
+        leaves it stuck (the kernel releases it with the process)."""
         if self.root is None:
             return
         err = None
@@ -35,22 +41,76 @@ class CheckpointManager:
                 probe = self.root / f".write-test-{os.getpid()}"
                 probe.write_text("ok")
                 probe.unlink()
+                err = self._take_lock()
             except OSError as e:
                 err = f"checkpoint.dir: cannot write to '{self.root}' ({e.strerror or e})"
         err = bcast_object(err, self.grid, self.grid.cpu)
         if err:
             raise CheckpointError(err)
 
+    def _take_lock(self):
+        fd = os.open(self.root / LOCK, os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            holder = os.pread(fd, 200, 0).decode(errors="replace").strip() or "another process"
+            os.close(fd)
+            return (f"checkpoint.dir '{self.root}' is in use by another run ({holder} holds {self.root / LOCK}); "
+                    f"point this run at another checkpoint.dir")
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, f"pid {os.getpid()} on {socket.gethostname()}".encode(), 0)
+        self._lock_fd = fd
+        return None
+
+    def release(self) -> None:
+        if self._lock_fd is not None:
+            fcntl.flock(self._lock_fd, fcntl.LOCK_UN)
+            os.close(self._lock_fd)
+            self._lock_fd = None
+
+    def _choose_auto(self):
+        """resume=auto: the step `latest` names if it verifies, else the newest that does (said loudly)."""
+        if self.root is None or not self.root.is_dir():
+            return None, []
+        named = read_latest(self.root)
+        steps = [step_dir(s) for s in reversed(committed_steps(self.root))]
+        candidates = ([named] if named else []) + [s for s in steps if s != named]
+        if not candidates:
+            return None, []
+        warnings = []
+        for name in candidates:
+            _, problems = verify(self.root / name)
+            if not problems:
+                return str(self.root / name), warnings
+            warnings.append(f"WARNING: resume=auto: skipping {self.root / name}: {problems[0]}"
+                            + (f" (+{len(problems) - 1} more)" if len(problems) > 1 else ""))
+        raise CheckpointError(f"resume=auto: no checkpoint under '{self.root}' verifies "
+                              f"({len(candidates)} tried; run `megalite verify` on them)")
+
     def resume(self, tr) -> None:
-        """checkpoint.resume: '' = fresh; 'auto' = latest if any (saying which); PATH = that or an error."""
+        """checkpoint.resume: '' = fresh; 'auto' = latest if any (falling back to the newest checkpoint that
+        verifies, loudly); PATH = that checkpoint or an error, never a silent fresh start."""
         want = self.c.resume
         if not want:
             return
         if want == "auto":
-            if self.root is None or read_latest(self.root) is None:
+            choice = None
+            if self.grid.rank == 0:
+                try:
+                    choice = self._choose_auto()
+                except CheckpointError as e:
+                    choice = e
+            choice = bcast_object(choice, self.grid, self.grid.cpu)
+            if isinstance(choice, CheckpointError):
+                raise choice
+            path, warnings = choice
+            for w in warnings:
+                self.log(w)
+            if path is None:
                 self.log(f"resume=auto: no checkpoint under '{self.c.dir}' ({LATEST} not found); starting fresh")
                 return
-            path = self.root
+            if warnings:
+                self.log(f"WARNING: resume=auto: falling back to {path}")
         else:
             path = Path(want)
         info = load_checkpoint(path, tr.model, tr.optimizer, self.grid, model_config=self.cfg.to_dict()["model"])
@@ -59,11 +119,11 @@ class CheckpointManager:
         self.last_saved = info.step
         lay = info.manifest["layout"]
         how = "same layout" if info.same_layout else (
-            f"resharded from tp={lay['tp']} pp={lay['pp']} dp={lay['dp']} to {self.grid.layout}; "
-            f"RNG states re-seeded from (seed, step) since coordinates changed")
+            f"resharded from tp={lay['tp']} pp={lay['pp']} dp={lay['dp']} to {self.grid.layout}")
         if not info.rng_restored:
             from ..train import seed_everything
             seed_everything(self.cfg.train.seed + info.step, self.grid)
+            how += "; RNG states re-seeded from (seed, step): no per-rank states for this layout"
         self.log(f"resumed from {info.path} at step {info.step} ({how})")
 
     # ------------------------------------------------------------ signals
@@ -94,26 +154,42 @@ class CheckpointManager:
         if self.root is None or self.last_saved == tr.step:
             return
         if self.saver is not None:
-            self.saver.poll()
-        path = save_checkpoint(self.root, tr.step, tr.model, tr.optimizer, self.grid, config=self.cfg.to_dict(),
-                               tokens_seen=tr.tokens_seen, data_state=tr.sampler.state_dict(),
-                               keep_last=self.c.keep_last, saver=self.saver)
+            self._poll()
+        try:
+            path = save_checkpoint(self.root, tr.step, tr.model, tr.optimizer, self.grid,
+                                   config=self.cfg.to_dict(), tokens_seen=tr.tokens_seen,
+                                   data_state=tr.sampler.state_dict(), keep_last=self.c.keep_last, saver=self.saver)
+        except CheckpointError as e:
+            self._failed(e)
+            return
         self.last_saved = tr.step
         if path is not None:
             self.log(f"checkpoint: saved {path}")
         if wait:
             self.wait()
 
+    def _failed(self, e: CheckpointError) -> None:
+        """checkpoint.on_error: 'stop' raises (the default); 'continue' warns and trains on."""
+        if self.c.on_error != "continue":
+            raise e
+        self.log(f"WARNING: {e}; training continues (checkpoint.on_error=continue)")
+
+    def _poll(self, wait: bool = False) -> None:
+        try:
+            self.saver.wait() if wait else self.saver.poll()
+        except CheckpointError as e:
+            self._failed(e)
+
     def after_step(self, tr) -> None:
         if self.saver is not None:
-            self.saver.poll()  # a background failure surfaces here, in the training loop
+            self._poll()  # a background failure surfaces here, in the training loop
         if self.root is not None and self.c.interval and tr.step % self.c.interval == 0:
             self.save(tr)
 
     def wait(self) -> None:
         if self.saver is not None:
             before = self.saver.thread is not None
-            self.saver.wait()
+            self._poll(wait=True)
             if before and self.saver.last is not None:
                 self.log(f"checkpoint: saved {self.saver.last} (async)")
 

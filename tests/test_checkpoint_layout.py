@@ -1,0 +1,234 @@
+"""The checkpoint tree and the manifest maths, with no training and no processes: names and their inverses,
+resolve(), the `latest` pointer, who writes each tensor, tiling checks, and pruning."""
+import os
+import random
+
+import pytest
+
+from megalite.checkpoint import layout as L
+from megalite.checkpoint import manifest as mf
+from megalite.checkpoint.layout import CheckpointError
+from megalite.checkpoint.save import prune
+from megalite.parallel.grid import Coord
+
+
+# ---------------------------------------------------------------- names and their inverses
+@pytest.mark.parametrize("c", [Coord(0, 0, 0), Coord(1, 0, 3), Coord(7, 15, 2), Coord(12, 3, 99), Coord(100, 0, 123)])
+def test_coord_dir_round_trip(c):
+    name = L.coord_dir(c)
+    assert name.startswith("tp") and "-pp" in name and "-dp" in name
+    assert L.parse_coord_dir(name) == c
+
+
+def test_coord_dir_format_and_bad_names():
+    assert L.coord_dir(Coord(1, 2, 3)) == "tp01-pp02-dp03"
+    for bad in ("tp1-pp02-dp03", "tp01-pp02", "step_00000001", "tp01-pp02-dp03/x", "TP01-PP02-DP03", ""):
+        with pytest.raises(ValueError):
+            L.parse_coord_dir(bad)
+
+
+@pytest.mark.parametrize("step", [0, 1, 200, 99_999_999, 123_456_789])
+def test_step_dir_round_trip(step):
+    assert L.parse_step_dir(L.step_dir(step)) == step
+
+
+def test_step_dir_rejects_other_names():
+    assert L.step_dir(200) == "step_00000200"
+    for bad in ("step_1", "step_0000001x", "latest", "manifest.json", "tp00-pp00-dp00", L.tmp_dir(5),
+                ".tmp-old-step_00000005"):
+        assert L.parse_step_dir(bad) is None, bad
+    assert L.tmp_dir(5).startswith(L.TMP_PREFIX)
+
+
+def _committed(root, step, manifest=True):
+    d = root / L.step_dir(step)
+    d.mkdir(parents=True)
+    if manifest:
+        (d / L.MANIFEST).write_text("{}")
+    return d
+
+
+def test_committed_steps_only_counts_folders_with_a_manifest(tmp_path):
+    for s in (3, 1, 12):
+        _committed(tmp_path, s)
+    _committed(tmp_path, 7, manifest=False)  # a half-written folder
+    (tmp_path / L.tmp_dir(20)).mkdir()
+    (tmp_path / L.tmp_dir(20) / L.MANIFEST).write_text("{}")  # a commit in progress is not committed
+    (tmp_path / "step_00000030").write_text("a file, not a folder")
+    assert L.committed_steps(tmp_path) == [1, 3, 12]
+    assert L.committed_steps(tmp_path / "missing") == []
+
+
+# ---------------------------------------------------------------- resolve and latest
+def test_resolve_root_and_step_dir(tmp_path):
+    s2, s4 = _committed(tmp_path, 2), _committed(tmp_path, 4)
+    L.write_latest(tmp_path, s2.name)
+    assert L.resolve(tmp_path) == s2  # the root means the step `latest` names, not the newest folder
+    assert L.resolve(str(s4)) == s4  # a step folder means itself
+    L.write_latest(tmp_path, s4.name)
+    assert L.resolve(tmp_path) == s4
+
+
+def test_resolve_errors(tmp_path):
+    with pytest.raises(CheckpointError, match="does not exist"):
+        L.resolve(tmp_path / "nope")
+    (tmp_path / "plain").mkdir()
+    (tmp_path / "plain" / "notes.txt").write_text("hi")
+    with pytest.raises(CheckpointError) as e:
+        L.resolve(tmp_path / "plain")
+    assert "plain" in str(e.value) and "\n" not in str(e.value)
+    root = tmp_path / "root"
+    _committed(root, 1)
+    L.write_latest(root, "step_00000009")  # names a missing folder
+    with pytest.raises(CheckpointError) as e:
+        L.resolve(root)
+    assert "step_00000009" in str(e.value) and "\n" not in str(e.value)
+    _committed(root, 9, manifest=False)  # present, but never committed
+    with pytest.raises(CheckpointError, match="step_00000009"):
+        L.resolve(root)
+    with pytest.raises(CheckpointError):  # a step folder without a manifest is not a checkpoint either
+        L.resolve(root / "step_00000009")
+
+
+def test_write_latest_content_and_replace(tmp_path):
+    L.write_latest(tmp_path, "step_00000002")
+    assert (tmp_path / L.LATEST).read_text() == "step_00000002\n"
+    assert L.read_latest(tmp_path) == "step_00000002"
+    ino = os.stat(tmp_path / L.LATEST).st_ino
+    L.write_latest(tmp_path, "step_00000004")
+    assert L.read_latest(tmp_path) == "step_00000004"
+    assert os.stat(tmp_path / L.LATEST).st_ino != ino  # a new file renamed over, not rewritten in place
+    assert sorted(p.name for p in tmp_path.iterdir()) == [L.LATEST]  # no temporary left behind
+    assert L.read_latest(tmp_path / "elsewhere") is None
+
+
+def test_write_latest_is_atomic_when_the_rename_fails(tmp_path, monkeypatch):
+    L.write_latest(tmp_path, "step_00000002")
+
+    def boom(*a, **k):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(L.os, "replace", boom)
+    with pytest.raises(OSError):
+        L.write_latest(tmp_path, "step_00000004")
+    monkeypatch.undo()
+    assert (tmp_path / L.LATEST).read_text() == "step_00000002\n"  # old pointer intact, never half-written
+
+
+# ---------------------------------------------------------------- who writes what
+def _loads(tensors, owners, tp, dp):
+    load = {(t, d): 0 for t in range(tp) for d in range(dp)}
+    for name, size, replicated in tensors:
+        t, d = owners[name]
+        if replicated:
+            load[(t, d)] += size
+        else:
+            assert t is None
+            for t in range(tp):
+                load[(t, d)] += size // tp
+    return load
+
+
+@pytest.mark.parametrize("tp,dp", [(1, 1), (2, 1), (1, 4), (2, 2), (4, 2), (2, 8)])
+def test_assign_writers_one_owner_each_deterministic_and_balanced(tp, dp):
+    rng = random.Random(tp * 100 + dp)
+    tensors = [(f"t{i}", rng.randint(1, 50_000) * tp, rng.random() < 0.4) for i in range(300)]
+    owners = L.assign_writers(tensors, tp, dp)
+    assert set(owners) == {n for n, _, _ in tensors}  # every tensor exactly one owner (a dict: no duplicates)
+    for name, size, replicated in tensors:
+        t, d = owners[name]
+        assert 0 <= d < dp
+        if replicated:
+            assert t is not None and 0 <= t < tp
+        else:
+            assert t is None  # split: every tp rank writes its own slice, at one dp index
+    shuffled = list(tensors)
+    rng.shuffle(shuffled)
+    assert L.assign_writers(shuffled, tp, dp) == owners  # a pure function: no rank can disagree
+    assert L.assign_writers(iter(tensors), tp, dp) == owners
+    load = _loads(tensors, owners, tp, dp)
+    mean = sum(load.values()) / len(load)
+    assert max(load.values()) <= 1.3 * mean, load
+    if tp * dp > 1:
+        assert min(load.values()) >= 0.7 * mean, load
+
+
+def test_assign_writers_spreads_equal_tensors_over_every_rank():
+    tensors = [(f"w{i}", 1000, True) for i in range(8)]
+    owners = L.assign_writers(tensors, 2, 4)
+    assert sorted(owners.values()) == [(t, d) for t in range(2) for d in range(4)]
+
+
+# ---------------------------------------------------------------- tiling
+def _entry(shape, *slices):
+    return {"shape": list(shape), "slices": [dict(file=f"f{i}", key="k", box=[list(r) for r in s[0]],
+                                                  **({"flat": list(s[1])} if len(s) > 1 else {}))
+                                             for i, s in enumerate(slices)]}
+
+
+def test_tiling_exact_is_fine():
+    assert mf.tiling_problems("w", _entry([8, 4], ([[0, 8], [0, 4]],))) == []
+    assert mf.tiling_problems("w", _entry([8, 4], ([[0, 4], [0, 4]],), ([[4, 8], [0, 4]],))) == []
+    assert mf.tiling_problems("w", _entry([8, 4], ([[0, 8], [2, 4]],), ([[0, 8], [0, 2]],))) == []
+    assert mf.tiling_problems("b", _entry([5], ([[0, 3]],), ([[3, 5]],))) == []
+
+
+def test_tiling_gap():
+    probs = mf.tiling_problems("w", _entry([8, 4], ([[0, 4], [0, 4]],), ([[5, 8], [0, 4]],)))
+    assert probs and all("'w'" in p for p in probs)
+    assert any("gap" in p for p in probs)
+    assert mf.tiling_problems("w", _entry([8, 4])) != []  # nothing stored at all
+
+
+def test_tiling_overlap():
+    probs = mf.tiling_problems("w", _entry([8, 4], ([[0, 5], [0, 4]],), ([[4, 8], [0, 4]],)))
+    assert any("overlap" in p for p in probs), probs
+    probs = mf.tiling_problems("w", _entry([8, 4], ([[0, 8], [0, 4]],), ([[0, 8], [0, 4]],)))
+    assert probs, "the same box stored twice must be reported"
+
+
+def test_tiling_out_of_bounds():
+    assert mf.tiling_problems("w", _entry([8, 4], ([[0, 9], [0, 4]],)))
+    assert mf.tiling_problems("w", _entry([8, 4], ([[0, 8]],)))  # wrong rank
+
+
+def test_tiling_zero1_flat_pieces():
+    box = [[0, 8], [0, 4]]  # 32 elements
+    ok = _entry([8, 4], (box, [0, 11]), (box, [11, 22]), (box, [22, 32]))
+    assert mf.tiling_problems("m", ok) == []
+    gap = _entry([8, 4], (box, [0, 11]), (box, [12, 22]), (box, [22, 32]))
+    assert any("gap" in p for p in mf.tiling_problems("m", gap))
+    overlap = _entry([8, 4], (box, [0, 12]), (box, [11, 22]), (box, [22, 32]))
+    assert any("overlap" in p for p in mf.tiling_problems("m", overlap))
+    short = _entry([8, 4], (box, [0, 11]), (box, [11, 22]))
+    assert mf.tiling_problems("m", short)
+    long = _entry([8, 4], (box, [0, 11]), (box, [11, 33]))
+    assert mf.tiling_problems("m", long)
+    # tp slices each split into ZeRO pieces (tp=2, dp=2)
+    b0, b1 = [[0, 4], [0, 4]], [[4, 8], [0, 4]]
+    assert mf.tiling_problems("m", _entry([8, 4], (b0, [0, 8]), (b0, [8, 16]), (b1, [0, 8]), (b1, [8, 16]))) == []
+    assert mf.tiling_problems("m", _entry([8, 4], (b0, [0, 8]), (b0, [8, 16]), (b1, [0, 8])))
+
+
+# ---------------------------------------------------------------- pruning
+def test_prune_keeps_the_last_n(tmp_path):
+    for s in range(1, 6):
+        _committed(tmp_path, s)
+    L.write_latest(tmp_path, L.step_dir(5))
+    assert sorted(prune(tmp_path, 2)) == [1, 2, 3]
+    assert L.committed_steps(tmp_path) == [4, 5]
+    assert prune(tmp_path, 0) == [] and L.committed_steps(tmp_path) == [4, 5]  # 0 = keep everything
+    assert sorted(prune(tmp_path, 1)) == [4]
+    assert L.committed_steps(tmp_path) == [5]
+    assert L.resolve(tmp_path).name == L.step_dir(5)
+
+
+def test_prune_never_deletes_what_latest_names(tmp_path):
+    for s in range(1, 7):
+        _committed(tmp_path, s)
+    L.write_latest(tmp_path, L.step_dir(2))  # e.g. re-pointed at an older step
+    prune(tmp_path, 2)
+    assert L.committed_steps(tmp_path) == [2, 5, 6]
+    assert L.resolve(tmp_path).name == L.step_dir(2)
+    prune(tmp_path, 1)
+    assert 2 in L.committed_steps(tmp_path) and 6 in L.committed_steps(tmp_path)

@@ -1,0 +1,119 @@
+"""Bit-exact resume: N steps straight == N/2 steps, a new process resuming from the checkpoint, N/2 more.
+Same loss at every step (==) and byte-identical final model, optimizer and state files. Plus the ways
+checkpoint.resume can be given (auto, a step folder, a missing path)."""
+import json
+
+import pytest
+
+from ckpt_helpers import (ckpt_tokens, coord_files, copy_step, losses, ok, same_file, same_step_files,  # noqa: F401
+                          step_names, train, write_toml)
+
+N = 6
+
+
+def _compare_final(straight_root, split_root, step=N):
+    a = straight_root / f"step_{step:08d}"
+    b = split_root / f"step_{step:08d}"
+    fa, fb = coord_files(a), coord_files(b)
+    assert fa.keys() == fb.keys() and len(fa) >= 3
+    differ = [rel for rel in fa if not same_file(a / rel, b / rel)]
+    assert not differ, f"final checkpoint files differ between straight and resumed runs: {differ}"
+    ma, mb = (json.loads((d / "manifest.json").read_text()) for d in (a, b))
+    for key in ("step", "tokens_seen", "layout", "model", "optimizer_state", "optimizer", "data"):
+        assert ma[key] == mb[key], key  # the slices' tensor checksums included
+    assert {k: v["bytes"] for k, v in ma["files"].items()} == {k: v["bytes"] for k, v in mb["files"].items()}
+
+
+def _resume_case(tmp_path, tokens, nproc, *par):
+    cfg = write_toml(tmp_path / "tiny.toml", tokens)
+    common = [f"--train.steps={N}", *par]
+    straight = tmp_path / "straight"
+    ok(train(cfg, *common, f"--checkpoint.dir={straight / 'ck'}", f"--train.out_dir={straight / 'out'}",
+             nproc=nproc))
+    split = tmp_path / "split"
+    args = [*common, f"--checkpoint.dir={split / 'ck'}", f"--train.out_dir={split / 'out'}"]
+    first = ok(train(cfg, *args, f"--train.stop_at_step={N // 2}", nproc=nproc))
+    assert f"stopped by train.stop_at_step at step {N // 2}/{N}" in first.stdout
+    assert step_names(split / "ck") == [f"step_{N // 2:08d}"]
+    assert losses(split / "out") == losses(straight / "out")[:N // 2]
+    second = ok(train(cfg, *args, "--checkpoint.resume=auto", nproc=nproc))
+    assert f"resumed from {split / 'ck' / f'step_{N // 2:08d}'} at step {N // 2} (same layout)" in second.stdout
+    want, got = losses(straight / "out"), losses(split / "out")
+    assert [s for s, _ in want] == list(range(1, N + 1))
+    assert got == want  # exact float equality at every step, the resumed half included
+    _compare_final(straight / "ck", split / "ck")
+
+
+def test_resume_bit_exact_single_process(tmp_path, ckpt_tokens):
+    _resume_case(tmp_path, ckpt_tokens, 1)
+
+
+def test_resume_bit_exact_tp2_pp2_dp2(tmp_path, ckpt_tokens):
+    _resume_case(tmp_path, ckpt_tokens, 8, "--parallel.tp=2", "--parallel.pp=2", "--parallel.dp=2")
+
+
+def test_resume_bit_exact_tp2_pp2_dp2_zero1_async(tmp_path, ckpt_tokens):
+    _resume_case(tmp_path, ckpt_tokens, 8, "--parallel.tp=2", "--parallel.pp=2", "--parallel.dp=2",
+                 "--parallel.zero1=true", "--checkpoint.async=true")
+
+
+# ---------------------------------------------------------------- the forms of checkpoint.resume
+@pytest.fixture(scope="module")
+def base_run(tmp_path_factory, ckpt_tokens):
+    """A single-process run of N steps with a checkpoint every step (steps 1..N committed)."""
+    d = tmp_path_factory.mktemp("base")
+    cfg = write_toml(d / "tiny.toml", ckpt_tokens)
+    ok(train(cfg, f"--train.steps={N}", f"--checkpoint.dir={d / 'ck'}", "--checkpoint.interval=1",
+             f"--train.out_dir={d / 'out'}"))
+    return d
+
+
+def test_resume_path_of_a_step_folder(tmp_path, base_run):
+    step2 = base_run / "ck" / "step_00000002"
+    out, ck = tmp_path / "out", tmp_path / "ck"
+    p = ok(train(base_run / "tiny.toml", f"--train.steps={N}", f"--checkpoint.resume={step2}",
+                 f"--checkpoint.dir={ck}", f"--train.out_dir={out}"))
+    assert f"resumed from {step2} at step 2" in p.stdout
+    got = losses(out)
+    assert [s for s, _ in got] == list(range(3, N + 1))  # a new out_dir: only the steps this run did
+    assert got == losses(base_run / "out")[2:]
+    same_step_files(ck / f"step_{N:08d}", base_run / "ck" / f"step_{N:08d}")
+
+
+def test_resume_path_of_a_root_means_latest(tmp_path, base_run):
+    root = tmp_path / "copy"
+    copy_step(base_run / "ck" / "step_00000004", root)
+    out = tmp_path / "out"
+    p = ok(train(base_run / "tiny.toml", f"--train.steps={N}", f"--checkpoint.resume={root}",
+                 f"--train.out_dir={out}"))
+    assert "at step 4" in p.stdout
+    assert losses(out) == losses(base_run / "out")[4:]
+
+
+@pytest.mark.parametrize("what", ["missing", "not_a_checkpoint"])
+def test_resume_path_that_is_not_a_checkpoint_fails(tmp_path, base_run, what):
+    target = tmp_path / "nope"
+    if what == "not_a_checkpoint":
+        target.mkdir()
+        (target / "readme.txt").write_text("no checkpoint here")
+    out, ck = tmp_path / "out", tmp_path / "ck"
+    p = train(base_run / "tiny.toml", f"--checkpoint.resume={target}", f"--checkpoint.dir={ck}",
+              f"--train.out_dir={out}")
+    assert p.returncode == 2, p.stdout + p.stderr
+    lines = p.stderr.strip().splitlines()
+    assert len(lines) == 1 and "Traceback" not in p.stderr, p.stderr
+    assert "error" in lines[0] and str(target) in lines[0]
+    # it never starts fresh: no step trained, nothing saved
+    assert not (out / "metrics.jsonl").exists()
+    assert not ck.exists() or step_names(ck) == []
+    assert "step " not in p.stdout
+
+
+def test_resume_auto_without_a_checkpoint_starts_fresh(tmp_path, base_run):
+    out, ck = tmp_path / "out", tmp_path / "ck"
+    p = ok(train(base_run / "tiny.toml", f"--train.steps={N}", "--train.stop_at_step=2", "--checkpoint.resume=auto",
+                 f"--checkpoint.dir={ck}", f"--train.out_dir={out}"))
+    assert "starting fresh" in p.stdout or "starts fresh" in p.stdout, p.stdout
+    assert "resumed from" not in p.stdout
+    assert losses(out) == losses(base_run / "out")[:2]
+    assert step_names(ck) == ["step_00000002"]

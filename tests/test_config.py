@@ -1,0 +1,197 @@
+"""Config loading, overrides and validation: every bad value is one ConfigError line naming the field."""
+import os
+import subprocess
+import sys
+
+import pytest
+
+from megalite.config import Config, ConfigError, load_config, num_microbatches, validate
+
+TOML = """
+[model]
+n_layer = 2
+n_head = 4
+n_embd = 32
+block_size = 16
+dropout = 0.1
+
+[parallel]
+tp = 2
+schedule = "afab"
+zero1 = true
+
+[train]
+lr = 1          # an int is fine for a float field
+out_dir = "runs/x"
+
+[checkpoint]
+async = true
+keep_last = 3
+"""
+
+
+@pytest.fixture
+def toml_file(tmp_path):
+    p = tmp_path / "c.toml"
+    p.write_text(TOML)
+    return p
+
+
+def test_defaults():
+    cfg = load_config(None)
+    assert cfg == Config()
+    validate(cfg, world_size=1)
+    assert num_microbatches(cfg) == cfg.train.global_batch_size // cfg.train.micro_batch_size
+
+
+def test_load_toml(toml_file):
+    cfg = load_config(toml_file)
+    assert (cfg.model.n_layer, cfg.model.n_head, cfg.model.n_embd, cfg.model.block_size) == (2, 4, 32, 16)
+    assert cfg.model.dropout == 0.1
+    assert cfg.model.vocab_size == 256  # untouched keys keep their defaults
+    assert cfg.parallel.tp == 2 and cfg.parallel.schedule == "afab" and cfg.parallel.zero1 is True
+    assert cfg.train.lr == 1.0 and isinstance(cfg.train.lr, float)
+    assert cfg.train.out_dir == "runs/x"
+    assert cfg.checkpoint.async_ is True and cfg.checkpoint.keep_last == 3
+    d = cfg.to_dict()
+    assert d["checkpoint"]["async"] is True and "async_" not in d["checkpoint"]
+    assert Config.from_dict(d) == cfg  # round trip
+
+
+def test_overrides_coerce_types(toml_file):
+    cfg = load_config(toml_file, ["--model.n_layer=6", "--train.lr=2e-4", "--parallel.zero1=false",
+                                  "--parallel.schedule=1f1b", "--train.out_dir=runs/y=z", "model.n_head=8",
+                                  "--checkpoint.async=off", "--train.min_lr=0", "--data.auto_prepare=yes"])
+    assert cfg.model.n_layer == 6 and type(cfg.model.n_layer) is int
+    assert cfg.train.lr == 2e-4 and type(cfg.train.lr) is float
+    assert cfg.parallel.zero1 is False
+    assert cfg.parallel.schedule == "1f1b"
+    assert cfg.train.out_dir == "runs/y=z"  # only the first '=' separates key from value
+    assert cfg.model.n_head == 8
+    assert cfg.checkpoint.async_ is False
+    assert cfg.train.min_lr == 0.0 and type(cfg.train.min_lr) is float
+    assert cfg.data.auto_prepare is True
+    for text, want in [("true", True), ("1", True), ("on", True), ("TRUE", True), ("0", False), ("no", False)]:
+        assert load_config(None, [f"--parallel.zero1={text}"]).parallel.zero1 is want
+    # later overrides win; overrides beat the file
+    assert load_config(toml_file, ["--parallel.tp=4", "--parallel.tp=1"]).parallel.tp == 1
+
+
+def _one_line_error(fn, *names):
+    with pytest.raises(ConfigError) as e:
+        fn()
+    msg = str(e.value)
+    assert "\n" not in msg and msg.strip() == msg and msg
+    for name in names:
+        assert name in msg, (name, msg)
+    return msg
+
+
+@pytest.mark.parametrize("overrides,names", [
+    (["--modle.n_layer=2"], ["unknown section", "modle"]),
+    (["--model.n_layers=2"], ["unknown key", "model.n_layers"]),
+    (["--checkpoint.async_=true"], ["unknown key", "checkpoint.async_"]),
+    (["--model.n_layer=four"], ["model.n_layer", "int"]),
+    (["--model.n_layer=2.5"], ["model.n_layer", "int"]),
+    (["--train.lr=fast"], ["train.lr", "float"]),
+    (["--parallel.zero1=maybe"], ["parallel.zero1", "bool"]),
+    (["--model.n_layer"], ["--section.key=value"]),
+    (["--n_layer=3"], ["--section.key=value"]),
+])
+def test_bad_overrides(overrides, names):
+    _one_line_error(lambda: load_config(None, overrides), *names)
+
+
+@pytest.mark.parametrize("body,names", [
+    ("[modle]\nn_layer = 2\n", ["unknown section", "modle"]),
+    ("[train]\nsteps = 10\nlearning_rate = 0.1\n", ["unknown key", "train.learning_rate"]),
+    ('[model]\nn_layer = "four"\n', ["model.n_layer", "four", "int"]),
+    ("[model]\nn_layer = 2.0\n", ["model.n_layer", "float", "int"]),
+    ("[model]\nn_layer = true\n", ["model.n_layer", "bool", "int"]),
+    ('[parallel]\nzero1 = "maybe"\n', ["parallel.zero1", "bool"]),
+    ("[train]\nlr = true\n", ["train.lr", "bool", "float"]),
+    ("[train]\nout_dir = 3\n", ["train.out_dir", "str"]),
+    ("model = 3\n", ["[model]"]),
+    ("[model\nn_layer = 2\n", ["not valid TOML"]),
+])
+def test_bad_toml(tmp_path, body, names):
+    p = tmp_path / "bad.toml"
+    p.write_text(body)
+    msg = _one_line_error(lambda: load_config(p), *names)
+    assert str(p) in msg
+
+
+def test_missing_file(tmp_path):
+    _one_line_error(lambda: load_config(tmp_path / "nope.toml"), "nope.toml", "does not exist")
+
+
+@pytest.mark.parametrize("overrides,world,names", [
+    (["--model.n_layer=0"], 1, ["model.n_layer", "positive"]),
+    (["--parallel.tp=0"], None, ["parallel.tp", "positive"]),
+    (["--parallel.dp=-2"], None, ["parallel.dp", "positive"]),
+    (["--train.micro_batch_size=0"], 1, ["train.micro_batch_size", "positive"]),
+    (["--train.global_batch_size=-16"], 1, ["train.global_batch_size", "positive"]),
+    (["--train.steps=0"], 1, ["train.steps", "positive"]),
+    (["--train.lr=-1e-3"], 1, ["train.lr", "negative"]),
+    (["--train.warmup_steps=-1"], 1, ["train.warmup_steps", "negative"]),
+    (["--checkpoint.keep_last=-1"], 1, ["checkpoint.keep_last", "negative"]),
+    (["--parallel.tp=2", "--parallel.pp=2", "--parallel.dp=2"], 4, ["world size 4", "8"]),
+    (["--parallel.dp=2"], 1, ["world size 1", "2"]),
+    (["--model.n_head=4", "--parallel.tp=3"], 3, ["parallel.tp", "model.n_head"]),
+    (["--model.n_embd=30", "--model.n_head=4"], 1, ["model.n_embd", "model.n_head"]),
+    (["--model.n_layer=2", "--parallel.pp=4"], 4, ["parallel.pp", "model.n_layer"]),
+    (["--train.global_batch_size=12", "--train.micro_batch_size=4", "--parallel.dp=2"], 2,
+     ["train.global_batch_size", "micro_batch_size", "parallel.dp"]),
+    (["--train.global_batch_size=10", "--train.micro_batch_size=4"], 1, ["train.global_batch_size"]),
+    (["--parallel.schedule=gpipe"], 1, ["parallel.schedule", "gpipe"]),
+    (["--train.precision=fp16"], 1, ["train.precision"]),
+    (["--model.dropout=1.0"], 1, ["model.dropout"]),
+    (["--data.val_fraction=0"], 1, ["data.val_fraction"]),
+    (["--train.min_lr=1", "--train.lr=0.1"], 1, ["train.min_lr", "train.lr"]),
+])
+def test_validate_errors(overrides, world, names):
+    cfg = load_config(None, overrides)  # loading accepts any well-typed value
+    _one_line_error(lambda: validate(cfg, world), *names)
+
+
+def test_validate_accepts_good_layouts():
+    for tp, pp, dp in [(1, 1, 1), (2, 2, 2), (4, 2, 1), (1, 4, 2), (2, 1, 4)]:
+        cfg = load_config(None, [f"--parallel.tp={tp}", f"--parallel.pp={pp}", f"--parallel.dp={dp}",
+                                 "--train.global_batch_size=16", "--train.micro_batch_size=2"])
+        assert validate(cfg, tp * pp * dp) is cfg
+        assert num_microbatches(cfg) == 16 // (2 * dp)
+
+
+def _cli(*args, cwd):
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
+        env.pop(k, None)
+    return subprocess.run([sys.executable, "-m", "megalite", *args], cwd=cwd, env=env, capture_output=True,
+                          text=True, timeout=120)
+
+
+@pytest.mark.parametrize("args,names", [
+    (["--parallel.tpp=2"], ["unknown key", "parallel.tpp"]),
+    (["--train.steps=ten"], ["train.steps", "int"]),
+    (["--parallel.tp=2"], ["world size 1"]),
+    (["--model.n_layer"], ["--section.key=value"]),
+    (["bogus"], ["bogus"]),
+])
+def test_cli_config_errors_exit_2_with_one_line(tmp_path, tiny_toml, args, names):
+    r = _cli("train", "--config", str(tiny_toml), *args, cwd=tmp_path)
+    assert r.returncode == 2, r.stderr
+    lines = r.stderr.strip().splitlines()
+    assert len(lines) == 1, r.stderr
+    assert "Traceback" not in r.stderr and lines[0].startswith("megalite")
+    for name in names:
+        assert name in lines[0], (name, lines[0])
+    assert not (tmp_path / "run" / "metrics.jsonl").exists()  # nothing was trained
+
+
+def test_cli_unknown_subcommand_and_missing_config(tmp_path):
+    r = _cli("trian", cwd=tmp_path)
+    assert r.returncode == 2 and "Traceback" not in r.stderr
+    assert len(r.stderr.strip().splitlines()) == 1 and "trian" in r.stderr
+    r = _cli("train", "--config", str(tmp_path / "missing.toml"), cwd=tmp_path)
+    assert r.returncode == 2 and "Traceback" not in r.stderr
+    assert len(r.stderr.strip().splitlines()) == 1 and "missing.toml" in r.stderr
