@@ -1,8 +1,15 @@
 #!/usr/bin/env bash
-# The main demo: a small 3D-parallel training run on 8 CPU processes, (tp, pp, dp) = (2, 2, 2).
+# The main demo, on CPU: train a tiny GPT on 8 processes at (tp, pp, dp) = (2, 2, 2) with sharded
+# checkpoints, look at the checkpoint, convert it to one file, and sample from that file.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 export OMP_NUM_THREADS=${OMP_NUM_THREADS:-1}
 RUN=${RUN:-runs/demo}
+rm -rf "$RUN"
 torchrun --standalone --nproc-per-node 8 -m megalite train --config configs/tiny-cpu.toml \
-    --parallel.tp=2 --parallel.pp=2 --parallel.dp=2 --train.out_dir="$RUN" "$@"
+    --parallel.tp=2 --parallel.pp=2 --parallel.dp=2 \
+    --train.out_dir="$RUN" --checkpoint.dir="$RUN/checkpoints" "$@"
+python3 -m megalite inspect "$RUN/checkpoints" --tree
+python3 -m megalite verify "$RUN/checkpoints"
+python3 -m megalite convert "$RUN/checkpoints" --out "$RUN/model.safetensors"
+python3 -m megalite generate --model "$RUN/model.safetensors" --prompt "def " --max-new-tokens 200 --top-k 20 --seed 1

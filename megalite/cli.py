@@ -14,7 +14,8 @@ EPILOGS = {
     "train": "example:\n  torchrun --nproc-per-node 8 -m megalite train --config configs/tiny-cpu.toml "
              "--parallel.tp=2 --parallel.pp=2 --parallel.dp=2",
     "prepare": "example:\n  megalite prepare ~/books/ notes.txt --out data/mine.bin",
-    "inspect": "example:\n  megalite inspect runs/demo/checkpoints",
+    "inspect": "examples:\n  megalite inspect runs/demo/checkpoints\n  megalite inspect runs/demo/checkpoints --tree",
+    "plot": "example:\n  megalite plot runs/demo runs/resumed --out loss.png",
     "verify": "example:\n  megalite verify runs/demo/checkpoints/step_00000060",
     "convert": "examples:\n  megalite convert runs/demo/checkpoints --out model.safetensors\n"
                "  megalite convert runs/demo/checkpoints --format hf-gpt2 --out gpt2-demo/",
@@ -76,8 +77,14 @@ def _cmd_prepare(args, rest) -> int:
 
 
 def _cmd_inspect(args, rest) -> int:
-    from .checkpoint.verify import inspect
-    print(inspect(args.ckpt))
+    from .checkpoint.verify import inspect, tree
+    print(tree(args.ckpt) if args.tree else inspect(args.ckpt))
+    return 0
+
+
+def _cmd_plot(args, rest) -> int:
+    from .plot import plot
+    print(f"plot: wrote {plot(args.runs, args.out)}")
     return 0
 
 
@@ -156,6 +163,11 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = add("inspect", "describe a checkpoint: step, layout, tensors and bytes per coordinate", _cmd_inspect)
     p.add_argument("ckpt", help="a step folder, or a checkpoint root (the step `latest` names)")
+    p.add_argument("--tree", action="store_true", help="draw the rank-coded tree as the (tp, pp, dp) grid")
+
+    p = add("plot", "train/val loss curves of one or more runs on one chart (needs matplotlib)", _cmd_plot)
+    p.add_argument("runs", nargs="+", metavar="RUN_DIR", help="runs' out_dir folders (with metrics.jsonl)")
+    p.add_argument("--out", default="loss.png")
 
     p = add("convert", "reassemble a checkpoint of any layout into one safetensors file (or an HF GPT-2 "
                        "folder with --format hf-gpt2), one tensor at a time", _cmd_convert)

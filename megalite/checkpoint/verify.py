@@ -5,7 +5,7 @@ import json
 from collections import defaultdict
 from pathlib import Path
 
-from ..parallel.grid import Layout
+from ..parallel.grid import Coord, Layout
 from . import manifest as mf
 from .layout import MODEL_FILE, OPTIM_FILE, STATE_FILE, CheckpointError, coord_dir, parse_coord_dir, resolve
 
@@ -128,3 +128,33 @@ def _h(n: int) -> str:
             return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
         n /= 1024
     return str(n)
+
+
+def tree(path) -> str:
+    """The rank-coded tree drawn as the grid: one row per (pipeline stage, tp rank), one column per dp
+    replica; each cell is the coordinate folder, its global rank, and the bytes it holds."""
+    step = resolve(path)
+    man = mf.read(step)
+    lay = man["layout"]
+    layout = Layout(lay["tp"], lay["pp"], lay["dp"])
+    size = defaultdict(int)
+    for rel, meta in man["files"].items():
+        size[rel.split("/", 1)[0]] += meta["bytes"]
+    layers = defaultdict(set)
+    for name in man["model"]:
+        for sl in man["model"][name]["slices"]:
+            if name.startswith("blocks."):
+                layers[parse_coord_dir(sl["file"].split("/", 1)[0]).pp].add(int(name.split(".")[1]))
+    cell = 34
+    lines = [f"{step}  (tp={layout.tp} pp={layout.pp} dp={layout.dp}; rank = tp + {layout.tp}*(dp + {layout.dp}*pp))",
+             " " * 22 + "".join(f"{'dp' + str(d):<{cell}}" for d in range(layout.dp))]
+    for p in range(layout.pp):
+        ls = sorted(layers[p])
+        label = f"pp{p} layers {ls[0]}-{ls[-1]}" if ls else f"pp{p}"
+        for t in range(layout.tp):
+            row = f"{label if t == 0 else '':<22}"
+            for d in range(layout.dp):
+                c = Coord(t, p, d)
+                row += f"{coord_dir(c) + '  r' + str(layout.rank_of(c)) + '  ' + _h(size[coord_dir(c)]):<{cell}}"
+            lines.append(row.rstrip())
+    return "\n".join(lines)
