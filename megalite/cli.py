@@ -139,6 +139,17 @@ def _cmd_stress(args, rest) -> int:
     return 0 if r["valid_latest"] == r["trials"] == r["resumed_exactly"] else 1
 
 
+def _cmd_bench(args, rest) -> int:
+    if args.what == "ckpt":
+        from .bench.ckpt import bench_ckpt
+        bench_ckpt(size_mb=args.size_mb, world=args.world, repeats=args.repeats, dir=args.dir)
+    else:
+        from .bench.train import bench_train
+        bench_train(steps=args.steps, nproc=args.nproc, n_embd=args.n_embd, n_layer=args.n_layer,
+                    block_size=args.block_size, rounds=args.rounds)
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     ap = _Parser(prog="megalite", description="A small Megatron-style 3D-parallel GPT trainer.")
     ap.add_argument("--version", action="version", version=f"megalite {__version__}")
@@ -207,6 +218,20 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--width", type=int, default=64, help="model n_embd (bigger: longer saves)")
     p.add_argument("--workdir", default=None)
     p.add_argument("--seed", type=int, default=0)
+
+    p = add("bench", "benchmarks: `bench ckpt` (saves/loads vs DCP, torch.save and the disk), `bench train` "
+                     "(vs plain PyTorch, pipeline bubbles, layouts)", _cmd_bench)
+    p.add_argument("what", choices=["ckpt", "train"])
+    p.add_argument("--size-mb", type=float, default=1024, help="ckpt: model + optimizer bytes over all ranks")
+    p.add_argument("--world", type=int, default=4, help="ckpt: gloo processes")
+    p.add_argument("--repeats", type=int, default=3, help="ckpt: repetitions of each measurement")
+    p.add_argument("--dir", default=None, help="ckpt: folder to write in (default: the temp folder)")
+    p.add_argument("--steps", type=int, default=10, help="train: timed steps per measurement")
+    p.add_argument("--nproc", type=int, default=4, help="train: processes for the layout table")
+    p.add_argument("--n-embd", type=int, default=128, help="train: model width")
+    p.add_argument("--n-layer", type=int, default=4, help="train: model depth")
+    p.add_argument("--block-size", type=int, default=128, help="train: sequence length")
+    p.add_argument("--rounds", type=int, default=2, help="train: alternating runs of megalite and plain PyTorch")
 
     p = add("verify", "check every file's size and checksum, every coordinate, and that slices tile each "
                       "tensor; one line per problem, exit 1 if any", _cmd_verify)

@@ -54,7 +54,8 @@ def tiny_cfg(tokens, tp=1, pp=1, dp=1, **overrides) -> Config:
     return cfg
 
 
-def write_toml(path: Path, tokens) -> Path:
+def write_toml(path: Path, tokens, **sections) -> Path:
+    """The tiny config as TOML; sections={"model": {"dropout": 0.1}} overrides keys."""
     def fmt(v):
         if isinstance(v, bool):
             return "true" if v else "false"
@@ -64,6 +65,8 @@ def write_toml(path: Path, tokens) -> Path:
 
     raw = json.loads(json.dumps(TINY))
     raw["data"]["path"] = str(tokens)
+    for section, values in sections.items():
+        raw.setdefault(section, {}).update(values)
     lines = []
     for section, values in raw.items():
         lines.append(f"[{section}]")

@@ -9,6 +9,7 @@ from ckpt_helpers import (ckpt_tokens, coord_files, copy_step, losses, ok, same_
                           step_names, train, write_toml)
 
 N = 6
+DROPOUT = {"dropout": 0.1}  # the runs draw random numbers, so a resume must restore the RNG states too
 
 
 def _compare_final(straight_root, split_root, step=N):
@@ -25,7 +26,7 @@ def _compare_final(straight_root, split_root, step=N):
 
 
 def _resume_case(tmp_path, tokens, nproc, *par):
-    cfg = write_toml(tmp_path / "tiny.toml", tokens)
+    cfg = write_toml(tmp_path / "tiny.toml", tokens, model=DROPOUT)
     common = [f"--train.steps={N}", *par]
     straight = tmp_path / "straight"
     ok(train(cfg, *common, f"--checkpoint.dir={straight / 'ck'}", f"--train.out_dir={straight / 'out'}",
@@ -56,7 +57,7 @@ def test_resume_bit_exact_tp2_pp2_dp2_zero1_async(tmp_path, ckpt_tokens):
     """Two launches instead of three (8 processes are slow on 2 cores): the straight run saves step N/2
     asynchronously while it keeps training (so the staged copy must not see later updates), and a new
     launch resumes from a copy of that step."""
-    cfg = write_toml(tmp_path / "tiny.toml", ckpt_tokens)
+    cfg = write_toml(tmp_path / "tiny.toml", ckpt_tokens, model=DROPOUT)
     common = [f"--train.steps={N}", "--parallel.tp=2", "--parallel.pp=2", "--parallel.dp=2", "--parallel.zero1=true",
               "--checkpoint.async=true"]
     straight = tmp_path / "straight"
@@ -81,7 +82,7 @@ def test_resume_bit_exact_tp2_pp2_dp2_zero1_async(tmp_path, ckpt_tokens):
 def base_run(tmp_path_factory, ckpt_tokens):
     """A single-process run of N steps with a checkpoint every step (steps 1..N committed)."""
     d = tmp_path_factory.mktemp("base")
-    cfg = write_toml(d / "tiny.toml", ckpt_tokens)
+    cfg = write_toml(d / "tiny.toml", ckpt_tokens, model=DROPOUT)
     ok(train(cfg, f"--train.steps={N}", f"--checkpoint.dir={d / 'ck'}", "--checkpoint.interval=1",
              f"--train.out_dir={d / 'out'}"))
     return d

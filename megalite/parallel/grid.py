@@ -123,6 +123,7 @@ class ParallelGrid:
                 group = dist.new_group(members) if len(members) > 1 else None
                 if rank in members:
                     axes[name] = Axis(len(members), members.index(rank), group)
+        axes.setdefault("embed", Axis(1, 0))  # middle pipeline stages hold no embedding copy
         cpu = dist.new_group(backend="gloo")
         aux = dist.new_group(backend="gloo")
         return cls(layout, rank, world=dist.group.WORLD, cpu=cpu, aux=aux, **axes)

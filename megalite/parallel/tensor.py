@@ -205,7 +205,7 @@ class ColumnParallelLinear(nn.Module):
     `stack` > 1 fuses several same-shaped projections (q, k, v) into one weight of global shape
     (stack, out, in), split on the `out` dim: the stored tensor means the same thing at every tp size.
     forward: copy_to_tp on the input (its backward all-reduces the input gradient); output stays split
-    unless gather_output.
+    unless gather_output (only meaningful for stack == 1: a gathered stacked output is ordered per rank).
     """
 
     def __init__(self, in_features: int, out_features: int, tp: Axis, bias: bool = True, stack: int = 1,

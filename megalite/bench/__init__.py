@@ -1,0 +1,134 @@
+"""`megalite bench ckpt|train`: measurements of the checkpoint path and of training throughput.
+
+    ckpt.py    sync/async saves, loads (same layout and resharded), DCP and torch.save baselines,
+               conversion to one file, and the disk's own bandwidth, in one run
+    train.py   megalite vs a plain PyTorch GPT-2, pipeline bubbles per schedule, and a layout table
+
+This module holds the small helpers both share: process memory from /proc, the page cache, tables.
+"""
+from __future__ import annotations
+
+import os
+import shutil
+import statistics
+import subprocess
+from pathlib import Path
+from typing import Iterable, Optional
+
+
+# ---------------------------------------------------------------- memory of this process (Linux /proc)
+def _status(field: str) -> float:
+    """A `/proc/self/status` field in MiB (0 where /proc is unavailable)."""
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith(field + ":"):
+                    return int(line.split()[1]) / 1024
+    except OSError:
+        pass
+    return 0.0
+
+
+def rss_mib() -> float:
+    return _status("VmRSS")
+
+
+def peak_rss_mib() -> float:
+    """The high-water mark of the resident set since the process began or since `reset_peak_rss()`."""
+    return _status("VmHWM")
+
+
+def reset_peak_rss() -> bool:
+    """Reset VmHWM to the current RSS (writing 5 to clear_refs, Linux >= 4.0); False if not possible."""
+    try:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
+        return True
+    except OSError:
+        return False
+
+
+# ---------------------------------------------------------------- the page cache
+def _files(paths: Iterable[Path]) -> list[Path]:
+    out = []
+    for p in paths:
+        p = Path(p)
+        if p.is_file():
+            out.append(p)
+        elif p.is_dir():
+            out += [q for q in p.rglob("*") if q.is_file()]
+    return out
+
+
+def drop_page_cache(paths: Iterable[Path], system: bool = False) -> str:
+    """Make the next reads of `paths` come from the disk; return how ("fadvise", "drop_caches", "none").
+
+    By default each file's pages are written back and evicted with posix_fadvise(DONTNEED): no root
+    needed, and the rest of the machine's cache (other jobs, Python's own modules) stays. With
+    `system=True` the whole cache is dropped where allowed (root, writable /proc/sys)."""
+    files = _files(paths)
+    if system:
+        os.sync()
+        try:
+            with open("/proc/sys/vm/drop_caches", "w") as f:
+                f.write("1\n")
+            return "drop_caches"
+        except OSError:
+            pass
+    if not hasattr(os, "posix_fadvise"):
+        return "none"
+    for p in files:
+        try:
+            fd = os.open(p, os.O_RDONLY)
+        except OSError:
+            continue
+        try:
+            os.fdatasync(fd)
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        finally:
+            os.close(fd)
+    return "fadvise"
+
+
+def resident_bytes(paths: Iterable[Path]) -> Optional[int]:
+    """Bytes of `paths` now in the page cache (util-linux `fincore`), or None if it cannot be told."""
+    files = [str(p) for p in _files(paths)]
+    if not files or not shutil.which("fincore"):
+        return None
+    r = subprocess.run(["fincore", "-b", "-n", "-o", "RES", *files], capture_output=True, text=True)
+    try:
+        return sum(int(x) for x in r.stdout.split())
+    except ValueError:
+        return None
+
+
+CACHE_HOW = {"fadvise": "cold (fdatasync + posix_fadvise(POSIX_FADV_DONTNEED) on every file before every read)",
+             "drop_caches": "cold (sync; echo 1 > /proc/sys/vm/drop_caches before every read)",
+             "none": "WARM (no way to evict it here: read numbers include page-cache hits)"}
+
+
+# ---------------------------------------------------------------- numbers and tables
+def spread(xs: list) -> tuple[float, float, float]:
+    """(median, min, max)."""
+    return statistics.median(xs), min(xs), max(xs)
+
+
+def fmt_bytes(n: Optional[float]) -> str:
+    if not n:
+        return "-"
+    for unit, k in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if n >= k:
+            return f"{n / k:.2f} {unit}"
+    return f"{int(n)} B"
+
+
+def table(headers: list[str], rows: list[list]) -> str:
+    """A plain fixed-width table: first column left-aligned, the others right-aligned."""
+    cells = [[str(c) for c in headers]] + [[("-" if c is None else str(c)) for c in r] for r in rows]
+    widths = [max(len(r[i]) for r in cells) for i in range(len(headers))]
+
+    def line(r):
+        return "  ".join(c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in enumerate(zip(r, widths)))
+
+    sep = "  ".join("-" * w for w in widths)
+    return "\n".join([line(cells[0]), sep] + [line(r) for r in cells[1:]])

@@ -1,0 +1,311 @@
+"""`megalite bench ckpt`: megalite's checkpoint path against DCP, a naive torch.save and the disk itself.
+
+Every rank of a gloo job builds a real GPTStage slice (random weights) and a ShardedAdamW with filled
+moments, sized so that model + moments are about `size_mb` across all ranks. The same tensors (the
+ones megalite's write plan gives each rank, under rank-unique keys) go through every method. Times
+are wall times between barriers (max over ranks); peak RSS is the highest per-rank VmHWM during the
+operation (reset before it), with the growth over the RSS before it in parentheses.
+"""
+from __future__ import annotations
+
+import json
+import math
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Optional
+
+from . import (CACHE_HOW, drop_page_cache, fmt_bytes, peak_rss_mib, reset_peak_rss, resident_bytes, rss_mib, spread,
+               table)
+
+BLOCK, VOCAB, CHUNK = 1024, 256, 16 << 20
+VS_DCP = {"megalite save": "DCP save", "gather + torch.save": "DCP save",
+          "megalite async save: blocked": "DCP async_save: blocked",
+          "megalite async save: until commit": "DCP async_save: until done",
+          "megalite load": "DCP load", "megalite load, resharded": "DCP load", "torch.load (rank 0)": "DCP load",
+          "megalite convert": "dcp_to_torch_save"}
+
+
+def layouts(world: int) -> tuple[tuple, Optional[tuple]]:
+    """(save layout, resharded-load layout): tp=2 x pp=world/2, loaded back at tp=world (or pp=2)."""
+    if world == 1:
+        return (1, 1, 1), None
+    if world % 2:
+        raise ValueError(f"bench ckpt: --world {world} must be 1 or even")
+    return (2, world // 2, 1), ((world, 1, 1) if world > 2 else (1, 2, 1))
+
+
+def model_config(size_mb: float, world: int) -> dict:
+    """A GPT whose weights + two AdamW moments (12 bytes per parameter) come closest to size_mb."""
+    n_head = math.lcm(4, world)
+    n_layer = max(4, world // 2)
+    step = math.lcm(64, n_head)
+    best = min(range(step, 16384 + 1, step), key=lambda c: abs(
+        12 * (n_layer * (12 * c * c + 13 * c) + (VOCAB + BLOCK + 2) * c) - size_mb * 2**20))
+    return dict(n_layer=n_layer, n_head=n_head, n_embd=best, block_size=BLOCK, vocab_size=VOCAB, dropout=0.0)
+
+
+def _write(path: Path, nbytes: int) -> None:
+    buf = os.urandom(CHUNK)
+    with open(path, "wb", buffering=0) as f:
+        left = nbytes
+        while left > 0:
+            left -= f.write(memoryview(buf)[:min(left, CHUNK)])
+        os.fsync(f.fileno())
+
+
+def _read(path: Path) -> None:
+    buf = bytearray(CHUNK)
+    with open(path, "rb", buffering=0) as f:
+        while f.readinto(buf):
+            pass
+
+
+def _du(path: Path) -> int:
+    path = Path(path)
+    return path.stat().st_size if path.is_file() else sum(p.stat().st_size for p in path.rglob("*") if p.is_file())
+
+
+def _state(mcfg, layout, seed: int):
+    """This rank's GPTStage slice (random weights) and a ShardedAdamW with non-zero moments."""
+    import torch
+    from ..model import GPTStage
+    from ..parallel.data import ShardedAdamW
+    from ..parallel.grid import Layout, ParallelGrid
+    grid = ParallelGrid.create(Layout(*layout))
+    model = GPTStage(mcfg, grid)
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.normal_(0.0, 0.02, generator=g)
+    opt = ShardedAdamW(sorted(model.global_parameters(), key=lambda x: x[0]), grid.tp, grid.dp, zero1=False)
+    for m in opt.exp_avg.values():
+        m.normal_(0.0, 1e-3, generator=g)
+    for v in opt.exp_avg_sq.values():
+        v.uniform_(0.0, 1e-6, generator=g)
+    return grid, model, opt
+
+
+def _worker(rank: int, world: int, tmp: str, o: dict) -> None:
+    import torch
+    import torch.distributed as dist
+    import torch.distributed.checkpoint as dcp
+    from ..checkpoint import AsyncSaver, _named, load_checkpoint, save_checkpoint
+    from ..checkpoint.layout import MODEL_FILE
+    from ..checkpoint.save import collect
+    from ..config import ModelConfig
+    root, mcfg, cfgd = Path(o["root"]), ModelConfig(**o["model"]), {"model": o["model"]}
+    grid, model, opt = _state(mcfg, o["save_layout"], rank)
+    other = _state(mcfg, o["reshard_layout"], 100 + rank) if o["reshard_layout"] else None
+    dcp_pg = dist.new_group(backend="gloo")  # DCP's background thread must not share the default group
+    pay = collect(_named(model), opt, grid, {})
+    sd = {f"rank{rank}/{f}/{k}": t for f, ts in pay.files.items() for k, t in ts.items()}
+    rec, nbytes, rss_after, how, resident = {}, {}, {}, ["none"], []
+
+    def reduce_max(values):
+        t = torch.tensor(values, dtype=torch.float64)
+        dist.all_reduce(t, op=dist.ReduceOp.MAX)
+        return t.tolist()
+
+    t = torch.tensor([sum(x.numel() * x.element_size() for x in sd.values())], dtype=torch.float64)
+    dist.all_reduce(t)
+    total = int(t.item())
+
+    def clear(*paths):
+        if rank == 0:
+            for p in paths:
+                shutil.rmtree(p, ignore_errors=True)
+                p.mkdir(parents=True)
+        dist.barrier()
+
+    def timed(op, fn, size=None, cold=None, only0=False, after=None, done=None):
+        if cold is not None and rank == 0:
+            how[0] = drop_page_cache([cold])
+            resident.append(resident_bytes([cold]))
+        dist.barrier()
+        base = rss_mib()
+        reset_peak_rss()
+        t0 = time.perf_counter()
+        if not only0 or rank == 0:
+            fn()
+        t1 = time.perf_counter()
+        if after:
+            after()  # async: the commit, after the caller got control back
+        t2 = time.perf_counter()
+        dist.barrier()
+        t3 = time.perf_counter()
+        blocked, finish, peak, extra = reduce_max([t1 - t0, t2 - t0, peak_rss_mib(), peak_rss_mib() - base])
+        ops = [(op, t3 - t0)] if after is None else [(op + ": blocked", blocked), (done, finish)]
+        for name, secs in ops:
+            rec.setdefault(name, []).append({"s": secs, "rss": peak, "extra": extra})
+            if rank == 0:
+                nbytes[name] = size() if callable(size) else size
+        rss_after.setdefault(ops[-1][0], []).append(reduce_max([rss_mib()])[0])
+
+    saver = AsyncSaver()
+    for i in range(o["repeats"]):
+        disk = root / "disk"
+        clear(disk)
+        timed("disk write, 1 stream", lambda: _write(disk / "one.bin", total), total, only0=True)
+        timed(f"disk write, {world} streams", lambda: _write(disk / f"par{rank}.bin", total // world), total)
+        timed("disk read, 1 stream", lambda: _read(disk / "one.bin"), total, cold=disk, only0=True)
+        timed(f"disk read, {world} streams", lambda: _read(disk / f"par{rank}.bin"), total, cold=disk)
+        clear(disk, root / "ml", root / "ml_async", root / "dcp", root / "dcp_async", root / "ts")
+        timed("megalite save", lambda: save_checkpoint(root / "ml", i + 1, model, opt, grid, config=cfgd),
+              lambda: _du(root / "ml"))
+        timed("megalite load", lambda: load_checkpoint(root / "ml", model, opt, grid, model_config=o["model"]),
+              lambda: _du(root / "ml"), cold=root / "ml")
+        if other:
+            timed("megalite load, resharded", lambda: load_checkpoint(root / "ml", other[1], other[2], other[0],
+                                                                      model_config=o["model"]),
+                  lambda: _du(root / "ml"), cold=root / "ml")
+        timed("megalite async save", lambda: save_checkpoint(root / "ml_async", i + 1, model, opt, grid,
+                                                             config=cfgd, saver=saver),
+              lambda: _du(root / "ml_async"), after=saver.wait, done="megalite async save: until commit")
+        timed("DCP save", lambda: dcp.save(sd, storage_writer=dcp.FileSystemWriter(str(root / "dcp"))),
+              lambda: _du(root / "dcp"))
+        timed("DCP load", lambda: dcp.load(sd, storage_reader=dcp.FileSystemReader(str(root / "dcp"))),
+              lambda: _du(root / "dcp"), cold=root / "dcp")
+        fut = []
+        timed("DCP async_save", lambda: fut.append(dcp.async_save(
+            sd, storage_writer=dcp.FileSystemWriter(str(root / "dcp_async")), process_group=dcp_pg)),
+              lambda: _du(root / "dcp_async"),
+              after=lambda: getattr(fut[-1], "upload_completion", fut[-1]).result(), done="DCP async_save: until done")
+
+        def gather_save():
+            out = [None] * world if rank == 0 else None
+            dist.gather_object(sd, out, dst=0)
+            if rank == 0:
+                merged = {k: v for d in out for k, v in d.items()}
+                with open(root / "ts" / "all.pt", "wb") as f:
+                    torch.save(merged, f)
+                    f.flush()
+                    os.fsync(f.fileno())
+
+        timed("gather + torch.save", gather_save, lambda: _du(root / "ts"))
+        timed("torch.load (rank 0)", lambda: torch.load(root / "ts" / "all.pt"), lambda: _du(root / "ts"),
+              cold=root / "ts", only0=True)
+    shutil.rmtree(root / "dcp_model", ignore_errors=True) if rank == 0 else None
+    dist.barrier()
+    dcp.save({f"rank{rank}/{k}": t for k, t in pay.files[MODEL_FILE].items()},
+             storage_writer=dcp.FileSystemWriter(str(root / "dcp_model")))  # the input of dcp_to_torch_save
+    if rank == 0:
+        (Path(tmp) / "result.json").write_text(json.dumps(
+            {"rec": rec, "bytes": nbytes, "cache": how[0], "rss_after": rss_after, "total": total,
+             "resident": resident}))
+
+
+_CONVERT = r"""
+import json, os, sys, time
+from megalite.bench import peak_rss_mib
+kind, src, out = sys.argv[1:4]
+if kind == "megalite convert":
+    from megalite.convert import convert
+    run = lambda: convert(src, out, force=True, quiet=True)
+else:
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+    def run():  # fsync too, as megalite convert does, so both times are durable writes
+        dcp_to_torch_save(src, out)
+        fd = os.open(out, os.O_RDONLY); os.fsync(fd); os.close(fd)
+base = peak_rss_mib()
+t0 = time.perf_counter(); run(); dt = time.perf_counter() - t0
+print(json.dumps({"s": dt, "rss": peak_rss_mib(), "extra": peak_rss_mib() - base, "base": base}))
+"""
+
+
+def _convert(root: Path, repeats: int, rec: dict, nbytes: dict) -> None:
+    """Each conversion in a fresh interpreter, cold cache, so its VmHWM is the conversion's own."""
+    out = root / "conv"
+    out.mkdir(exist_ok=True)
+    for _ in range(repeats):
+        for kind, src, dst in (("megalite convert", root / "ml", out / "model.safetensors"),
+                               ("dcp_to_torch_save", root / "dcp_model", out / "model.pt")):
+            drop_page_cache([src])
+            r = subprocess.run([sys.executable, "-c", _CONVERT, kind, str(src), str(dst)], capture_output=True,
+                               text=True)
+            if r.returncode:
+                raise RuntimeError(f"bench ckpt: {kind} failed:\n{r.stderr[-3000:]}")
+            rec.setdefault(kind, []).append(json.loads(r.stdout.strip().splitlines()[-1]))
+            nbytes[kind] = dst.stat().st_size
+            dst.unlink()
+
+
+def _rows(rec: dict, nbytes: dict) -> list[dict]:
+    rows = {}
+    for op, runs in rec.items():
+        med, lo, hi = spread([r["s"] for r in runs])
+        b = nbytes.get(op)
+        rows[op] = {"op": op, "bytes": b, "median_s": med, "min_s": lo, "max_s": hi,
+                    "gb_s": (b / med / 1e9) if b and med and not op.endswith("blocked") else None,
+                    "peak_rss_mib": max(r["rss"] for r in runs), "extra_rss_mib": max(r["extra"] for r in runs)}
+    best = {k: max((r["gb_s"] for op, r in rows.items() if op.startswith(f"disk {k}")), default=None)
+            for k in ("write", "read")}
+    for op, r in rows.items():
+        ref = rows.get(VS_DCP.get(op, ""))
+        r["vs_dcp"] = r["median_s"] / ref["median_s"] if ref else None
+        kind = None if op in ("megalite convert", "dcp_to_torch_save") else "read" if "load" in op or \
+            op.startswith("disk read") else "write" if op.endswith(("save", "commit", "done")) or "write" in op else None
+        r["of_disk"] = r["gb_s"] / best[kind] if kind and r["gb_s"] and best[kind] else None
+    order = ["disk", "megalite save", "DCP save", "gather", "megalite async", "DCP async", "megalite load",
+             "DCP load", "torch.load", "megalite convert", "dcp_to"]
+    return sorted(rows.values(), key=lambda r: next(i for i, p in enumerate(order) if r["op"].startswith(p)))
+
+
+def format_rows(rows: list[dict]) -> str:
+    def f(x, spec):
+        return None if x is None else format(x, spec)
+    return table(["operation", "bytes", "median s (min-max)", "GB/s", "peak RSS MiB (+growth)", "vs DCP",
+                  "of disk"],
+                 [[r["op"], fmt_bytes(r["bytes"]), f"{r['median_s']:.3f} ({r['min_s']:.3f}-{r['max_s']:.3f})",
+                   f(r["gb_s"], ".3f"), f"{r['peak_rss_mib']:.0f} (+{r['extra_rss_mib']:.0f})",
+                   f(r["vs_dcp"], ".2f") and f"{r['vs_dcp']:.2f}x", f(r["of_disk"], ".0%")] for r in rows])
+
+
+def bench_ckpt(size_mb: float = 1024, world: int = 4, repeats: int = 3, dir: Optional[str] = None,
+               log=print) -> list[dict]:
+    """Run every measurement; print the table (via `log`) and return its rows."""
+    from ..testing import run_parallel
+    save_layout, reshard_layout = layouts(world)
+    mcfg = model_config(size_mb, world)
+    if dir is not None:
+        Path(dir).mkdir(parents=True, exist_ok=True)
+    root = Path(tempfile.mkdtemp(prefix="megalite-bench-ckpt-", dir=dir))
+    try:
+        opts = {"root": str(root), "model": mcfg, "save_layout": save_layout, "reshard_layout": reshard_layout,
+                "repeats": repeats}
+        run_parallel(_worker, world, tmp_dir=root / "run", args=(opts,))
+        res = json.loads((root / "run" / "result.json").read_text())
+        rec, nbytes = res["rec"], res["bytes"]
+        _convert(root, repeats, rec, nbytes)
+        man = json.loads(next((root / "ml").glob("step_*/manifest.json")).read_text())
+        largest = max(math.prod(e["shape"]) * 4 for e in man["model"].values())
+    finally:
+        shutil.rmtree(root, ignore_errors=True)
+    rows = _rows(rec, nbytes)
+    by = {r["op"]: r for r in rows}
+    lay = "tp={} pp={} dp={}"
+    log(f"bench ckpt: GPT n_layer={mcfg['n_layer']} n_embd={mcfg['n_embd']} n_head={mcfg['n_head']}, "
+        f"model + AdamW moments {fmt_bytes(res['total'])} over {world} gloo ranks, saved at "
+        f"{lay.format(*save_layout)}" + (f", resharded load at {lay.format(*reshard_layout)}" if reshard_layout
+                                         else "") + f", {repeats} repeat(s); largest tensor {fmt_bytes(largest)}")
+    log(format_rows(rows))
+    known = [x for x in res["resident"] if x is not None]
+    log(f"page cache: {CACHE_HOW[res['cache']]}" + (f"; fincore after eviction: at most {fmt_bytes(max(known)) if max(known) else '0 bytes'} "
+        f"of the files resident" if known else ""))
+    for op, xs in res["rss_after"].items():
+        if op.startswith(("megalite", "DCP async")) and "load" not in op:
+            log(f"RSS after each '{op}' (max rank, MiB): {', '.join(f'{x:.0f}' for x in xs)}")
+    blocked, sync = by.get("megalite async save: blocked"), by.get("megalite save")
+    if blocked and sync:
+        log(f"async blocked / sync save: {blocked['median_s'] / sync['median_s']:.1%}")
+    if "megalite load, resharded" in by:
+        log(f"resharded / same-layout load: {by['megalite load, resharded']['median_s'] / by['megalite load']['median_s']:.2f}x")
+    for kind in ("megalite convert", "dcp_to_torch_save"):
+        r = rec[kind][-1]
+        log(f"{kind}: peak RSS {max(x['rss'] for x in rec[kind]):.0f} MiB = {r['base']:.0f} MiB after imports "
+            f"+ {max(x['extra'] for x in rec[kind]):.0f} MiB (largest tensor {fmt_bytes(largest)})")
+    return rows

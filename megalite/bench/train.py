@@ -1,0 +1,346 @@
+"""`megalite bench train`: throughput against plain PyTorch, pipeline bubbles, and a layout table.
+
+1. megalite at tp=pp=dp=1 and `PlainGPT` below (the same GPT-2, written the nanoGPT way, with
+   torch.optim.AdamW), each in a fresh interpreter: tokens/s (median step after warm-up), peak RSS.
+2. Pipeline bubble per schedule: the time a stage spends inside torch.distributed calls during the
+   schedule (blocked receives, send completion) over the schedule's time, averaged over stages, vs
+   (pp-1)/(m+pp-1); and the peak bytes saved for backward (a saved_tensors_hooks counter), per stage.
+3. Every layout of `nproc` processes: tokens/s and the share of step time inside torch.distributed calls.
+All processes run one thread each (the gloo workers of megalite.testing do).
+"""
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from typing import Optional
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from . import table
+
+
+# ---------------------------------------------------------------- the plain PyTorch reference
+class _Attention(nn.Module):
+    def __init__(self, c: int, n_head: int):
+        super().__init__()
+        self.c_attn, self.c_proj, self.n_head = nn.Linear(c, 3 * c), nn.Linear(c, c), n_head
+
+    def forward(self, x):
+        B, T, C = x.shape
+        q, k, v = (t.view(B, T, self.n_head, C // self.n_head).transpose(1, 2)
+                   for t in self.c_attn(x).split(C, dim=2))
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        return self.c_proj(y.transpose(1, 2).contiguous().view(B, T, C))
+
+
+class _Block(nn.Module):
+    def __init__(self, c: int, n_head: int):
+        super().__init__()
+        self.ln_1, self.attn, self.ln_2 = nn.LayerNorm(c), _Attention(c, n_head), nn.LayerNorm(c)
+        self.c_fc, self.c_proj = nn.Linear(c, 4 * c), nn.Linear(4 * c, c)
+
+    def forward(self, x):
+        x = x + self.attn(self.ln_1(x))
+        return x + self.c_proj(F.gelu(self.c_fc(self.ln_2(x)), approximate="tanh"))
+
+
+class PlainGPT(nn.Module):
+    """GPT-2 as in nanoGPT: learned positions, pre-LN blocks, tied LM head, cross-entropy loss."""
+
+    def __init__(self, m):
+        super().__init__()
+        self.wte, self.wpe = nn.Embedding(m.vocab_size, m.n_embd), nn.Embedding(m.block_size, m.n_embd)
+        self.blocks = nn.ModuleList(_Block(m.n_embd, m.n_head) for _ in range(m.n_layer))
+        self.ln_f = nn.LayerNorm(m.n_embd)
+        self.lm_head = nn.Linear(m.n_embd, m.vocab_size, bias=False)
+        self.lm_head.weight = self.wte.weight
+
+    def forward(self, idx, targets):
+        x = self.wte(idx) + self.wpe(torch.arange(idx.shape[1]))
+        for b in self.blocks:
+            x = b(x)
+        logits = self.lm_head(self.ln_f(x))
+        return F.cross_entropy(logits.view(-1, logits.size(-1)), targets.view(-1))
+
+
+def _single(kind: str, raw: dict, steps: int, warmup: int = 2) -> None:
+    """In a fresh interpreter: time `steps` steps of one model; print one JSON line."""
+    import resource
+    from ..config import Config, num_microbatches
+    from ..data import BatchSampler, TokenDataset
+    from ..optim import lr_at
+    from ..parallel.grid import ParallelGrid
+    from ..train import build, train_step
+    torch.set_num_threads(1)
+    cfg = Config.from_dict(raw)
+    t, m = cfg.train, num_microbatches(cfg)
+    if kind == "megalite":
+        tr = build(cfg, ParallelGrid.single(), torch.device("cpu"))
+        step = lambda: train_step(tr)  # noqa: E731
+    else:
+        torch.manual_seed(t.seed)
+        model = PlainGPT(cfg.model)
+        groups = [{"params": [p for p in model.parameters() if p.dim() >= 2], "weight_decay": t.weight_decay},
+                  {"params": [p for p in model.parameters() if p.dim() < 2], "weight_decay": 0.0}]
+        opt = torch.optim.AdamW(groups, lr=t.lr, betas=(t.beta1, t.beta2), eps=1e-8)
+        sampler = BatchSampler(TokenDataset(cfg.data.path, "train"), cfg.model.block_size, t.global_batch_size,
+                               0, 1, t.seed)
+        done = [0]
+
+        def step():
+            for g in opt.param_groups:
+                g["lr"] = lr_at(done[0], t)
+            x, y = sampler.next_batch()
+            opt.zero_grad(set_to_none=True)
+            for xm, ym in zip(x.chunk(m), y.chunk(m)):
+                (model(xm, ym) / m).backward()
+            torch.nn.utils.clip_grad_norm_(model.parameters(), t.grad_clip)
+            opt.step()
+            done[0] += 1
+    times = []
+    for i in range(warmup + steps):
+        t0 = time.perf_counter()
+        step()
+        if i >= warmup:
+            times.append(time.perf_counter() - t0)
+    print(json.dumps({"times": times, "maxrss_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024}))
+
+
+# ---------------------------------------------------------------- instrumentation inside gloo workers
+class _TimedWork:
+    def __init__(self, work, acc):
+        self.work, self.acc = work, acc
+
+    def wait(self, *a, **k):
+        t0 = time.perf_counter()
+        try:
+            return self.work.wait(*a, **k)
+        finally:
+            self.acc[0] += time.perf_counter() - t0
+
+    def __getattr__(self, name):
+        return getattr(self.work, name)
+
+
+def _patch_dist(acc: list) -> None:
+    """Accumulate in acc[0] the seconds spent inside torch.distributed calls (and their waits)."""
+    import torch.distributed as dist
+    for name in ("all_reduce", "all_gather", "broadcast", "send", "recv", "isend", "irecv", "barrier"):
+        def wrapped(*a, _f=getattr(dist, name), **k):
+            t0 = time.perf_counter()
+            try:
+                out = _f(*a, **k)
+            finally:
+                acc[0] += time.perf_counter() - t0
+            return _TimedWork(out, acc) if hasattr(out, "wait") else out
+        setattr(dist, name, wrapped)
+
+
+class _Held:
+    __slots__ = ("t", "key", "owner")
+
+    def __init__(self, t, key, owner):
+        self.t, self.key, self.owner = t, key, owner
+
+    def __del__(self):
+        self.owner.release(self.key)
+
+
+class SavedBytes:
+    """saved_tensors_hooks that count the bytes of distinct non-parameter storages saved for backward."""
+
+    def __init__(self, params):
+        self.params = {p.untyped_storage().data_ptr() for p in params}
+        self.refs, self.size, self.live, self.peak = {}, {}, 0, 0
+
+    def pack(self, t):
+        key = t.untyped_storage().data_ptr()
+        if key in self.params:
+            return t
+        if not self.refs.get(key):
+            self.size[key] = t.untyped_storage().nbytes()
+            self.live += self.size[key]
+            self.peak = max(self.peak, self.live)
+        self.refs[key] = self.refs.get(key, 0) + 1
+        return _Held(t, key, self)
+
+    def unpack(self, h):
+        return h.t if isinstance(h, _Held) else h
+
+    def release(self, key):
+        self.refs[key] -= 1
+        if not self.refs[key]:
+            self.live -= self.size.pop(key)
+
+
+def _raw(o: dict, layout, micro: int, batch: int, schedule: str = "1f1b") -> dict:
+    tp, pp, dp = layout
+    return {"model": o["model"], "parallel": {"tp": tp, "pp": pp, "dp": dp, "schedule": schedule},
+            "train": {"global_batch_size": batch, "micro_batch_size": micro, "steps": 1000, "warmup_steps": 10,
+                      "eval_batches": 1, "out_dir": o["work"]},
+            "data": {"path": o["data"]}}
+
+
+def _worker(rank: int, world: int, tmp: str, o: dict) -> None:
+    import torch.distributed as dist
+    from ..config import Config
+    from ..parallel.grid import Layout, ParallelGrid
+    from ..parallel.pipeline import SCHEDULES
+    from ..train import build, train_step
+    acc = [0.0]
+    _patch_dist(acc)
+    out = {"bubble": [], "layouts": []}
+    if o["bubble"]:
+        grid = ParallelGrid.create(Layout(1, world, 1))
+        for sched in ("1f1b", "afab"):
+            for m in o["ms"]:
+                tr = build(Config.from_dict(_raw(o, (1, world, 1), o["micro"], o["micro"] * m, sched)), grid,
+                           torch.device("cpu"))
+                inner, spent = SCHEDULES[sched], [0.0, 0.0]
+
+                def timed(*a, _inner=inner, **k):
+                    c0, t0 = acc[0], time.perf_counter()
+                    r = _inner(*a, **k)
+                    spent[0] += time.perf_counter() - t0
+                    spent[1] += acc[0] - c0
+                    return r
+
+                SCHEDULES[sched] = timed
+                try:
+                    train_step(tr)  # warm-up
+                    spent[:] = [0.0, 0.0]
+                    for _ in range(o["steps"]):
+                        train_step(tr)
+                    sched_s, idle_s = spent
+                    mem = SavedBytes([p for _, p in tr.params])
+                    with torch.autograd.graph.saved_tensors_hooks(mem.pack, mem.unpack):
+                        train_step(tr)
+                finally:
+                    SCHEDULES[sched] = inner
+                out["bubble"].append({"pp": world, "m": m, "schedule": sched, "stage": grid.coord.pp,
+                                      "idle": idle_s / sched_s, "sched_ms": sched_s / o["steps"] * 1000,
+                                      "act_peak": mem.peak})
+    for lay in o["layouts"]:
+        grid = ParallelGrid.create(Layout(*lay))
+        tr = build(Config.from_dict(_raw(o, lay, o["micro"], o["batch"])), grid, torch.device("cpu"))
+        train_step(tr)
+        times, comm = [], []
+        for _ in range(o["steps"]):
+            c0, t0 = acc[0], time.perf_counter()
+            train_step(tr)
+            times.append(time.perf_counter() - t0)
+            comm.append(acc[0] - c0)
+        out["layouts"].append({"layout": list(lay), "times": times, "comm": comm})
+    everyone = [None] * world
+    dist.all_gather_object(everyone, out)
+    if rank == 0:
+        with open(os.path.join(tmp, f"train-{world}.json"), "w") as f:
+            json.dump(everyone, f)
+
+
+# ---------------------------------------------------------------- the driver
+def layouts_of(world: int, n_head: int, n_layer: int, batch: int, micro: int) -> list[tuple]:
+    out = []
+    for dp in sorted((d for d in range(1, world + 1) if world % d == 0), reverse=True):
+        for tp in (t for t in range(1, world // dp + 1) if (world // dp) % t == 0):
+            pp = world // (dp * tp)
+            if n_head % tp == 0 and pp <= n_layer and batch % (micro * dp) == 0:
+                out.append((tp, pp, dp))
+    return out
+
+
+def _run_single(kind, raw, steps) -> dict:
+    code = ("import json, sys; from megalite.bench.train import _single; "
+            "_single(sys.argv[1], json.loads(sys.argv[2]), int(sys.argv[3]))")
+    r = subprocess.run([sys.executable, "-c", code, kind, json.dumps(raw), str(steps)], capture_output=True,
+                       text=True, env=dict(os.environ, OMP_NUM_THREADS="1"))
+    if r.returncode:
+        raise RuntimeError(f"bench train: the {kind} run failed:\n{r.stderr[-3000:]}")
+    return json.loads(r.stdout.strip().splitlines()[-1])
+
+
+def bench_train(steps: int = 10, nproc: int = 4, n_embd: int = 128, n_layer: int = 4, n_head: int = 4,
+                block_size: int = 128, batch: int = 16, micro: int = 4, ms=(2, 4, 8), rounds: int = 2,
+                workdir: Optional[str] = None, log=print) -> dict:
+    """Run the three benchmarks; print their tables (via `log`) and return them as lists of dicts."""
+    from ..data import default_corpus_files, prepare
+    from ..testing import run_parallel
+    work = tempfile.mkdtemp(prefix="megalite-bench-train-", dir=workdir)
+    try:
+        data = os.path.join(work, "tok.bin")
+        prepare(default_corpus_files(max_bytes=300_000), data, log=lambda *a: None)
+        model = dict(n_layer=n_layer, n_head=n_head, n_embd=n_embd, block_size=block_size, vocab_size=256,
+                     dropout=0.0)
+        o = {"model": model, "data": data, "work": work, "steps": steps, "micro": micro, "batch": batch,
+             "ms": list(ms), "bubble": True, "layouts": []}
+        runs = {"megalite": [], "plain": []}
+        for _ in range(rounds):  # alternate the two, pool the step times: drifts in machine speed hit both
+            for kind in ("plain", "megalite"):
+                runs[kind].append(_run_single(kind, _raw(o, (1, 1, 1), micro, batch), steps))
+        pps = sorted({p for p in (2, 4) if p <= min(nproc, n_layer)} | ({nproc} if 2 < nproc <= n_layer else set()))
+        results = {}
+        for w in sorted(set(pps) | {nproc}):
+            lays = layouts_of(w, n_head, n_layer, batch, micro) if w == nproc else []
+            run_parallel(_worker, w, tmp_dir=work, args=({**o, "bubble": w in pps, "layouts": lays},))
+            with open(os.path.join(work, f"train-{w}.json")) as f:
+                results[w] = json.load(f)
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+    tokens = batch * block_size
+    single = []
+    for kind in ("plain", "megalite"):
+        med = statistics.median(t for r in runs[kind] for t in r["times"])
+        single.append({"model": kind, "tokens_per_s": tokens / med, "ms_per_step": med * 1000,
+                       "peak_rss_mib": max(r["maxrss_mib"] for r in runs[kind])})
+    single[1]["vs_plain"] = single[1]["tokens_per_s"] / single[0]["tokens_per_s"]
+    bubble = []
+    for w in pps:
+        per = [x for rank in results[w] for x in rank["bubble"]]
+        for sched in ("1f1b", "afab"):
+            for m in ms:
+                rows = sorted((x for x in per if x["schedule"] == sched and x["m"] == m), key=lambda x: x["stage"])
+                bubble.append({"pp": w, "m": m, "schedule": sched, "idle": statistics.mean(x["idle"] for x in rows),
+                               "theory": (w - 1) / (m + w - 1), "sched_ms": max(x["sched_ms"] for x in rows),
+                               "in_flight": min(w, m) if sched == "1f1b" else m,
+                               "act_peak_mib": [x["act_peak"] / 2**20 for x in rows]})
+    layouts = []
+    for i, lay in enumerate(layouts_of(nproc, n_head, n_layer, batch, micro)):
+        ranks = [rank["layouts"][i] for rank in results[nproc]]
+        step = statistics.median(max(r["times"][s] for r in ranks) for s in range(steps))
+        comm = statistics.mean(sum(r["comm"]) / sum(r["times"]) for r in ranks)
+        layouts.append({"layout": tuple(lay), "micro_batches": batch // (micro * lay[2]), "tokens_per_s": tokens / step,
+                        "ms_per_step": step * 1000, "comm_frac": comm})
+    out = {"single": single, "bubble": bubble, "layouts": layouts}
+    log(format_tables(out, model, batch, micro, steps))
+    return out
+
+
+def format_tables(out: dict, model: dict, batch: int, micro: int, steps: int) -> str:
+    s = [f"bench train: GPT {model}, global batch {batch} x {model['block_size']} tokens, micro-batch {micro}, "
+         f"{steps} timed steps after warm-up, 1 thread per process on {os.cpu_count()} cores", "",
+         "1. megalite (1,1,1) vs plain PyTorch (nanoGPT-style, torch.optim.AdamW), fresh process each"]
+    s.append(table(["model", "tokens/s", "ms/step (median)", "peak RSS MiB"],
+                   [[r["model"], f"{r['tokens_per_s']:,.0f}", f"{r['ms_per_step']:.1f}", f"{r['peak_rss_mib']:.0f}"]
+                    for r in out["single"]]))
+    s.append(f"megalite / plain tokens/s: {out['single'][1]['vs_plain']:.3f}")
+    s += ["", "2. pipeline bubble: idle = time in torch.distributed calls / schedule time, mean over stages; "
+              "activations = peak bytes saved for backward per stage (stage 0 first)"]
+    s.append(table(["pp", "m", "schedule", "idle measured", "theory", "diff", "ms/schedule", "in flight (st.0)",
+                    "saved activations MiB per stage"],
+                   [[r["pp"], r["m"], r["schedule"], f"{r['idle']:.1%}", f"{r['theory']:.1%}",
+                     f"{r['idle'] - r['theory']:+.1%}", f"{r['sched_ms']:.1f}", r["in_flight"],
+                     " / ".join(f"{x:.1f}" for x in r["act_peak_mib"])] for r in out["bubble"]]))
+    s += ["", "3. layouts: comm = share of step time inside torch.distributed calls (mean over ranks)"]
+    s.append(table(["tp,pp,dp", "micro-batches", "tokens/s", "ms/step", "comm", "compute+other"],
+                   [[",".join(map(str, r["layout"])), r["micro_batches"], f"{r['tokens_per_s']:,.0f}",
+                     f"{r['ms_per_step']:.1f}", f"{r['comm_frac']:.1%}", f"{1 - r['comm_frac']:.1%}"]
+                    for r in out["layouts"]]))
+    return "\n".join(s)

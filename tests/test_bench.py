@@ -1,0 +1,34 @@
+"""`megalite bench ckpt|train` run end to end at a tiny size and print their tables (timings are not checked)."""
+from __future__ import annotations
+
+import subprocess
+import sys
+
+
+def _run(*args, cwd) -> str:
+    r = subprocess.run([sys.executable, "-m", "megalite", "bench", *args], capture_output=True, text=True, cwd=cwd,
+                       timeout=300)
+    assert r.returncode == 0, r.stderr[-4000:]
+    return r.stdout
+
+
+def test_bench_ckpt_prints_its_table(tmp_path):
+    out = _run("ckpt", "--size-mb", "8", "--world", "2", "--repeats", "1", "--dir", str(tmp_path), cwd=tmp_path)
+    assert "operation" in out and "median s (min-max)" in out and "vs DCP" in out and "of disk" in out
+    for op in ("disk write, 1 stream", "disk read, 2 streams", "megalite save", "megalite load",
+               "megalite load, resharded", "megalite async save: blocked", "megalite async save: until commit",
+               "DCP save", "DCP load", "DCP async_save: blocked", "gather + torch.save", "torch.load (rank 0)",
+               "megalite convert", "dcp_to_torch_save"):
+        assert f"\n{op} " in out, op
+    assert "page cache:" in out
+    assert list(tmp_path.iterdir()) == [], "the benchmark leaves nothing behind"
+
+
+def test_bench_train_prints_its_tables(tmp_path):
+    out = _run("train", "--steps", "2", "--nproc", "2", "--n-embd", "32", "--block-size", "32", "--rounds", "1",
+               cwd=tmp_path)
+    assert "megalite / plain tokens/s" in out
+    for header in ("tokens/s", "idle measured", "theory", "saved activations", "tp,pp,dp", "comm"):
+        assert header in out, header
+    for row in ("\nplain ", "\nmegalite ", "1f1b", "afab", "\n1,1,2 ", "\n1,2,1 ", "\n2,1,1 "):
+        assert row in out, row

@@ -1,0 +1,279 @@
+"""What goes wrong in real life: a rank killed mid-save, corrupted or truncated files, preemption by
+SIGTERM, pruning, mismatched configs and format versions, stale temporary folders, a rank that cannot
+write. The checkpoint `latest` names must always be whole, and every refusal is one line naming the cause."""
+import errno
+import json
+import os
+import random
+import re
+import shutil
+import signal
+import time
+from pathlib import Path
+
+import pytest
+
+from ckpt_helpers import (ckpt_tokens, cli, copy_step, kill_tree, losses, metrics, ok, popen_train,  # noqa: F401
+                          step_names, tiny_cfg, train, wait_for, write_toml, children)
+from megalite.checkpoint.layout import committed_steps, read_latest
+from megalite.checkpoint.manifest import FORMAT_VERSION
+from megalite.testing import run_parallel
+
+MODEL = "tp00-pp00-dp00/model.safetensors"
+OPTIM = "tp00-pp00-dp00/optimizer.safetensors"
+
+
+def _tmp_dirs(root: Path) -> list:
+    return sorted(p.name for p in Path(root).glob(".tmp-*")) if Path(root).exists() else []
+
+
+def _one_line_error(p) -> str:
+    assert p.returncode == 2, f"exit {p.returncode}\n{p.stdout}\n{p.stderr}"
+    assert "Traceback" not in p.stderr, p.stderr
+    lines = p.stderr.strip().splitlines()
+    assert len(lines) == 1, p.stderr
+    return lines[0]
+
+
+# ---------------------------------------------------------------- a single-process checkpoint to damage
+@pytest.fixture(scope="module")
+def base(tmp_path_factory, ckpt_tokens):
+    """Steps 1 and 2 of a single-process run, both committed."""
+    d = tmp_path_factory.mktemp("faults-base")
+    cfg = write_toml(d / "tiny.toml", ckpt_tokens)
+    ok(train(cfg, "--train.steps=6", "--train.stop_at_step=2", f"--checkpoint.dir={d / 'ck'}",
+             "--checkpoint.interval=1", f"--train.out_dir={d / 'out'}"))
+    assert step_names(d / "ck") == ["step_00000001", "step_00000002"]
+    return d
+
+
+@pytest.fixture
+def damaged(tmp_path, base):
+    """A private copy of step 2 (as a root whose `latest` names it) to corrupt."""
+    return copy_step(base / "ck" / "step_00000002", tmp_path / "ck")
+
+
+def _resume(base, path, tmp_path, *extra):
+    return train(base / "tiny.toml", "--train.steps=6", f"--checkpoint.resume={path}",
+                 f"--checkpoint.dir={tmp_path / 'new-ck'}", f"--train.out_dir={tmp_path / 'new-out'}", *extra)
+
+
+def test_intact_checkpoint_verifies(base):
+    p = cli("verify", str(base / "ck"))
+    assert p.returncode == 0 and "step_00000002" in p.stdout, p.stdout + p.stderr
+    p = cli("inspect", str(base / "ck" / "step_00000001"))
+    assert p.returncode == 0 and "tp00-pp00-dp00" in p.stdout and "step 1" in p.stdout, p.stdout + p.stderr
+
+
+def test_flipped_byte_is_caught_by_verify_and_resume(tmp_path, base, damaged):
+    f = damaged / MODEL
+    data = bytearray(f.read_bytes())
+    data[-3] ^= 0x40  # inside the tensor data, not the header: the file still parses
+    f.write_bytes(bytes(data))
+    p = cli("verify", str(damaged))
+    assert p.returncode == 1, p.stdout + p.stderr
+    problems = p.stdout.strip().splitlines()
+    assert problems and all(MODEL in line for line in problems), problems
+    assert OPTIM not in p.stdout
+    line = _one_line_error(_resume(base, damaged, tmp_path))
+    assert MODEL in line and "checksum" in line, line
+    assert not (tmp_path / "new-out" / "metrics.jsonl").exists()
+
+
+@pytest.mark.parametrize("victim", [MODEL, OPTIM])
+def test_truncated_file_is_caught_by_verify_and_resume(tmp_path, base, damaged, victim):
+    f = damaged / victim
+    data = f.read_bytes()
+    f.write_bytes(data[: len(data) // 2])
+    p = cli("verify", str(damaged.parent))  # the root: the step `latest` names
+    assert p.returncode == 1, p.stdout + p.stderr
+    assert victim in p.stdout, p.stdout
+    other = OPTIM if victim == MODEL else MODEL
+    assert other not in p.stdout
+    line = _one_line_error(_resume(base, damaged.parent, tmp_path))
+    assert victim in line, line
+    assert not (tmp_path / "new-out" / "metrics.jsonl").exists()
+
+
+def test_missing_coordinate_folder_is_caught(tmp_path, base, damaged):
+    shutil.rmtree(damaged / "tp00-pp00-dp00")
+    p = cli("verify", str(damaged))
+    assert p.returncode == 1 and "tp00-pp00-dp00" in p.stdout, p.stdout + p.stderr
+    line = _one_line_error(_resume(base, damaged, tmp_path))
+    assert "tp00-pp00-dp00" in line, line
+
+
+def test_different_model_config_is_refused_naming_each_field(tmp_path, base):
+    line = _one_line_error(_resume(base, base / "ck", tmp_path, "--model.n_layer=2", "--model.n_embd=64"))
+    assert re.search(r"n_layer\D+4\D+2\b", line), line  # the checkpoint's value, then this run's
+    assert re.search(r"n_embd\D+32\D+64\b", line), line
+    for same in ("n_head", "block_size", "vocab_size"):
+        assert same not in line, line
+    assert not (tmp_path / "new-out" / "metrics.jsonl").exists()
+
+
+def test_newer_format_version_is_refused_naming_both(tmp_path, base, damaged):
+    path = damaged / "manifest.json"
+    man = json.loads(path.read_text())
+    assert man["format_version"] == FORMAT_VERSION
+    man["format_version"] = 99
+    path.write_text(json.dumps(man))
+    line = _one_line_error(_resume(base, damaged, tmp_path))
+    assert "99" in line and re.search(rf"version\D{{0,3}}{FORMAT_VERSION}\b", line), line
+    p = cli("verify", str(damaged))
+    assert p.returncode == 1 and "99" in p.stdout, p.stdout + p.stderr
+
+
+# ---------------------------------------------------------------- keep_last and stale folders
+def test_keep_last_leaves_the_last_two(tmp_path, ckpt_tokens):
+    cfg = write_toml(tmp_path / "tiny.toml", ckpt_tokens)
+    root = tmp_path / "ck"
+    p = ok(train(cfg, "--train.steps=5", f"--checkpoint.dir={root}", "--checkpoint.interval=1",
+                 "--checkpoint.keep_last=2", f"--train.out_dir={tmp_path / 'out'}"))
+    assert p.stdout.count("checkpoint: saved") == 5
+    assert step_names(root) == ["step_00000004", "step_00000005"]
+    assert read_latest(root) == "step_00000005"
+    assert _tmp_dirs(root) == []
+    for s in step_names(root):
+        assert cli("verify", str(root / s)).returncode == 0
+    # keep_last=1 on a resumed run keeps exactly the newest, which `latest` names
+    ok(train(cfg, "--train.steps=6", f"--checkpoint.dir={root}", "--checkpoint.keep_last=1",
+             "--checkpoint.resume=auto", f"--train.out_dir={tmp_path / 'out'}"))
+    assert step_names(root) == ["step_00000006"] and read_latest(root) == "step_00000006"
+
+
+def test_stale_tmp_folder_is_removed_by_the_next_save(tmp_path, base):
+    root = tmp_path / "ck"
+    copy_step(base / "ck" / "step_00000002", root)
+    for stale in (".tmp-step_00000003", ".tmp-step_00000099", ".tmp-old-step_00000002"):
+        (root / stale / "tp00-pp00-dp00").mkdir(parents=True)
+        (root / stale / "tp00-pp00-dp00" / "model.safetensors").write_bytes(b"half a file")
+    p = ok(train(base / "tiny.toml", "--train.steps=6", "--train.stop_at_step=3", f"--checkpoint.dir={root}",
+                 "--checkpoint.resume=auto", f"--train.out_dir={tmp_path / 'out'}"))
+    assert "at step 2" in p.stdout
+    assert _tmp_dirs(root) == []
+    assert step_names(root) == ["step_00000002", "step_00000003"] and read_latest(root) == "step_00000003"
+    assert cli("verify", str(root)).returncode == 0
+
+
+# ---------------------------------------------------------------- processes killed and preempted
+def test_sigkill_of_a_rank_during_a_save(tmp_path, ckpt_tokens):
+    cfg = write_toml(tmp_path / "tiny.toml", ckpt_tokens)
+    root = tmp_path / "ck"
+    args = ["--parallel.tp=2", "--parallel.dp=2", "--train.steps=400", f"--checkpoint.dir={root}",
+            "--checkpoint.interval=1", "--checkpoint.keep_last=3", f"--train.out_dir={tmp_path / 'out'}"]
+    seed = random.randrange(1 << 30)
+    rng = random.Random(seed)
+    proc = popen_train(cfg, *args, nproc=4)
+    try:
+        assert wait_for(lambda: (root / "latest").exists(), 150, 0.05), "no checkpoint was ever committed"
+        time.sleep(rng.uniform(0, 0.5))
+        # kill while a save is in progress if we can see one (saves every step), else wherever we are
+        in_save = wait_for(lambda: bool(_tmp_dirs(root)), 10, 0.001)
+        workers = children(proc.pid)
+        assert len(workers) == 4, workers
+        victim = rng.choice(workers)
+        os.kill(victim, signal.SIGKILL)
+        out, _ = proc.communicate(timeout=150)
+    finally:
+        kill_tree(proc)
+    note = f"(seed {seed}, killed pid {victim}, during a save: {in_save})"
+    assert proc.returncode != 0, note + out[-3000:]
+    latest = read_latest(root)
+    assert latest and (root / latest / "manifest.json").is_file(), note
+    assert committed_steps(root) == [int(s[5:]) for s in step_names(root)], note  # no half-committed step
+    p = cli("verify", str(root))
+    assert p.returncode == 0, note + p.stdout + p.stderr
+    k = int(latest[5:])
+    # a fresh launch resumes from it, removes any stale temporary folder, and completes
+    p = ok(train(cfg, *args, "--checkpoint.resume=auto", f"--train.stop_at_step={k + 1}", nproc=4))
+    assert f"resumed from {root / latest} at step {k} (same layout)" in p.stdout, note
+    assert read_latest(root) == f"step_{k + 1:08d}" and _tmp_dirs(root) == [], note
+    assert cli("verify", str(root)).returncode == 0, note
+    assert [r["step"] for r in metrics(tmp_path / "out")][-1] == k + 1
+
+
+def test_sigterm_to_every_worker_saves_and_exits_cleanly(tmp_path, ckpt_tokens):
+    """What a scheduler's preemption does: SIGTERM to every process of the job (here 2 pipeline stages,
+    with async saves); the ranks agree on a step, save it, and exit 0."""
+    cfg = write_toml(tmp_path / "tiny.toml", ckpt_tokens)
+    root, out = tmp_path / "ck", tmp_path / "out"
+    proc = popen_train(cfg, "--parallel.pp=2", "--train.steps=400", f"--checkpoint.dir={root}",
+                       "--checkpoint.async=true", f"--train.out_dir={out}", nproc=2)
+    try:
+        assert wait_for(lambda: (out / "metrics.jsonl").exists() and len(metrics(out)) >= 2, 150, 0.05)
+        for pid in children(proc.pid):
+            os.kill(pid, signal.SIGTERM)
+        text, _ = proc.communicate(timeout=150)
+    finally:
+        kill_tree(proc)
+    assert proc.returncode == 0, text[-3000:]
+    m = re.search(r"stopped by SIGTERM at step (\d+)/400", text)
+    assert m, text[-3000:]
+    k = int(m[1])
+    assert 2 <= k < 400
+    assert read_latest(root) == f"step_{k:08d}" and step_names(root) == [f"step_{k:08d}"]
+    assert [r["step"] for r in metrics(out)][-1] == k
+    p = cli("verify", str(root))
+    assert p.returncode == 0, p.stdout + p.stderr
+
+
+# ---------------------------------------------------------------- a rank that cannot write
+def _failing_writer(rank, world_size, tmp_dir, tokens):
+    import torch
+    import torch.distributed as dist
+    from megalite.checkpoint import AsyncSaver, CheckpointError, save_checkpoint
+    from megalite.checkpoint import save as save_mod
+    from megalite.checkpoint.verify import verify
+    from megalite.parallel.grid import Layout, ParallelGrid
+    from megalite.train import build, train_step
+
+    grid = ParallelGrid.create(Layout(1, 1, 2))
+    tr = build(tiny_cfg(tokens, dp=2), grid, torch.device("cpu"))
+    root = Path(tmp_dir) / "ck"
+    train_step(tr)
+    assert save_checkpoint(root, 1, tr.model, tr.optimizer, grid) == root / "step_00000001"
+    train_step(tr)
+    real = save_mod.write_rank
+
+    def failing(folder, pay, rel):
+        if rank == 1:
+            raise OSError(errno.ENOSPC, "No space left on device")
+        return real(folder, pay, rel)
+
+    def same_everywhere(msg):
+        msgs = [None] * world_size
+        dist.all_gather_object(msgs, msg)
+        assert len(set(msgs)) == 1, msgs
+
+    def unchanged():
+        dist.barrier()
+        assert read_latest(root) == "step_00000001"
+        assert committed_steps(root) == [1]
+        assert _tmp_dirs(root) == []
+        assert verify(root)[1] == []
+
+    save_mod.write_rank = failing
+    try:
+        with pytest.raises(CheckpointError) as e:
+            save_checkpoint(root, 2, tr.model, tr.optimizer, grid)
+        msg = str(e.value)
+        same_everywhere(msg)
+        assert "\n" not in msg and "step 2" in msg and "rank 1" in msg and "No space left" in msg, msg
+        unchanged()
+        saver = AsyncSaver()  # the same failure from a background save surfaces at wait()
+        assert save_checkpoint(root, 2, tr.model, tr.optimizer, grid, saver=saver) is None
+        with pytest.raises(CheckpointError) as e:
+            saver.wait()
+        same_everywhere(str(e.value))
+        assert "rank 1" in str(e.value)
+        unchanged()
+    finally:
+        save_mod.write_rank = real
+    assert save_checkpoint(root, 2, tr.model, tr.optimizer, grid) == root / "step_00000002"  # disk is back
+    dist.barrier()
+    assert read_latest(root) == "step_00000002" and verify(root)[1] == []
+
+
+def test_a_rank_that_cannot_write_fails_the_save_everywhere(tmp_path, ckpt_tokens):
+    run_parallel(_failing_writer, 2, tmp_path, args=(str(ckpt_tokens),))

@@ -1,0 +1,269 @@
+"""Converter errors: one line naming what is wrong, CLI exit 2 without a traceback, and nothing written
+(no output, no temporary leftovers next to --out, the source untouched)."""
+from __future__ import annotations
+
+import json
+import shutil
+
+import pytest
+from safetensors import safe_open
+from safetensors.torch import load_file, save_file
+
+import convert_helpers as H
+from megalite.checkpoint import CheckpointError
+from megalite.checkpoint import manifest as mf
+from megalite.checkpoint.layout import resolve
+from megalite.convert import ConvertError, convert, reshard, split
+
+
+@pytest.fixture(scope="module")
+def run111(tmp_path_factory):
+    return H.trained_111(tmp_path_factory)
+
+
+@pytest.fixture(scope="module")
+def model_file(tmp_path_factory):
+    return H.model_file(tmp_path_factory)
+
+
+@pytest.fixture
+def ckpt(tmp_path, model_file):
+    """A private (2,2,1) checkpoint (split of the trained model) that a test may damage."""
+    split(model_file, tmp_path / "src", 2, 2, 1, quiet=True)
+    return tmp_path / "src"
+
+
+@pytest.fixture
+def outdir(tmp_path):
+    d = tmp_path / "out"
+    d.mkdir()
+    return d
+
+
+def assert_nothing_written(outdir) -> None:
+    assert sorted(p.name for p in outdir.iterdir()) == [], "something was left next to --out"
+
+
+def rewrite_shard(step, rel: str, tensors: dict) -> None:
+    """Replace one shard file and fix its size and checksum in the manifest (so only the content is wrong)."""
+    path = step / rel
+    with safe_open(str(path), framework="pt") as f:
+        meta = f.metadata()
+    save_file(tensors, str(path), metadata=meta)
+    man = mf.read(step)
+    man["files"][rel] = {"bytes": path.stat().st_size, "crc32": mf.crc32_file(path)}
+    mf.write(step, man)
+
+
+def a_slice(step, name: str) -> dict:
+    return mf.read(step)["model"][name]["slices"][-1]
+
+
+# ---------------------------------------------------------------- layouts
+@pytest.mark.parametrize("tp,pp,dp,pattern", [
+    (3, 1, 1, r"--tp 3 does not divide model\.n_head = 4"),
+    (1, 5, 1, r"--pp 5 is larger than model\.n_layer = 4"),
+    (0, 1, 1, r"--tp 0: must be a positive integer"),
+    (1, 1, 0, r"--dp 0: must be a positive integer"),
+])
+def test_layout_that_does_not_fit_the_model(tmp_path, outdir, run111, model_file, tp, pp, dp, pattern):
+    with pytest.raises(ConvertError, match=pattern):
+        split(model_file, outdir / "ck", tp, pp, dp)
+    with pytest.raises(ConvertError, match=pattern):
+        reshard(run111["ckpt"], outdir / "ck", tp, pp, dp)
+    assert_nothing_written(outdir)
+
+
+def test_layout_errors_via_cli(outdir, run111, model_file):
+    r = H.cli("split", model_file, "--tp", 3, "--pp", 1, "--dp", 1, "--out", outdir / "ck")
+    H.assert_one_line_error(r, "split", r"--tp 3 does not divide model\.n_head = 4")
+    r = H.cli("reshard", run111["ckpt"], "--tp", 1, "--pp", 5, "--dp", 1, "--out", outdir / "ck")
+    H.assert_one_line_error(r, "reshard", r"--pp 5 is larger than model\.n_layer = 4")
+    assert_nothing_written(outdir)
+
+
+# ---------------------------------------------------------------- damaged checkpoints
+def test_tensor_missing_from_the_manifest(ckpt, outdir):
+    step = resolve(ckpt)
+    man = mf.read(step)
+    del man["model"]["blocks.2.mlp.fc.weight"]
+    mf.write(step, man)
+    with pytest.raises(CheckpointError, match=r"blocks\.2\.mlp\.fc\.weight.*missing"):
+        convert(ckpt, outdir / "m.safetensors")
+    assert_nothing_written(outdir)
+    with pytest.raises(CheckpointError, match=r"blocks\.2\.mlp\.fc\.weight.*missing"):
+        reshard(ckpt, outdir / "ck", 1, 1, 1)
+    assert_nothing_written(outdir)
+
+
+def test_tensor_missing_from_a_shard(ckpt, outdir):
+    step = resolve(ckpt)
+    name = "ln_f.weight"  # on the last stage: converting has written earlier tensors when it fails
+    sl = a_slice(step, name)
+    tensors = load_file(str(step / sl["file"]))
+    del tensors[sl["key"]]
+    rewrite_shard(step, sl["file"], tensors)
+    with pytest.raises(CheckpointError, match=rf"'{name}'.*missing from {sl['file']}"):
+        convert(ckpt, outdir / "m.safetensors")
+    assert_nothing_written(outdir)
+    with pytest.raises(CheckpointError, match=rf"'{name}'.*missing from {sl['file']}"):
+        convert(ckpt, outdir / "hf", fmt="hf-gpt2")
+    assert_nothing_written(outdir)
+    r = H.cli("convert", ckpt, "--out", outdir / "m.safetensors")
+    H.assert_one_line_error(r, "convert", rf"'{name}'.*missing from {sl['file']}")
+    assert_nothing_written(outdir)
+
+
+def test_shard_shape_disagrees_with_the_manifest(ckpt, outdir):
+    step = resolve(ckpt)
+    name = "blocks.3.mlp.fc.weight"
+    sl = a_slice(step, name)
+    tensors = load_file(str(step / sl["file"]))
+    tensors[sl["key"]] = tensors[sl["key"]][:-1].contiguous()
+    rewrite_shard(step, sl["file"], tensors)
+    with pytest.raises(CheckpointError, match=rf"'{name}' in {sl['file']} has shape .*the manifest says"):
+        convert(ckpt, outdir / "m.safetensors")
+    assert_nothing_written(outdir)
+    with pytest.raises(CheckpointError, match=rf"'{name}' in {sl['file']} has shape"):
+        reshard(ckpt, outdir / "ck", 1, 1, 1)
+    assert_nothing_written(outdir)
+
+
+def test_manifest_global_shape_disagrees_with_the_slices(ckpt, outdir):
+    step = resolve(ckpt)
+    man = mf.read(step)
+    man["model"]["wpe"]["shape"] = [17, 32]
+    mf.write(step, man)
+    with pytest.raises(CheckpointError, match=r"'wpe'.*cover 512 of the 544"):
+        convert(ckpt, outdir / "m.safetensors")
+    assert_nothing_written(outdir)
+
+
+def test_corrupted_shard_fails_its_checksum(ckpt, outdir):
+    step = resolve(ckpt)
+    sl = a_slice(step, "wte.weight")
+    path = step / sl["file"]
+    data = bytearray(path.read_bytes())
+    data[-5] ^= 0xFF  # a payload byte, the header stays readable
+    path.write_bytes(bytes(data))
+    with pytest.raises(CheckpointError, match=r"fails its checksum"):
+        convert(ckpt, outdir / "m.safetensors")
+    assert_nothing_written(outdir)
+
+
+def test_split_of_a_file_with_a_wrong_shape(tmp_path, outdir, model_file):
+    tensors = load_file(str(model_file))
+    with safe_open(str(model_file), framework="pt") as f:
+        meta = f.metadata()
+    tensors["blocks.2.mlp.fc.weight"] = tensors["blocks.2.mlp.fc.weight"][:, :31].contiguous()
+    bad = tmp_path / "bad.safetensors"
+    save_file(tensors, str(bad), metadata=meta)
+    with pytest.raises(ConvertError, match=r"'blocks\.2\.mlp\.fc\.weight' has shape \[128, 31\], expected \[128, 32\]"):
+        split(bad, outdir / "ck", 2, 2, 1)
+    assert_nothing_written(outdir)
+
+
+def test_split_of_a_file_missing_a_tensor(tmp_path, outdir, model_file):
+    tensors = load_file(str(model_file))
+    with safe_open(str(model_file), framework="pt") as f:
+        meta = f.metadata()
+    del tensors["blocks.1.attn.qkv.bias"]
+    save_file(tensors, str(tmp_path / "bad.safetensors"), metadata=meta)
+    with pytest.raises(ConvertError, match=r"'blocks\.1\.attn\.qkv\.bias' is missing"):
+        split(tmp_path / "bad.safetensors", outdir / "ck", 1, 1, 1)
+    assert_nothing_written(outdir)
+
+
+def test_split_of_a_file_without_megalite_metadata(tmp_path, outdir, model_file):
+    save_file(load_file(str(model_file)), str(tmp_path / "plain.safetensors"))
+    with pytest.raises(ConvertError, match=r"no 'megalite\.model_config'"):
+        split(tmp_path / "plain.safetensors", outdir / "ck", 1, 1, 1)
+    with pytest.raises(ConvertError, match=r"does not exist"):
+        split(tmp_path / "nope.safetensors", outdir / "ck", 1, 1, 1)
+    assert_nothing_written(outdir)
+
+
+def test_not_a_checkpoint(tmp_path, outdir):
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(CheckpointError, match=r"is not a checkpoint"):
+        convert(tmp_path / "empty", outdir / "m.safetensors")
+    with pytest.raises(CheckpointError, match=r"does not exist"):
+        convert(tmp_path / "missing", outdir / "m.safetensors")
+    assert_nothing_written(outdir)
+
+
+# ---------------------------------------------------------------- flags
+def test_unknown_format_and_dtype(run111, outdir):
+    with pytest.raises(ConvertError, match=r"--format 'onnx': expected one of megalite, hf-gpt2"):
+        convert(run111["ckpt"], outdir / "m", fmt="onnx")
+    with pytest.raises(ConvertError, match=r"--dtype 'int8': expected one of fp32, bf16, fp16"):
+        convert(run111["ckpt"], outdir / "m", dtype="int8")
+    r = H.cli("convert", run111["ckpt"], "--out", outdir / "m", "--format", "onnx")
+    H.assert_one_line_error(r, "convert", r"--format 'onnx'")
+    assert_nothing_written(outdir)
+
+
+# ---------------------------------------------------------------- output safety
+def test_existing_output_needs_force(tmp_path, outdir, run111, model_file):
+    src = run111["ckpt"]
+    before = H.tree_digest(src)
+    out = outdir / "m.safetensors"
+    out.write_bytes(b"keep me")
+    with pytest.raises(ConvertError, match=r"already exists \(pass --force"):
+        convert(src, out)
+    assert out.read_bytes() == b"keep me"
+    assert convert(src, out, force=True, quiet=True) == out
+    assert out.read_bytes() == model_file.read_bytes()
+    # a folder output (split / reshard / hf-gpt2) likewise
+    ck = outdir / "ck"
+    ck.mkdir()
+    (ck / "mine.txt").write_text("keep")
+    for fn in (lambda force: split(model_file, ck, 2, 1, 1, force=force, quiet=True),
+               lambda force: reshard(src, ck, 2, 1, 1, force=force, quiet=True),
+               lambda force: convert(src, ck, fmt="hf-gpt2", force=force, quiet=True)):
+        with pytest.raises(ConvertError, match=r"already exists"):
+            fn(False)
+        assert (ck / "mine.txt").read_text() == "keep"
+    reshard(src, ck, 2, 1, 1, force=True, quiet=True)
+    assert not (ck / "mine.txt").exists() and mf.read(resolve(ck))["layout"]["tp"] == 2
+    assert sorted(p.name for p in outdir.iterdir()) == ["ck", "m.safetensors"]  # no temp or .old leftovers
+    assert H.tree_digest(src) == before
+
+
+def test_existing_output_via_cli(outdir, run111, model_file):
+    out = outdir / "m.safetensors"
+    out.write_bytes(b"keep me")
+    r = H.cli("convert", run111["ckpt"], "--out", out)
+    H.assert_one_line_error(r, "convert", r"already exists \(pass --force")
+    assert out.read_bytes() == b"keep me"
+    r = H.cli("convert", run111["ckpt"], "--out", out, "--force", "--quiet")
+    assert r.returncode == 0 and r.stdout == "" and r.stderr == "", r.stderr
+    assert out.read_bytes() == model_file.read_bytes()
+    assert sorted(p.name for p in outdir.iterdir()) == ["m.safetensors"]
+
+
+def test_out_inside_the_source_is_refused(tmp_path, run111, model_file):
+    src = tmp_path / "src"
+    shutil.copytree(run111["ckpt"], src)
+    step = resolve(src)
+    before = H.tree_digest(src)
+    for ckpt_arg, out in [(src, src / "m.safetensors"), (step, step / "m.safetensors"), (step, src / "m"),
+                          (src, step / "tp00-pp00-dp00" / "m.safetensors")]:
+        for force in (False, True):
+            with pytest.raises(ConvertError, match=r"refusing to write into the source checkpoint"):
+                convert(ckpt_arg, out, force=force)
+    for force in (False, True):
+        with pytest.raises(ConvertError, match=r"refusing to write into the source checkpoint"):
+            convert(src, src, force=force)
+        with pytest.raises(ConvertError, match=r"refusing to write into the source checkpoint"):
+            reshard(src, src / "ck", 2, 1, 1, force=force)
+        with pytest.raises(ConvertError, match=r"refusing to write into the source checkpoint"):
+            reshard(step, step, 2, 1, 1, force=force)
+    hf = convert(src, tmp_path / "hf", fmt="hf-gpt2", quiet=True)
+    with pytest.raises(ConvertError, match=r"refusing to write into the source checkpoint"):
+        split(hf, hf / "ck", 1, 1, 1)
+    assert H.tree_digest(src) == before
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["hf", "src"]
+    r = H.cli("convert", src, "--out", step / "m.safetensors", "--force")
+    H.assert_one_line_error(r, "convert", r"refusing to write into the source checkpoint")
+    assert H.tree_digest(src) == before
