@@ -119,10 +119,10 @@ def _field(cfg: Config, dotted: str, source: str):
     return sec, names[key]
 
 
-def _coerce(value, typ, dotted: str, source: str):
-    """Turn a TOML value or a command-line string into the field's declared type."""
+def _coerce(value, typ, dotted: str, source: str, from_text: bool = False):
+    """Turn a command-line string into the field's declared type; TOML values must already have it."""
     want = {"int": int, "float": float, "bool": bool, "str": str}[typ]
-    if isinstance(value, str) and want is not str:
+    if from_text and isinstance(value, str) and want is not str:
         text = value.strip()
         try:
             if want is bool:
@@ -139,10 +139,10 @@ def _coerce(value, typ, dotted: str, source: str):
     return value
 
 
-def _set(cfg: Config, dotted: str, value, source: str) -> None:
+def _set(cfg: Config, dotted: str, value, source: str, from_text: bool = False) -> None:
     sec, f = _field(cfg, dotted, source)
     typ = f.type if isinstance(f.type, str) else f.type.__name__
-    setattr(sec, f.name, _coerce(value, typ, dotted, source))
+    setattr(sec, f.name, _coerce(value, typ, dotted, source, from_text))
 
 
 def load_config(path: str | Path | None = None, overrides: typing.Sequence[str] = ()) -> Config:
@@ -163,7 +163,7 @@ def load_config(path: str | Path | None = None, overrides: typing.Sequence[str] 
         if "=" not in text or "." not in text.split("=", 1)[0]:
             raise ConfigError(f"override '{item}': expected --section.key=value")
         key, value = text.split("=", 1)
-        _set(cfg, key, value, "command line")
+        _set(cfg, key, value, "command line", from_text=True)
     return cfg
 
 

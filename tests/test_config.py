@@ -109,6 +109,8 @@ def test_bad_overrides(overrides, names):
     ("[model]\nn_layer = 2.0\n", ["model.n_layer", "float", "int"]),
     ("[model]\nn_layer = true\n", ["model.n_layer", "bool", "int"]),
     ('[parallel]\nzero1 = "maybe"\n', ["parallel.zero1", "bool"]),
+    ('[model]\nn_layer = "4"\n', ["model.n_layer", "str", "int"]),  # TOML values are not re-parsed
+    ('[parallel]\nzero1 = "yes"\n', ["parallel.zero1", "str", "bool"]),
     ("[train]\nlr = true\n", ["train.lr", "bool", "float"]),
     ("[train]\nout_dir = 3\n", ["train.out_dir", "str"]),
     ("model = 3\n", ["[model]"]),
