@@ -78,8 +78,8 @@ def write_toml(path: Path, tokens, **sections) -> Path:
 
 def env() -> dict:
     e = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
-    e.pop("WORLD_SIZE", None)
-    e.pop("RANK", None)
+    for k in [k for k in e if k in ("WORLD_SIZE", "RANK", "LOCAL_RANK") or k.startswith("MEGALITE_CRASH")]:
+        del e[k]
     return e
 
 
@@ -197,3 +197,15 @@ def same_step_files(a: Path, b: Path) -> None:
     assert fa.keys() == fb.keys() and fa, (sorted(fa), sorted(fb))
     differ = [rel for rel in fa if not same_file(Path(a) / rel, Path(b) / rel)]
     assert not differ, f"{a} and {b} differ in {differ}"
+
+
+def verify_cli(path) -> tuple:
+    """`megalite verify PATH` in this process (no interpreter start-up): (exit code, stdout + stderr)."""
+    import contextlib
+    import io
+
+    from megalite.cli import main
+    buf = io.StringIO()
+    with contextlib.redirect_stdout(buf), contextlib.redirect_stderr(buf):
+        rc = main(["verify", str(path)])
+    return rc, buf.getvalue()

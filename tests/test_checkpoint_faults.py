@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 from ckpt_helpers import (ckpt_tokens, cli, copy_step, kill_tree, losses, metrics, ok, popen_train,  # noqa: F401
-                          step_names, tiny_cfg, train, wait_for, write_toml, children)
+                          step_names, tiny_cfg, train, verify_cli, wait_for, write_toml, children)
 from megalite.checkpoint.layout import committed_steps, read_latest
 from megalite.checkpoint.manifest import FORMAT_VERSION
 from megalite.testing import run_parallel
@@ -85,20 +85,33 @@ def test_truncated_file_is_caught_by_verify_and_resume(tmp_path, base, damaged, 
     f = damaged / victim
     data = f.read_bytes()
     f.write_bytes(data[: len(data) // 2])
-    p = cli("verify", str(damaged.parent))  # the root: the step `latest` names
-    assert p.returncode == 1, p.stdout + p.stderr
-    assert victim in p.stdout, p.stdout
+    rc, text = verify_cli(damaged.parent)  # the root: the step `latest` names
+    assert rc == 1 and victim in text, text
     other = OPTIM if victim == MODEL else MODEL
-    assert other not in p.stdout
+    assert other not in text
     line = _one_line_error(_resume(base, damaged.parent, tmp_path))
     assert victim in line, line
     assert not (tmp_path / "new-out" / "metrics.jsonl").exists()
 
 
+def test_resume_auto_falls_back_loudly_past_a_corrupt_latest(tmp_path, base):
+    root = tmp_path / "ck"
+    shutil.copytree(base / "ck", root)
+    f = root / "step_00000002" / OPTIM
+    f.write_bytes(f.read_bytes()[:-10])
+    p = ok(train(base / "tiny.toml", "--train.steps=6", "--train.stop_at_step=3", "--checkpoint.resume=auto",
+                 f"--checkpoint.dir={root}", f"--train.out_dir={tmp_path / 'out'}"))
+    assert f"resumed from {root / 'step_00000001'} at step 1" in p.stdout, p.stdout
+    warnings = [line for line in p.stdout.splitlines() if "WARNING" in line]
+    assert warnings and any("step_00000002" in w and OPTIM in w for w in warnings), p.stdout
+    got = losses(tmp_path / "out")
+    assert [s for s, _ in got] == [2, 3] and got[0] == losses(base / "out")[1]  # step 2 redone, exactly
+
+
 def test_missing_coordinate_folder_is_caught(tmp_path, base, damaged):
     shutil.rmtree(damaged / "tp00-pp00-dp00")
-    p = cli("verify", str(damaged))
-    assert p.returncode == 1 and "tp00-pp00-dp00" in p.stdout, p.stdout + p.stderr
+    rc, text = verify_cli(damaged)
+    assert rc == 1 and "tp00-pp00-dp00" in text, text
     line = _one_line_error(_resume(base, damaged, tmp_path))
     assert "tp00-pp00-dp00" in line, line
 
@@ -120,8 +133,8 @@ def test_newer_format_version_is_refused_naming_both(tmp_path, base, damaged):
     path.write_text(json.dumps(man))
     line = _one_line_error(_resume(base, damaged, tmp_path))
     assert "99" in line and re.search(rf"version\D{{0,3}}{FORMAT_VERSION}\b", line), line
-    p = cli("verify", str(damaged))
-    assert p.returncode == 1 and "99" in p.stdout, p.stdout + p.stderr
+    rc, text = verify_cli(damaged)
+    assert rc == 1 and "99" in text, text
 
 
 # ---------------------------------------------------------------- keep_last and stale folders
@@ -135,7 +148,7 @@ def test_keep_last_leaves_the_last_two(tmp_path, ckpt_tokens):
     assert read_latest(root) == "step_00000005"
     assert _tmp_dirs(root) == []
     for s in step_names(root):
-        assert cli("verify", str(root / s)).returncode == 0
+        assert verify_cli(root / s)[0] == 0
     # keep_last=1 on a resumed run keeps exactly the newest, which `latest` names
     ok(train(cfg, "--train.steps=6", f"--checkpoint.dir={root}", "--checkpoint.keep_last=1",
              "--checkpoint.resume=auto", f"--train.out_dir={tmp_path / 'out'}"))
@@ -153,7 +166,7 @@ def test_stale_tmp_folder_is_removed_by_the_next_save(tmp_path, base):
     assert "at step 2" in p.stdout
     assert _tmp_dirs(root) == []
     assert step_names(root) == ["step_00000002", "step_00000003"] and read_latest(root) == "step_00000003"
-    assert cli("verify", str(root)).returncode == 0
+    assert verify_cli(root)[0] == 0
 
 
 # ---------------------------------------------------------------- processes killed and preempted
@@ -182,14 +195,14 @@ def test_sigkill_of_a_rank_during_a_save(tmp_path, ckpt_tokens):
     latest = read_latest(root)
     assert latest and (root / latest / "manifest.json").is_file(), note
     assert committed_steps(root) == [int(s[5:]) for s in step_names(root)], note  # no half-committed step
-    p = cli("verify", str(root))
-    assert p.returncode == 0, note + p.stdout + p.stderr
+    rc, text = verify_cli(root)
+    assert rc == 0, note + text
     k = int(latest[5:])
     # a fresh launch resumes from it, removes any stale temporary folder, and completes
     p = ok(train(cfg, *args, "--checkpoint.resume=auto", f"--train.stop_at_step={k + 1}", nproc=4))
     assert f"resumed from {root / latest} at step {k} (same layout)" in p.stdout, note
     assert read_latest(root) == f"step_{k + 1:08d}" and _tmp_dirs(root) == [], note
-    assert cli("verify", str(root)).returncode == 0, note
+    assert verify_cli(root)[0] == 0, note
     assert [r["step"] for r in metrics(tmp_path / "out")][-1] == k + 1
 
 
@@ -214,8 +227,8 @@ def test_sigterm_to_every_worker_saves_and_exits_cleanly(tmp_path, ckpt_tokens):
     assert 2 <= k < 400
     assert read_latest(root) == f"step_{k:08d}" and step_names(root) == [f"step_{k:08d}"]
     assert [r["step"] for r in metrics(out)][-1] == k
-    p = cli("verify", str(root))
-    assert p.returncode == 0, p.stdout + p.stderr
+    rc, text = verify_cli(root)
+    assert rc == 0, text
 
 
 # ---------------------------------------------------------------- a rank that cannot write

@@ -110,19 +110,26 @@ def test_resume_path_of_a_root_means_latest(tmp_path, base_run):
     assert losses(out) == losses(base_run / "out")[4:]
 
 
-@pytest.mark.parametrize("what", ["missing", "not_a_checkpoint"])
+@pytest.mark.parametrize("what", ["missing", "not_a_checkpoint", "auto_with_dangling_latest"])
 def test_resume_path_that_is_not_a_checkpoint_fails(tmp_path, base_run, what):
+    out, ck = tmp_path / "out", tmp_path / "ck"
     target = tmp_path / "nope"
+    resume = str(target)
     if what == "not_a_checkpoint":
         target.mkdir()
         (target / "readme.txt").write_text("no checkpoint here")
-    out, ck = tmp_path / "out", tmp_path / "ck"
-    p = train(base_run / "tiny.toml", f"--checkpoint.resume={target}", f"--checkpoint.dir={ck}",
+    elif what == "auto_with_dangling_latest":  # `latest` names a step that is gone: an error, not a fresh start
+        ck.mkdir()
+        (ck / "latest").write_text("step_00000009\n")
+        target, resume = ck, "auto"
+    p = train(base_run / "tiny.toml", f"--checkpoint.resume={resume}", f"--checkpoint.dir={ck}",
               f"--train.out_dir={out}")
     assert p.returncode == 2, p.stdout + p.stderr
     lines = p.stderr.strip().splitlines()
     assert len(lines) == 1 and "Traceback" not in p.stderr, p.stderr
-    assert "error" in lines[0] and str(target) in lines[0]
+    assert "error" in lines[0] and str(target) in lines[0], lines[0]
+    if what == "auto_with_dangling_latest":
+        assert "step_00000009" in p.stdout + p.stderr  # the candidate it tried and why it was skipped
     # it never starts fresh: no step trained, nothing saved
     assert not (out / "metrics.jsonl").exists()
     assert not ck.exists() or step_names(ck) == []

@@ -167,10 +167,11 @@ def test_split_checkpoint_resumes_training_in_process(tmp_path, tok, run111, mod
 
 
 def test_split_checkpoint_resumes_under_torchrun(tmp_path, tok, model_file):
-    """4 processes at (2,2,1) resume the split (weights only: fresh optimizer, step 0)."""
-    step = split(model_file, tmp_path / "ck", 2, 2, 1, quiet=True)
+    """6 processes at (2,3,1) (uneven pipeline: layers 0-1 | 2 | 3) resume the split (weights only: fresh
+    optimizer, step 0)."""
+    step = split(model_file, tmp_path / "ck", 2, 3, 1, quiet=True)
     toml = H.write_toml(tmp_path / "tiny.toml", tok)
-    recs = H.torchrun_train(4, toml, tmp_path / "run", **{"parallel.tp": 2, "parallel.pp": 2, "train.steps": 2,
+    recs = H.torchrun_train(6, toml, tmp_path / "run", **{"parallel.tp": 2, "parallel.pp": 3, "train.steps": 2,
                                                           "checkpoint.resume": step})
     assert [r["step"] for r in recs] == [1, 2]
     ref = reference_loss(model_file, tok, 0)

@@ -144,7 +144,6 @@ def _worker(rank: int, world: int, tmp: str, o: dict) -> None:
             rec.setdefault(name, []).append({"s": secs, "rss": peak, "extra": extra})
             if rank == 0:
                 nbytes[name] = size() if callable(size) else size
-        rss_after.setdefault(ops[-1][0], []).append(reduce_max([rss_mib()])[0])
 
     saver = AsyncSaver()
     for i in range(o["repeats"]):
@@ -189,6 +188,13 @@ def _worker(rank: int, world: int, tmp: str, o: dict) -> None:
         timed("gather + torch.save", gather_save, lambda: _du(root / "ts"))
         timed("torch.load (rank 0)", lambda: torch.load(root / "ts" / "all.pt"), lambda: _du(root / "ts"),
               cold=root / "ts", only0=True)
+    for label, kw in (("megalite save", {}), ("megalite async save", {"saver": saver})):
+        rss_after[label] = [reduce_max([rss_mib()])[0]]  # then after each of `repeats` saves in a row
+        for i in range(o["repeats"]):
+            clear(root / "ml")
+            save_checkpoint(root / "ml", 100 + i, model, opt, grid, config=cfgd, **kw)
+            saver.wait()
+            rss_after[label].append(reduce_max([rss_mib()])[0])
     shutil.rmtree(root / "dcp_model", ignore_errors=True) if rank == 0 else None
     dist.barrier()
     dcp.save({f"rank{rank}/{k}": t for k, t in pay.files[MODEL_FILE].items()},
@@ -200,7 +206,7 @@ def _worker(rank: int, world: int, tmp: str, o: dict) -> None:
 
 
 _CONVERT = r"""
-import json, os, sys, time
+import json, os, sys, threading, time
 from megalite.bench import peak_rss_mib
 kind, src, out = sys.argv[1:4]
 if kind == "megalite convert":
@@ -211,9 +217,24 @@ else:
     def run():  # fsync too, as megalite convert does, so both times are durable writes
         dcp_to_torch_save(src, out)
         fd = os.open(out, os.O_RDONLY); os.fsync(fd); os.close(fd)
-base = peak_rss_mib()
+peak = {"RssAnon": 0.0, "RssFile": 0.0}
+def sample():  # VmHWM does not tell anonymous memory from mapped file pages: poll both
+    while not done.is_set():
+        for line in open("/proc/self/status"):
+            k = line.split(":")[0]
+            if k in peak:
+                peak[k] = max(peak[k], int(line.split()[1]) / 1024)
+        done.wait(0.005)
+done = threading.Event()
+base, anon0 = peak_rss_mib(), None
+for line in open("/proc/self/status"):
+    if line.startswith("RssAnon:"):
+        anon0 = int(line.split()[1]) / 1024
+threading.Thread(target=sample, daemon=True).start()
 t0 = time.perf_counter(); run(); dt = time.perf_counter() - t0
-print(json.dumps({"s": dt, "rss": peak_rss_mib(), "extra": peak_rss_mib() - base, "base": base}))
+done.set()
+print(json.dumps({"s": dt, "rss": peak_rss_mib(), "extra": peak_rss_mib() - base, "base": base,
+                  "anon": peak["RssAnon"] - anon0, "file": peak["RssFile"]}))
 """
 
 
@@ -297,8 +318,8 @@ def bench_ckpt(size_mb: float = 1024, world: int = 4, repeats: int = 3, dir: Opt
     log(f"page cache: {CACHE_HOW[res['cache']]}" + (f"; fincore after eviction: at most {fmt_bytes(max(known)) if max(known) else '0 bytes'} "
         f"of the files resident" if known else ""))
     for op, xs in res["rss_after"].items():
-        if op.startswith(("megalite", "DCP async")) and "load" not in op:
-            log(f"RSS after each '{op}' (max rank, MiB): {', '.join(f'{x:.0f}' for x in xs)}")
+        log(f"RSS of the largest rank before -> after each of {repeats} '{op}' in a row: {xs[0]:.0f} -> "
+            f"{', '.join(f'{x:.0f}' for x in xs[1:])} MiB")
     blocked, sync = by.get("megalite async save: blocked"), by.get("megalite save")
     if blocked and sync:
         log(f"async blocked / sync save: {blocked['median_s'] / sync['median_s']:.1%}")
@@ -307,5 +328,7 @@ def bench_ckpt(size_mb: float = 1024, world: int = 4, repeats: int = 3, dir: Opt
     for kind in ("megalite convert", "dcp_to_torch_save"):
         r = rec[kind][-1]
         log(f"{kind}: peak RSS {max(x['rss'] for x in rec[kind]):.0f} MiB = {r['base']:.0f} MiB after imports "
-            f"+ {max(x['extra'] for x in rec[kind]):.0f} MiB (largest tensor {fmt_bytes(largest)})")
+            f"+ {max(x['extra'] for x in rec[kind]):.0f} MiB; of which anonymous memory +"
+            f"{max(x['anon'] for x in rec[kind]):.0f} MiB, mapped file pages up to "
+            f"{max(x['file'] for x in rec[kind]):.0f} MiB (largest tensor {fmt_bytes(largest)})")
     return rows
