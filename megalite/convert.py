@@ -138,6 +138,7 @@ def convert(ckpt, out, dtype: str = "fp32", fmt: str = "megalite", force: bool =
         raise ConvertError(f"--dtype '{dtype}': expected one of {', '.join(DTYPES)}")
     step = resolve(ckpt)
     man = mf.read(step)
+    check_manifest_tensors(step, man)
     out = Path(out)
     _check_out(out, force, [step.parent, step])
     total = sum(math.prod(e["shape"]) * 4 for e in man["model"].values())
@@ -295,6 +296,17 @@ def model_partitions(m: dict) -> dict[str, Partition]:
     return {name: p.partition for name, p in stage.global_parameters()}
 
 
+def check_manifest_tensors(step: Path, man: dict) -> None:
+    """Every tensor the model config implies is in the manifest, with its global shape."""
+    for name, part in model_partitions(_model_cfg(man)).items():
+        entry = man["model"].get(name)
+        if entry is None:
+            raise ConvertError(f"{step}: tensor '{name}' is missing from the manifest")
+        if list(entry["shape"]) != list(part.global_shape):
+            raise ConvertError(f"{step}: tensor '{name}' has global shape {entry['shape']} in the manifest, "
+                               f"the model expects {list(part.global_shape)}")
+
+
 def check_layout(m: dict, tp: int, pp: int, dp: int) -> None:
     for flag, v in (("--tp", tp), ("--pp", pp), ("--dp", dp)):
         if v < 1:
@@ -314,9 +326,11 @@ def _nbytes(it) -> int:
 def _write_checkpoint(out: Path, step: int, layout: Layout, zero1: bool, tensors: dict[str, Partition],
                       n_layer: int, read: Callable, meta: dict, with_optimizer: bool, what: str, quiet: bool,
                       coord_state: Callable) -> Path:
-    """Write every coordinate of `layout` in this one process, then commit like a live save."""
-    tmp = out / tmp_dir(step)
-    shutil.rmtree(tmp, ignore_errors=True)
+    """Write every coordinate of `layout` in this one process into a temporary root next to `out`, commit it
+    like a live save, then move it into place; on any failure nothing is left behind."""
+    root = out.with_name(out.name + ".tmp-megalite")
+    shutil.rmtree(root, ignore_errors=True)
+    tmp = root / tmp_dir(step)
     tmp.mkdir(parents=True)
     plans = []
     for c in layout.coords():
@@ -334,11 +348,12 @@ def _write_checkpoint(out: Path, step: int, layout: Layout, zero1: bool, tensors
             reports.append(write_rank(tmp / coord_dir(c), pay, coord_dir(c)))
         mf.write(tmp, mf.build(meta, reports))
         fsync_dir(tmp)
-        os.replace(tmp, out / step_dir(step))
-        write_latest(out, step_dir(step))
+        os.replace(tmp, root / step_dir(step))
+        write_latest(root, step_dir(step))
     except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
+        shutil.rmtree(root, ignore_errors=True)
         raise
+    _replace(root, out)
     return out / step_dir(step)
 
 
@@ -367,14 +382,9 @@ def split(model, out, tp: int, pp: int, dp: int, zero1: bool = False, step: int 
 
     cfg = Config.from_dict({"model": m, "parallel": {"tp": tp, "pp": pp, "dp": dp, "zero1": zero1}}).to_dict()
     meta = manifest_meta(cfg, Layout(tp, pp, dp), zero1, step, 0, None, {"batch_index": step}, None)
-    tmp_root = out.with_name(out.name + ".tmp-megalite")
-    shutil.rmtree(tmp_root, ignore_errors=True)
-    tmp_root.mkdir(parents=True)
-    _write_checkpoint(tmp_root, step, Layout(tp, pp, dp), zero1, parts, m["n_layer"], read, meta, False,
-                      "split", quiet,
-                      lambda c: {"step": step, "tokens_seen": 0, "rng": None, "data": {"batch_index": step}})
-    _replace(tmp_root, out)
-    return out / step_dir(step)
+    return _write_checkpoint(out, step, Layout(tp, pp, dp), zero1, parts, m["n_layer"], read, meta, False,
+                             "split", quiet,
+                             lambda c: {"step": step, "tokens_seen": 0, "rng": None, "data": {"batch_index": step}})
 
 
 def reshard(ckpt, out, tp: int, pp: int, dp: int, zero1: Optional[bool] = None, force: bool = False,
@@ -388,6 +398,7 @@ def reshard(ckpt, out, tp: int, pp: int, dp: int, zero1: Optional[bool] = None, 
     man = mf.read(src)
     m = _model_cfg(man)
     check_layout(m, tp, pp, dp)
+    check_manifest_tensors(src, man)
     zero1 = man["layout"].get("zero1", False) if zero1 is None else zero1
     out = Path(out)
     _check_out(out, force, [src.parent, src])
@@ -410,12 +421,7 @@ def reshard(ckpt, out, tp: int, pp: int, dp: int, zero1: Optional[bool] = None, 
                                                        "format_version")}
     meta.update(config=cfg, layout={"tp": tp, "pp": pp, "dp": dp, "zero1": zero1},
                 resharded_from={"layout": man["layout"], "path": str(src)})
-    tmp_root = out.with_name(out.name + ".tmp-megalite")
-    shutil.rmtree(tmp_root, ignore_errors=True)
-    tmp_root.mkdir(parents=True)
-    _write_checkpoint(tmp_root, man["step"], Layout(tp, pp, dp), zero1, parts, m["n_layer"], read, meta, with_opt,
-                      "reshard", quiet,
-                      lambda c: {"step": man["step"], "tokens_seen": man.get("tokens_seen", 0), "rng": None,
-                                 "data": man.get("data") or {}})
-    _replace(tmp_root, out)
-    return out / step_dir(man["step"])
+    return _write_checkpoint(out, man["step"], Layout(tp, pp, dp), zero1, parts, m["n_layer"], read, meta,
+                             with_opt, "reshard", quiet,
+                             lambda c: {"step": man["step"], "tokens_seen": man.get("tokens_seen", 0), "rng": None,
+                                        "data": man.get("data") or {}})

@@ -1,5 +1,6 @@
 """The checkpoint tree and the manifest maths, with no training and no processes: names and their inverses,
 resolve(), the `latest` pointer, who writes each tensor, tiling checks, and pruning."""
+import math
 import os
 import random
 
@@ -232,3 +233,55 @@ def test_prune_never_deletes_what_latest_names(tmp_path):
     assert L.resolve(tmp_path).name == L.step_dir(2)
     prune(tmp_path, 1)
     assert 2 in L.committed_steps(tmp_path) and 6 in L.committed_steps(tmp_path)
+
+
+# ---------------------------------------------------------------- the write plan of a whole grid
+def _stage_tensors(stage: int, pp: int):
+    from megalite.parallel.tensor import Partition as P
+    first = [("wte.weight", P((257, 32), 0)), ("wpe", P((16, 32), None))]  # 257 rows: a short last tp slice
+    layers = []
+    for i in range(2):
+        layers += [(f"blocks.{i}.attn.qkv.weight", P((96, 32), 0)), (f"blocks.{i}.attn.proj.weight", P((32, 32), 1)),
+                   (f"blocks.{i}.attn.proj.bias", P((32,), None)), (f"blocks.{i}.ln_1.weight", P((32,), None)),
+                   (f"blocks.{i}.mlp.fc.bias", P((128,), 0)), (f"blocks.{i}.tiny", P((1,), None))]
+    last = [("ln_f.weight", P((32,), None)), ("lm_head", P((257, 32), 0, tied_to="wte.weight"))]
+    if pp == 1:
+        return first + layers + last
+    half = len(layers) // 2
+    return first + layers[:half] if stage == 0 else layers[half:] + last
+
+
+@pytest.mark.parametrize("tp,pp,dp", [(1, 1, 1), (2, 1, 1), (1, 1, 2), (2, 2, 2), (4, 1, 2), (1, 2, 4), (2, 1, 3)])
+@pytest.mark.parametrize("zero1", [False, True])
+def test_plan_writes_of_all_coordinates_tile_every_tensor_once(tp, pp, dp, zero1):
+    from megalite.parallel.grid import Layout
+    lay = Layout(tp, pp, dp)
+    sections = {"model": {}, "optimizer_state": {}}
+    written = {c: 0 for c in lay.coords()}
+    for c in lay.coords():
+        tensors = _stage_tensors(c.pp, pp)
+        items = L.plan_writes(tensors, c, lay, zero1)
+        assert set(items) == set(L.plan_writes(list(reversed(tensors)), c, lay, zero1))  # order-independent
+        shapes = dict(tensors)
+        for it in items:
+            assert not shapes[it.name].tied_to, "a tied copy must never be written"
+            assert zero1 or it.flat is None
+            section = sections["model" if it.kind == "model" else "optimizer_state"]
+            entry = section.setdefault(it.key, {"shape": list(shapes[it.name].global_shape), "slices": []})
+            sl = {"file": f"{L.coord_dir(c)}/{it.file}", "key": it.key, "box": [list(r) for r in it.box]}
+            if it.flat is not None:
+                sl["flat"] = list(it.flat)
+            entry["slices"].append(sl)
+            if it.kind == "model":
+                written[c] += mf.numel(it.box)
+    expected = {n for s in range(pp) for n, p in _stage_tensors(s, pp) if not p.tied_to}
+    assert set(sections["model"]) == expected
+    assert set(sections["optimizer_state"]) == {f"{n}.{m}" for n in expected for m in ("exp_avg", "exp_avg_sq")}
+    for section in sections.values():
+        for name, entry in section.items():
+            assert mf.tiling_problems(name, entry) == [], (name, entry["slices"])
+            keys = [(s["file"], s["key"]) for s in entry["slices"]]
+            assert len(keys) == len(set(keys))
+    # no model element is written twice (not by two dp replicas, not by two tp ranks): one model in total
+    assert sum(written.values()) == sum(math.prod(p.global_shape) for n, p in
+                                        (t for s in range(pp) for t in _stage_tensors(s, pp)) if not p.tied_to)

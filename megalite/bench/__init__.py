@@ -4,7 +4,8 @@
                conversion to one file, and the disk's own bandwidth, in one run
     train.py   megalite vs a plain PyTorch GPT-2, pipeline bubbles per schedule, and a layout table
 
-This module holds the small helpers both share: process memory from /proc, the page cache, tables.
+This module holds the small helpers: process memory from /proc, the page cache, tables, and the
+instruments the gloo workers install (time inside torch.distributed, bytes saved for backward).
 """
 from __future__ import annotations
 
@@ -12,6 +13,8 @@ import os
 import shutil
 import statistics
 import subprocess
+import threading
+import time
 from pathlib import Path
 from typing import Iterable, Optional
 
@@ -46,6 +49,28 @@ def reset_peak_rss() -> bool:
         return True
     except OSError:
         return False
+
+
+def sample_rss(interval: float = 0.005):
+    """Poll RssAnon and RssFile (VmHWM lumps them together) in a thread; call the result to stop it and
+    get {"anon": peak growth of anonymous memory, "file": peak mapped file pages} in MiB."""
+    peak, stop = {"RssAnon": 0.0, "RssFile": 0.0}, threading.Event()
+    anon0 = _status("RssAnon")
+
+    def poll():
+        while not stop.is_set():
+            for k in peak:
+                peak[k] = max(peak[k], _status(k))
+            stop.wait(interval)
+
+    th = threading.Thread(target=poll, daemon=True)
+    th.start()
+
+    def done() -> dict:
+        stop.set()
+        th.join()
+        return {"anon": peak["RssAnon"] - anon0, "file": peak["RssFile"]}
+    return done
 
 
 # ---------------------------------------------------------------- the page cache
@@ -132,3 +157,70 @@ def table(headers: list[str], rows: list[list]) -> str:
 
     sep = "  ".join("-" * w for w in widths)
     return "\n".join([line(cells[0]), sep] + [line(r) for r in cells[1:]])
+
+
+# ---------------------------------------------------------------- instruments for gloo workers
+class _TimedWork:
+    def __init__(self, work, acc):
+        self.work, self.acc = work, acc
+
+    def wait(self, *a, **k):
+        t0 = time.perf_counter()
+        try:
+            return self.work.wait(*a, **k)
+        finally:
+            self.acc[0] += time.perf_counter() - t0
+
+    def __getattr__(self, name):
+        return getattr(self.work, name)
+
+
+def patch_dist(acc: list) -> None:
+    """Accumulate in acc[0] the seconds spent inside torch.distributed calls (and their waits)."""
+    import torch.distributed as dist
+    for name in ("all_reduce", "all_gather", "broadcast", "send", "recv", "isend", "irecv", "barrier"):
+        def wrapped(*a, _f=getattr(dist, name), **k):
+            t0 = time.perf_counter()
+            try:
+                out = _f(*a, **k)
+            finally:
+                acc[0] += time.perf_counter() - t0
+            return _TimedWork(out, acc) if hasattr(out, "wait") else out
+        setattr(dist, name, wrapped)
+
+
+class _Held:
+    __slots__ = ("t", "key", "owner")
+
+    def __init__(self, t, key, owner):
+        self.t, self.key, self.owner = t, key, owner
+
+    def __del__(self):
+        self.owner.release(self.key)
+
+
+class SavedBytes:
+    """saved_tensors_hooks that count the bytes of distinct non-parameter storages saved for backward."""
+
+    def __init__(self, params):
+        self.params = {p.untyped_storage().data_ptr() for p in params}
+        self.refs, self.size, self.live, self.peak = {}, {}, 0, 0
+
+    def pack(self, t):
+        key = t.untyped_storage().data_ptr()
+        if key in self.params:
+            return t
+        if not self.refs.get(key):
+            self.size[key] = t.untyped_storage().nbytes()
+            self.live += self.size[key]
+            self.peak = max(self.peak, self.live)
+        self.refs[key] = self.refs.get(key, 0) + 1
+        return _Held(t, key, self)
+
+    def unpack(self, h):
+        return h.t if isinstance(h, _Held) else h
+
+    def release(self, key):
+        self.refs[key] -= 1
+        if not self.refs[key]:
+            self.live -= self.size.pop(key)

@@ -206,8 +206,8 @@ def _worker(rank: int, world: int, tmp: str, o: dict) -> None:
 
 
 _CONVERT = r"""
-import json, os, sys, threading, time
-from megalite.bench import peak_rss_mib
+import json, os, sys, time
+from megalite.bench import peak_rss_mib, sample_rss
 kind, src, out = sys.argv[1:4]
 if kind == "megalite convert":
     from megalite.convert import convert
@@ -217,24 +217,9 @@ else:
     def run():  # fsync too, as megalite convert does, so both times are durable writes
         dcp_to_torch_save(src, out)
         fd = os.open(out, os.O_RDONLY); os.fsync(fd); os.close(fd)
-peak = {"RssAnon": 0.0, "RssFile": 0.0}
-def sample():  # VmHWM does not tell anonymous memory from mapped file pages: poll both
-    while not done.is_set():
-        for line in open("/proc/self/status"):
-            k = line.split(":")[0]
-            if k in peak:
-                peak[k] = max(peak[k], int(line.split()[1]) / 1024)
-        done.wait(0.005)
-done = threading.Event()
-base, anon0 = peak_rss_mib(), None
-for line in open("/proc/self/status"):
-    if line.startswith("RssAnon:"):
-        anon0 = int(line.split()[1]) / 1024
-threading.Thread(target=sample, daemon=True).start()
+base, stop = peak_rss_mib(), sample_rss()
 t0 = time.perf_counter(); run(); dt = time.perf_counter() - t0
-done.set()
-print(json.dumps({"s": dt, "rss": peak_rss_mib(), "extra": peak_rss_mib() - base, "base": base,
-                  "anon": peak["RssAnon"] - anon0, "file": peak["RssFile"]}))
+print(json.dumps({"s": dt, "rss": peak_rss_mib(), "extra": peak_rss_mib() - base, "base": base, **stop()}))
 """
 
 

@@ -24,7 +24,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from . import table
+from . import SavedBytes, patch_dist, table
 
 
 # ---------------------------------------------------------------- the plain PyTorch reference
@@ -114,73 +114,6 @@ def _single(kind: str, raw: dict, steps: int, warmup: int = 2) -> None:
     print(json.dumps({"times": times, "maxrss_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024}))
 
 
-# ---------------------------------------------------------------- instrumentation inside gloo workers
-class _TimedWork:
-    def __init__(self, work, acc):
-        self.work, self.acc = work, acc
-
-    def wait(self, *a, **k):
-        t0 = time.perf_counter()
-        try:
-            return self.work.wait(*a, **k)
-        finally:
-            self.acc[0] += time.perf_counter() - t0
-
-    def __getattr__(self, name):
-        return getattr(self.work, name)
-
-
-def _patch_dist(acc: list) -> None:
-    """Accumulate in acc[0] the seconds spent inside torch.distributed calls (and their waits)."""
-    import torch.distributed as dist
-    for name in ("all_reduce", "all_gather", "broadcast", "send", "recv", "isend", "irecv", "barrier"):
-        def wrapped(*a, _f=getattr(dist, name), **k):
-            t0 = time.perf_counter()
-            try:
-                out = _f(*a, **k)
-            finally:
-                acc[0] += time.perf_counter() - t0
-            return _TimedWork(out, acc) if hasattr(out, "wait") else out
-        setattr(dist, name, wrapped)
-
-
-class _Held:
-    __slots__ = ("t", "key", "owner")
-
-    def __init__(self, t, key, owner):
-        self.t, self.key, self.owner = t, key, owner
-
-    def __del__(self):
-        self.owner.release(self.key)
-
-
-class SavedBytes:
-    """saved_tensors_hooks that count the bytes of distinct non-parameter storages saved for backward."""
-
-    def __init__(self, params):
-        self.params = {p.untyped_storage().data_ptr() for p in params}
-        self.refs, self.size, self.live, self.peak = {}, {}, 0, 0
-
-    def pack(self, t):
-        key = t.untyped_storage().data_ptr()
-        if key in self.params:
-            return t
-        if not self.refs.get(key):
-            self.size[key] = t.untyped_storage().nbytes()
-            self.live += self.size[key]
-            self.peak = max(self.peak, self.live)
-        self.refs[key] = self.refs.get(key, 0) + 1
-        return _Held(t, key, self)
-
-    def unpack(self, h):
-        return h.t if isinstance(h, _Held) else h
-
-    def release(self, key):
-        self.refs[key] -= 1
-        if not self.refs[key]:
-            self.live -= self.size.pop(key)
-
-
 def _raw(o: dict, layout, micro: int, batch: int, schedule: str = "1f1b") -> dict:
     tp, pp, dp = layout
     return {"model": o["model"], "parallel": {"tp": tp, "pp": pp, "dp": dp, "schedule": schedule},
@@ -196,7 +129,7 @@ def _worker(rank: int, world: int, tmp: str, o: dict) -> None:
     from ..parallel.pipeline import SCHEDULES
     from ..train import build, train_step
     acc = [0.0]
-    _patch_dist(acc)
+    patch_dist(acc)
     out = {"bubble": [], "layouts": []}
     if o["bubble"]:
         grid = ParallelGrid.create(Layout(1, world, 1))
