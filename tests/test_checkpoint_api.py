@@ -1,7 +1,6 @@
 """The Python API: save_checkpoint / load_checkpoint with client_state, at the same layout (bitwise) and
 resharded to another one; a missing checkpoint is an error; nothing is ever a pickle."""
 import json
-import math
 from pathlib import Path
 
 import pytest
@@ -207,3 +206,12 @@ def test_pickle_in_place_of_safetensors_is_refused_and_not_executed(tmp_path, si
     shutil.copy(evil, tmp_path / "evil.pt")  # (torch.load reads a *.safetensors name as safetensors)
     torch.load(tmp_path / "evil.pt", weights_only=False)
     assert marker.exists()
+
+
+def test_checkpoint_saved_by_the_api_resumes_in_megalite_train(tmp_path, single, ckpt_tokens):
+    from ckpt_helpers import train, write_toml
+    _, _, root = single
+    p = train(write_toml(tmp_path / "tiny.toml", ckpt_tokens), f"--checkpoint.resume={root}",
+              "--train.stop_at_step=2", f"--train.out_dir={tmp_path / 'out'}")
+    assert p.returncode == 0, p.stderr
+    assert "resumed from" in p.stdout and "at step 1" in p.stdout

@@ -155,6 +155,19 @@ def test_keep_last_leaves_the_last_two(tmp_path, ckpt_tokens):
     assert step_names(root) == ["step_00000006"] and read_latest(root) == "step_00000006"
 
 
+def test_keep_last_after_rolling_back_keeps_this_runs_checkpoints(tmp_path, ckpt_tokens):
+    cfg = write_toml(tmp_path / "tiny.toml", ckpt_tokens)
+    root = tmp_path / "ck"
+    ok(train(cfg, "--train.steps=4", f"--checkpoint.dir={root}", "--checkpoint.interval=1",
+             f"--train.out_dir={tmp_path / 'out'}"))
+    ok(train(cfg, "--train.steps=4", "--train.stop_at_step=2", f"--checkpoint.dir={root}", "--checkpoint.interval=1",
+             "--checkpoint.keep_last=2", f"--checkpoint.resume={root / 'step_00000001'}",
+             f"--train.out_dir={tmp_path / 'out'}"))
+    assert read_latest(root) == "step_00000002"
+    # the two newest checkpoints of the rolled-back run are step 1 (resumed from) and step 2
+    assert "step_00000001" in step_names(root), step_names(root)
+
+
 def test_stale_tmp_folder_is_removed_by_the_next_save(tmp_path, base):
     root = tmp_path / "ck"
     copy_step(base / "ck" / "step_00000002", root)
@@ -190,7 +203,8 @@ def test_sigkill_of_a_rank_during_a_save(tmp_path, ckpt_tokens):
         out, _ = proc.communicate(timeout=150)
     finally:
         kill_tree(proc)
-    note = f"(seed {seed}, killed pid {victim}, during a save: {in_save})"
+    note = f"(seed {seed}, killed pid {victim}, during a save: {in_save}, tmp left: {_tmp_dirs(root)})"
+    print(note)
     assert proc.returncode != 0, note + out[-3000:]
     latest = read_latest(root)
     assert latest and (root / latest / "manifest.json").is_file(), note

@@ -227,12 +227,13 @@ def test_prune_keeps_the_last_n(tmp_path):
 def test_prune_never_deletes_what_latest_names(tmp_path):
     for s in range(1, 7):
         _committed(tmp_path, s)
-    L.write_latest(tmp_path, L.step_dir(2))  # e.g. re-pointed at an older step
+    L.write_latest(tmp_path, L.step_dir(2))  # a run rolled back to step 2: steps 3-6 were abandoned
+    assert L.committed_steps(tmp_path) == [3, 4, 5, 6, 1, 2]  # oldest first: the abandoned ones
     prune(tmp_path, 2)
-    assert L.committed_steps(tmp_path) == [2, 5, 6]
+    assert L.committed_steps(tmp_path) == [1, 2]
     assert L.resolve(tmp_path).name == L.step_dir(2)
     prune(tmp_path, 1)
-    assert 2 in L.committed_steps(tmp_path) and 6 in L.committed_steps(tmp_path)
+    assert L.committed_steps(tmp_path) == [2]
 
 
 # ---------------------------------------------------------------- the write plan of a whole grid

@@ -144,8 +144,6 @@ def test_resume_auto_without_a_checkpoint_starts_fresh(tmp_path, base_run):
     assert step_names(ck) == ["step_00000002"]
 
 
-@pytest.mark.xfail(strict=True, reason="bug: resume=auto drops the per-candidate reasons when no candidate "
-                                       "verifies (manager._choose_auto raises without its warnings)")
 def test_resume_auto_error_names_what_it_tried(tmp_path, base_run):
     ck = tmp_path / "ck"
     ck.mkdir()

@@ -53,9 +53,9 @@ def reset_peak_rss() -> bool:
 
 def sample_rss(interval: float = 0.005):
     """Poll RssAnon and RssFile (VmHWM lumps them together) in a thread; call the result to stop it and
-    get {"anon": peak growth of anonymous memory, "file": peak mapped file pages} in MiB."""
+    get the peak growth of anonymous memory and of mapped file pages, {"anon": MiB, "file": MiB}."""
     peak, stop = {"RssAnon": 0.0, "RssFile": 0.0}, threading.Event()
-    anon0 = _status("RssAnon")
+    anon0, file0 = _status("RssAnon"), _status("RssFile")
 
     def poll():
         while not stop.is_set():
@@ -69,7 +69,7 @@ def sample_rss(interval: float = 0.005):
     def done() -> dict:
         stop.set()
         th.join()
-        return {"anon": peak["RssAnon"] - anon0, "file": peak["RssFile"]}
+        return {"anon": peak["RssAnon"] - anon0, "file": peak["RssFile"] - file0}
     return done
 
 

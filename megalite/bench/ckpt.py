@@ -35,7 +35,8 @@ def layouts(world: int) -> tuple[tuple, Optional[tuple]]:
     if world == 1:
         return (1, 1, 1), None
     if world % 2:
-        raise ValueError(f"bench ckpt: --world {world} must be 1 or even")
+        from ..config import ConfigError
+        raise ConfigError(f"bench ckpt: --world {world} must be 1 or even (layout tp=2 x pp=world/2)")
     return (2, world // 2, 1), ((world, 1, 1) if world > 2 else (1, 2, 1))
 
 
@@ -123,9 +124,11 @@ def _worker(rank: int, world: int, tmp: str, o: dict) -> None:
         dist.barrier()
 
     def timed(op, fn, size=None, cold=None, only0=False, after=None, done=None):
-        if cold is not None and rank == 0:
-            how[0] = drop_page_cache([cold])
-            resident.append(resident_bytes([cold]))
+        if rank == 0:
+            os.sync()  # no writeback of an earlier operation (or discards of deleted files) left to compete
+            if cold is not None:
+                how[0] = drop_page_cache([cold])
+                resident.append(resident_bytes([cold]))
         dist.barrier()
         base = rss_mib()
         reset_peak_rss()
@@ -150,9 +153,11 @@ def _worker(rank: int, world: int, tmp: str, o: dict) -> None:
         disk = root / "disk"
         clear(disk)
         timed("disk write, 1 stream", lambda: _write(disk / "one.bin", total), total, only0=True)
-        timed(f"disk write, {world} streams", lambda: _write(disk / f"par{rank}.bin", total // world), total)
+        if world > 1:
+            timed(f"disk write, {world} streams", lambda: _write(disk / f"par{rank}.bin", total // world), total)
         timed("disk read, 1 stream", lambda: _read(disk / "one.bin"), total, cold=disk, only0=True)
-        timed(f"disk read, {world} streams", lambda: _read(disk / f"par{rank}.bin"), total, cold=disk)
+        if world > 1:
+            timed(f"disk read, {world} streams", lambda: _read(disk / f"par{rank}.bin"), total, cold=disk)
         clear(disk, root / "ml", root / "ml_async", root / "dcp", root / "dcp_async", root / "ts")
         timed("megalite save", lambda: save_checkpoint(root / "ml", i + 1, model, opt, grid, config=cfgd),
               lambda: _du(root / "ml"))
@@ -227,9 +232,11 @@ def _convert(root: Path, repeats: int, rec: dict, nbytes: dict) -> None:
     """Each conversion in a fresh interpreter, cold cache, so its VmHWM is the conversion's own."""
     out = root / "conv"
     out.mkdir(exist_ok=True)
-    for _ in range(repeats):
-        for kind, src, dst in (("megalite convert", root / "ml", out / "model.safetensors"),
-                               ("dcp_to_torch_save", root / "dcp_model", out / "model.pt")):
+    both = [("megalite convert", root / "ml", out / "model.safetensors"),
+            ("dcp_to_torch_save", root / "dcp_model", out / "model.pt")]
+    for i in range(repeats):
+        for kind, src, dst in both[::1 if i % 2 == 0 else -1]:  # alternate which goes first
+            os.sync()
             drop_page_cache([src])
             r = subprocess.run([sys.executable, "-c", _CONVERT, kind, str(src), str(dst)], capture_output=True,
                                text=True)
@@ -314,6 +321,6 @@ def bench_ckpt(size_mb: float = 1024, world: int = 4, repeats: int = 3, dir: Opt
         r = rec[kind][-1]
         log(f"{kind}: peak RSS {max(x['rss'] for x in rec[kind]):.0f} MiB = {r['base']:.0f} MiB after imports "
             f"+ {max(x['extra'] for x in rec[kind]):.0f} MiB; of which anonymous memory +"
-            f"{max(x['anon'] for x in rec[kind]):.0f} MiB, mapped file pages up to "
+            f"{max(x['anon'] for x in rec[kind]):.0f} MiB, mapped file pages +"
             f"{max(x['file'] for x in rec[kind]):.0f} MiB (largest tensor {fmt_bytes(largest)})")
     return rows

@@ -15,6 +15,7 @@ error, never a silent None):
 """
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 from typing import Optional
 
@@ -37,11 +38,14 @@ def save_checkpoint(root, step: int, model, optimizer, grid, *, scheduler=None, 
                     keep_last: int = 0, saver: Optional[AsyncSaver] = None) -> Optional[Path]:
     """Save this rank's slice under root/step_NNNNNNNN (all ranks call it). Returns the committed folder,
     or None when `saver` is given (async: the commit happens in the background; call saver.wait())."""
-    state = {"step": step, "tokens_seen": tokens_seen, "rng": capture_rng(), "data": data_state or {},
+    if config is None and hasattr(model, "cfg"):  # enough for `megalite train` and the converter to use it
+        config = {"model": dataclasses.asdict(model.cfg)}
+    data_state = data_state or {"batch_index": step}
+    state = {"step": step, "tokens_seen": tokens_seen, "rng": capture_rng(), "data": data_state,
              "scheduler": scheduler.state_dict() if scheduler is not None else None}
     pay = collect(_named(model), optimizer, grid, state)
     meta = manifest_meta(config or {}, grid.layout, getattr(optimizer, "zero1", False), step, tokens_seen,
-                         optimizer, data_state or {}, client_state)
+                         optimizer, data_state, client_state)
     meta["scheduler"] = state["scheduler"]
     if saver is not None:
         saver.submit(Path(root), step, pay, grid, meta, keep_last)

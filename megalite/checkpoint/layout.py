@@ -65,11 +65,20 @@ def tmp_dir(step: int) -> str:
 
 
 def committed_steps(root: Path) -> list[int]:
-    """Steps with a committed folder under root (a manifest present), ascending."""
+    """Steps with a committed folder under root (a manifest present), oldest first.
+
+    Oldest means: steps above the one `latest` names come first (a run that rolled back with
+    resume=PATH abandoned them), then the rest in step order. So keep_last prunes an abandoned run's
+    checkpoints before this run's, and resume=auto's fallback prefers this run's.
+    """
     if not root.is_dir():
         return []
-    steps = [parse_step_dir(p.name) for p in root.iterdir() if p.is_dir() and (p / MANIFEST).exists()]
-    return sorted(s for s in steps if s is not None)
+    steps = sorted(s for s in (parse_step_dir(p.name) for p in root.iterdir() if (p / MANIFEST).is_file())
+                   if s is not None)
+    latest = parse_step_dir(read_latest(root) or "")
+    if latest is None:
+        return steps
+    return [s for s in steps if s > latest] + [s for s in steps if s <= latest]
 
 
 def read_latest(root: Path) -> Optional[str]:

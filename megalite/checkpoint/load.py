@@ -34,7 +34,9 @@ class Loaded:
 def check_model(man: dict, step: Path, model_cfg: Optional[dict]) -> None:
     if model_cfg is None:
         return
-    diffs = mf.model_config_diff(man["config"].get("model", {}), model_cfg)
+    if not man["config"].get("model"):
+        raise CheckpointError(f"{step}: manifest field 'config.model' is empty; cannot check it against this run")
+    diffs = mf.model_config_diff(man["config"]["model"], model_cfg)
     if diffs:
         raise CheckpointError(f"{step}: saved with a different model: {'; '.join(diffs)}")
 

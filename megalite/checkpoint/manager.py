@@ -84,8 +84,8 @@ class CheckpointManager:
                 return str(self.root / name), warnings
             warnings.append(f"WARNING: resume=auto: skipping {self.root / name}: {problems[0]}"
                             + (f" (+{len(problems) - 1} more)" if len(problems) > 1 else ""))
-        raise CheckpointError(f"resume=auto: no checkpoint under '{self.root}' verifies "
-                              f"({len(candidates)} tried; run `megalite verify` on them)")
+        tried = "; ".join(w.split("skipping ", 1)[1] for w in warnings)
+        raise CheckpointError(f"resume=auto: no checkpoint under '{self.root}' verifies: {tried}")
 
     def resume(self, tr) -> None:
         """checkpoint.resume: '' = fresh; 'auto' = latest if any (falling back to the newest checkpoint that

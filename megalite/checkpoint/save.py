@@ -103,7 +103,7 @@ def write_rank(folder: Path, pay: Payload, rel: str) -> dict:
     crcs = {}
     for fname, tensors in pay.files.items():
         tensors = {k: v.detach().cpu().contiguous() for k, v in tensors.items()}
-        data = st_save(tensors, metadata={"format": "pt", "producer": f"megalite {__version__}"})
+        data = st_save(tensors, metadata={"format": "pt"})  # one key: safetensors orders a map arbitrarily
         _write_file(folder / fname, data)
         report["files"][f"{rel}/{fname}"] = {"bytes": len(data), "crc32": f"{mf.crc32_bytes(data):08x}"}
         crcs[fname] = {k: f"{mf.crc32_bytes(t.numpy()):08x}" for k, t in tensors.items()}
