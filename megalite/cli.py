@@ -21,6 +21,7 @@ EPILOGS = {
                "  megalite convert runs/demo/checkpoints --format hf-gpt2 --out gpt2-demo/",
     "split": "example:\n  megalite split model.safetensors --tp 2 --pp 2 --dp 1 --out ckpt-222/",
     "reshard": "example:\n  megalite reshard runs/demo/checkpoints --tp 1 --pp 4 --dp 2 --out ckpt-142/",
+    "bench": "examples:\n  megalite bench ckpt --size-mb 1024 --world 4\n  megalite bench train --steps 10 --nproc 4",
     "stress": "example:\n  megalite stress ckpt --trials 10",
     "generate": "example:\n  megalite generate --model model.safetensors --prompt 'def ' --max-new-tokens 100",
 }

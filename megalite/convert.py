@@ -41,8 +41,8 @@ class ConvertError(CheckpointError):
 class Progress:
     """`what: 12/52 tensors, 1.2/3.4 GiB` on stderr, at most about once a second; silent when quiet."""
 
-    def __init__(self, what: str, total_items: int, total_bytes: int, quiet: bool = False):
-        self.what, self.n, self.total_b, self.quiet = what, total_items, total_bytes, quiet
+    def __init__(self, what: str, total_items: int, total_bytes: int, quiet: bool = False, every_s: float = 1.0):
+        self.what, self.n, self.total_b, self.quiet, self.every = what, total_items, total_bytes, quiet, every_s
         self.i = self.b = 0
         self.last = time.monotonic()  # the first line comes after a second: small jobs stay silent
         self.printed = False
@@ -51,7 +51,7 @@ class Progress:
         self.i += 1
         self.b += nbytes
         now = time.monotonic()
-        if not self.quiet and (now - self.last > 1.0 or (self.i == self.n and self.printed)):
+        if not self.quiet and (now - self.last >= self.every or (self.i == self.n and self.printed)):
             self.last, self.printed = now, True
             print(f"{self.what}: {self.i}/{self.n} tensors, {self.b / 2**30:.2f}/{self.total_b / 2**30:.2f} GiB",
                   file=sys.stderr, flush=True)

@@ -1,0 +1,109 @@
+"""What a new user meets first: --help with examples, --version, progress, plot, and the README walkthrough."""
+import os
+import re
+import shlex
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from megalite import __version__
+from megalite.cli import build_parser
+from megalite.convert import Progress
+
+ROOT = Path(__file__).resolve().parents[1]
+SUBCOMMANDS = sorted(build_parser()._subparsers._group_actions[0].choices)
+
+
+def _run(*args, cwd=ROOT, timeout=600):
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    return subprocess.run(args, cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout)
+
+
+def test_every_subcommand_has_help_with_an_example():
+    assert {"train", "prepare", "inspect", "verify", "convert", "split", "reshard", "generate", "plot",
+            "stress"} <= set(SUBCOMMANDS)
+    for cmd in SUBCOMMANDS:
+        r = _run(sys.executable, "-m", "megalite", cmd, "--help")
+        assert r.returncode == 0, (cmd, r.stderr)
+        assert re.search(r"examples?:\n\s+(megalite|torchrun) ", r.stdout), f"`megalite {cmd} --help` has no example"
+
+
+def test_version():
+    r = _run(sys.executable, "-m", "megalite", "--version")
+    assert r.returncode == 0 and r.stdout.strip() == f"megalite {__version__}"
+
+
+def test_progress_lines_and_quiet(capsys):
+    p = Progress("convert", 3, 3 * 2**30, every_s=0.0)
+    for _ in range(3):
+        p.step(2**30)
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert lines[-1] == "convert: 3/3 tensors, 3.00/3.00 GiB" and len(lines) == 3
+    q = Progress("convert", 3, 3, quiet=True, every_s=0.0)
+    for _ in range(3):
+        q.step(1)
+    assert capsys.readouterr().err == ""
+
+
+def test_plot_writes_a_png(tmp_path):
+    pytest.importorskip("matplotlib")
+    import json
+    for name, scale in (("a", 1.0), ("b", 0.9)):
+        d = tmp_path / name
+        d.mkdir()
+        rows = [{"step": s, "loss": scale * 5 / s, **({"val_loss": 6 / s} if s % 5 == 0 else {})} for s in range(1, 11)]
+        (d / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    out = tmp_path / "loss.png"
+    r = _run(sys.executable, "-m", "megalite", "plot", str(tmp_path / "a"), str(tmp_path / "b"), "--out", str(out))
+    assert r.returncode == 0, r.stderr
+    data = out.read_bytes()
+    assert data[:8] == b"\x89PNG\r\n\x1a\n"
+    import matplotlib.image
+    img = matplotlib.image.imread(str(out))
+    assert img.shape[0] > 100 and img.shape[1] > 100 and img.std() > 0.01  # a drawn chart, not a blank page
+    r = _run(sys.executable, "-m", "megalite", "plot", str(tmp_path / "missing"), "--out", str(tmp_path / "x.png"))
+    assert r.returncode == 2 and "metrics.jsonl" in r.stderr and not (tmp_path / "x.png").exists()
+
+
+def _walkthrough_commands() -> list[str]:
+    text = (ROOT / "README.md").read_text()
+    block = text.split("<!-- walkthrough:begin -->", 1)[1].split("<!-- walkthrough:end -->", 1)[0]
+    return [line[2:] for line in block.splitlines() if line.startswith("$ ")]
+
+
+def test_readme_walkthrough_runs(tmp_path):
+    """Run the README's walkthrough commands as written, in a copy of configs/ with a smaller tiny-cpu.toml."""
+    cmds = _walkthrough_commands()
+    assert len(cmds) >= 7 and any("megalite convert" in c for c in cmds) and any("--tree" in c for c in cmds)
+    shutil.copytree(ROOT / "configs", tmp_path / "configs")
+    cfg = (tmp_path / "configs" / "tiny-cpu.toml").read_text()
+    for key, value in (("steps", "6"), ("interval", "3"), ("eval_interval", "3"), ("log_interval", "2"),
+                       ("n_embd", "32"), ("block_size", "32")):
+        cfg = re.sub(rf"^{key} = .*$", f"{key} = {value}", cfg, flags=re.M)
+    (tmp_path / "configs" / "tiny-cpu.toml").write_text(cfg + "\n")
+    # a small corpus instead of the stdlib default, so the test does not spend its time on data
+    (tmp_path / "data").mkdir()
+    from megalite.data import prepare
+    src = tmp_path / "corpus.txt"
+    src.write_text("".join(f"def f{i}(x):\n    return x + {i}\n" for i in range(3000)))
+    prepare([src], tmp_path / "data" / "stdlib.bin", log=lambda *a: None)
+    torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone"]
+    for cmd in cmds:
+        cmd = cmd.replace("--train.steps=200", "--train.steps=9")
+        argv = shlex.split(cmd.replace("$(cat runs/walk/ckpt/latest)",
+                                       (tmp_path / "runs/walk/ckpt/latest").read_text().strip()
+                                       if (tmp_path / "runs/walk/ckpt/latest").exists() else ""))
+        if argv[0] == "torchrun":
+            argv = torchrun + argv[1:]
+        elif argv[0] == "megalite":
+            argv = [sys.executable, "-m", "megalite"] + argv[1:]
+        r = _run(*argv, cwd=tmp_path)
+        assert r.returncode == 0, f"`{cmd}` failed:\n{r.stdout[-2000:]}\n{r.stderr[-3000:]}"
+    assert (tmp_path / "runs/walk/model.safetensors").is_file()
+    assert (tmp_path / "runs/walk/loss.png").read_bytes()[:4] == b"\x89PNG"
+    import json
+    resumed = [json.loads(line)["step"] for line in (tmp_path / "runs/walk-pp4/metrics.jsonl").read_text().splitlines()]
+    assert resumed == [7, 8, 9]  # continued from the (2,2,2) run's step 6, at pp=4
