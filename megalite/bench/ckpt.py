@@ -200,8 +200,7 @@ def _worker(rank: int, world: int, tmp: str, o: dict) -> None:
             save_checkpoint(root / "ml", 100 + i, model, opt, grid, config=cfgd, **kw)
             saver.wait()
             rss_after[label].append(reduce_max([rss_mib()])[0])
-    shutil.rmtree(root / "dcp_model", ignore_errors=True) if rank == 0 else None
-    dist.barrier()
+    clear(root / "dcp_model")
     dcp.save({f"rank{rank}/{k}": t for k, t in pay.files[MODEL_FILE].items()},
              storage_writer=dcp.FileSystemWriter(str(root / "dcp_model")))  # the input of dcp_to_torch_save
     if rank == 0:
@@ -247,6 +246,15 @@ def _convert(root: Path, repeats: int, rec: dict, nbytes: dict) -> None:
             dst.unlink()
 
 
+def _io_kind(op: str) -> Optional[str]:
+    """Which disk bandwidth an operation is held against (conversions both read and write: neither)."""
+    if op in ("megalite convert", "dcp_to_torch_save") or op.endswith("blocked"):
+        return None
+    if "load" in op or op.startswith("disk read"):
+        return "read"
+    return "write"
+
+
 def _rows(rec: dict, nbytes: dict) -> list[dict]:
     rows = {}
     for op, runs in rec.items():
@@ -260,8 +268,7 @@ def _rows(rec: dict, nbytes: dict) -> list[dict]:
     for op, r in rows.items():
         ref = rows.get(VS_DCP.get(op, ""))
         r["vs_dcp"] = r["median_s"] / ref["median_s"] if ref else None
-        kind = None if op in ("megalite convert", "dcp_to_torch_save") else "read" if "load" in op or \
-            op.startswith("disk read") else "write" if op.endswith(("save", "commit", "done")) or "write" in op else None
+        kind = _io_kind(op)
         r["of_disk"] = r["gb_s"] / best[kind] if kind and r["gb_s"] and best[kind] else None
     order = ["disk", "megalite save", "DCP save", "gather", "megalite async", "DCP async", "megalite load",
              "DCP load", "torch.load", "megalite convert", "dcp_to"]
@@ -307,8 +314,8 @@ def bench_ckpt(size_mb: float = 1024, world: int = 4, repeats: int = 3, dir: Opt
                                          else "") + f", {repeats} repeat(s); largest tensor {fmt_bytes(largest)}")
     log(format_rows(rows))
     known = [x for x in res["resident"] if x is not None]
-    log(f"page cache: {CACHE_HOW[res['cache']]}" + (f"; fincore after eviction: at most {fmt_bytes(max(known)) if max(known) else '0 bytes'} "
-        f"of the files resident" if known else ""))
+    check = f"; fincore after eviction: at most {fmt_bytes(max(known)) or '0 bytes'} of the files resident"
+    log(f"page cache: {CACHE_HOW[res['cache']]}" + (check if known else ""))
     for op, xs in res["rss_after"].items():
         log(f"RSS of the largest rank before -> after each of {repeats} '{op}' in a row: {xs[0]:.0f} -> "
             f"{', '.join(f'{x:.0f}' for x in xs[1:])} MiB")
@@ -316,7 +323,8 @@ def bench_ckpt(size_mb: float = 1024, world: int = 4, repeats: int = 3, dir: Opt
     if blocked and sync:
         log(f"async blocked / sync save: {blocked['median_s'] / sync['median_s']:.1%}")
     if "megalite load, resharded" in by:
-        log(f"resharded / same-layout load: {by['megalite load, resharded']['median_s'] / by['megalite load']['median_s']:.2f}x")
+        ratio = by["megalite load, resharded"]["median_s"] / by["megalite load"]["median_s"]
+        log(f"resharded / same-layout load: {ratio:.2f}x")
     for kind in ("megalite convert", "dcp_to_torch_save"):
         r = rec[kind][-1]
         log(f"{kind}: peak RSS {max(x['rss'] for x in rec[kind]):.0f} MiB = {r['base']:.0f} MiB after imports "
