@@ -132,6 +132,32 @@ CACHE_HOW = {"fadvise": "cold (fdatasync + posix_fadvise(POSIX_FADV_DONTNEED) on
              "none": "WARM (no way to evict it here: read numbers include page-cache hits)"}
 
 
+CHUNK = 16 << 20
+
+
+def write_file(path: Path, nbytes: int) -> None:
+    """Write nbytes of random data in 16 MiB writes, then fsync: the disk's durable write speed."""
+    buf = os.urandom(CHUNK)
+    with open(path, "wb", buffering=0) as f:
+        left = nbytes
+        while left > 0:
+            left -= f.write(memoryview(buf)[:min(left, CHUNK)])
+        os.fsync(f.fileno())
+
+
+def read_file(path: Path) -> None:
+    """Read a file through one reused 16 MiB buffer: the disk's read speed, no allocation on the way."""
+    buf = bytearray(CHUNK)
+    with open(path, "rb", buffering=0) as f:
+        while f.readinto(buf):
+            pass
+
+
+def du(path: Path) -> int:
+    path = Path(path)
+    return path.stat().st_size if path.is_file() else sum(p.stat().st_size for p in path.rglob("*") if p.is_file())
+
+
 # ---------------------------------------------------------------- numbers and tables
 def spread(xs: list) -> tuple[float, float, float]:
     """(median, min, max)."""

@@ -19,10 +19,10 @@ import time
 from pathlib import Path
 from typing import Optional
 
-from . import (CACHE_HOW, drop_page_cache, fmt_bytes, peak_rss_mib, reset_peak_rss, resident_bytes, rss_mib, spread,
-               table)
+from . import (CACHE_HOW, drop_page_cache, du, fmt_bytes, peak_rss_mib, read_file, reset_peak_rss, resident_bytes,
+               rss_mib, spread, table, write_file)
 
-BLOCK, VOCAB, CHUNK = 1024, 256, 16 << 20
+BLOCK, VOCAB = 1024, 256
 VS_DCP = {"megalite save": "DCP save", "gather + torch.save": "DCP save",
           "megalite async save: blocked": "DCP async_save: blocked",
           "megalite async save: until commit": "DCP async_save: until done",
@@ -48,27 +48,6 @@ def model_config(size_mb: float, world: int) -> dict:
     best = min(range(step, 16384 + 1, step), key=lambda c: abs(
         12 * (n_layer * (12 * c * c + 13 * c) + (VOCAB + BLOCK + 2) * c) - size_mb * 2**20))
     return dict(n_layer=n_layer, n_head=n_head, n_embd=best, block_size=BLOCK, vocab_size=VOCAB, dropout=0.0)
-
-
-def _write(path: Path, nbytes: int) -> None:
-    buf = os.urandom(CHUNK)
-    with open(path, "wb", buffering=0) as f:
-        left = nbytes
-        while left > 0:
-            left -= f.write(memoryview(buf)[:min(left, CHUNK)])
-        os.fsync(f.fileno())
-
-
-def _read(path: Path) -> None:
-    buf = bytearray(CHUNK)
-    with open(path, "rb", buffering=0) as f:
-        while f.readinto(buf):
-            pass
-
-
-def _du(path: Path) -> int:
-    path = Path(path)
-    return path.stat().st_size if path.is_file() else sum(p.stat().st_size for p in path.rglob("*") if p.is_file())
 
 
 def _state(mcfg, layout, seed: int):
@@ -149,35 +128,38 @@ def _worker(rank: int, world: int, tmp: str, o: dict) -> None:
                 nbytes[name] = size() if callable(size) else size
 
     saver = AsyncSaver()
+    clear(root / "disk")
+    if rank == 0:  # untimed: the first big write of a run is often much slower than the next ones
+        write_file(root / "disk" / "warm-up.bin", total)
     for i in range(o["repeats"]):
         disk = root / "disk"
-        clear(disk)
-        timed("disk write, 1 stream", lambda: _write(disk / "one.bin", total), total, only0=True)
-        if world > 1:
-            timed(f"disk write, {world} streams", lambda: _write(disk / f"par{rank}.bin", total // world), total)
-        timed("disk read, 1 stream", lambda: _read(disk / "one.bin"), total, cold=disk, only0=True)
-        if world > 1:
-            timed(f"disk read, {world} streams", lambda: _read(disk / f"par{rank}.bin"), total, cold=disk)
         clear(disk, root / "ml", root / "ml_async", root / "dcp", root / "dcp_async", root / "ts")
+        timed("disk write, 1 stream", lambda: write_file(disk / "one.bin", total), total, only0=True)
+        if world > 1:
+            timed(f"disk write, {world} streams", lambda: write_file(disk / f"par{rank}.bin", total // world), total)
+        timed("disk read, 1 stream", lambda: read_file(disk / "one.bin"), total, cold=disk, only0=True)
+        if world > 1:
+            timed(f"disk read, {world} streams", lambda: read_file(disk / f"par{rank}.bin"), total, cold=disk)
+        clear(disk)
         timed("megalite save", lambda: save_checkpoint(root / "ml", i + 1, model, opt, grid, config=cfgd),
-              lambda: _du(root / "ml"))
+              lambda: du(root / "ml"))
         timed("megalite load", lambda: load_checkpoint(root / "ml", model, opt, grid, model_config=o["model"]),
-              lambda: _du(root / "ml"), cold=root / "ml")
+              lambda: du(root / "ml"), cold=root / "ml")
         if other:
             timed("megalite load, resharded", lambda: load_checkpoint(root / "ml", other[1], other[2], other[0],
                                                                       model_config=o["model"]),
-                  lambda: _du(root / "ml"), cold=root / "ml")
+                  lambda: du(root / "ml"), cold=root / "ml")
         timed("megalite async save", lambda: save_checkpoint(root / "ml_async", i + 1, model, opt, grid,
                                                              config=cfgd, saver=saver),
-              lambda: _du(root / "ml_async"), after=saver.wait, done="megalite async save: until commit")
+              lambda: du(root / "ml_async"), after=saver.wait, done="megalite async save: until commit")
         timed("DCP save", lambda: dcp.save(sd, storage_writer=dcp.FileSystemWriter(str(root / "dcp"))),
-              lambda: _du(root / "dcp"))
+              lambda: du(root / "dcp"))
         timed("DCP load", lambda: dcp.load(sd, storage_reader=dcp.FileSystemReader(str(root / "dcp"))),
-              lambda: _du(root / "dcp"), cold=root / "dcp")
+              lambda: du(root / "dcp"), cold=root / "dcp")
         fut = []
         timed("DCP async_save", lambda: fut.append(dcp.async_save(
             sd, storage_writer=dcp.FileSystemWriter(str(root / "dcp_async")), process_group=dcp_pg)),
-              lambda: _du(root / "dcp_async"),
+              lambda: du(root / "dcp_async"),
               after=lambda: getattr(fut[-1], "upload_completion", fut[-1]).result(), done="DCP async_save: until done")
 
         def gather_save():
@@ -190,8 +172,8 @@ def _worker(rank: int, world: int, tmp: str, o: dict) -> None:
                     f.flush()
                     os.fsync(f.fileno())
 
-        timed("gather + torch.save", gather_save, lambda: _du(root / "ts"))
-        timed("torch.load (rank 0)", lambda: torch.load(root / "ts" / "all.pt"), lambda: _du(root / "ts"),
+        timed("gather + torch.save", gather_save, lambda: du(root / "ts"))
+        timed("torch.load (rank 0)", lambda: torch.load(root / "ts" / "all.pt"), lambda: du(root / "ts"),
               cold=root / "ts", only0=True)
     for label, kw in (("megalite save", {}), ("megalite async save", {"saver": saver})):
         rss_after[label] = [reduce_max([rss_mib()])[0]]  # then after each of `repeats` saves in a row
@@ -313,9 +295,11 @@ def bench_ckpt(size_mb: float = 1024, world: int = 4, repeats: int = 3, dir: Opt
         f"{lay.format(*save_layout)}" + (f", resharded load at {lay.format(*reshard_layout)}" if reshard_layout
                                          else "") + f", {repeats} repeat(s); largest tensor {fmt_bytes(largest)}")
     log(format_rows(rows))
-    known = [x for x in res["resident"] if x is not None]
-    check = f"; fincore after eviction: at most {fmt_bytes(max(known)) or '0 bytes'} of the files resident"
-    log(f"page cache: {CACHE_HOW[res['cache']]}" + (check if known else ""))
+    worst = max((x for x in res["resident"] if x is not None), default=None)
+    check = "" if worst is None else f"; fincore after eviction: {worst} bytes of the files still resident (worst case)"
+    log("vs DCP: median time over the DCP counterpart's; of disk: GB/s over the faster disk probe's GB/s "
+        "(same direction, medians)")
+    log(f"page cache: {CACHE_HOW[res['cache']]}{check}")
     for op, xs in res["rss_after"].items():
         log(f"RSS of the largest rank before -> after each of {repeats} '{op}' in a row: {xs[0]:.0f} -> "
             f"{', '.join(f'{x:.0f}' for x in xs[1:])} MiB")
