@@ -11,6 +11,7 @@ import os
 import shutil
 import sys
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Callable, Iterable, Optional
 
@@ -23,13 +24,13 @@ from .checkpoint.layout import (CheckpointError, coord_dir, fsync_dir, plan_writ
                                 write_latest)
 from .checkpoint.reshard import SliceReader
 from .checkpoint.save import Payload, add, manifest_meta, write_rank
+from .checkpoint.stream import StreamingWriter
 from .config import Config, ModelConfig
 from .parallel.grid import Layout
 from .parallel.pipeline import stage_of
 from .parallel.tensor import Partition
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
-_ST_NAMES = {torch.float32: "F32", torch.bfloat16: "BF16", torch.float16: "F16"}
 FORMATS = ("megalite", "hf-gpt2")
 
 
@@ -79,54 +80,31 @@ def _replace(tmp: Path, out: Path) -> None:
         os.replace(tmp, out)
 
 
-# ---------------------------------------------------------------- a streaming safetensors writer
-class StreamingWriter:
-    """A safetensors file written one tensor at a time, so memory holds one tensor, not the model.
-
-    The safetensors library has no incremental writer, so the header (8-byte length + JSON with each
-    tensor's dtype, shape and byte offsets, space-padded to 8 bytes) is laid out here from the known
-    shapes; the files are read back by the safetensors library itself in the tests.
-    """
-
-    def __init__(self, path: Path, specs: list[tuple[str, list, torch.dtype]], metadata: dict):
-        self.path, self.specs = path, specs
-        header, offset = {"__metadata__": metadata}, 0
-        for name, shape, dtype in specs:
-            n = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
-            header[name] = {"dtype": _ST_NAMES[dtype], "shape": list(shape), "data_offsets": [offset, offset + n]}
-            offset += n
-        blob = json.dumps(header, separators=(",", ":")).encode()
-        blob += b" " * (-len(blob) % 8)
-        self.f = open(path, "wb")
-        self.f.write(len(blob).to_bytes(8, "little") + blob)
-        self.next = 0
-
-    def write(self, name: str, t: torch.Tensor) -> None:
-        want, shape, dtype = self.specs[self.next]
-        if name != want or list(t.shape) != list(shape) or t.dtype != dtype:
-            raise ValueError(f"writer expected {want} {shape} {dtype}, got {name} {list(t.shape)} {t.dtype}")
-        if t.numel():
-            self.f.write(t.contiguous().view(torch.uint8).numpy())  # raw little-endian bytes, no copy
-        self.next += 1
-
-    def close(self) -> None:
-        self.f.flush()
-        os.fsync(self.f.fileno())
-        self.f.close()
-
-
 # ---------------------------------------------------------------- checkpoint -> one file
 def _model_cfg(man: dict) -> dict:
     return man["config"].get("model", {})
 
 
 def _full_tensors(step: Path, man: dict, progress: Progress):
-    """Yield (name, full tensor) for every model tensor, assembled from the slices, one at a time."""
+    """Yield (name, full tensor) for every model tensor, assembled from the slices, one at a time.
+
+    A reader thread fetches the next tensor while the caller writes this one (file reads, CRC32 and
+    writes all release the GIL), so at most two tensors are in memory.
+    """
     reader = SliceReader(step, man)
-    for name, entry in man["model"].items():
-        t = reader.read(name, entry, [[0, n] for n in entry["shape"]])
-        yield name, t
-        progress.step(t.numel() * t.element_size())
+    items = list(man["model"].items())
+
+    def fetch(i):
+        name, entry = items[i]
+        return reader.read(name, entry, [[0, n] for n in entry["shape"]])
+
+    with ThreadPoolExecutor(max_workers=1) as pool:
+        nxt = pool.submit(fetch, 0) if items else None
+        for i, (name, _) in enumerate(items):
+            t = nxt.result()
+            nxt = pool.submit(fetch, i + 1) if i + 1 < len(items) else None
+            yield name, t
+            progress.step(t.numel() * t.element_size())
 
 
 def convert(ckpt, out, dtype: str = "fp32", fmt: str = "megalite", force: bool = False,
@@ -150,14 +128,13 @@ def convert(ckpt, out, dtype: str = "fp32", fmt: str = "megalite", force: bool =
     specs = [(n, e["shape"], torch_dtype) for n, e in man["model"].items()]
     meta = {"format": "pt", "megalite.kind": "model", "megalite.model_config": json.dumps(_model_cfg(man), sort_keys=True),
             "megalite.partitions": json.dumps({n: e["partition"] for n, e in man["model"].items()}, sort_keys=True)}
-    w = StreamingWriter(tmp, specs, meta)
+    w = StreamingWriter(tmp, specs, meta, checksum=False)
     try:
         for name, t in _full_tensors(step, man, progress):
             w.write(name, t.to(torch_dtype))
         w.close()
     except BaseException:
-        w.f.close()
-        tmp.unlink(missing_ok=True)
+        w.abort()
         raise
     _replace(tmp, out)
     return out
@@ -228,7 +205,7 @@ def _export_hf(step: Path, man: dict, out: Path, dtype: torch.dtype, progress: P
         for hf_name, t in _to_hf(name, torch.empty(e["shape"], device="meta")):
             specs.append((hf_name, list(t.shape), dtype))
     order = {n: i for i, (n, _, _) in enumerate(specs)}
-    w = StreamingWriter(tmp / "model.safetensors", specs, {"format": "pt"})
+    w = StreamingWriter(tmp / "model.safetensors", specs, {"format": "pt"}, checksum=False)
     try:
         for name, t in _full_tensors(step, man, progress):
             for hf_name, ht in _to_hf(name, t):
@@ -239,7 +216,7 @@ def _export_hf(step: Path, man: dict, out: Path, dtype: torch.dtype, progress: P
         cfg["torch_dtype"] = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}[dtype]
         (tmp / "config.json").write_text(json.dumps(cfg, indent=2) + "\n")
     except BaseException:
-        w.f.close()
+        w.abort()
         shutil.rmtree(tmp, ignore_errors=True)
         raise
     _replace(tmp, out)

@@ -203,6 +203,7 @@ def train(cfg: Config, log=print) -> Trainer:
     ckpt = CheckpointManager(cfg, grid, log)
     ckpt.check_writable()
     ckpt.resume(tr)
+    ckpt.reserve(tr)
     is_logger = grid.rank == 0
     metrics_file = _open_metrics(Path(cfg.train.out_dir), tr.step) if is_logger else None
     if is_logger:

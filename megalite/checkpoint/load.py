@@ -51,6 +51,14 @@ def _entry(section: dict, name: str, shape, step: Path) -> dict:
     return entry
 
 
+def _fill(target: torch.Tensor, read) -> None:
+    """Let the reader write straight into `target` when it is host memory; copy otherwise."""
+    direct = target.device.type == "cpu" and target.is_contiguous()
+    got = read(target if direct else None)
+    if got is not target:
+        target.copy_(got.reshape(target.shape))
+
+
 def load_into(path, params, optimizer, grid, model_cfg: Optional[dict] = None,
               restore_rng_state: bool = True) -> Loaded:
     """Fill `params` ([(global name, parameter)]) and `optimizer` (or None) from the checkpoint at `path`."""
@@ -76,14 +84,15 @@ def load_into(path, params, optimizer, grid, model_cfg: Optional[dict] = None,
                 _entry(man["optimizer_state"], f"{name}.{moment}", part.global_shape, step)
     with torch.no_grad():
         for name, p, part, entry, box in plan:
-            valid_view(p.data, part, c.tp, L.tp).copy_(reader.read(name, entry, box))
+            _fill(valid_view(p.data, part, c.tp, L.tp), lambda out: reader.read(name, entry, box, out=out))
         if optimizer is not None:
             for name, p, part, entry, box in plan:
                 a, b = optimizer.piece_of(name)
                 for moment, store in (("exp_avg", optimizer.exp_avg), ("exp_avg_sq", optimizer.exp_avg_sq)):
                     key = f"{name}.{moment}"
-                    t = reader.read(key, man["optimizer_state"][key], box, flat=(a, b))
-                    store[name].copy_(t.reshape(-1).to(store[name].device))
+                    target = store[name] if optimizer.zero1 else store[name].view([hi - lo for lo, hi in box])
+                    _fill(target, lambda out: reader.read(key, man["optimizer_state"][key], box,
+                                                          flat=(a, b) if optimizer.zero1 else None, out=out))
             optimizer.step_count = int(man["optimizer"]["step"]) if man.get("optimizer") else 0
     rng = False
     if same and restore_rng_state:

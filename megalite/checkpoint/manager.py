@@ -12,7 +12,7 @@ import torch.distributed as dist
 
 from . import load_checkpoint, save_checkpoint
 from .layout import LATEST, LOCK, CheckpointError, committed_steps, read_latest, step_dir
-from .save import AsyncSaver, bcast_object
+from .save import AsyncSaver, bcast_object, collect
 from .verify import verify
 
 
@@ -125,6 +125,11 @@ class CheckpointManager:
             seed_everything(self.cfg.train.seed + info.step, self.grid)
             how += "; RNG states re-seeded from (seed, step): no per-rank states for this layout"
         self.log(f"resumed from {info.path} at step {info.step} ({how})")
+
+    def reserve(self, tr) -> None:
+        """Async saves: allocate the host staging buffers before training starts."""
+        if self.saver is not None and self.root is not None:
+            self.saver.stager.reserve(collect(tr.params, tr.optimizer, self.grid, {}))
 
     # ------------------------------------------------------------ signals
     def install_signal_handlers(self) -> None:

@@ -16,6 +16,7 @@ from safetensors import safe_open
 
 from .layout import CheckpointError
 from .manifest import crc32_bytes
+from .stream import read_header, read_into
 
 
 def overlap(a, b) -> Optional[list]:
@@ -34,15 +35,21 @@ def _rel(inner, outer) -> tuple:
 
 
 class SliceReader:
-    """Reads slices from one step folder, with one open handle per file and manifest checks on open."""
+    """Reads slices from one step folder; every file is checked against the manifest when first used.
+
+    A read that covers a whole stored slice goes straight from the file into the destination memory (no
+    memory map, no extra copy) and its CRC32 is checked; a partial read (resharding) asks safetensors for
+    just that region's bytes.
+    """
 
     def __init__(self, step_dir: Path, manifest: dict):
         self.dir, self.man = Path(step_dir), manifest
-        self.handles: dict = {}
+        self.headers: dict = {}  # rel -> (header, data offset)
+        self.handles: dict = {}  # rel -> safe_open handle, only for partial reads
         self.bytes_read = 0
 
-    def _open(self, rel: str):
-        if rel not in self.handles:
+    def _header(self, rel: str):
+        if rel not in self.headers:
             path = self.dir / rel
             meta = self.man["files"].get(rel)
             if meta is None:
@@ -55,78 +62,104 @@ class SliceReader:
                 raise CheckpointError(f"{self.dir.name}: {rel} is {size} bytes, the manifest says "
                                       f"{meta['bytes']} (truncated or replaced?)")
             try:
-                self.handles[rel] = safe_open(str(path), framework="pt")
-            except Exception as e:  # noqa: BLE001 - a damaged header
+                self.headers[rel] = read_header(path)
+            except (ValueError, UnicodeDecodeError) as e:  # a damaged header, or not safetensors at all
                 raise CheckpointError(f"{self.dir.name}: {rel} is not a readable safetensors file ({e})") from None
-        return self.handles[rel]
+        return self.headers[rel]
 
-    def _stored(self, name: str, sl: dict):
-        f = self._open(sl["file"])
-        if sl["key"] not in f.keys():
+    def _stored(self, name: str, sl: dict) -> dict:
+        header, _ = self._header(sl["file"])
+        entry = header.get(sl["key"])
+        if entry is None:
             raise CheckpointError(f"{self.dir.name}: tensor '{name}' (key '{sl['key']}') is missing from {sl['file']}")
-        view = f.get_slice(sl["key"])
         want = [sl["flat"][1] - sl["flat"][0]] if "flat" in sl else _shape(sl["box"])
-        if list(view.get_shape()) != want:
+        if list(entry["shape"]) != want:
             raise CheckpointError(f"{self.dir.name}: tensor '{name}' in {sl['file']} has shape "
-                                  f"{list(view.get_shape())}, the manifest says {want}")
-        return view
+                                  f"{list(entry['shape'])}, the manifest says {want}")
+        return entry
 
-    def _read(self, name: str, sl: dict, index: tuple) -> torch.Tensor:
-        view = self._stored(name, sl)
-        whole = all(s.start == 0 and s.stop == n for s, n in zip(index, view.get_shape()))
-        t = view[index] if not whole else self.handles[sl["file"]].get_tensor(sl["key"])
+    def _read(self, name: str, sl: dict, index: tuple, out: Optional[torch.Tensor] = None) -> torch.Tensor:
+        entry = self._stored(name, sl)
+        shape = entry["shape"]
+        if all(s.start == 0 and s.stop == n for s, n in zip(index, shape)):  # the whole stored slice
+            if out is None or out.device.type != "cpu" or not out.is_contiguous() or list(out.shape) != shape:
+                out = torch.empty(shape, dtype=torch.float32)
+            try:
+                read_into(self.dir / sl["file"], entry, self._header(sl["file"])[1], out)
+            except ValueError as e:
+                raise CheckpointError(f"{self.dir.name}: tensor '{name}' in {sl['file']}: {e}") from None
+            if "crc32" in sl and f"{crc32_bytes(out.numpy()):08x}" != sl["crc32"]:
+                raise CheckpointError(f"{self.dir.name}: tensor '{name}' in {sl['file']} fails its checksum "
+                                      f"(the file is corrupted)")
+            self.bytes_read += out.numel() * 4
+            return out
+        if sl["file"] not in self.handles:
+            self.handles[sl["file"]] = safe_open(str(self.dir / sl["file"]), framework="pt")
+        t = self.handles[sl["file"]].get_slice(sl["key"])[index]
         self.bytes_read += t.numel() * t.element_size()
-        if whole and "crc32" in sl and f"{crc32_bytes(t.contiguous().numpy()):08x}" != sl["crc32"]:
-            raise CheckpointError(f"{self.dir.name}: tensor '{name}' in {sl['file']} fails its checksum "
-                                  f"(the file is corrupted)")
         return t
 
-    def read(self, name: str, entry: dict, box, flat: Optional[tuple] = None) -> torch.Tensor:
-        """The region `box` of tensor `name` (shape of the box), or elements flat[0]:flat[1] of it (1-D)."""
+    def read(self, name: str, entry: dict, box, flat: Optional[tuple] = None,
+             out: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """The region `box` of tensor `name` (shape of the box), or elements flat[0]:flat[1] of it (1-D).
+
+        With `out` (a CPU tensor of that shape) the data lands there when it can; use the returned tensor.
+        """
         box = [list(r) for r in box]
         if flat is not None:
-            fast = self._read_flat_same_box(name, entry, box, flat)
+            fast = self._read_flat_same_box(name, entry, box, flat, out)
             if fast is not None:
                 return fast
-        out = torch.empty(_shape(box), dtype=torch.float32)
-        filled = 0
         by_box: dict = {}
         for sl in entry["slices"]:
             by_box.setdefault(tuple(map(tuple, sl["box"])), []).append(sl)
+        exact = by_box.get(tuple(map(tuple, box)))
+        if flat is None and exact and "flat" not in exact[0]:  # same layout: one read, into place
+            return self._read(name, exact[0], tuple(slice(0, n) for n in _shape(box)), out)
+        full = out if (flat is None and out is not None and out.is_contiguous()) else None
+        full = full if full is not None else torch.empty(_shape(box), dtype=torch.float32)
+        filled = 0
         for sbox, slices in by_box.items():
             sbox = [list(r) for r in sbox]
             inter = overlap(sbox, box)
             if inter is None:
                 continue
             if "flat" not in slices[0]:
-                out[_rel(inter, box)] = self._read(name, slices[0], _rel(inter, sbox))
+                region = full[_rel(inter, box)]
+                got = self._read(name, slices[0], _rel(inter, sbox), region if region.is_contiguous() else None)
+                if got is not region:
+                    region.copy_(got)
             else:  # ZeRO-1 pieces: rebuild that one box (one tp slice of one tensor), then cut
                 whole = torch.empty(math.prod(_shape(sbox)), dtype=torch.float32)
                 for sl in slices:
                     a, b = sl["flat"]
-                    whole[a:b] = self._read(name, sl, (slice(0, b - a),))
-                out[_rel(inter, box)] = whole.view(_shape(sbox))[_rel(inter, sbox)]
+                    self._read(name, sl, (slice(0, b - a),), whole[a:b])
+                full[_rel(inter, box)] = whole.view(_shape(sbox))[_rel(inter, sbox)]
             filled += math.prod(_shape(inter))
         if filled != math.prod(_shape(box)):
             raise CheckpointError(f"{self.dir.name}: tensor '{name}': the stored slices cover {filled} of the "
                                   f"{math.prod(_shape(box))} elements requested")
-        return out if flat is None else out.view(-1)[flat[0]:flat[1]].clone()
+        return full if flat is None else full.view(-1)[flat[0]:flat[1]].clone()
 
-    def _read_flat_same_box(self, name, entry, box, flat) -> Optional[torch.Tensor]:
+    def _read_flat_same_box(self, name, entry, box, flat, out) -> Optional[torch.Tensor]:
         """A ZeRO-1 piece from pieces of the same box (same tp size): read only the overlapping ranges."""
         pieces = [sl for sl in entry["slices"] if sl["box"] == box and "flat" in sl]
         if not pieces:
             return None
         a, b = flat
-        out = torch.empty(b - a, dtype=torch.float32)
+        dest = out if out is not None and out.device.type == "cpu" and out.is_contiguous() else None
+        dest = dest if dest is not None else torch.empty(b - a, dtype=torch.float32)
         filled = 0
         for sl in pieces:
             pa, pb = sl["flat"]
             lo, hi = max(a, pa), min(b, pb)
             if lo < hi:
-                out[lo - a:hi - a] = self._read(name, sl, (slice(lo - pa, hi - pa),))
+                region = dest[lo - a:hi - a]
+                got = self._read(name, sl, (slice(lo - pa, hi - pa),), region)
+                if got is not region:
+                    region.copy_(got)
                 filled += hi - lo
-        return out if filled == b - a else None
+        return dest if filled == b - a else None
 
 
 def _layout(man: dict) -> str:

@@ -20,7 +20,6 @@ from typing import Optional
 
 import torch
 import torch.distributed as dist
-from safetensors.torch import save as st_save
 
 from .. import __version__
 from ..parallel.tensor import partition_of, valid_view
@@ -28,6 +27,7 @@ from . import manifest as mf
 from .layout import (MODEL_FILE, OPTIM_FILE, STATE_FILE, TMP_PREFIX, CheckpointError, committed_steps,
                      coord_dir, fsync_dir, plan_writes, read_latest, step_dir, tmp_dir, write_latest)
 from .state import capture_rng, dumps_json
+from .stream import StreamingWriter
 
 
 @dataclass
@@ -73,15 +73,26 @@ class Stager:
     def __init__(self):
         self.buffers: dict = {}
 
+    def _buffer(self, fname: str, key: str, t: torch.Tensor) -> torch.Tensor:
+        buf = self.buffers.get((fname, key))
+        if buf is None or buf.shape != t.shape:
+            buf = torch.empty(t.shape, dtype=t.dtype, pin_memory=t.is_cuda)
+            buf.zero_()  # touch the pages now, not during the first save's stall
+            self.buffers[(fname, key)] = buf
+        return buf
+
+    def reserve(self, pay: Payload) -> None:
+        """Allocate every buffer up front (at start-up), so even the first async save only copies."""
+        for fname, tensors in pay.files.items():
+            for key, t in tensors.items():
+                self._buffer(fname, key, t)
+
     def stage(self, pay: Payload) -> Payload:
         out = Payload(files={}, records=pay.records, state=pay.state)
         for fname, tensors in pay.files.items():
             out.files[fname] = {}
             for key, t in tensors.items():
-                buf = self.buffers.get((fname, key))
-                if buf is None or buf.shape != t.shape:
-                    buf = torch.empty(t.shape, dtype=t.dtype, pin_memory=t.is_cuda)
-                    self.buffers[(fname, key)] = buf
+                buf = self._buffer(fname, key, t)
                 buf.copy_(t, non_blocking=True)
                 out.files[fname][key] = buf
         if torch.cuda.is_available():
@@ -96,17 +107,28 @@ def _write_file(path: Path, data: bytes) -> None:
         os.fsync(f.fileno())
 
 
+def _write_tensors(path: Path, tensors: dict) -> tuple[int, str, dict]:
+    """Stream one safetensors file (keys sorted: the same state gives the same bytes); return its size,
+    its CRC32 and each tensor's CRC32, computed on the buffers as they are written."""
+    keys = sorted(tensors)
+    w = StreamingWriter(path, [(k, list(tensors[k].shape), tensors[k].dtype) for k in keys], {"format": "pt"})
+    try:
+        crcs = {k: f"{w.write(k, tensors[k]):08x}" for k in keys}
+        w.close()
+    except BaseException:
+        w.abort()
+        raise
+    return w.size, f"{w.crc32:08x}", crcs
+
+
 def write_rank(folder: Path, pay: Payload, rel: str) -> dict:
     """Write one coordinate's folder; return its report for the manifest."""
     folder.mkdir(parents=True, exist_ok=True)
     report = {"files": {}, "tensors": []}
     crcs = {}
     for fname, tensors in pay.files.items():
-        tensors = {k: v.detach().cpu().contiguous() for k, v in tensors.items()}
-        data = st_save(tensors, metadata={"format": "pt"})  # one key: safetensors orders a map arbitrarily
-        _write_file(folder / fname, data)
-        report["files"][f"{rel}/{fname}"] = {"bytes": len(data), "crc32": f"{mf.crc32_bytes(data):08x}"}
-        crcs[fname] = {k: f"{mf.crc32_bytes(t.numpy()):08x}" for k, t in tensors.items()}
+        size, crc, crcs[fname] = _write_tensors(folder / fname, tensors)
+        report["files"][f"{rel}/{fname}"] = {"bytes": size, "crc32": crc}
     data = dumps_json(pay.state).encode()
     _write_file(folder / STATE_FILE, data)
     report["files"][f"{rel}/{STATE_FILE}"] = {"bytes": len(data), "crc32": f"{mf.crc32_bytes(data):08x}"}
