@@ -152,7 +152,8 @@ def load_config(path: str | Path | None = None, overrides: typing.Sequence[str] 
     else:
         p = Path(path)
         if not p.is_file():
-            raise ConfigError(f"--config: file '{p}' does not exist")
+            raise ConfigError(f"--config: '{p}' is a folder, expected a TOML file" if p.is_dir()
+                              else f"--config: file '{p}' does not exist")
         try:
             raw = tomllib.loads(p.read_text())
         except tomllib.TOMLDecodeError as e:

@@ -43,11 +43,28 @@ def init_distributed(timeout_s: float = 1800) -> tuple[torch.device, str]:
     device = torch.device("cuda", torch.cuda.current_device()) if use_cuda else torch.device("cpu")
     if not dist.is_initialized():
         if "WORLD_SIZE" in os.environ:
-            dist.init_process_group(backend, timeout=timedelta(seconds=timeout_s))
+            rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+            dist.init_process_group(backend, store=_job_store(rank, world, timeout_s), rank=rank,
+                                    world_size=world, timeout=timedelta(seconds=timeout_s))
         else:  # a plain `megalite train` without torchrun: a world of one
             dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1,
                                     timeout=timedelta(seconds=timeout_s))
     return device, backend
+
+
+def _job_store(rank: int, world: int, timeout_s: float):
+    """torchrun's store, under a prefix per restart attempt.
+
+    After `torchrun --max-restarts` restarts the workers, they reuse the agent's store, which still holds
+    the previous attempt's gloo addresses; without a fresh namespace the new ranks try to connect to dead
+    peers ("Connection refused") or hang.
+    """
+    host, port = os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"])
+    agent_store = os.environ.get("TORCHELASTIC_USE_AGENT_STORE", "").lower() == "true"
+    store = dist.TCPStore(host, port, world, is_master=rank == 0 and not agent_store,
+                          timeout=timedelta(seconds=timeout_s), wait_for_workers=False)
+    attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+    return dist.PrefixStore(f"megalite/attempt-{attempt}", store)
 
 
 def world_size_from_env() -> int:
@@ -201,7 +218,7 @@ def train(cfg: Config, log=print) -> Trainer:
     prepare_data(cfg, grid.rank)
     tr = build(cfg, grid, device)
     ckpt = CheckpointManager(cfg, grid, log)
-    ckpt.check_writable()
+    ckpt.check_writable(Path(cfg.train.out_dir))
     ckpt.resume(tr)
     ckpt.reserve(tr)
     is_logger = grid.rank == 0

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import fcntl
 import os
+import shutil
 import signal
 import socket
 from pathlib import Path
@@ -28,22 +29,30 @@ class CheckpointManager:
         self._lock_fd = None
 
     # ------------------------------------------------------------ start-up
-    def check_writable(self) -> None:
-        """Fail before the first step, not after an hour of training: the folder must be writable and not
-        in use by another run. The lock is an flock held by rank 0 for the run, so a killed run never
-        leaves it stuck (the kernel releases it with the process)."""
-        if self.root is None:
-            return
-        err = None
+    def check_writable(self, out_dir: Path) -> None:
+        """Fail before the first step, not after an hour of training: train.out_dir and checkpoint.dir
+        must be writable and the checkpoint folder not in use by another run. The lock is an flock held by
+        rank 0 for the run, so a killed run never leaves it stuck (the kernel releases it)."""
+        err, created = None, []
         if self.grid.rank == 0:
-            try:
-                self.root.mkdir(parents=True, exist_ok=True)
-                probe = self.root / f".write-test-{os.getpid()}"
-                probe.write_text("ok")
-                probe.unlink()
+            for field, folder in (("checkpoint.dir", self.root), ("train.out_dir", out_dir)):
+                if folder is None or err:
+                    continue
+                missing = [p for p in [folder, *folder.parents] if not p.exists()]
+                try:
+                    folder.mkdir(parents=True, exist_ok=True)
+                    created += missing[-1:]  # the topmost folder this check made
+                    probe = folder / f".write-test-{os.getpid()}"
+                    probe.write_text("ok")
+                    probe.unlink()
+                except OSError as e:
+                    err = f"{field}: cannot write to '{folder}' ({e.strerror or e})"
+            if not err and self.root is not None:
                 err = self._take_lock()
-            except OSError as e:
-                err = f"checkpoint.dir: cannot write to '{self.root}' ({e.strerror or e})"
+            if err:  # a failed start leaves nothing behind
+                for folder in created:
+                    if not any(p.is_file() for p in folder.rglob("*")):
+                        shutil.rmtree(folder, ignore_errors=True)
         err = bcast_object(err, self.grid, self.grid.cpu)
         if err:
             raise CheckpointError(err)
