@@ -107,3 +107,10 @@ def test_readme_walkthrough_runs(tmp_path):
     import json
     resumed = [json.loads(line)["step"] for line in (tmp_path / "runs/walk-pp4/metrics.jsonl").read_text().splitlines()]
     assert resumed == [7, 8, 9]  # continued from the (2,2,2) run's step 6, at pp=4
+
+
+def test_ci_runs_the_readme_test_command():
+    readme = (ROOT / "README.md").read_text().split("```bash", 1)[1].split("```", 1)[0]
+    commands = [line for line in readme.splitlines() if line and not line.startswith("#")]
+    assert len(commands) == 2, "README.md must open with exactly two commands"
+    assert commands[1] in (ROOT / ".ci" / "run").read_text().splitlines()
