@@ -1,55 +1,35 @@
-"""Shared fixtures: a small token file, a tiny-config builder, and in-process training of a reference."""
+"""Shared fixtures: the token files, the tiny config (as a Config or a TOML file), in-process training of a
+reference, and the converter tests' training runs, built once per session. Plain functions are in helpers.py."""
 from __future__ import annotations
 
-import copy
-import sysconfig
 from pathlib import Path
 
 import pytest
-import torch
 
+import helpers as H
 from megalite.config import Config
-from megalite.data import prepare
 
 
-def _corpus_text() -> str:
-    """~60 KB of deterministic text: the start of a stdlib module's source."""
-    src = Path(sysconfig.get_paths()["stdlib"]) / "argparse.py"
-    return src.read_text(encoding="utf-8")[:60_000]
+# ---------------------------------------------------------------- token files
+@pytest.fixture(scope="session")
+def token_file(tmp_path_factory) -> Path:
+    """~60 KB of stdlib source as byte tokens (the training, checkpoint and fault tests)."""
+    return H.make_token_file(tmp_path_factory.mktemp("tokens"), H.stdlib_text())
 
 
 @pytest.fixture(scope="session")
-def token_file(tmp_path_factory) -> Path:
-    d = tmp_path_factory.mktemp("tokens")
-    (d / "corpus.txt").write_text(_corpus_text(), encoding="utf-8")
-    out = d / "tiny.bin"
-    prepare([d / "corpus.txt"], out, val_fraction=0.1, log=lambda *a: None)
-    return out
+def convert_tokens(tmp_path_factory) -> Path:
+    """~50 KB of synthetic text as byte tokens (the converter tests)."""
+    return H.make_token_file(tmp_path_factory.mktemp("convert_tokens"), H.synthetic_text())
 
 
-TINY = {
-    "model": dict(n_layer=4, n_head=4, n_embd=32, block_size=16, vocab_size=256, dropout=0.0),
-    "parallel": dict(tp=1, pp=1, dp=1, schedule="1f1b", zero1=False),
-    "train": dict(steps=5, global_batch_size=16, micro_batch_size=2, lr=3e-3, min_lr=3e-4, warmup_steps=2,
-                  weight_decay=0.1, grad_clip=1.0, seed=1234, log_interval=1000, eval_interval=1000,
-                  eval_batches=1),
-    "data": dict(val_fraction=0.1, auto_prepare=False),
-}
-
-
+# ---------------------------------------------------------------- the tiny config
 @pytest.fixture
 def tiny_config(token_file, tmp_path):
-    """make(**{"section.key": value}) -> a tiny Config on the shared token file, out_dir in tmp."""
+    """make(**{"section.key": value}) -> a tiny Config (H.TINY) on the shared token file, out_dir in tmp."""
 
     def make(**overrides) -> Config:
-        raw = copy.deepcopy(TINY)
-        raw["data"]["path"] = str(token_file)
-        raw["train"]["out_dir"] = str(tmp_path / "run")
-        cfg = Config.from_dict(raw, source="tiny")
-        for dotted, value in overrides.items():
-            section, key = dotted.split(".")
-            setattr(getattr(cfg, section), key, value)
-        return cfg
+        return H.TINY.config(token_file, tmp_path / "run", **overrides)
 
     return make
 
@@ -57,25 +37,7 @@ def tiny_config(token_file, tmp_path):
 @pytest.fixture
 def tiny_toml(token_file, tmp_path) -> Path:
     """The tiny config as a TOML file (for the CLI / torchrun tests)."""
-
-    def fmt(v):
-        if isinstance(v, bool):
-            return "true" if v else "false"
-        if isinstance(v, str):
-            return f'"{v}"'
-        return repr(v)
-
-    lines = []
-    raw = copy.deepcopy(TINY)
-    raw["data"]["path"] = str(token_file)
-    raw["train"]["out_dir"] = str(tmp_path / "run")
-    for section, values in raw.items():
-        lines.append(f"[{section}]")
-        lines += [f"{k} = {fmt(v)}" for k, v in values.items()]
-        lines.append("")
-    path = tmp_path / "tiny.toml"
-    path.write_text("\n".join(lines))
-    return path
+    return H.TINY.toml(tmp_path / "tiny.toml", token_file, tmp_path / "run")
 
 
 @pytest.fixture
@@ -86,32 +48,45 @@ def train_single():
 
     def run(cfg: Config):
         from megalite.testing import gather_full_model
-        from megalite.train import train
-        threads = torch.get_num_threads()
-        torch.set_num_threads(1)
-        try:
-            tr = train(cfg, log=lambda *a: None)
-        finally:
-            torch.set_num_threads(threads)
+        tr = H.train_in_process(cfg)
         return {"history": tr.history, "loss": [r["loss"] for r in tr.history],
                 "params": gather_full_model(tr.params, tr.grid),
-                "grads": gather_full_model(grads_of(tr.params), tr.grid)}
+                "grads": gather_full_model(H.grads_of(tr.params), tr.grid)}
 
     return run
 
 
-def grads_of(named_params) -> list:
-    """(name, grad) pairs whose grads carry their parameter's partition tag (for gather_full_model)."""
-    out = []
-    for name, p in named_params:
-        g = p.grad.detach().clone()
-        g.partition = p.partition
-        out.append((name, g))
-    return out
+# ---------------------------------------------------------------- the converter tests' runs (H.CONVERT)
+@pytest.fixture(scope="session")
+def run111(tmp_path_factory, convert_tokens) -> dict:
+    """(1,1,1) in-process, steps=10, stopped after step 5 with a checkpoint."""
+    d = tmp_path_factory.mktemp("convert_trained_111")
+    cfg = H.CONVERT.config(convert_tokens, d / "run", **{"train.stop_at_step": 5, "checkpoint.dir": str(d / "ckpt")})
+    losses = [r["loss"] for r in H.train_in_process(cfg).history]
+    return {"ckpt": d / "ckpt", "losses": losses, "dir": d}
 
 
-def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
-    """||a - b|| / ||b|| (or the absolute norm when b is zero)."""
-    a, b = a.double(), b.double()
-    denom = b.norm().item()
-    return (a - b).norm().item() / (denom if denom > 0 else 1.0)
+@pytest.fixture(scope="session")
+def model_file(tmp_path_factory, run111) -> Path:
+    """The (1,1,1) checkpoint converted to one fp32 megalite file."""
+    from megalite.convert import convert
+    return convert(run111["ckpt"], tmp_path_factory.mktemp("convert_model_file") / "model.safetensors", quiet=True)
+
+
+ZERO1_222 = {"parallel.tp": 2, "parallel.pp": 2, "parallel.dp": 2, "parallel.zero1": True}
+
+
+@pytest.fixture(scope="session")
+def run222_stop5(tmp_path_factory, convert_tokens) -> dict:
+    """(2,2,2) zero1 under torchrun (8 procs), steps=10, stopped after step 5 with a checkpoint."""
+    d = tmp_path_factory.mktemp("convert_run_222_stop5")
+    toml = H.CONVERT.toml(d / "tiny.toml", convert_tokens)
+    recs = H.torchrun_train(8, toml, d / "run", **ZERO1_222, **{"train.stop_at_step": 5, "checkpoint.dir": d / "ckpt"})
+    return {"ckpt": d / "ckpt", "toml": toml, "metrics": recs, "dir": d}
+
+
+@pytest.fixture(scope="session")
+def run222_full(tmp_path_factory, convert_tokens) -> list[dict]:
+    """The uninterrupted 10-step (2,2,2) zero1 run (the reference for resumed runs)."""
+    d = tmp_path_factory.mktemp("convert_run_222_full")
+    return H.torchrun_train(8, H.CONVERT.toml(d / "tiny.toml", convert_tokens), d / "run", **ZERO1_222)

@@ -4,41 +4,29 @@ without writing anything: no out_dir, no --out, no checkpoint folder, the inputs
 from __future__ import annotations
 
 import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
-from ckpt_helpers import ckpt_tokens, env, tiny_cfg, write_toml  # noqa: F401
-
-TIMEOUT = 120
+from helpers import CKPT, cli, one_line_error, train_in_process
 
 
 @pytest.fixture(scope="module")
-def world(tmp_path_factory, ckpt_tokens):
+def world(tmp_path_factory, token_file):
     """Shared read-only inputs: a tiny config, token files (a normal one and one of 44 tokens), a
     checkpoint and a model file of the tiny model (n_layer=2, n_head=4), an empty folder, a random file."""
-    import torch
-
     from megalite.convert import convert
     from megalite.data import prepare
-    from megalite.train import train
     d = tmp_path_factory.mktemp("bad-input-world")
-    toml = write_toml(d / "tiny.toml", ckpt_tokens, model={"n_layer": 2})
+    toml = CKPT.toml(d / "tiny.toml", token_file, model={"n_layer": 2})
     (d / "small.txt").write_text("0123456789\n" * 4)  # 44 byte tokens: 40 for train, 4 for val
     prepare([d / "small.txt"], d / "small.bin", log=lambda *a: None)
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        train(tiny_cfg(ckpt_tokens, **{"model.n_layer": 2, "train.steps": 1, "train.out_dir": str(d / "run"),
-                                       "checkpoint.dir": str(d / "ckpt")}), log=lambda *a: None)
-    finally:
-        torch.set_num_threads(threads)
+    train_in_process(CKPT.config(token_file, d / "run", **{"model.n_layer": 2, "train.steps": 1,
+                                                            "checkpoint.dir": str(d / "ckpt")}))
     convert(d / "ckpt", d / "model.safetensors", quiet=True)
     (d / "empty").mkdir()
     (d / "random.bin").write_bytes(os.urandom(300))
-    return {"toml": toml, "tokens": ckpt_tokens, "small": d / "small.bin", "ckpt": d / "ckpt",
+    return {"toml": toml, "tokens": token_file, "small": d / "small.bin", "ckpt": d / "ckpt",
             "model": d / "model.safetensors", "empty": d / "empty", "random": d / "random.bin", "dir": d}
 
 
@@ -121,16 +109,10 @@ def test_bad_input_is_one_line_and_writes_nothing(tmp_path, world, name, argv, c
     paths = {k: str(v) for k, v in world.items()} | {"tmp": str(case)}
     args = [a.format(**paths) for a in argv]
     before, world_before = _snapshot(case), _snapshot(world["dir"])
-    p = subprocess.run([sys.executable, "-m", "megalite", *args], cwd=case, env=env(), capture_output=True,
-                       text=True, timeout=TIMEOUT)
+    p = cli(*args, cwd=case)
     shown = f"megalite {' '.join(args)}\nexit {p.returncode}\n--- stdout\n{p.stdout[-2000:]}\n--- stderr\n" \
             f"{p.stderr[-3000:]}"
-    assert "Traceback" not in p.stdout + p.stderr, shown
-    assert p.returncode == code, shown
-    lines = p.stderr.splitlines()
-    assert len(lines) == 1 and lines[0].strip(), shown
-    line = lines[0]
-    assert line.startswith("megalite") or line.startswith("verify:"), shown
+    line = one_line_error(p, ("megalite", "verify:"), code=code)
     for fragment in fragments:
         assert fragment.format(**paths) in line, (fragment, line)
     if code == 1:  # verify reports the problem on stdout, one line naming the path

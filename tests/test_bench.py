@@ -1,15 +1,11 @@
 """`megalite bench ckpt|train` run end to end at a tiny size and print their tables (timings are not checked)."""
 from __future__ import annotations
 
-import subprocess
-import sys
+from helpers import cli, ok
 
 
 def _run(*args, cwd) -> str:
-    r = subprocess.run([sys.executable, "-m", "megalite", "bench", *args], capture_output=True, text=True, cwd=cwd,
-                       timeout=300)
-    assert r.returncode == 0, r.stderr[-4000:]
-    return r.stdout
+    return ok(cli("bench", *args, cwd=cwd, timeout=300)).stdout
 
 
 def test_bench_ckpt_prints_its_table(tmp_path):

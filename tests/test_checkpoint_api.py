@@ -6,7 +6,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from ckpt_helpers import ckpt_tokens, tiny_cfg  # noqa: F401
+from helpers import CKPT, ok, train
 from megalite.checkpoint import CheckpointError, load_checkpoint, save_checkpoint
 from megalite.parallel.grid import Layout, ParallelGrid
 from megalite.testing import gather_full_model, run_parallel
@@ -17,7 +17,7 @@ CLIENT = {"epoch": 3, "note": "hello", "nested": {"lr_scale": 0.5, "ids": [1, 2,
 
 
 def _grid_and_trainer(tokens, tp, dp, zero1=False):
-    cfg = tiny_cfg(tokens, tp=tp, dp=dp, **{"parallel.zero1": zero1})
+    cfg = CKPT.config(tokens, **{"parallel.tp": tp, "parallel.dp": dp, "parallel.zero1": zero1})
     grid = ParallelGrid.create(Layout(tp, 1, dp))
     return grid, build(cfg, grid, CPU)
 
@@ -106,8 +106,8 @@ def _api_worker(rank, world_size, tmp_dir, tokens):
             load_checkpoint(missing, back.model, back.optimizer, grid)
 
 
-def test_save_load_same_layout_and_resharded(tmp_path, ckpt_tokens):
-    run_parallel(_api_worker, 2, tmp_path, args=(str(ckpt_tokens),))
+def test_save_load_same_layout_and_resharded(tmp_path, token_file):
+    run_parallel(_api_worker, 2, tmp_path, args=(str(token_file),))
     roots = [tmp_path / "ck-tp2", tmp_path / "ck-tp2-step3", tmp_path / "ck-zero1"]
     man = json.loads((tmp_path / "ck-zero1" / "step_00000003" / "manifest.json").read_text())
     assert man["layout"] == {"tp": 1, "pp": 1, "dp": 2, "zero1": True} and man["client_state"] == {"from": "zero1"}
@@ -116,9 +116,9 @@ def test_save_load_same_layout_and_resharded(tmp_path, ckpt_tokens):
 
 # ---------------------------------------------------------------- single process: errors and pickles
 @pytest.fixture(scope="module")
-def single(tmp_path_factory, ckpt_tokens):
+def single(tmp_path_factory, token_file):
     grid = ParallelGrid.single()
-    tr = build(tiny_cfg(ckpt_tokens), grid, CPU)
+    tr = build(CKPT.config(token_file), grid, CPU)
     train_step(tr)
     root = tmp_path_factory.mktemp("api-single") / "ck"
     save_checkpoint(root, 1, tr.model, tr.optimizer, grid, client_state={"k": 1})
@@ -208,10 +208,8 @@ def test_pickle_in_place_of_safetensors_is_refused_and_not_executed(tmp_path, si
     assert marker.exists()
 
 
-def test_checkpoint_saved_by_the_api_resumes_in_megalite_train(tmp_path, single, ckpt_tokens):
-    from ckpt_helpers import train, write_toml
+def test_checkpoint_saved_by_the_api_resumes_in_megalite_train(tmp_path, single, token_file):
     _, _, root = single
-    p = train(write_toml(tmp_path / "tiny.toml", ckpt_tokens), f"--checkpoint.resume={root}",
-              "--train.stop_at_step=2", f"--train.out_dir={tmp_path / 'out'}")
-    assert p.returncode == 0, p.stderr
+    p = ok(train(CKPT.toml(tmp_path / "tiny.toml", token_file), f"--checkpoint.resume={root}",
+                 "--train.stop_at_step=2", f"--train.out_dir={tmp_path / 'out'}"))
     assert "resumed from" in p.stdout and "at step 1" in p.stdout

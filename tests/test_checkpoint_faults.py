@@ -13,8 +13,8 @@ from pathlib import Path
 
 import pytest
 
-from ckpt_helpers import (ckpt_tokens, cli, copy_step, kill_tree, losses, metrics, ok, popen_train,  # noqa: F401
-                          step_names, tiny_cfg, train, verify_cli, wait_for, write_toml, children)
+from helpers import (CKPT, assert_still_at_step_1, children, cli, copy_step, kill_tree, losses, metrics, ok,
+                     one_line_error, popen_train, same_on_every_rank, step_names, tmp_dirs, train, verify_cli, wait_for)
 from megalite.checkpoint.layout import committed_steps, read_latest
 from megalite.checkpoint.manifest import FORMAT_VERSION
 from megalite.testing import run_parallel
@@ -23,24 +23,12 @@ MODEL = "tp00-pp00-dp00/model.safetensors"
 OPTIM = "tp00-pp00-dp00/optimizer.safetensors"
 
 
-def _tmp_dirs(root: Path) -> list:
-    return sorted(p.name for p in Path(root).glob(".tmp-*")) if Path(root).exists() else []
-
-
-def _one_line_error(p) -> str:
-    assert p.returncode == 2, f"exit {p.returncode}\n{p.stdout}\n{p.stderr}"
-    assert "Traceback" not in p.stderr, p.stderr
-    lines = p.stderr.strip().splitlines()
-    assert len(lines) == 1, p.stderr
-    return lines[0]
-
-
 # ---------------------------------------------------------------- a single-process checkpoint to damage
 @pytest.fixture(scope="module")
-def base(tmp_path_factory, ckpt_tokens):
+def base(tmp_path_factory, token_file):
     """Steps 1 and 2 of a single-process run, both committed."""
     d = tmp_path_factory.mktemp("faults-base")
-    cfg = write_toml(d / "tiny.toml", ckpt_tokens)
+    cfg = CKPT.toml(d / "tiny.toml", token_file)
     ok(train(cfg, "--train.steps=6", "--train.stop_at_step=2", f"--checkpoint.dir={d / 'ck'}",
              "--checkpoint.interval=1", f"--train.out_dir={d / 'out'}"))
     assert step_names(d / "ck") == ["step_00000001", "step_00000002"]
@@ -75,7 +63,7 @@ def test_flipped_byte_is_caught_by_verify_and_resume(tmp_path, base, damaged):
     problems = p.stdout.strip().splitlines()
     assert problems and all(MODEL in line for line in problems), problems
     assert OPTIM not in p.stdout
-    line = _one_line_error(_resume(base, damaged, tmp_path))
+    line = one_line_error(_resume(base, damaged, tmp_path))
     assert MODEL in line and "checksum" in line, line
     assert not (tmp_path / "new-out" / "metrics.jsonl").exists()
 
@@ -89,7 +77,7 @@ def test_truncated_file_is_caught_by_verify_and_resume(tmp_path, base, damaged, 
     assert rc == 1 and victim in text, text
     other = OPTIM if victim == MODEL else MODEL
     assert other not in text
-    line = _one_line_error(_resume(base, damaged.parent, tmp_path))
+    line = one_line_error(_resume(base, damaged.parent, tmp_path))
     assert victim in line, line
     assert not (tmp_path / "new-out" / "metrics.jsonl").exists()
 
@@ -112,12 +100,12 @@ def test_missing_coordinate_folder_is_caught(tmp_path, base, damaged):
     shutil.rmtree(damaged / "tp00-pp00-dp00")
     rc, text = verify_cli(damaged)
     assert rc == 1 and "tp00-pp00-dp00" in text, text
-    line = _one_line_error(_resume(base, damaged, tmp_path))
+    line = one_line_error(_resume(base, damaged, tmp_path))
     assert "tp00-pp00-dp00" in line, line
 
 
 def test_different_model_config_is_refused_naming_each_field(tmp_path, base):
-    line = _one_line_error(_resume(base, base / "ck", tmp_path, "--model.n_layer=2", "--model.n_embd=64"))
+    line = one_line_error(_resume(base, base / "ck", tmp_path, "--model.n_layer=2", "--model.n_embd=64"))
     assert re.search(r"n_layer\D+4\D+2\b", line), line  # the checkpoint's value, then this run's
     assert re.search(r"n_embd\D+32\D+64\b", line), line
     for same in ("n_head", "block_size", "vocab_size"):
@@ -131,22 +119,22 @@ def test_newer_format_version_is_refused_naming_both(tmp_path, base, damaged):
     assert man["format_version"] == FORMAT_VERSION
     man["format_version"] = 99
     path.write_text(json.dumps(man))
-    line = _one_line_error(_resume(base, damaged, tmp_path))
+    line = one_line_error(_resume(base, damaged, tmp_path))
     assert "99" in line and re.search(rf"version\D{{0,3}}{FORMAT_VERSION}\b", line), line
     rc, text = verify_cli(damaged)
     assert rc == 1 and "99" in text, text
 
 
 # ---------------------------------------------------------------- keep_last and stale folders
-def test_keep_last_leaves_the_last_two(tmp_path, ckpt_tokens):
-    cfg = write_toml(tmp_path / "tiny.toml", ckpt_tokens)
+def test_keep_last_leaves_the_last_two(tmp_path, token_file):
+    cfg = CKPT.toml(tmp_path / "tiny.toml", token_file)
     root = tmp_path / "ck"
     p = ok(train(cfg, "--train.steps=5", f"--checkpoint.dir={root}", "--checkpoint.interval=1",
                  "--checkpoint.keep_last=2", f"--train.out_dir={tmp_path / 'out'}"))
     assert p.stdout.count("checkpoint: saved") == 5
     assert step_names(root) == ["step_00000004", "step_00000005"]
     assert read_latest(root) == "step_00000005"
-    assert _tmp_dirs(root) == []
+    assert tmp_dirs(root) == []
     for s in step_names(root):
         assert verify_cli(root / s)[0] == 0
     # keep_last=1 on a resumed run keeps exactly the newest, which `latest` names
@@ -155,8 +143,8 @@ def test_keep_last_leaves_the_last_two(tmp_path, ckpt_tokens):
     assert step_names(root) == ["step_00000006"] and read_latest(root) == "step_00000006"
 
 
-def test_keep_last_after_rolling_back_keeps_this_runs_checkpoints(tmp_path, ckpt_tokens):
-    cfg = write_toml(tmp_path / "tiny.toml", ckpt_tokens)
+def test_keep_last_after_rolling_back_keeps_this_runs_checkpoints(tmp_path, token_file):
+    cfg = CKPT.toml(tmp_path / "tiny.toml", token_file)
     root = tmp_path / "ck"
     ok(train(cfg, "--train.steps=4", f"--checkpoint.dir={root}", "--checkpoint.interval=1",
              f"--train.out_dir={tmp_path / 'out'}"))
@@ -177,14 +165,14 @@ def test_stale_tmp_folder_is_removed_by_the_next_save(tmp_path, base):
     p = ok(train(base / "tiny.toml", "--train.steps=6", "--train.stop_at_step=3", f"--checkpoint.dir={root}",
                  "--checkpoint.resume=auto", f"--train.out_dir={tmp_path / 'out'}"))
     assert "at step 2" in p.stdout
-    assert _tmp_dirs(root) == []
+    assert tmp_dirs(root) == []
     assert step_names(root) == ["step_00000002", "step_00000003"] and read_latest(root) == "step_00000003"
     assert verify_cli(root)[0] == 0
 
 
 # ---------------------------------------------------------------- processes killed and preempted
-def test_sigkill_of_a_rank_during_a_save(tmp_path, ckpt_tokens):
-    cfg = write_toml(tmp_path / "tiny.toml", ckpt_tokens)
+def test_sigkill_of_a_rank_during_a_save(tmp_path, token_file):
+    cfg = CKPT.toml(tmp_path / "tiny.toml", token_file)
     root = tmp_path / "ck"
     args = ["--parallel.tp=2", "--parallel.dp=2", "--train.steps=400", f"--checkpoint.dir={root}",
             "--checkpoint.interval=1", "--checkpoint.keep_last=3", f"--train.out_dir={tmp_path / 'out'}"]
@@ -195,7 +183,7 @@ def test_sigkill_of_a_rank_during_a_save(tmp_path, ckpt_tokens):
         assert wait_for(lambda: (root / "latest").exists(), 150, 0.05), "no checkpoint was ever committed"
         time.sleep(rng.uniform(0, 0.5))
         # kill while a save is in progress if we can see one (saves every step), else wherever we are
-        in_save = wait_for(lambda: bool(_tmp_dirs(root)), 10, 0.001)
+        in_save = wait_for(lambda: bool(tmp_dirs(root)), 10, 0.001)
         workers = children(proc.pid)
         assert len(workers) == 4, workers
         victim = rng.choice(workers)
@@ -203,7 +191,7 @@ def test_sigkill_of_a_rank_during_a_save(tmp_path, ckpt_tokens):
         out, _ = proc.communicate(timeout=150)
     finally:
         kill_tree(proc)
-    note = f"(seed {seed}, killed pid {victim}, during a save: {in_save}, tmp left: {_tmp_dirs(root)})"
+    note = f"(seed {seed}, killed pid {victim}, during a save: {in_save}, tmp left: {tmp_dirs(root)})"
     print(note)
     assert proc.returncode != 0, note + out[-3000:]
     latest = read_latest(root)
@@ -215,15 +203,15 @@ def test_sigkill_of_a_rank_during_a_save(tmp_path, ckpt_tokens):
     # a fresh launch resumes from it, removes any stale temporary folder, and completes
     p = ok(train(cfg, *args, "--checkpoint.resume=auto", f"--train.stop_at_step={k + 1}", nproc=4))
     assert f"resumed from {root / latest} at step {k} (same layout)" in p.stdout, note
-    assert read_latest(root) == f"step_{k + 1:08d}" and _tmp_dirs(root) == [], note
+    assert read_latest(root) == f"step_{k + 1:08d}" and tmp_dirs(root) == [], note
     assert verify_cli(root)[0] == 0, note
     assert [r["step"] for r in metrics(tmp_path / "out")][-1] == k + 1
 
 
-def test_sigterm_to_every_worker_saves_and_exits_cleanly(tmp_path, ckpt_tokens):
+def test_sigterm_to_every_worker_saves_and_exits_cleanly(tmp_path, token_file):
     """What a scheduler's preemption does: SIGTERM to every process of the job (here 2 pipeline stages,
     with async saves); the ranks agree on a step, save it, and exit 0."""
-    cfg = write_toml(tmp_path / "tiny.toml", ckpt_tokens)
+    cfg = CKPT.toml(tmp_path / "tiny.toml", token_file)
     root, out = tmp_path / "ck", tmp_path / "out"
     proc = popen_train(cfg, "--parallel.pp=2", "--train.steps=400", f"--checkpoint.dir={root}",
                        "--checkpoint.async=true", f"--train.out_dir={out}", nproc=2)
@@ -256,7 +244,7 @@ def _failing_writer(rank, world_size, tmp_dir, tokens):
     from megalite.train import build, train_step
 
     grid = ParallelGrid.create(Layout(1, 1, 2))
-    tr = build(tiny_cfg(tokens, dp=2), grid, torch.device("cpu"))
+    tr = build(CKPT.config(tokens, **{"parallel.dp": 2}), grid, torch.device("cpu"))
     root = Path(tmp_dir) / "ck"
     train_step(tr)
     assert save_checkpoint(root, 1, tr.model, tr.optimizer, grid) == root / "step_00000001"
@@ -268,33 +256,21 @@ def _failing_writer(rank, world_size, tmp_dir, tokens):
             raise OSError(errno.ENOSPC, "No space left on device")
         return real(folder, pay, rel)
 
-    def same_everywhere(msg):
-        msgs = [None] * world_size
-        dist.all_gather_object(msgs, msg)
-        assert len(set(msgs)) == 1, msgs
-
-    def unchanged():
-        dist.barrier()
-        assert read_latest(root) == "step_00000001"
-        assert committed_steps(root) == [1]
-        assert _tmp_dirs(root) == []
-        assert verify(root)[1] == []
-
     save_mod.write_rank = failing
     try:
         with pytest.raises(CheckpointError) as e:
             save_checkpoint(root, 2, tr.model, tr.optimizer, grid)
         msg = str(e.value)
-        same_everywhere(msg)
+        same_on_every_rank(msg, world_size)
         assert "\n" not in msg and "step 2" in msg and "rank 1" in msg and "No space left" in msg, msg
-        unchanged()
+        assert_still_at_step_1(root)
         saver = AsyncSaver()  # the same failure from a background save surfaces at wait()
         assert save_checkpoint(root, 2, tr.model, tr.optimizer, grid, saver=saver) is None
         with pytest.raises(CheckpointError) as e:
             saver.wait()
-        same_everywhere(str(e.value))
+        same_on_every_rank(str(e.value), world_size)
         assert "rank 1" in str(e.value)
-        unchanged()
+        assert_still_at_step_1(root)
     finally:
         save_mod.write_rank = real
     assert save_checkpoint(root, 2, tr.model, tr.optimizer, grid) == root / "step_00000002"  # disk is back
@@ -302,5 +278,5 @@ def _failing_writer(rank, world_size, tmp_dir, tokens):
     assert read_latest(root) == "step_00000002" and verify(root)[1] == []
 
 
-def test_a_rank_that_cannot_write_fails_the_save_everywhere(tmp_path, ckpt_tokens):
-    run_parallel(_failing_writer, 2, tmp_path, args=(str(ckpt_tokens),))
+def test_a_rank_that_cannot_write_fails_the_save_everywhere(tmp_path, token_file):
+    run_parallel(_failing_writer, 2, tmp_path, args=(str(token_file),))

@@ -1,49 +1,23 @@
 """The converter, in-process: layout independence of `convert`, `split` round trips, HF GPT-2 export,
-generation from a single file, and --dtype. Training runs come from convert_helpers (cached per session).
+generation from a single file, and --dtype. Training runs are conftest.py's session fixtures.
 """
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 
 import pytest
 import torch
 from safetensors import safe_open
 from safetensors.torch import load_file
 
-import convert_helpers as H
+import helpers as H
 from megalite.checkpoint import manifest as mf
 from megalite.checkpoint.layout import resolve
-from megalite.checkpoint.reshard import SliceReader
 from megalite.checkpoint.verify import verify
 from megalite.convert import convert, reshard, split
 from megalite.data import BatchSampler, ByteTokenizer, TokenDataset
 from megalite.generate import generate, load_model, sample_text
-
-
-@pytest.fixture(scope="module")
-def tok(tmp_path_factory):
-    return H.token_file(tmp_path_factory)
-
-
-@pytest.fixture(scope="module")
-def run111(tmp_path_factory):
-    return H.trained_111(tmp_path_factory)
-
-
-@pytest.fixture(scope="module")
-def model_file(tmp_path_factory):
-    return H.model_file(tmp_path_factory)
-
-
-def full_state(step_dir) -> dict:
-    """{section/name: full tensor} of every model and optimizer tensor of a checkpoint."""
-    step = resolve(step_dir)
-    man = mf.read(step)
-    r = SliceReader(step, man)
-    return {f"{sec}/{n}": r.read(n, e, [[0, s] for s in e["shape"]])
-            for sec in ("model", "optimizer_state") for n, e in man[sec].items()}
+from megalite.testing import full_state
 
 
 def coords_of(man: dict) -> set:
@@ -96,11 +70,11 @@ def test_convert_file_contents(run111, model_file):
     assert sorted(f.keys()) == sorted(man["model"])
     assert "lm_head" not in " ".join(f.keys())
     assert json.loads(meta["megalite.partitions"]) == {n: e["partition"] for n, e in man["model"].items()}
-    r = SliceReader(resolve(run111["ckpt"]), man)
+    full = full_state(run111["ckpt"])
     for name, e in man["model"].items():
         t = f.get_tensor(name)
         assert t.dtype == torch.float32 and list(t.shape) == e["shape"]
-        assert torch.equal(t, r.read(name, e, [[0, n] for n in e["shape"]]))
+        assert torch.equal(t, full[f"model/{name}"])
     assert len(f.keys()) == 4 * 12 + 4  # wte, wpe, ln_f.{weight,bias} + 12 per block
 
 
@@ -146,19 +120,20 @@ def reference_loss(model_path, tok, batch_index: int) -> float:
     """The loss a single process computes for training batch `batch_index` with the model in the file."""
     model = load_model(model_path)
     ds = TokenDataset(tok, "train")
-    s = BatchSampler(ds, H.TINY_MODEL["block_size"], H.TINY["train"]["global_batch_size"], 0, 1, H.SEED)
+    s = BatchSampler(ds, H.TINY_MODEL["block_size"], H.CONVERT.train["global_batch_size"], 0, 1,
+                     H.CONVERT.train["seed"])
     x, y = s.batch_at(batch_index)
     with torch.no_grad():
         return model(x, y).item()
 
 
-def test_split_checkpoint_resumes_training_in_process(tmp_path, tok, run111, model_file):
+def test_split_checkpoint_resumes_training_in_process(tmp_path, convert_tokens, run111, model_file):
     step = split(model_file, tmp_path / "ck", 1, 1, 1, quiet=True)
-    cfg = H.make_config(tok, tmp_path / "run", **{"train.steps": 3, "checkpoint.resume": str(step),
-                                                  "checkpoint.dir": str(tmp_path / "ck2")})
-    losses = H.train_in_process(cfg)
+    cfg = H.CONVERT.config(convert_tokens, tmp_path / "run", **{"train.steps": 3, "checkpoint.resume": str(step),
+                                                                "checkpoint.dir": str(tmp_path / "ck2")})
+    losses = [r["loss"] for r in H.train_in_process(cfg).history]
     assert len(losses) == 3  # started at step 0
-    ref = reference_loss(model_file, tok, 0)
+    ref = reference_loss(model_file, convert_tokens, 0)
     assert abs(losses[0] - ref) <= 1e-5 * abs(ref)
     assert abs(losses[0] - run111["losses"][0]) > 1e-3  # it did not start from the seed's init
     # the run saved a full checkpoint (now with optimizer state) at step 3
@@ -166,15 +141,15 @@ def test_split_checkpoint_resumes_training_in_process(tmp_path, tok, run111, mod
     assert man["step"] == 3 and man["optimizer_state"]
 
 
-def test_split_checkpoint_resumes_under_torchrun(tmp_path, tok, model_file):
+def test_split_checkpoint_resumes_under_torchrun(tmp_path, convert_tokens, model_file):
     """6 processes at (2,3,1) (uneven pipeline: layers 0-1 | 2 | 3) resume the split (weights only: fresh
     optimizer, step 0)."""
     step = split(model_file, tmp_path / "ck", 2, 3, 1, quiet=True)
-    toml = H.write_toml(tmp_path / "tiny.toml", tok)
+    toml = H.CONVERT.toml(tmp_path / "tiny.toml", convert_tokens)
     recs = H.torchrun_train(6, toml, tmp_path / "run", **{"parallel.tp": 2, "parallel.pp": 3, "train.steps": 2,
                                                           "checkpoint.resume": step})
     assert [r["step"] for r in recs] == [1, 2]
-    ref = reference_loss(model_file, tok, 0)
+    ref = reference_loss(model_file, convert_tokens, 0)
     assert abs(recs[0]["loss"] - ref) <= 1e-5 * abs(ref)
 
 
@@ -241,9 +216,8 @@ def test_generate_is_deterministic_and_respects_lengths(model_file):
 def test_generate_cli_plain_process(model_file):
     text = sample_text(model_file, "def ", max_new_tokens=10, temperature=0.8, top_k=0, seed=1)
     assert text.startswith("def ")
-    r = subprocess.run([sys.executable, "-m", "megalite", "generate", "--model", str(model_file), "--prompt", "def ",
-                        "--max-new-tokens", "10", "--seed", "1"], env={**H.sub_env(), "PYTHONIOENCODING": "utf-8"},
-                       capture_output=True, timeout=H.CLI_TIMEOUT)
+    r = H.run([*H.MEGALITE, "generate", "--model", model_file, "--prompt", "def ", "--max-new-tokens", "10",
+               "--seed", "1"], text=False, extra_env={"PYTHONIOENCODING": "utf-8"})
     assert r.returncode == 0, r.stderr.decode(errors="replace")
     assert r.stdout == (text + "\n").encode("utf-8")
     assert b"Traceback" not in r.stderr

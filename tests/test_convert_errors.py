@@ -2,28 +2,18 @@
 (no output, no temporary leftovers next to --out, the source untouched)."""
 from __future__ import annotations
 
-import json
+import contextlib
 import shutil
 
 import pytest
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
-import convert_helpers as H
+import helpers as H
 from megalite.checkpoint import CheckpointError
 from megalite.checkpoint import manifest as mf
 from megalite.checkpoint.layout import resolve
 from megalite.convert import ConvertError, convert, reshard, split
-
-
-@pytest.fixture(scope="module")
-def run111(tmp_path_factory):
-    return H.trained_111(tmp_path_factory)
-
-
-@pytest.fixture(scope="module")
-def model_file(tmp_path_factory):
-    return H.model_file(tmp_path_factory)
 
 
 @pytest.fixture
@@ -44,19 +34,38 @@ def assert_nothing_written(outdir) -> None:
     assert sorted(p.name for p in outdir.iterdir()) == [], "something was left next to --out"
 
 
-def rewrite_shard(step, rel: str, tensors: dict) -> None:
-    """Replace one shard file and fix its size and checksum in the manifest (so only the content is wrong)."""
-    path = step / rel
-    with safe_open(str(path), framework="pt") as f:
+@contextlib.contextmanager
+def refused(outdir, error, pattern: str):
+    """The block raises `error` matching `pattern`, and leaves nothing next to --out."""
+    with pytest.raises(error, match=pattern):
+        yield
+    assert_nothing_written(outdir)
+
+
+def resave(src, dst, edit) -> None:
+    """Load a safetensors file, apply edit(tensors) and save the result to dst with the same metadata."""
+    tensors = load_file(str(src))
+    with safe_open(str(src), framework="pt") as f:
         meta = f.metadata()
-    save_file(tensors, str(path), metadata=meta)
-    man = mf.read(step)
-    man["files"][rel] = {"bytes": path.stat().st_size, "crc32": mf.crc32_file(path)}
-    mf.write(step, man)
+    edit(tensors)
+    save_file(tensors, str(dst), metadata=meta)
 
 
 def a_slice(step, name: str) -> dict:
     return mf.read(step)["model"][name]["slices"][-1]
+
+
+def edit_shard(ckpt, name: str, edit) -> str:
+    """Apply edit(tensors, key) to the shard file that holds the last slice of tensor `name` and fix the
+    file's size and checksum in the manifest (so only the content is wrong); return the file's path in the step."""
+    step = resolve(ckpt)
+    sl = a_slice(step, name)
+    path = step / sl["file"]
+    resave(path, path, lambda tensors: edit(tensors, sl["key"]))
+    man = mf.read(step)
+    man["files"][sl["file"]] = {"bytes": path.stat().st_size, "crc32": mf.crc32_file(path)}
+    mf.write(step, man)
+    return sl["file"]
 
 
 # ---------------------------------------------------------------- layouts
@@ -76,9 +85,9 @@ def test_layout_that_does_not_fit_the_model(tmp_path, outdir, run111, model_file
 
 def test_layout_errors_via_cli(outdir, run111, model_file):
     r = H.cli("split", model_file, "--tp", 3, "--pp", 1, "--dp", 1, "--out", outdir / "ck")
-    H.assert_one_line_error(r, "split", r"--tp 3 does not divide model\.n_head = 4")
+    H.one_line_error(r, "megalite split: error: ", match=r"--tp 3 does not divide model\.n_head = 4")
     r = H.cli("reshard", run111["ckpt"], "--tp", 1, "--pp", 5, "--dp", 1, "--out", outdir / "ck")
-    H.assert_one_line_error(r, "reshard", r"--pp 5 is larger than model\.n_layer = 4")
+    H.one_line_error(r, "megalite reshard: error: ", match=r"--pp 5 is larger than model\.n_layer = 4")
     assert_nothing_written(outdir)
 
 
@@ -88,45 +97,31 @@ def test_tensor_missing_from_the_manifest(ckpt, outdir):
     man = mf.read(step)
     del man["model"]["blocks.2.mlp.fc.weight"]
     mf.write(step, man)
-    with pytest.raises(CheckpointError, match=r"blocks\.2\.mlp\.fc\.weight.*missing"):
+    with refused(outdir, CheckpointError, r"blocks\.2\.mlp\.fc\.weight.*missing"):
         convert(ckpt, outdir / "m.safetensors")
-    assert_nothing_written(outdir)
-    with pytest.raises(CheckpointError, match=r"blocks\.2\.mlp\.fc\.weight.*missing"):
+    with refused(outdir, CheckpointError, r"blocks\.2\.mlp\.fc\.weight.*missing"):
         reshard(ckpt, outdir / "ck", 1, 1, 1)
-    assert_nothing_written(outdir)
 
 
 def test_tensor_missing_from_a_shard(ckpt, outdir):
-    step = resolve(ckpt)
     name = "ln_f.weight"  # on the last stage: converting has written earlier tensors when it fails
-    sl = a_slice(step, name)
-    tensors = load_file(str(step / sl["file"]))
-    del tensors[sl["key"]]
-    rewrite_shard(step, sl["file"], tensors)
-    with pytest.raises(CheckpointError, match=rf"'{name}'.*missing from {sl['file']}"):
+    rel = edit_shard(ckpt, name, lambda tensors, key: tensors.pop(key))
+    with refused(outdir, CheckpointError, rf"'{name}'.*missing from {rel}"):
         convert(ckpt, outdir / "m.safetensors")
-    assert_nothing_written(outdir)
-    with pytest.raises(CheckpointError, match=rf"'{name}'.*missing from {sl['file']}"):
+    with refused(outdir, CheckpointError, rf"'{name}'.*missing from {rel}"):
         convert(ckpt, outdir / "hf", fmt="hf-gpt2")
-    assert_nothing_written(outdir)
     r = H.cli("convert", ckpt, "--out", outdir / "m.safetensors")
-    H.assert_one_line_error(r, "convert", rf"'{name}'.*missing from {sl['file']}")
+    H.one_line_error(r, "megalite convert: error: ", match=rf"'{name}'.*missing from {rel}")
     assert_nothing_written(outdir)
 
 
 def test_shard_shape_disagrees_with_the_manifest(ckpt, outdir):
-    step = resolve(ckpt)
     name = "blocks.3.mlp.fc.weight"
-    sl = a_slice(step, name)
-    tensors = load_file(str(step / sl["file"]))
-    tensors[sl["key"]] = tensors[sl["key"]][:-1].contiguous()
-    rewrite_shard(step, sl["file"], tensors)
-    with pytest.raises(CheckpointError, match=rf"'{name}' in {sl['file']} has shape .*the manifest says"):
+    rel = edit_shard(ckpt, name, lambda tensors, key: tensors.update({key: tensors[key][:-1].contiguous()}))
+    with refused(outdir, CheckpointError, rf"'{name}' in {rel} has shape .*the manifest says"):
         convert(ckpt, outdir / "m.safetensors")
-    assert_nothing_written(outdir)
-    with pytest.raises(CheckpointError, match=rf"'{name}' in {sl['file']} has shape"):
+    with refused(outdir, CheckpointError, rf"'{name}' in {rel} has shape"):
         reshard(ckpt, outdir / "ck", 1, 1, 1)
-    assert_nothing_written(outdir)
 
 
 def test_manifest_global_shape_disagrees_with_the_slices(ckpt, outdir):
@@ -135,9 +130,8 @@ def test_manifest_global_shape_disagrees_with_the_slices(ckpt, outdir):
     man["model"]["wpe"]["shape"] = [17, 32]
     mf.write(step, man)
     # either refused up front (the model config implies [16, 32]) or when the slices fall short
-    with pytest.raises(CheckpointError, match=r"'wpe'.*(cover 512 of the 544|global shape \[17, 32\])"):
+    with refused(outdir, CheckpointError, r"'wpe'.*(cover 512 of the 544|global shape \[17, 32\])"):
         convert(ckpt, outdir / "m.safetensors")
-    assert_nothing_written(outdir)
 
 
 def test_corrupted_shard_fails_its_checksum(ckpt, outdir):
@@ -147,50 +141,38 @@ def test_corrupted_shard_fails_its_checksum(ckpt, outdir):
     data = bytearray(path.read_bytes())
     data[-5] ^= 0xFF  # a payload byte, the header stays readable
     path.write_bytes(bytes(data))
-    with pytest.raises(CheckpointError, match=r"fails its checksum"):
+    with refused(outdir, CheckpointError, r"fails its checksum"):
         convert(ckpt, outdir / "m.safetensors")
-    assert_nothing_written(outdir)
 
 
 def test_split_of_a_file_with_a_wrong_shape(tmp_path, outdir, model_file):
-    tensors = load_file(str(model_file))
-    with safe_open(str(model_file), framework="pt") as f:
-        meta = f.metadata()
-    tensors["blocks.2.mlp.fc.weight"] = tensors["blocks.2.mlp.fc.weight"][:, :31].contiguous()
     bad = tmp_path / "bad.safetensors"
-    save_file(tensors, str(bad), metadata=meta)
-    with pytest.raises(ConvertError, match=r"'blocks\.2\.mlp\.fc\.weight' has shape \[128, 31\], expected \[128, 32\]"):
+    name = "blocks.2.mlp.fc.weight"
+    resave(model_file, bad, lambda tensors: tensors.update({name: tensors[name][:, :31].contiguous()}))
+    with refused(outdir, ConvertError, r"'blocks\.2\.mlp\.fc\.weight' has shape \[128, 31\], expected \[128, 32\]"):
         split(bad, outdir / "ck", 2, 2, 1)
-    assert_nothing_written(outdir)
 
 
 def test_split_of_a_file_missing_a_tensor(tmp_path, outdir, model_file):
-    tensors = load_file(str(model_file))
-    with safe_open(str(model_file), framework="pt") as f:
-        meta = f.metadata()
-    del tensors["blocks.1.attn.qkv.bias"]
-    save_file(tensors, str(tmp_path / "bad.safetensors"), metadata=meta)
-    with pytest.raises(ConvertError, match=r"'blocks\.1\.attn\.qkv\.bias' is missing"):
+    resave(model_file, tmp_path / "bad.safetensors", lambda tensors: tensors.pop("blocks.1.attn.qkv.bias"))
+    with refused(outdir, ConvertError, r"'blocks\.1\.attn\.qkv\.bias' is missing"):
         split(tmp_path / "bad.safetensors", outdir / "ck", 1, 1, 1)
-    assert_nothing_written(outdir)
 
 
 def test_split_of_a_file_without_megalite_metadata(tmp_path, outdir, model_file):
     save_file(load_file(str(model_file)), str(tmp_path / "plain.safetensors"))
     with pytest.raises(ConvertError, match=r"no 'megalite\.model_config'"):
         split(tmp_path / "plain.safetensors", outdir / "ck", 1, 1, 1)
-    with pytest.raises(ConvertError, match=r"does not exist"):
+    with refused(outdir, ConvertError, r"does not exist"):
         split(tmp_path / "nope.safetensors", outdir / "ck", 1, 1, 1)
-    assert_nothing_written(outdir)
 
 
 def test_not_a_checkpoint(tmp_path, outdir):
     (tmp_path / "empty").mkdir()
     with pytest.raises(CheckpointError, match=r"is not a checkpoint"):
         convert(tmp_path / "empty", outdir / "m.safetensors")
-    with pytest.raises(CheckpointError, match=r"does not exist"):
+    with refused(outdir, CheckpointError, r"does not exist"):
         convert(tmp_path / "missing", outdir / "m.safetensors")
-    assert_nothing_written(outdir)
 
 
 # ---------------------------------------------------------------- flags
@@ -200,7 +182,7 @@ def test_unknown_format_and_dtype(run111, outdir):
     with pytest.raises(ConvertError, match=r"--dtype 'int8': expected one of fp32, bf16, fp16"):
         convert(run111["ckpt"], outdir / "m", dtype="int8")
     r = H.cli("convert", run111["ckpt"], "--out", outdir / "m", "--format", "onnx")
-    H.assert_one_line_error(r, "convert", r"--format 'onnx'")
+    H.one_line_error(r, "megalite convert: error: ", match=r"--format 'onnx'")
     assert_nothing_written(outdir)
 
 
@@ -235,7 +217,7 @@ def test_existing_output_via_cli(outdir, run111, model_file):
     out = outdir / "m.safetensors"
     out.write_bytes(b"keep me")
     r = H.cli("convert", run111["ckpt"], "--out", out)
-    H.assert_one_line_error(r, "convert", r"already exists \(pass --force")
+    H.one_line_error(r, "megalite convert: error: ", match=r"already exists \(pass --force")
     assert out.read_bytes() == b"keep me"
     r = H.cli("convert", run111["ckpt"], "--out", out, "--force", "--quiet")
     assert r.returncode == 0 and r.stdout == "" and r.stderr == "", r.stderr
@@ -266,5 +248,5 @@ def test_out_inside_the_source_is_refused(tmp_path, run111, model_file):
     assert H.tree_digest(src) == before
     assert sorted(p.name for p in tmp_path.iterdir()) == ["hf", "src"]
     r = H.cli("convert", src, "--out", step / "m.safetensors", "--force")
-    H.assert_one_line_error(r, "convert", r"refusing to write into the source checkpoint")
+    H.one_line_error(r, "megalite convert: error: ", match=r"refusing to write into the source checkpoint")
     assert H.tree_digest(src) == before

@@ -20,7 +20,7 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-import convert_helpers as H
+import helpers as H
 from megalite.convert import model_partitions, split
 
 MiB = 2**20
@@ -29,7 +29,7 @@ BIG = dict(n_layer=10, n_head=8, n_embd=512, block_size=16, vocab_size=256, drop
 
 def peak_anon_kib(cmd: list[str], timeout: float = 120) -> tuple[int, int]:
     """(peak RssAnon in KiB, exit code) of a child, sampled every ~2 ms until it exits."""
-    p = subprocess.Popen(cmd, env=H.sub_env(), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    p = subprocess.Popen(cmd, env=H.env(), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
     peak, t0 = 0, time.monotonic()
     try:
         while p.poll() is None:

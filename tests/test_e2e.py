@@ -1,7 +1,5 @@
 """End to end through the real launcher: torchrun (one node and two nodes on loopback) runs
 `python -m megalite train`, and the loss curve equals a plain one-process run of the same command."""
-import json
-import os
 import shutil
 import socket
 import subprocess
@@ -9,18 +7,12 @@ import sys
 
 import pytest
 
+from helpers import env, metrics, ok, run
+
 STEPS = 4
 METRIC_KEYS = {"step", "loss", "lr", "grad_norm", "tokens_per_s"}
 TORCHRUN = [shutil.which("torchrun") or sys.executable, *([] if shutil.which("torchrun") else
                                                           ["-m", "torch.distributed.run"])]
-
-
-def _env():
-    env = dict(os.environ, OMP_NUM_THREADS="1")
-    for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT",
-              "GROUP_RANK", "TORCHELASTIC_RUN_ID"):
-        env.pop(k, None)
-    return env
 
 
 def _free_port() -> int:
@@ -35,8 +27,7 @@ def _train_args(toml, out_dir, *extra):
 
 
 def _metrics(out_dir):
-    lines = (out_dir / "metrics.jsonl").read_text().splitlines()
-    recs = [json.loads(line) for line in lines]
+    recs = metrics(out_dir)
     assert [r["step"] for r in recs] == list(range(1, STEPS + 1))
     for r in recs:
         assert METRIC_KEYS <= r.keys(), r.keys()
@@ -61,9 +52,7 @@ def _same_curve(recs, ref):
 @pytest.fixture
 def single_process_run(tmp_path, tiny_toml):
     out = tmp_path / "single"
-    r = subprocess.run([sys.executable, *_train_args(tiny_toml, out)], env=_env(), cwd=tmp_path,
-                       capture_output=True, text=True, timeout=300)
-    assert r.returncode == 0, r.stderr
+    r = ok(run([sys.executable, *_train_args(tiny_toml, out)], cwd=tmp_path, timeout=300))
     _check_progress(r.stdout)
     return _metrics(out)
 
@@ -72,8 +61,7 @@ def test_torchrun_8_processes_3d(tmp_path, tiny_toml, single_process_run):
     out = tmp_path / "r8"
     cmd = [*TORCHRUN, "--standalone", "--nproc-per-node", "8",
            *_train_args(tiny_toml, out, "--parallel.tp=2", "--parallel.pp=2", "--parallel.dp=2")]
-    r = subprocess.run(cmd, env=_env(), cwd=tmp_path, capture_output=True, text=True, timeout=300)
-    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    r = ok(run(cmd, cwd=tmp_path, timeout=300))
     assert "tp=2 pp=2 dp=2 on 8" in r.stdout
     _check_progress(r.stdout)
     _same_curve(_metrics(out), single_process_run)
@@ -88,7 +76,7 @@ def test_torchrun_two_nodes_on_loopback(tmp_path, tiny_toml, single_process_run)
                "--rdzv-endpoint", f"127.0.0.1:{port}", "--rdzv-id", f"megalite-test-{port}",
                "--rdzv-conf", f"is_host={'true' if node == 0 else 'false'}", "--local-addr", "127.0.0.1",
                *_train_args(tiny_toml, out, "--parallel.tp=2", "--parallel.dp=2")]
-        procs.append(subprocess.Popen(cmd, env=_env(), cwd=tmp_path, stdout=subprocess.PIPE,
+        procs.append(subprocess.Popen(cmd, env=env(), cwd=tmp_path, stdout=subprocess.PIPE,
                                       stderr=subprocess.PIPE, text=True))
     results = []
     try:

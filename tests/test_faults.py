@@ -9,20 +9,19 @@ import os
 import shutil
 import signal
 import subprocess
-import sys
 import tempfile
 import uuid
 from pathlib import Path
 
 import pytest
 
-from ckpt_helpers import (ckpt_tokens, env, metrics, ok, step_names, tiny_cfg, train, train_cmd,  # noqa: F401
-                          verify_cli, wait_for, write_toml)
+from helpers import (CKPT, MEGALITE, TIMEOUT, assert_still_at_step_1, env, metrics, ok, one_line_error,
+                     same_on_every_rank, step_names, tmp_dirs, torchrun_cmd, train, train_cmd, train_in_process,
+                     verify_cli, wait_for)
 from megalite.checkpoint.layout import committed_steps, read_latest
 from megalite.testing import run_parallel
 
 SMALL = {"n_layer": 2, "dropout": 0.1}  # dropout: a resume must restore the RNG streams to be exact
-TIMEOUT = 180
 CRASH_TIMEOUT = 90  # crash + restart take ~25 s; with the restart bug below the new workers can hang instead
 # the metrics a resumed run must reproduce bit for bit (timings excluded)
 EXACT = ("step", "loss", "lr", "grad_norm", "tokens_seen", "val_loss")
@@ -30,10 +29,6 @@ EXACT = ("step", "loss", "lr", "grad_norm", "tokens_seen", "val_loss")
 
 def _exact(records: list) -> list:
     return [{k: r[k] for k in EXACT if k in r} for r in records]
-
-
-def _tmp_dirs(root: Path) -> list:
-    return sorted(p.name for p in Path(root).glob(".tmp-*")) if Path(root).exists() else []
 
 
 def _kill_launch(tag: str) -> None:
@@ -57,7 +52,7 @@ def _run(cmd: list, extra_env: dict | None = None, timeout: float = TIMEOUT) -> 
     with tempfile.TemporaryDirectory() as d:
         out, err = Path(d) / "out", Path(d) / "err"
         with open(out, "w") as fo, open(err, "w") as fe:
-            proc = subprocess.Popen(cmd, env={**env(), **(extra_env or {}), "MEGALITE_TEST_LAUNCH": tag},
+            proc = subprocess.Popen(cmd, env=env({**(extra_env or {}), "MEGALITE_TEST_LAUNCH": tag}),
                                     stdout=fo, stderr=fe, text=True, start_new_session=True)
         try:
             code = proc.wait(timeout=timeout)
@@ -71,14 +66,6 @@ def _run(cmd: list, extra_env: dict | None = None, timeout: float = TIMEOUT) -> 
     return subprocess.CompletedProcess(cmd, code, text_out, text_err)
 
 
-def _one_line_error(p: subprocess.CompletedProcess) -> str:
-    assert p.returncode == 2, f"exit {p.returncode}\n{p.stdout[-2000:]}\n{p.stderr[-2000:]}"
-    assert "Traceback" not in p.stdout + p.stderr, p.stderr
-    lines = p.stderr.strip().splitlines()
-    assert len(lines) == 1 and lines[0].startswith("megalite train: error:"), p.stderr
-    return lines[0]
-
-
 def _nothing_trained(p: subprocess.CompletedProcess, out_dir: Path) -> None:
     assert not (out_dir / "metrics.jsonl").exists()
     assert "step " not in p.stdout and "| loss" not in p.stdout, p.stdout
@@ -88,22 +75,17 @@ def _nothing_trained(p: subprocess.CompletedProcess, out_dir: Path) -> None:
 TP2DP2 = ["--parallel.tp=2", "--parallel.dp=2", "--train.steps=8"]
 
 
-def _torchrun(nproc: int, *args, restarts: int = 0) -> list:
-    return [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
-            f"--max-restarts={restarts}", "-m", "megalite", "train", *map(str, args)]
-
-
 @pytest.fixture(scope="module")
-def crash_job(tmp_path_factory, ckpt_tokens):
+def crash_job(tmp_path_factory, token_file):
     """torchrun --max-restarts=1 of a tp=2 dp=2 run (a checkpoint every 2 steps) whose rank 1 dies hard
     after step 5, once. Never fails itself: the tests judge the outcome."""
     d = tmp_path_factory.mktemp("crash")
-    cfg = write_toml(d / "tiny.toml", ckpt_tokens, model=SMALL)
+    cfg = CKPT.toml(d / "tiny.toml", token_file, model=SMALL)
     args = ["--config", cfg, *TP2DP2, f"--checkpoint.dir={d / 'ck'}", "--checkpoint.interval=2",
             "--checkpoint.resume=auto", f"--train.out_dir={d / 'out'}"]
     crash_env = {"MEGALITE_CRASH_AT_STEP": "5", "MEGALITE_CRASH_RANK": "1",
                  "MEGALITE_CRASH_ONCE": str(d / "crashed-once")}
-    job = _run(_torchrun(4, *args, restarts=1), crash_env, timeout=CRASH_TIMEOUT)
+    job = _run(torchrun_cmd(4, "train", *args, restarts=1), crash_env, timeout=CRASH_TIMEOUT)
     after_job = metrics(d / "out") if (d / "out" / "metrics.jsonl").exists() else []
     return {"dir": d, "cfg": cfg, "args": args, "env": crash_env, "job": job, "after_job": after_job}
 
@@ -112,7 +94,7 @@ def crash_job(tmp_path_factory, ckpt_tokens):
 def reference(crash_job):
     """An uninterrupted run of the same config and layout: the loss curve to reproduce exactly."""
     d = crash_job["dir"]
-    ok(_run(_torchrun(4, "--config", crash_job["cfg"], *TP2DP2, f"--train.out_dir={d / 'ref'}")))
+    ok(_run(torchrun_cmd(4, "train", "--config", crash_job["cfg"], *TP2DP2, f"--train.out_dir={d / 'ref'}")))
     return _exact(metrics(d / "ref"))
 
 
@@ -137,7 +119,7 @@ def test_rank_crash_then_relaunch_resumes_exactly(crash_job, reference):
     metrics.jsonl); a new launch with resume=auto keeps lines 1-4, redoes 5-8 and matches the reference."""
     d, job = crash_job["dir"], crash_job["job"]
     assert (d / "crashed-once").read_text().startswith("crashed at step 5 on rank 1")
-    assert committed_steps(d / "ck")[-1] >= 4 and _tmp_dirs(d / "ck") == []
+    assert committed_steps(d / "ck")[-1] >= 4 and tmp_dirs(d / "ck") == []
     assert verify_cli(d / "ck")[0] == 0
     before = crash_job["after_job"]
     if job.returncode == 0:  # torchrun's own restart worked: nothing left to do by hand
@@ -145,7 +127,7 @@ def test_rank_crash_then_relaunch_resumes_exactly(crash_job, reference):
     else:
         assert read_latest(d / "ck") == "step_00000004", job.stdout[-2000:]
         assert [r["step"] for r in before][:4] == [1, 2, 3, 4] and _exact(before[:4]) == reference[:4]
-        p = ok(_run(_torchrun(4, *crash_job["args"]), crash_job["env"]))  # the marker: no second crash
+        p = ok(_run(torchrun_cmd(4, "train", *crash_job["args"]), crash_job["env"]))  # the marker: no second crash
         text = p.stdout
     _assert_resumed_exactly(text, d, reference)
 
@@ -164,7 +146,7 @@ def _full_disk_worker(rank, world_size, tmp_dir, tokens):
     from megalite.train import build, train_step
 
     root = Path(tmp_dir) / "ck"
-    cfg = tiny_cfg(tokens, dp=2, **{"model.n_layer": 2, "checkpoint.dir": str(root)})
+    cfg = CKPT.config(tokens, **{"parallel.dp": 2, "model.n_layer": 2, "checkpoint.dir": str(root)})
     grid = ParallelGrid.create(Layout(1, 1, 2))
     tr = build(cfg, grid, torch.device("cpu"))
     train_step(tr)
@@ -216,33 +198,20 @@ def _full_disk_worker(rank, world_size, tmp_dir, tokens):
             builtins.open = real_open
             assert rank != victim or n[0] >= 2, "the save wrote fewer than two files: nothing was injected"
 
-    def same_on_every_rank(msg):
-        msgs = [None] * world_size
-        dist.all_gather_object(msgs, msg)
-        assert len(set(msgs)) == 1, msgs
-
-    def unchanged():
-        dist.barrier()
-        assert read_latest(root) == "step_00000001"
-        assert committed_steps(root) == [1] and not (root / "step_00000002").exists()
-        assert _tmp_dirs(root) == []
-        assert verify(root)[1] == []
-        dist.barrier()
-
     # the API: every rank raises the same one-line error, whichever rank ran out of space
     for victim in (1, 0):
         with disk_full_on(victim), pytest.raises(CheckpointError) as e:
             save_checkpoint(root, 2, tr.model, tr.optimizer, grid, config=cfg.to_dict())
         msg = str(e.value)
-        same_on_every_rank(msg)
+        same_on_every_rank(msg, world_size)
         assert "\n" not in msg and "No space left" in msg and "step 2" in msg and f"rank {victim}" in msg, msg
         assert "step_00000001" in msg, msg  # says what `latest` still names
-        unchanged()
+        assert_still_at_step_1(root)
 
     # the training loop's manager: on_error=stop raises, on_error=continue warns (rank 0) and trains on
     with disk_full_on(1), pytest.raises(CheckpointError, match="No space left"):
         CheckpointManager(cfg, grid, log=lambda *a: None).save(tr)
-    unchanged()
+    assert_still_at_step_1(root)
     cfg.checkpoint.on_error = "continue"
     for async_ in (False, True):
         cfg.checkpoint.async_ = async_
@@ -257,17 +226,17 @@ def _full_disk_worker(rank, world_size, tmp_dir, tokens):
             assert not any(line.startswith("checkpoint: saved") for line in logs), logs
         else:
             assert logs == []  # only rank 0 logs
-        unchanged()
+        assert_still_at_step_1(root)
     # space again: the next save commits
     cfg.checkpoint.async_ = False
     mgr = CheckpointManager(cfg, grid, log=lambda *a: None)
     mgr.save(tr)
     dist.barrier()
-    assert read_latest(root) == "step_00000002" and verify(root)[1] == [] and _tmp_dirs(root) == []
+    assert read_latest(root) == "step_00000002" and verify(root)[1] == [] and tmp_dirs(root) == []
 
 
-def test_disk_full_mid_save_fails_everywhere_and_keeps_latest(tmp_path, ckpt_tokens):
-    run_parallel(_full_disk_worker, 2, tmp_path, args=(str(ckpt_tokens),))
+def test_disk_full_mid_save_fails_everywhere_and_keeps_latest(tmp_path, token_file):
+    run_parallel(_full_disk_worker, 2, tmp_path, args=(str(token_file),))
 
 
 @pytest.fixture
@@ -288,36 +257,36 @@ def small_disk(tmp_path):
             subprocess.run(["umount", "-l", str(mnt)], capture_output=True, timeout=30)
 
 
-def test_real_full_disk_stops_training_with_latest_intact(tmp_path, ckpt_tokens, small_disk):
-    cfg = write_toml(tmp_path / "tiny.toml", ckpt_tokens, model=SMALL)
+def test_real_full_disk_stops_training_with_latest_intact(tmp_path, token_file, small_disk):
+    cfg = CKPT.toml(tmp_path / "tiny.toml", token_file, model=SMALL)
     root, out = small_disk / "ck", tmp_path / "out"
     p = train(cfg, "--train.steps=4", "--checkpoint.interval=2", f"--checkpoint.dir={root}",
               f"--train.out_dir={out}")
-    line = _one_line_error(p)
+    line = one_line_error(p, "megalite train: error:")
     assert "No space left" in line and "step 4" in line and "step_00000002" in line, line
     assert "checkpoint: saved" in p.stdout and p.stdout.count("checkpoint: saved") == 1, p.stdout
     assert read_latest(root) == "step_00000002" and step_names(root) == ["step_00000002"]
-    assert _tmp_dirs(root) == []
+    assert tmp_dirs(root) == []
     rc, text = verify_cli(root)
     assert rc == 0, text
     assert [r["step"] for r in metrics(out)] == [1, 2, 3, 4]
 
 
 # ---------------------------------------------------------------- 3. a checkpoint folder that cannot be written
-def test_checkpoint_dir_under_a_regular_file_fails_before_training(tmp_path, ckpt_tokens):
-    cfg = write_toml(tmp_path / "tiny.toml", ckpt_tokens, model=SMALL)
+def test_checkpoint_dir_under_a_regular_file_fails_before_training(tmp_path, token_file):
+    cfg = CKPT.toml(tmp_path / "tiny.toml", token_file, model=SMALL)
     (tmp_path / "a-file").write_text("not a folder")
     ck, out = tmp_path / "a-file" / "ck", tmp_path / "out"
     p = train(cfg, f"--checkpoint.dir={ck}", f"--train.out_dir={out}")
-    line = _one_line_error(p)
+    line = one_line_error(p, "megalite train: error:")
     assert "checkpoint.dir" in line and str(ck) in line and "Not a directory" in line, line
     _nothing_trained(p, out)
     assert not out.exists()
 
 
 @pytest.mark.skipif(os.geteuid() == 0, reason="root ignores permission bits")
-def test_read_only_checkpoint_dir_fails_before_training(tmp_path, ckpt_tokens):
-    cfg = write_toml(tmp_path / "tiny.toml", ckpt_tokens, model=SMALL)
+def test_read_only_checkpoint_dir_fails_before_training(tmp_path, token_file):
+    cfg = CKPT.toml(tmp_path / "tiny.toml", token_file, model=SMALL)
     ro, out = tmp_path / "read-only", tmp_path / "out"
     ro.mkdir()
     ro.chmod(0o555)
@@ -325,7 +294,7 @@ def test_read_only_checkpoint_dir_fails_before_training(tmp_path, ckpt_tokens):
         p = train(cfg, f"--checkpoint.dir={ro / 'ck'}", f"--train.out_dir={out}")
     finally:
         ro.chmod(0o755)
-    line = _one_line_error(p)
+    line = one_line_error(p, "megalite train: error:")
     assert "checkpoint.dir" in line and str(ro / "ck") in line, line
     _nothing_trained(p, out)
 
@@ -352,18 +321,18 @@ def _kill(proc: subprocess.Popen) -> None:
     proc.wait(timeout=30)
 
 
-def test_second_run_on_the_same_checkpoint_dir_is_refused(tmp_path, ckpt_tokens):
-    cfg = write_toml(tmp_path / "tiny.toml", ckpt_tokens, model=SMALL)
+def test_second_run_on_the_same_checkpoint_dir_is_refused(tmp_path, token_file):
+    cfg = CKPT.toml(tmp_path / "tiny.toml", token_file, model=SMALL)
     ck = tmp_path / "ck"
     lock = ck / "lock"
     long_run = ["--train.steps=1000000", f"--checkpoint.dir={ck}"]
     log_a = tmp_path / "a.log"
-    a = _popen_logged(train_cmd(cfg, 1, *long_run, f"--train.out_dir={tmp_path / 'out-a'}"), log_a)
+    a = _popen_logged(train_cmd(cfg, *long_run, f"--train.out_dir={tmp_path / 'out-a'}"), log_a)
     try:
         assert _started(a, log_a, lock), log_a.read_text()[-3000:]
         # a second run on the same folder: refused before it trains, naming the lock
         b = train(cfg, f"--checkpoint.dir={ck}", f"--train.out_dir={tmp_path / 'out-b'}")
-        line = _one_line_error(b)
+        line = one_line_error(b, "megalite train: error:")
         assert "in use" in line and str(lock) in line and f"pid {a.pid}" in line, line
         _nothing_trained(b, tmp_path / "out-b")
         assert a.poll() is None, "the first run must not notice"
@@ -379,7 +348,7 @@ def test_second_run_on_the_same_checkpoint_dir_is_refused(tmp_path, ckpt_tokens)
 
     # a run killed with SIGKILL while holding the lock does not leave it stuck
     log_c = tmp_path / "c.log"
-    c = _popen_logged(train_cmd(cfg, 1, *long_run, "--checkpoint.resume=auto",
+    c = _popen_logged(train_cmd(cfg, *long_run, "--checkpoint.resume=auto",
                                 f"--train.out_dir={tmp_path / 'out-c'}"), log_c)
     try:
         assert _started(c, log_c, lock), log_c.read_text()[-3000:]
@@ -395,24 +364,16 @@ def test_second_run_on_the_same_checkpoint_dir_is_refused(tmp_path, ckpt_tokens)
 
 
 # ---------------------------------------------------------------- 5. `latest` names a folder that is gone
-def test_resume_auto_falls_back_loudly_when_latest_names_a_missing_folder(tmp_path, ckpt_tokens):
+def test_resume_auto_falls_back_loudly_when_latest_names_a_missing_folder(tmp_path, token_file):
     """(test_checkpoint_faults covers a corrupt `latest` step, test_checkpoint_resume a dangling `latest`
     with nothing to fall back to; this is the dangling `latest` with older steps present.) In-process."""
-    import torch
-    from megalite.train import train as train_fn
     root = tmp_path / "ck"
 
     def run(steps, **kw):
-        cfg = tiny_cfg(ckpt_tokens, **{"model.n_layer": 2, "model.dropout": 0.1, "train.steps": steps,
-                                       "checkpoint.dir": str(root), **kw})
+        cfg = CKPT.config(token_file, **{"model.n_layer": 2, "model.dropout": 0.1, "train.steps": steps,
+                                         "checkpoint.dir": str(root), **kw})
         logs = []
-        threads = torch.get_num_threads()
-        torch.set_num_threads(1)
-        try:
-            tr = train_fn(cfg, log=logs.append)
-        finally:
-            torch.set_num_threads(threads)
-        return tr, logs
+        return train_in_process(cfg, log=logs.append), logs
 
     base, _ = run(3, **{"checkpoint.interval": 1, "train.out_dir": str(tmp_path / "base")})
     assert step_names(root) == ["step_00000001", "step_00000002", "step_00000003"]
@@ -428,12 +389,12 @@ def test_resume_auto_falls_back_loudly_when_latest_names_a_missing_folder(tmp_pa
 
 
 # ---------------------------------------------------------------- 6. megalite stress ckpt
-def test_stress_ckpt_one_trial(tmp_path, ckpt_tokens):
+def test_stress_ckpt_one_trial(tmp_path, token_file):
     work = tmp_path / "stress"
     work.mkdir()
-    shutil.copy(ckpt_tokens, work / "tokens.bin")  # skip building the default corpus
-    shutil.copy(Path(ckpt_tokens).with_suffix(".json"), work / "tokens.json")
-    p = ok(_run([sys.executable, "-m", "megalite", "stress", "ckpt", "--trials", "1", "--steps", "8",
+    shutil.copy(token_file, work / "tokens.bin")  # skip building the default corpus
+    shutil.copy(Path(token_file).with_suffix(".json"), work / "tokens.json")
+    p = ok(_run([*MEGALITE, "stress", "ckpt", "--trials", "1", "--steps", "8",
                  "--width", "32", "--workdir", str(work)], timeout=300))
     lines = p.stdout.strip().splitlines()
     assert lines[-2].split() == ["trials", "valid", "latest", "resumed", "exactly", "killed", "mid-save",

@@ -1,14 +1,12 @@
 """What a new user meets first: --help with examples, --version, progress, plot, and the README walkthrough."""
-import os
 import re
 import shlex
 import shutil
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
+from helpers import MEGALITE, TORCHRUN, cli, run
 from megalite import __version__
 from megalite.cli import build_parser
 from megalite.convert import Progress
@@ -17,22 +15,17 @@ ROOT = Path(__file__).resolve().parents[1]
 SUBCOMMANDS = sorted(build_parser()._subparsers._group_actions[0].choices)
 
 
-def _run(*args, cwd=ROOT, timeout=600):
-    env = dict(os.environ, OMP_NUM_THREADS="1")
-    return subprocess.run(args, cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout)
-
-
 def test_every_subcommand_has_help_with_an_example():
     assert {"train", "prepare", "inspect", "verify", "convert", "split", "reshard", "generate", "plot",
             "stress"} <= set(SUBCOMMANDS)
     for cmd in SUBCOMMANDS:
-        r = _run(sys.executable, "-m", "megalite", cmd, "--help")
+        r = cli(cmd, "--help", cwd=ROOT)
         assert r.returncode == 0, (cmd, r.stderr)
         assert re.search(r"examples?:\n\s+(megalite|torchrun) ", r.stdout), f"`megalite {cmd} --help` has no example"
 
 
 def test_version():
-    r = _run(sys.executable, "-m", "megalite", "--version")
+    r = cli("--version", cwd=ROOT)
     assert r.returncode == 0 and r.stdout.strip() == f"megalite {__version__}"
 
 
@@ -57,14 +50,14 @@ def test_plot_writes_a_png(tmp_path):
         rows = [{"step": s, "loss": scale * 5 / s, **({"val_loss": 6 / s} if s % 5 == 0 else {})} for s in range(1, 11)]
         (d / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
     out = tmp_path / "loss.png"
-    r = _run(sys.executable, "-m", "megalite", "plot", str(tmp_path / "a"), str(tmp_path / "b"), "--out", str(out))
+    r = cli("plot", tmp_path / "a", tmp_path / "b", "--out", out, cwd=ROOT)
     assert r.returncode == 0, r.stderr
     data = out.read_bytes()
     assert data[:8] == b"\x89PNG\r\n\x1a\n"
     import matplotlib.image
     img = matplotlib.image.imread(str(out))
     assert img.shape[0] > 100 and img.shape[1] > 100 and img.std() > 0.01  # a drawn chart, not a blank page
-    r = _run(sys.executable, "-m", "megalite", "plot", str(tmp_path / "missing"), "--out", str(tmp_path / "x.png"))
+    r = cli("plot", tmp_path / "missing", "--out", tmp_path / "x.png", cwd=ROOT)
     assert r.returncode == 2 and "metrics.jsonl" in r.stderr and not (tmp_path / "x.png").exists()
 
 
@@ -90,17 +83,16 @@ def test_readme_walkthrough_runs(tmp_path):
     src = tmp_path / "corpus.txt"
     src.write_text("".join(f"def f{i}(x):\n    return x + {i}\n" for i in range(3000)))
     prepare([src], tmp_path / "data" / "stdlib.bin", log=lambda *a: None)
-    torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone"]
     for cmd in cmds:
         cmd = cmd.replace("--train.steps=200", "--train.steps=9")
         argv = shlex.split(cmd.replace("$(cat runs/walk/ckpt/latest)",
                                        (tmp_path / "runs/walk/ckpt/latest").read_text().strip()
                                        if (tmp_path / "runs/walk/ckpt/latest").exists() else ""))
         if argv[0] == "torchrun":
-            argv = torchrun + argv[1:]
+            argv = [*TORCHRUN, "--standalone", *argv[1:]]
         elif argv[0] == "megalite":
-            argv = [sys.executable, "-m", "megalite"] + argv[1:]
-        r = _run(*argv, cwd=tmp_path)
+            argv = [*MEGALITE, *argv[1:]]
+        r = run(argv, cwd=tmp_path, timeout=600)
         assert r.returncode == 0, f"`{cmd}` failed:\n{r.stdout[-2000:]}\n{r.stderr[-3000:]}"
     assert (tmp_path / "runs/walk/model.safetensors").is_file()
     assert (tmp_path / "runs/walk/loss.png").read_bytes()[:4] == b"\x89PNG"

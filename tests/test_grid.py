@@ -45,18 +45,11 @@ def test_coord_of_out_of_range(rank):
 
 def test_group_members_2x2x2():
     lay = Layout(tp=2, pp=2, dp=2)
-    c = lay.coord_of(3)  # tp1 pp0 dp1
-    assert lay.tp_ranks(c) == [2, 3]
-    assert lay.dp_ranks(c) == [1, 3]
-    assert lay.pp_ranks(c) == [3, 7]
-    assert lay.mp_ranks(c) == [2, 3, 6, 7]
-    assert lay.embed_ranks(c) == [3, 7]
-    c = lay.coord_of(4)  # tp0 pp1 dp0
-    assert lay.tp_ranks(c) == [4, 5]
-    assert lay.dp_ranks(c) == [4, 6]
-    assert lay.pp_ranks(c) == [0, 4]
-    assert lay.mp_ranks(c) == [0, 1, 4, 5]
-    assert lay.embed_ranks(c) == [0, 4]
+    for rank, want in ((3, dict(tp=[2, 3], dp=[1, 3], pp=[3, 7], mp=[2, 3, 6, 7], embed=[3, 7])),  # tp1 pp0 dp1
+                       (4, dict(tp=[4, 5], dp=[4, 6], pp=[0, 4], mp=[0, 1, 4, 5], embed=[0, 4]))):  # tp0 pp1 dp0
+        c = lay.coord_of(rank)
+        for group, members in want.items():
+            assert getattr(lay, f"{group}_ranks")(c) == members, (rank, group)
 
 
 def test_group_members_other_layouts():

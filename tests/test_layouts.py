@@ -5,7 +5,7 @@ import math
 import pytest
 import torch
 
-from conftest import rel_err
+from helpers import rel_err
 from megalite.testing import gather_full_model, run_parallel
 from megalite.train import train
 

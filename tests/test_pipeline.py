@@ -3,7 +3,7 @@ match a single process (pp = 1)."""
 import torch
 import pytest
 
-from conftest import grads_of, rel_err
+from helpers import grads_of, rel_err
 from megalite.testing import gather_full_model, run_parallel
 from megalite.train import train
 
