@@ -19,7 +19,7 @@ from .config import ModelConfig
 from .parallel.grid import Axis, ParallelGrid
 from .parallel.pipeline import partition_layers
 from .parallel.tensor import (ColumnParallelLinear, Partition, RowParallelLinear, VocabParallelEmbedding,
-                              copy_to_tp, init_local, partition_of, tag, vocab_parallel_cross_entropy)
+                              copy_to_tp, init_local, local_shape, partition_of, tag, vocab_parallel_cross_entropy)
 
 
 def _place(module: nn.Module, placement: str) -> None:
@@ -106,7 +106,7 @@ class GPTStage(nn.Module):
             _place(self.ln_f, "last")
             if not self.first:  # the tied LM head lives on another stage: keep a synchronised copy
                 wte = Partition((cfg.vocab_size, cfg.n_embd), dim=0, tied_to="wte.weight", placement="last")
-                self.lm_head = tag(nn.Parameter(torch.zeros(_local_rows(cfg, grid.tp), cfg.n_embd)), wte)
+                self.lm_head = tag(nn.Parameter(torch.zeros(local_shape(wte, grid.tp.size))), wte)
                 self.lm_head.init = "normal"  # same name and seed as wte.weight: starts identical
 
     # -- parameters by global name (what checkpoints, the optimizer and the converter use)
@@ -141,6 +141,3 @@ class GPTStage(nn.Module):
             return logits
         return vocab_parallel_cross_entropy(logits, targets, self.cfg.vocab_size, self.tp).mean()
 
-
-def _local_rows(cfg: ModelConfig, tp: Axis) -> int:
-    return math.ceil(cfg.vocab_size / tp.size)

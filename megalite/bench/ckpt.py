@@ -19,6 +19,9 @@ import time
 from pathlib import Path
 from typing import Optional
 
+from ..checkpoint.layout import resolve
+from ..checkpoint.manifest import read as read_manifest
+
 from . import (CACHE_HOW, drop_page_cache, du, fmt_bytes, peak_rss_mib, read_file, reset_peak_rss, resident_bytes,
                rss_mib, spread, table, write_file)
 
@@ -283,7 +286,7 @@ def bench_ckpt(size_mb: float = 1024, world: int = 4, repeats: int = 3, dir: Opt
         res = json.loads((root / "run" / "result.json").read_text())
         rec, nbytes = res["rec"], res["bytes"]
         _convert(root, repeats, rec, nbytes)
-        man = json.loads(next((root / "ml").glob("step_*/manifest.json")).read_text())
+        man = read_manifest(resolve(root / "ml"))
         largest = max(math.prod(e["shape"]) * 4 for e in man["model"].values())
     finally:
         shutil.rmtree(root, ignore_errors=True)

@@ -22,7 +22,8 @@ from pathlib import Path
 from typing import Iterable, Optional
 
 from ..parallel.grid import Coord, Layout
-from ..parallel.tensor import Partition, shard_range, tp_box
+from ..parallel.data import zero1_piece
+from ..parallel.tensor import Partition, tp_box
 
 MANIFEST = "manifest.json"
 MODEL_FILE = "model.safetensors"
@@ -186,7 +187,7 @@ def plan_writes(tensors: Iterable[tuple[str, Partition]], coord: Coord, layout: 
         if not optimizer:
             continue
         if zero1:
-            a, b = shard_range(math.prod(e - s for s, e in box), coord.dp, layout.dp)
+            a, b = zero1_piece(math.prod(e - s for s, e in box), coord.dp, layout.dp)
             flat = (a, b) if b > a else None
             if flat is None:
                 continue

@@ -212,4 +212,4 @@ class CheckpointManager:
         self.wait()
 
 
-__all__ = ["CheckpointManager", "step_dir"]
+__all__ = ["CheckpointManager"]

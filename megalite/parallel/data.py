@@ -17,6 +17,13 @@ from .grid import Axis
 from .tensor import partition_of, shard_range, tp_box
 
 
+def zero1_piece(numel: int, dp_rank: int, dp_size: int) -> tuple[int, int]:
+    """[start, end) of a parameter's flattened valid elements whose AdamW moments dp rank keeps (ZeRO-1).
+
+    The optimizer and the checkpoint write plan both ask this one function."""
+    return shard_range(numel, dp_rank, dp_size)
+
+
 def _buckets(params: list, bucket_bytes: float) -> list[list]:
     """Group parameters in order into buckets of about bucket_bytes each."""
     out, cur, size = [], [], 0
@@ -98,7 +105,7 @@ class ShardedAdamW:
         self._gather_buckets = _buckets([e.param for e in self.entries], bucket_mb * 2**20) if self.zero1 else []
 
     def piece(self, numel: int, dp_rank: int) -> tuple[int, int]:
-        return shard_range(numel, dp_rank, self.dp.size)
+        return zero1_piece(numel, dp_rank, self.dp.size)
 
     def valid_numel(self, p) -> int:
         """Elements of the local tensor that belong to the global one: vocab padding rows sit at the end
