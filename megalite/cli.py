@@ -26,22 +26,12 @@ EPILOGS = {
     "generate": "example:\n  megalite generate --model model.safetensors --prompt 'def ' --max-new-tokens 100",
 }
 
-# The errors a user can fix; anything else is a bug and keeps its traceback.
-USER_ERRORS: tuple = ()
-
-
 def _user_errors() -> tuple:
-    global USER_ERRORS
-    if not USER_ERRORS:
-        from .config import ConfigError
-        from .data import DataError
-        USER_ERRORS = (ConfigError, DataError, FileNotFoundError, FileExistsError, PermissionError)
-        try:
-            from .checkpoint import CheckpointError
-            USER_ERRORS += (CheckpointError,)
-        except ImportError:
-            pass
-    return USER_ERRORS
+    """The errors a user can fix (one line, exit 2); anything else is a bug and keeps its traceback."""
+    from .checkpoint import CheckpointError
+    from .config import ConfigError
+    from .data import DataError
+    return (ConfigError, DataError, CheckpointError, FileNotFoundError, FileExistsError, PermissionError)
 
 
 class _Parser(argparse.ArgumentParser):
@@ -266,7 +256,8 @@ def main(argv=None) -> int:
     try:
         return args.fn(args, rest)
     except _user_errors() as e:
-        rank = int(os.environ.get("RANK", "0"))
-        if rank == 0 or not isinstance(e, _user_errors()[:1]):
+        from .config import ConfigError
+        # A config error is the same on every rank: say it once. Others may differ per rank (a shard).
+        if int(os.environ.get("RANK", "0")) == 0 or not isinstance(e, ConfigError):
             print(f"megalite {args.command}: error: {e}", file=sys.stderr)
         return 2

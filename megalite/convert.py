@@ -163,7 +163,7 @@ def _to_hf(name: str, t: torch.Tensor) -> list[tuple[str, torch.Tensor]]:
     return [(base + rest, t)]  # ln_1, ln_2
 
 
-def _from_hf(name: str, t: torch.Tensor, n_embd: int) -> Optional[tuple[str, torch.Tensor]]:
+def _from_hf(name: str, t: torch.Tensor) -> Optional[tuple[str, torch.Tensor]]:
     if name in ("lm_head.weight",) or name.endswith(".attn.bias") or name.endswith(".attn.masked_bias"):
         return None  # tied to wte / causal-mask buffers of old exports
     name = name.removeprefix("transformer.")
@@ -239,12 +239,12 @@ def read_model_file(path) -> tuple[dict, Callable[[str], torch.Tensor], list[str
         f = _open_st(st)
         table = {}
         for k in f.keys():
-            r = _from_hf(k, torch.empty(f.get_slice(k).get_shape(), device="meta"), m["n_embd"])
+            r = _from_hf(k, torch.empty(f.get_slice(k).get_shape(), device="meta"))
             if r is not None:
                 table[r[0]] = k
 
         def get(name):
-            return _from_hf(table[name], f.get_tensor(table[name]).float(), m["n_embd"])[1]
+            return _from_hf(table[name], f.get_tensor(table[name]).float())[1]
         return m, get, sorted(table)
     if not p.is_file():
         raise ConvertError(f"model '{p}' does not exist")

@@ -46,7 +46,6 @@ class SliceReader:
         self.dir, self.man = Path(step_dir), manifest
         self.headers: dict = {}  # rel -> (header, data offset)
         self.handles: dict = {}  # rel -> safe_open handle, only for partial reads
-        self.bytes_read = 0
 
     def _header(self, rel: str):
         if rel not in self.headers:
@@ -91,13 +90,10 @@ class SliceReader:
             if "crc32" in sl and f"{crc32_bytes(out.numpy()):08x}" != sl["crc32"]:
                 raise CheckpointError(f"{self.dir.name}: tensor '{name}' in {sl['file']} fails its checksum "
                                       f"(the file is corrupted)")
-            self.bytes_read += out.numel() * 4
             return out
         if sl["file"] not in self.handles:
             self.handles[sl["file"]] = safe_open(str(self.dir / sl["file"]), framework="pt")
-        t = self.handles[sl["file"]].get_slice(sl["key"])[index]
-        self.bytes_read += t.numel() * t.element_size()
-        return t
+        return self.handles[sl["file"]].get_slice(sl["key"])[index]
 
     def read(self, name: str, entry: dict, box, flat: Optional[tuple] = None,
              out: Optional[torch.Tensor] = None) -> torch.Tensor:

@@ -26,7 +26,7 @@ from ..parallel.tensor import partition_of, valid_view
 from . import manifest as mf
 from .layout import (MODEL_FILE, OPTIM_FILE, STATE_FILE, TMP_PREFIX, CheckpointError, committed_steps,
                      coord_dir, fsync_dir, plan_writes, read_latest, step_dir, tmp_dir, write_latest)
-from .state import capture_rng, dumps_json
+from .state import dumps_json
 from .stream import StreamingWriter
 
 

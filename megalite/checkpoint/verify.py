@@ -1,12 +1,13 @@
 """`megalite verify` and `megalite inspect`: check a checkpoint against its manifest; describe it."""
 from __future__ import annotations
 
-import json
 from collections import defaultdict
 from pathlib import Path
 
 from ..parallel.grid import Coord, Layout
 from . import manifest as mf
+from .stream import read_header
+from ..parallel.pipeline import stage_of
 from .layout import MODEL_FILE, OPTIM_FILE, STATE_FILE, CheckpointError, coord_dir, parse_coord_dir, resolve
 
 
@@ -61,7 +62,7 @@ def _check_keys(step: Path, man: dict) -> list[str]:
     problems = []
     for rel, keys in want.items():
         try:
-            header = _header(step / rel)
+            header, _ = read_header(step / rel)
         except (OSError, ValueError) as e:
             problems.append(f"{step.name}: {rel} has an unreadable safetensors header ({e})")
             continue
@@ -74,15 +75,19 @@ def _check_keys(step: Path, man: dict) -> list[str]:
     return problems
 
 
-def _header(path: Path) -> dict:
-    """The safetensors JSON header alone (8-byte little-endian length, then JSON): no tensor bytes read."""
-    with open(path, "rb") as f:
-        n = int.from_bytes(f.read(8), "little")
-        if n <= 0 or n > 100_000_000:
-            raise ValueError(f"header length {n}")
-        header = json.loads(f.read(n))
-    header.pop("__metadata__", None)
-    return header
+def _stage_layers(man: dict) -> dict[int, list[int]]:
+    """The global layer ids each pipeline stage holds, read from the partition tags' placement."""
+    lay, n_layer = man["layout"], man["config"].get("model", {}).get("n_layer")
+    out = defaultdict(set)
+    for entry in man["model"].values():
+        placement = entry["partition"].get("placement", "")
+        if placement.startswith("layer.") and n_layer:
+            out[stage_of(placement, n_layer, lay["pp"])].add(int(placement.split(".", 1)[1]))
+    return {pp: sorted(ls) for pp, ls in out.items()}
+
+
+def _span(layers: list[int]) -> str:
+    return f"{layers[0]}-{layers[-1]}" if layers else "-"
 
 
 def inspect(path) -> str:
@@ -95,14 +100,11 @@ def inspect(path) -> str:
         coord, fname = rel.split("/", 1)
         key = "model" if fname == MODEL_FILE else "optim" if fname == OPTIM_FILE else "other"
         per[coord][key] += meta["bytes"]
-    layers = defaultdict(set)
+    layers = _stage_layers(man)
     for section in ("model", "optimizer_state"):
-        for name, entry in man[section].items():
+        for entry in man[section].values():
             for sl in entry["slices"]:
-                coord = sl["file"].split("/", 1)[0]
-                per[coord]["tensors"] += 1
-                if name.startswith("blocks."):
-                    layers[parse_coord_dir(coord).pp].add(int(name.split(".")[1]))
+                per[sl["file"].split("/", 1)[0]]["tensors"] += 1
     lines = [f"checkpoint {step}",
              f"step {man['step']}  tokens {man.get('tokens_seen', 0):,}  layout tp={lay['tp']} pp={lay['pp']} "
              f"dp={lay['dp']} zero1={'on' if lay.get('zero1') else 'off'}  format v{man['format_version']}  "
@@ -113,8 +115,7 @@ def inspect(path) -> str:
     total = 0
     for coord in sorted(per):
         d = per[coord]
-        ls = sorted(layers[parse_coord_dir(coord).pp])
-        span = f"{ls[0]}-{ls[-1]}" if ls else "-"
+        span = _span(layers.get(parse_coord_dir(coord).pp, []))
         t = d["model"] + d["optim"] + d["other"]
         total += t
         lines.append(f"{coord:<16}{span:<12}{d['tensors']:>8}{_h(d['model']):>12}{_h(d['optim']):>12}{_h(t):>12}")
@@ -140,17 +141,12 @@ def tree(path) -> str:
     size = defaultdict(int)
     for rel, meta in man["files"].items():
         size[rel.split("/", 1)[0]] += meta["bytes"]
-    layers = defaultdict(set)
-    for name in man["model"]:
-        for sl in man["model"][name]["slices"]:
-            if name.startswith("blocks."):
-                layers[parse_coord_dir(sl["file"].split("/", 1)[0]).pp].add(int(name.split(".")[1]))
+    layers = _stage_layers(man)
     cell = 34
     lines = [f"{step}  (tp={layout.tp} pp={layout.pp} dp={layout.dp}; rank = tp + {layout.tp}*(dp + {layout.dp}*pp))",
              " " * 22 + "".join(f"{'dp' + str(d):<{cell}}" for d in range(layout.dp))]
     for p in range(layout.pp):
-        ls = sorted(layers[p])
-        label = f"pp{p} layers {ls[0]}-{ls[-1]}" if ls else f"pp{p}"
+        label = f"pp{p} layers {_span(layers.get(p, []))}"
         for t in range(layout.tp):
             row = f"{label if t == 0 else '':<22}"
             for d in range(layout.dp):

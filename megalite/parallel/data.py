@@ -102,6 +102,7 @@ class ShardedAdamW:
             self.entries.append(_Entry(name, p, a, b, decay=p.dim() >= 2))
             self.exp_avg[name] = torch.zeros(b - a, dtype=torch.float32, device=p.device)
             self.exp_avg_sq[name] = torch.zeros(b - a, dtype=torch.float32, device=p.device)
+        self._by_name = {e.name: e for e in self.entries}
         self._gather_buckets = _buckets([e.param for e in self.entries], bucket_mb * 2**20) if self.zero1 else []
 
     def piece(self, numel: int, dp_rank: int) -> tuple[int, int]:
@@ -153,14 +154,7 @@ class ShardedAdamW:
                     p.data.view(-1)[a:b] = buf[off:off + b - a]
                     off += c
 
-    # -- state, keyed by global name (checkpoints turn this into safetensors + JSON)
-    def state_tensors(self) -> dict[str, torch.Tensor]:
-        out = {}
-        for e in self.entries:
-            out[f"{e.name}.exp_avg"] = self.exp_avg[e.name]
-            out[f"{e.name}.exp_avg_sq"] = self.exp_avg_sq[e.name]
-        return out
-
     def piece_of(self, name: str) -> tuple[int, int]:
-        e = next(e for e in self.entries if e.name == name)
+        """The [start, end) of parameter `name`'s flattened valid elements whose moments this rank keeps."""
+        e = self._by_name[name]
         return e.start, e.end

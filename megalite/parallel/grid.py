@@ -110,7 +110,6 @@ class ParallelGrid:
         rank, world = dist.get_rank(), dist.get_world_size()
         if world != layout.world_size:
             raise ValueError(f"world size {world} != tp*pp*dp of {layout}")
-        me = layout.coord_of(rank)
         axes = {}
         for name, members_of in [("tp", layout.tp_ranks), ("pp", layout.pp_ranks), ("dp", layout.dp_ranks),
                                  ("mp", layout.mp_ranks), ("embed", layout.embed_ranks)]:
