@@ -1,0 +1,124 @@
+"""What every converter job shares: the error type, progress lines, output safety, the model's partition
+tags, and reading a checkpoint's model one full tensor at a time."""
+from __future__ import annotations
+
+import os
+import shutil
+import sys
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Iterable
+
+import torch
+
+from ..checkpoint.layout import CheckpointError
+from ..checkpoint.reshard import SliceReader
+from ..config import ModelConfig
+from ..parallel.tensor import Partition
+
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+class ConvertError(CheckpointError):
+    """Bad converter input: one line naming the path or flag and what was expected."""
+
+
+# ---------------------------------------------------------------- progress
+class Progress:
+    """`what: 12/52 tensors, 1.2/3.4 GiB` on stderr, at most about once a second; silent when quiet."""
+
+    def __init__(self, what: str, total_items: int, total_bytes: int, quiet: bool = False, every_s: float = 1.0):
+        self.what, self.n, self.total_b, self.quiet, self.every = what, total_items, total_bytes, quiet, every_s
+        self.i = self.b = 0
+        self.last = time.monotonic()  # the first line comes after a second: small jobs stay silent
+        self.printed = False
+
+    def step(self, nbytes: int) -> None:
+        self.i += 1
+        self.b += nbytes
+        now = time.monotonic()
+        if not self.quiet and (now - self.last >= self.every or (self.i == self.n and self.printed)):
+            self.last, self.printed = now, True
+            print(f"{self.what}: {self.i}/{self.n} tensors, {self.b / 2**30:.2f}/{self.total_b / 2**30:.2f} GiB",
+                  file=sys.stderr, flush=True)
+
+
+# ---------------------------------------------------------------- output safety
+def _check_out(out: Path, force: bool, sources: Iterable[Path]) -> None:
+    out = out.resolve()
+    for src in sources:
+        src = src.resolve()
+        if out == src or src in out.parents:
+            raise ConvertError(f"--out {out}: refusing to write into the source checkpoint {src}")
+    if out.exists() and not force:
+        raise ConvertError(f"--out {out} already exists (pass --force to replace it)")
+
+
+def _replace(tmp: Path, out: Path) -> None:
+    """Move a finished temporary output into place; the old output is removed only after it is done."""
+    if out.exists():
+        old = out.with_name(out.name + ".old-megalite")
+        os.replace(out, old)
+        os.replace(tmp, out)
+        shutil.rmtree(old) if old.is_dir() else old.unlink()
+    else:
+        os.replace(tmp, out)
+
+
+def _model_cfg(man: dict) -> dict:
+    return man["config"].get("model", {})
+
+
+def _full_tensors(step: Path, man: dict, progress: Progress):
+    """Yield (name, full tensor) for every model tensor, assembled from the slices, one at a time.
+
+    A reader thread fetches the next tensor while the caller writes this one (file reads, CRC32 and
+    writes all release the GIL), so at most two tensors are in memory.
+    """
+    reader = SliceReader(step, man)
+    items = list(man["model"].items())
+
+    def fetch(i):
+        name, entry = items[i]
+        return reader.read(name, entry, [[0, n] for n in entry["shape"]])
+
+    with ThreadPoolExecutor(max_workers=1) as pool:
+        nxt = pool.submit(fetch, 0) if items else None
+        for i, (name, _) in enumerate(items):
+            t = nxt.result()
+            nxt = pool.submit(fetch, i + 1) if i + 1 < len(items) else None
+            yield name, t
+            progress.step(t.numel() * t.element_size())
+
+
+def model_partitions(m: dict) -> dict[str, Partition]:
+    """The partition tag of every parameter, asked of the model itself (built on the meta device)."""
+    from ..model import GPTStage
+    from ..parallel.grid import ParallelGrid
+    with torch.device("meta"):
+        stage = GPTStage(ModelConfig(**m), ParallelGrid.single())
+    return {name: p.partition for name, p in stage.global_parameters()}
+
+
+def check_manifest_tensors(step: Path, man: dict) -> None:
+    """Every tensor the model config implies is in the manifest, with its global shape."""
+    for name, part in model_partitions(_model_cfg(man)).items():
+        entry = man["model"].get(name)
+        if entry is None:
+            raise ConvertError(f"{step}: tensor '{name}' is missing from the manifest")
+        if list(entry["shape"]) != list(part.global_shape):
+            raise ConvertError(f"{step}: tensor '{name}' has global shape {entry['shape']} in the manifest, "
+                               f"the model expects {list(part.global_shape)}")
+
+
+def check_layout(m: dict, tp: int, pp: int, dp: int) -> None:
+    for flag, v in (("--tp", tp), ("--pp", pp), ("--dp", dp)):
+        if v < 1:
+            raise ConvertError(f"{flag} {v}: must be a positive integer")
+    if m["n_head"] % tp:
+        raise ConvertError(f"--tp {tp} does not divide model.n_head = {m['n_head']}")
+    if pp > m["n_layer"]:
+        raise ConvertError(f"--pp {pp} is larger than model.n_layer = {m['n_layer']}")
+
+

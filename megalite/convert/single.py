@@ -1,0 +1,78 @@
+"""Any layout -> one safetensors file, and reading one model file back (megalite's or an HF GPT-2 folder)."""
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+from typing import Callable
+
+import torch
+from safetensors import safe_open
+
+from ..checkpoint import manifest as mf
+from ..checkpoint.layout import resolve
+from ..checkpoint.stream import StreamingWriter
+from .common import (DTYPES, ConvertError, Progress, _check_out, _full_tensors, _model_cfg, _replace,
+                     check_manifest_tensors)
+
+FORMATS = ("megalite", "hf-gpt2")
+
+
+def convert(ckpt, out, dtype: str = "fp32", fmt: str = "megalite", force: bool = False,
+            quiet: bool = False) -> Path:
+    """Reassemble the model of any layout into one safetensors file (or an HF GPT-2 folder)."""
+    if fmt not in FORMATS:
+        raise ConvertError(f"--format '{fmt}': expected one of {', '.join(FORMATS)}")
+    if dtype not in DTYPES:
+        raise ConvertError(f"--dtype '{dtype}': expected one of {', '.join(DTYPES)}")
+    step = resolve(ckpt)
+    man = mf.read(step)
+    check_manifest_tensors(step, man)
+    out = Path(out)
+    _check_out(out, force, [step.parent, step])
+    total = sum(math.prod(e["shape"]) * 4 for e in man["model"].values())
+    progress = Progress("convert", len(man["model"]), total, quiet)
+    if fmt == "hf-gpt2":
+        from .hf import export_hf
+        return export_hf(step, man, out, DTYPES[dtype], progress)
+    tmp = out.with_name(out.name + ".tmp-megalite")
+    torch_dtype = DTYPES[dtype]
+    specs = [(n, e["shape"], torch_dtype) for n, e in man["model"].items()]
+    meta = {"format": "pt", "megalite.kind": "model", "megalite.model_config": json.dumps(_model_cfg(man), sort_keys=True),
+            "megalite.partitions": json.dumps({n: e["partition"] for n, e in man["model"].items()}, sort_keys=True)}
+    w = StreamingWriter(tmp, specs, meta, checksum=False)
+    try:
+        for name, t in _full_tensors(step, man, progress):
+            w.write(name, t.to(torch_dtype))
+        w.close()
+    except BaseException:
+        w.abort()
+        raise
+    _replace(tmp, out)
+    return out
+
+
+def read_model_file(path) -> tuple[dict, Callable[[str], torch.Tensor], list[str]]:
+    """(model config dict, get(name) -> full fp32 tensor, names) for a megalite file or an HF GPT-2 folder."""
+    p = Path(path)
+    if p.is_dir():
+        from .hf import read_hf_folder
+        return read_hf_folder(p)
+    if not p.is_file():
+        raise ConvertError(f"model '{p}' does not exist")
+    f = _open_st(p)
+    meta = f.metadata() or {}
+    if "megalite.model_config" not in meta:
+        raise ConvertError(f"{p}: safetensors metadata has no 'megalite.model_config' "
+                           f"(expected a file written by `megalite convert`)")
+    m = json.loads(meta["megalite.model_config"])
+    return m, (lambda name: f.get_tensor(name).float()), sorted(f.keys())
+
+
+def _open_st(path: Path):
+    try:
+        return safe_open(str(path), framework="pt")
+    except Exception as e:  # noqa: BLE001
+        raise ConvertError(f"{path}: not a readable safetensors file ({e})") from None
+
+
