@@ -127,9 +127,9 @@ class CheckpointManager:
         tr.step, tr.tokens_seen = info.step, info.tokens_seen
         tr.sampler.load_state_dict(info.data)
         self.last_saved = info.step
-        lay = info.manifest["layout"]
-        how = "same layout" if info.same_layout else (
-            f"resharded from tp={lay['tp']} pp={lay['pp']} dp={lay['dp']} to {self.grid.layout}")
+        for w in info.warnings:
+            self.log(w)
+        how = "same layout" if info.same_layout else f"resharded from {info.manifest.layout} to {self.grid.layout}"
         if not info.rng_restored:
             seed_everything(self.cfg.train.seed + info.step, self.grid)
             how += "; RNG states re-seeded from (seed, step): no per-rank states for this layout"
