@@ -4,16 +4,13 @@ from __future__ import annotations
 
 import json
 import math
-import os
-import shutil
 from pathlib import Path
 from typing import Callable, Optional
 
 from ..checkpoint import manifest as mf
-from ..checkpoint.layout import (CheckpointError, coord_dir, fsync_dir, plan_writes, resolve, step_dir, tmp_dir,
-                                 write_latest)
+from ..checkpoint.layout import CheckpointError, coord_dir, plan_writes, remove_tree, resolve, step_dir, tmp_dir
 from ..checkpoint.reshard import SliceReader
-from ..checkpoint.save import Payload, add, manifest_meta, write_rank
+from ..checkpoint.save import Payload, add, commit_step, manifest_meta, write_rank
 from ..config import Config
 from ..parallel.grid import Layout
 from ..parallel.pipeline import stage_of
@@ -34,7 +31,7 @@ def _write_checkpoint(out: Path, step: int, layout: Layout, zero1: bool, tensors
     """Write every coordinate of `layout` in this one process into a temporary root next to `out`, commit it
     like a live save, then move it into place; on any failure nothing is left behind."""
     root = out.with_name(out.name + ".tmp-megalite")
-    shutil.rmtree(root, ignore_errors=True)
+    remove_tree(root)
     tmp = root / tmp_dir(step)
     tmp.mkdir(parents=True)
     plans = []
@@ -51,12 +48,9 @@ def _write_checkpoint(out: Path, step: int, layout: Layout, zero1: bool, tensors
                 add(pay, it, tensors[it.name], read(it))
                 progress.step(_nbytes(it))
             reports.append(write_rank(tmp / coord_dir(c), pay, coord_dir(c)))
-        mf.write(tmp, mf.build(meta, reports))
-        fsync_dir(tmp)
-        os.replace(tmp, root / step_dir(step))
-        write_latest(root, step_dir(step))
+        commit_step(root, step, mf.build(meta, reports))
     except BaseException:
-        shutil.rmtree(root, ignore_errors=True)
+        remove_tree(root)
         raise
     _replace(root, out)
     return out / step_dir(step)
