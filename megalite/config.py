@@ -170,6 +170,28 @@ def load_config(path: str | Path | None = None, overrides: typing.Sequence[str] 
     return cfg
 
 
+def model_from(raw, source: str) -> dict:
+    """A [model] table read from outside a run (a model file's metadata, an HF config.json), checked like a
+    config: every field present, with its type, finite and in range; one-line ConfigError naming `source`."""
+    if not isinstance(raw, dict):
+        raise ConfigError(f"{source}: expected a table of model fields, got {type(raw).__name__}")
+    missing = [f.name for f in dataclasses.fields(ModelConfig) if f.name not in raw]
+    if missing:
+        raise ConfigError(f"{source}: model field '{missing[0]}' is missing")
+    cfg = Config.from_dict({"model": raw}, source)
+    m = cfg.model
+    for f in dataclasses.fields(ModelConfig):
+        v = getattr(m, f.name)
+        if f.name != "dropout" and v <= 0:
+            raise ConfigError(f"{source}: model.{f.name} = {v}: must be a positive integer")
+    check_numbers(cfg)
+    if not 0.0 <= m.dropout < 1.0:
+        raise ConfigError(f"{source}: model.dropout = {m.dropout}: expected a value in [0, 1)")
+    if m.n_embd % m.n_head:
+        raise ConfigError(f"{source}: model.n_embd = {m.n_embd} is not divisible by model.n_head = {m.n_head}")
+    return dataclasses.asdict(m)
+
+
 def check_numbers(cfg: Config) -> None:
     """Every number is finite and in its range, with the field named: a NaN learning rate must not train."""
     for s in dataclasses.fields(cfg):

@@ -287,9 +287,13 @@ def _start(cfg: Config, grid: ParallelGrid, device, log) -> tuple:
     prepare_data(cfg, grid.rank)
     tr = build(cfg, grid, device)
     ckpt = CheckpointManager(cfg, grid, log)
+    explicit = cfg.checkpoint.resume not in ("", "auto")
+    if explicit:  # only reads: done before anything is created or locked, so a bad PATH writes nothing
+        ckpt.resume(tr)
     ckpt.check_writable(Path(cfg.train.out_dir))
     try:
-        ckpt.resume(tr)
+        if not explicit:
+            ckpt.resume(tr)  # resume=auto may finish an interrupted save first: under the lock
         ckpt.reserve(tr)
     except BaseException:
         ckpt.abandon()

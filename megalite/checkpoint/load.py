@@ -31,6 +31,13 @@ class Loaded:
     manifest: dict
 
 
+def _count(man: dict, key: str, step: Path) -> int:
+    v = man.get(key, 0)
+    if not isinstance(v, int) or isinstance(v, bool) or v < 0:
+        raise CheckpointError(f"{step}: manifest field '{key}' is {v!r}, expected a non-negative integer")
+    return v
+
+
 def check_model(man: dict, step: Path, model_cfg: Optional[dict]) -> None:
     if model_cfg is None:
         return
@@ -103,8 +110,15 @@ def load_into(path, params, optimizer, grid, model_cfg: Optional[dict] = None,
             raise CheckpointError(f"{step.name}: {coord_dir(c)}/{STATE_FILE} is missing") from None
         except json.JSONDecodeError as e:
             raise CheckpointError(f"{step.name}: {coord_dir(c)}/{STATE_FILE} is not valid JSON ({e})") from None
+        if not isinstance(state, dict):
+            raise CheckpointError(f"{step.name}: {coord_dir(c)}/{STATE_FILE} holds {type(state).__name__}, "
+                                  f"expected a JSON object")
         if state.get("rng") is not None:  # None after split/reshard: no per-rank stream to restore
-            restore_rng(state["rng"])
+            try:
+                restore_rng(state["rng"])
+            except (KeyError, TypeError, ValueError, IndexError, OverflowError, RuntimeError) as e:
+                raise CheckpointError(f"{step.name}: {coord_dir(c)}/{STATE_FILE} has an unusable 'rng' state "
+                                      f"({type(e).__name__}: {e})") from None
             rng = True
-    return Loaded(step, int(man["step"]), int(man.get("tokens_seen", 0)), man.get("data") or {},
+    return Loaded(step, _count(man, "step", step), _count(man, "tokens_seen", step), man.get("data") or {},
                   man.get("client_state") or {}, same, rng, man)

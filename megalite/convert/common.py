@@ -86,15 +86,24 @@ def _held(lock: Path) -> bool:
 
 def _replace(tmp: Path, out: Path) -> None:
     """Move a finished temporary output into place; the old output is removed only after it is done.
-    A symlink at --out is replaced itself, never followed."""
-    if os.path.lexists(out):
-        old = out.with_name(out.name + ".old-megalite")
-        remove_tree(old)
-        os.replace(out, old)
-        os.replace(tmp, out)
-        remove_tree(old)
-    else:
-        os.replace(tmp, out)
+    A symlink at --out is replaced itself, never followed. If the move fails, the temporary output is removed
+    and the old output is where it was."""
+    try:
+        if os.path.lexists(out):
+            old = out.with_name(out.name + ".old-megalite")
+            remove_tree(old)
+            os.replace(out, old)
+            try:
+                os.replace(tmp, out)
+            except BaseException:
+                os.replace(old, out)
+                raise
+            remove_tree(old)
+        else:
+            os.replace(tmp, out)
+    except BaseException:
+        remove_tree(tmp)
+        raise
 
 
 def _model_cfg(man: dict) -> dict:
