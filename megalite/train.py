@@ -239,7 +239,7 @@ def train(cfg: Config, log=print) -> Trainer:
     validate(cfg, world_size_from_env())
     device, _ = init_distributed()
     grid = ParallelGrid.create(Layout(cfg.parallel.tp, cfg.parallel.pp, cfg.parallel.dp))
-    tr, ckpt = agree(lambda: _start(cfg, grid, device, log), grid)
+    tr, ckpt = _start(cfg, grid, device, log)
     is_logger = grid.rank == 0
     metrics_file = _open_metrics(Path(cfg.train.out_dir), tr.step) if is_logger else None
     if is_logger:
@@ -283,18 +283,21 @@ def train(cfg: Config, log=print) -> Trainer:
 
 
 def _start(cfg: Config, grid: ParallelGrid, device, log) -> tuple:
-    """Data, model, the checkpoint folder's lock, resume. A failure here leaves nothing behind."""
-    prepare_data(cfg, grid.rank)
-    tr = build(cfg, grid, device)
-    ckpt = CheckpointManager(cfg, grid, log)
+    """Data, model, the checkpoint folder's lock, resume: each phase agreed by all ranks (an error on any rank
+    stops every rank there, before the next collective). A failure here leaves nothing behind."""
+    def build_all():
+        prepare_data(cfg, grid.rank)
+        return build(cfg, grid, device), CheckpointManager(cfg, grid, log)
+
+    tr, ckpt = agree(build_all, grid)
     explicit = cfg.checkpoint.resume not in ("", "auto")
     if explicit:  # only reads: done before anything is created or locked, so a bad PATH writes nothing
-        ckpt.resume(tr)
+        agree(lambda: ckpt.resume(tr), grid)
     ckpt.check_writable(Path(cfg.train.out_dir))
     try:
         if not explicit:
-            ckpt.resume(tr)  # resume=auto may finish an interrupted save first: under the lock
-        ckpt.reserve(tr)
+            agree(lambda: ckpt.resume(tr), grid)  # resume=auto may finish an interrupted save: under the lock
+        agree(lambda: ckpt.reserve(tr), grid)
     except BaseException:
         ckpt.abandon()
         raise
