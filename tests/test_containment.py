@@ -95,3 +95,45 @@ def test_nan_loss_stops_before_the_update_and_latest_stays_good(tmp_path, token_
     assert "step 2: loss" in capsys.readouterr().out  # the warning, on rank 0's stdout
     assert all(bool(p.isfinite().all()) for _, p in tr.params)
     assert read_latest(root) == "step_00000006" and verify(root)[1] == []
+
+
+def test_write_latest_never_follows_a_planted_temp_file(tmp_path):
+    """write_latest itself (not only the start-up tidy-up) replaces a symlink or a stale file at .latest.tmp."""
+    from megalite.checkpoint.layout import write_latest
+    victim = tmp_path / "victim.txt"
+    victim.write_text("must not change\n")
+    (tmp_path / ".latest.tmp").symlink_to(victim)
+    write_latest(tmp_path, "step_00000007")
+    assert victim.read_text() == "must not change\n" and read_latest(tmp_path) == "step_00000007"
+    assert not (tmp_path / "latest").is_symlink() and not (tmp_path / ".latest.tmp").is_symlink()
+    with pytest.raises(ValueError):
+        write_latest(tmp_path, "../elsewhere/step_00000001")  # only a step folder name of this root
+
+
+def test_disk_full_while_writing_latest_says_the_step_is_committed(tmp_path, token_file, monkeypatch):
+    """ENOSPC while `latest` is written: the step folder is already committed (and verifies); the error says
+    so and what `latest` still names; no .latest.tmp is left."""
+    import errno
+    import os
+
+    from megalite.checkpoint import CheckpointError
+    from megalite.checkpoint import layout
+    real, calls = os.write, []
+
+    def full(fd, data):
+        calls.append(fd)
+        if len(calls) == 2:  # the second `latest` of the run: step 2's
+            real(fd, bytes(data)[:3])
+            raise OSError(errno.ENOSPC, "No space left on device")
+        return real(fd, data)
+
+    monkeypatch.setattr(layout.os, "write", full)
+    root = tmp_path / "ck"
+    with pytest.raises(CheckpointError) as e:
+        _run(token_file, tmp_path, **{"train.steps": 2})
+    monkeypatch.setattr(layout.os, "write", real)
+    msg = str(e.value)
+    assert "step 2 was committed as" in msg and "No space left" in msg and "still names step_00000001" in msg, msg
+    assert "not saved" not in msg
+    assert read_latest(root) == "step_00000001" and not os.path.lexists(root / ".latest.tmp")
+    assert verify(root / "step_00000002")[1] == [] and verify(root)[1] == []

@@ -86,17 +86,18 @@ def _lock_folder(w, case):
     (case / "ck" / "lock").mkdir()
 
 
-def _tokens(meta_edit=None, bad_ids=False):
+def _tokens(meta_edit=None, bad_ids=None):
     def make(w, case):
         shutil.copy(w["tokens"], case / "t.bin")
         meta = json.loads(w["tokens"].with_suffix(".json").read_text())
         if meta_edit:
             meta_edit(meta)
         (case / "t.json").write_text(json.dumps(meta))
-        if bad_ids:  # a corrupt file: every 97th token is id 300
+        if bad_ids:  # a corrupt file: the tokens i with bad_ids(i, meta) are id 300
             data = bytearray((case / "t.bin").read_bytes())
-            for i in range(0, len(data) // 2, 97):
-                data[2 * i:2 * i + 2] = (300).to_bytes(2, "little")
+            for i in range(len(data) // 2):
+                if bad_ids(i, meta):
+                    data[2 * i:2 * i + 2] = (300).to_bytes(2, "little")
             (case / "t.bin").write_bytes(bytes(data))
     return make
 
@@ -155,7 +156,7 @@ CASES = [
      _tokens(lambda m: m.update(vocab_size=512))),
     ("data-ids-too-big", [*T, "--model.vocab_size=64"], ["token id", "model.vocab_size = 64"], None),
     ("data-corrupt-ids", [*T, "--data.path={case}/t.bin"], ["t.bin", "id 300", "max_token", "corrupt"],
-     _tokens(bad_ids=True)),
+     _tokens(bad_ids=lambda i, meta: i >= 5 and i % 97 == 0)),  # every 97th token: the start-up sample sees them
     ("data-max-token-type", [*T, "--data.path={case}/t.bin"], ["max_token", "'lots'"],
      _tokens(lambda m: m.update(max_token="lots"))),
     # resume: bad checkpoints and hostile roots; nothing left behind (no lock, no out_dir)
@@ -291,6 +292,20 @@ def test_the_matrix_covers_every_command():
     commands = {argv[0] for _, argv, _, _ in CASES} | {"verify"}
     assert len(CASES) >= 40 and commands >= {"train", "inspect", "convert", "split", "reshard", "generate"}
     assert sum("resume" in name for name, *_ in CASES) >= 8
+
+
+def test_a_corrupt_id_the_start_up_sample_missed_stops_at_its_batch(tmp_path, world, capsys, monkeypatch):
+    """A large file is only sampled at start-up (every len/SAMPLE_TOKENS-th token): ids the sample missed are
+    caught in the batch that reads them, on every rank alike, before they reach the embedding."""
+    import megalite.data
+    monkeypatch.setattr(megalite.data, "SAMPLE_TOKENS", 1)  # a sample of one token per split: its first
+    case = tmp_path / "case"
+    case.mkdir()
+    _tokens(bad_ids=lambda i, meta: i not in (0, meta["val_start"]))(world, case)  # all but the sampled ones
+    rc, out, err = run_cli([*[a.format(toml=world["toml"], case=case) for a in T], f"--data.path={case}/t.bin",
+                            "--train.steps=2"], capsys)
+    assert_one_line(rc, out, err, "train", ["token id 300", "at token", "model.vocab_size = 256", "corrupt"])
+    assert not (case / "run").exists() or not (case / "run" / "metrics.jsonl").read_text().strip()
 
 
 def test_verify_names_a_hostile_latest_and_exits_1(tmp_path, world, capsys):
