@@ -135,9 +135,13 @@ def stress_ckpt(trials: int = 5, steps: int = 12, width: int = 64, workdir: str 
             time.sleep(0.02)
         time.sleep(rng.uniform(0.0, 1.0))
         victims = _workers(proc.pid)
-        if victims and proc.poll() is None:
-            mid_save = any(p.name.startswith(".tmp-") for p in ck.glob(".tmp-*"))
-            os.kill(rng.choice(victims), signal.SIGKILL)
+        victim = rng.choice(victims) if victims else None
+        in_save = time.monotonic() + 10  # aim inside a save: wait (bounded) until one is in progress
+        while not any(ck.glob(".tmp-step_*")) and proc.poll() is None and time.monotonic() < in_save:
+            time.sleep(0.0005)
+        if victim is not None and proc.poll() is None:
+            mid_save = any(ck.glob(".tmp-step_*"))  # a save's temporary folder existed just before the kill
+            os.kill(victim, signal.SIGKILL)
             results["killed_mid_save"] += int(mid_save)
         try:
             proc.communicate(timeout=120)
