@@ -226,7 +226,18 @@ CASES = [
      ["--temperature nan", "finite"], None),
     ("generate-max-new-negative", ["generate", "--model", "{model}", "--max-new-tokens", "-1"],
      ["--max-new-tokens -1"], None),
+    # manifests and safetensors headers of the wrong types (read through the typed manifest of issue 10)
+    ("inspect-manifest-files-key", ["inspect", "{case}/ck"], ["manifest.json"],
+     _edit_json("manifest.json", lambda m: m["files"].update({"x.safetensors": {"bytes": 1, "crc32": "0"}}))),
+    ("inspect-manifest-model-list", ["inspect", "{case}/ck"], ["manifest.json", "model"],
+     _edit_json("manifest.json", lambda m: m.update(model=[1]))),
+    ("resume-manifest-layout-str", [*T, "--checkpoint.resume={case}/ck"], ["manifest.json", "tp"],
+     _edit_json("manifest.json", lambda m: m["layout"].update(tp="1"))),
 ]
+# cases whose fix belongs to the typed manifest (issue 10, worked on in parallel): strict, so they turn red
+# (XPASS) the day they pass and this list must shrink
+KNOWN_BUGS = {"inspect-manifest-files-key": "typed manifest: files keys", "inspect-manifest-model-list":
+              "typed manifest: section types", "resume-manifest-layout-str": "typed manifest: layout types"}
 
 
 def _snapshot(root: Path) -> dict:
@@ -259,7 +270,9 @@ def assert_one_line(rc: int, out: str, err: str, command: str, fragments: list) 
     return lines[0]
 
 
-@pytest.mark.parametrize("name,argv,fragments,setup", CASES, ids=[c[0] for c in CASES])
+@pytest.mark.parametrize("name,argv,fragments,setup", [
+    pytest.param(*c, id=c[0], marks=[pytest.mark.xfail(strict=True, reason=KNOWN_BUGS[c[0]])] if c[0] in KNOWN_BUGS
+                 else []) for c in CASES])
 def test_crafted_input_is_one_line_exit_2_and_writes_nothing(tmp_path, world, capsys, monkeypatch, name, argv,
                                                              fragments, setup):
     case = tmp_path / "case"
@@ -290,7 +303,7 @@ def test_crafted_input_is_one_line_exit_2_and_writes_nothing(tmp_path, world, ca
 
 def test_the_matrix_covers_every_command():
     commands = {argv[0] for _, argv, _, _ in CASES} | {"verify"}
-    assert len(CASES) >= 40 and commands >= {"train", "inspect", "convert", "split", "reshard", "generate"}
+    assert len(CASES) - len(KNOWN_BUGS) >= 40 and commands >= {"train", "inspect", "convert", "split", "reshard", "generate"}
     assert sum("resume" in name for name, *_ in CASES) >= 8
 
 
