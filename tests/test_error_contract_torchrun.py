@@ -8,15 +8,18 @@ import re
 import signal
 import subprocess
 
-from helpers import CKPT, TORCHRUN_TIMEOUT, env, kill_tree, metrics, run, torchrun_cmd, train_cmd, wait_for
+from pathlib import Path
+
+from helpers import (CKPT, TORCHRUN, TORCHRUN_TIMEOUT, env, kill_tree, metrics, run, train_cmd, train_in_process,
+                     wait_for)
 from megalite.checkpoint.layout import read_latest
 from megalite.checkpoint.verify import verify
 
 
-def test_an_error_on_rank_1_only_is_one_line_from_rank_0_and_every_rank_exits_2(tmp_path, token_file):
+def _matrix(tmp_path, token_file) -> list:
+    """(argv, fragments of rank 0's one stderr line, paths that must not exist afterwards) per case."""
     from megalite.convert import reshard
     toml = CKPT.toml(tmp_path / "tiny.toml", token_file, model={"n_layer": 2})
-    from helpers import train_in_process
     train_in_process(CKPT.config(token_file, tmp_path / "run1", **{"model.n_layer": 2, "train.steps": 1,
                                                                     "checkpoint.dir": str(tmp_path / "ck1")}))
     src = reshard(tmp_path / "ck1", tmp_path / "ck2", 1, 1, 2, quiet=True)  # a dp=2 checkpoint
@@ -24,23 +27,58 @@ def test_an_error_on_rank_1_only_is_one_line_from_rank_0_and_every_rank_exits_2(
     s = json.loads(state.read_text())
     s["rng"] = {"python": "garbage"}
     state.write_text(json.dumps(s))
-    logs, out, ck = tmp_path / "logs", tmp_path / "out", tmp_path / "newck"
-    cmd = torchrun_cmd(2, "train", "--config", toml, "--parallel.dp=2", f"--checkpoint.resume={tmp_path / 'ck2'}",
-                       f"--train.out_dir={out}", f"--checkpoint.dir={ck}")
-    cmd[cmd.index("--standalone"):cmd.index("--standalone")] = ["--log-dir", str(logs), "--redirects", "3"]
+    (tmp_path / "ck3").mkdir()
+    (tmp_path / "ck3" / "lock").symlink_to(tmp_path / "tiny.toml")
+
+    def train(i, *extra):
+        out, ck = tmp_path / f"out{i}", tmp_path / f"newck{i}"
+        return ["train", "--config", str(toml), "--parallel.dp=2", f"--train.out_dir={out}",
+                f"--checkpoint.dir={ck}", *extra], [out, ck]
+
+    cases = [
+        (*train(0, "--train.lr=nan"), ["train.lr = nan"]),
+        (*train(1, "--model.vocab_size=64"), ["token id", "model.vocab_size = 64"]),
+        (*train(2, f"--checkpoint.resume={tmp_path / 'nope'}"), ["nope", "does not exist"]),
+        (*train(3, f"--checkpoint.dir={tmp_path / 'ck3'}", "--checkpoint.resume=auto"), ["lock", "symlink"]),
+        (*train(4, "--train.lr=1e5", "--train.min_lr=0", "--train.grad_clip=0", "--train.warmup_steps=0"),
+         ["step 2: loss", "not finite"]),
+        (*train(5, f"--checkpoint.resume={tmp_path / 'ck2'}"), ["tp00-pp00-dp01/state.json", "'rng'"]),
+    ]
+    cases[3] = (cases[3][0], [tmp_path / "out3"], cases[3][2])  # ck3 is the crafted input itself
+    cases[4] = (cases[4][0], [], cases[4][2])  # trains a step and saves nothing: its out_dir stays (metrics)
+    return cases
+
+
+def test_the_bad_input_matrix_under_a_2_process_torchrun(tmp_path, token_file):
+    """One launch, six bad inputs on both ranks (a config number, data vs model, a missing resume path, a
+    symlinked lock, a NaN loss mid-run, a resume error only rank 1 sees): each is one line from rank 0,
+    nothing from rank 1, no traceback, exit 2 on both ranks, nothing left behind."""
+    cases = _matrix(tmp_path, token_file)
+    (tmp_path / "cases.json").write_text(json.dumps([argv for argv, _, _ in cases]))
+    res, logs = tmp_path / "results", tmp_path / "logs"
+    res.mkdir()
+    cmd = [*TORCHRUN, "--log-dir", str(logs), "--redirects", "3", "--standalone", "--nproc-per-node=2",
+           str(Path(__file__).parent / "torchrun_matrix.py"), str(tmp_path / "cases.json"), str(res)]
     p = run(cmd, timeout=TORCHRUN_TIMEOUT)
-    per_rank = {int(f.parent.name): f.read_text() for f in logs.rglob("stderr.log")}
+    last = {int(f.parent.name): f.read_text() for f in logs.rglob("stderr.log")}
     stdout = {int(f.parent.name): f.read_text() for f in logs.rglob("stdout.log")}
-    shown = f"exit {p.returncode}\n{p.stderr[-3000:]}\n{per_rank}\n{stdout}"
-    assert sorted(per_rank) == [0, 1], shown
-    lines = per_rank[0].splitlines()
-    assert len(lines) == 1 and lines[0].startswith("megalite train: error: "), shown
-    assert "tp00-pp00-dp01/state.json" in lines[0] and "'rng'" in lines[0], shown
-    assert per_rank[1] == "" and "Traceback" not in "".join(per_rank.values()) + "".join(stdout.values()), shown
-    # torchrun's own report: both workers exited with 2; torchrun itself then exits 1 (its ChildFailedError)
+    shown = f"exit {p.returncode}\n{p.stderr[-3000:]}\n{last}\n{stdout}"
+    assert sorted(last) == [0, 1] and (res / "rank0.json").exists() and (res / "rank1.json").exists(), shown
+    ranks = [json.loads((res / f"rank{r}.json").read_text()) + [{"rc": 2, "stderr": last[r], "stdout": stdout[r]}]
+             for r in (0, 1)]
+    for (argv, leftovers, fragments), r0, r1 in zip(cases, *ranks):
+        case = f"{argv[4:]}: rank 0 {r0}, rank 1 {r1}"
+        assert r0["rc"] == 2 and r1["rc"] == 2, case
+        assert "Traceback" not in r0["stderr"] + r1["stderr"] + r0["stdout"] + r1["stdout"], case
+        lines = r0["stderr"].splitlines()
+        assert len(lines) == 1 and lines[0].startswith("megalite train: error: "), case
+        assert all(f in lines[0] for f in fragments), (fragments, case)
+        assert r1["stderr"] == "", case
+        assert not any(Path(x).exists() for x in leftovers), (leftovers, case)
+    # the last case ended the workers: torchrun saw exit code 2 from both, then exits 1 (its ChildFailedError)
     assert sorted(map(int, re.findall(r"rank\s*: (\d) \(local_rank", p.stderr))) == [0, 1], shown
     assert p.stderr.count("exitcode  : 2") == 2 and p.returncode == 1, shown
-    assert not out.exists() and not ck.exists(), "a failed start left something behind"
+    assert (tmp_path / "tiny.toml").read_text().startswith("[model]")  # the symlinked lock's target untouched
 
 
 def test_sigterm_to_the_torchrun_agent_commits_a_checkpoint(tmp_path, token_file):

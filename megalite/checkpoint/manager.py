@@ -14,7 +14,8 @@ import torch
 import torch.distributed as dist
 
 from . import load_checkpoint, save_checkpoint
-from .layout import LATEST, LOCK, CheckpointError, committed_steps, parse_step_dir, read_latest, step_dir, unlink_quietly
+from .layout import (LATEST, LOCK, CheckpointError, committed_steps, parse_step_dir, read_latest, step_dir,
+                     unlink_quietly, write_new_file)
 from .save import AsyncSaver, bcast_object, collect, recover
 from .verify import verify
 
@@ -48,7 +49,7 @@ class CheckpointManager:
                     folder.mkdir(parents=True, exist_ok=True)
                     created += missing[-1:]  # the topmost folder this check made
                     probe = folder / f".write-test-{os.getpid()}"
-                    probe.write_text("ok")
+                    write_new_file(probe, b"ok")  # never through a symlink planted at that name
                     probe.unlink()
                 except OSError as e:
                     err = f"{field}: cannot write to '{folder}' ({e.strerror or e})"
@@ -64,7 +65,9 @@ class CheckpointManager:
                 self.abandon()
         err = bcast_object(err, self.grid, self.grid.cpu)
         if err:
-            raise CheckpointError(err)
+            e = CheckpointError(err)
+            e.same_on_every_rank = True  # rank 0 found it, every rank raises it: printed once
+            raise e
 
     def abandon(self) -> None:
         """Start-up failed (a bad resume, say): release the lock and remove what check_writable made, so a

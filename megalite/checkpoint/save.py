@@ -222,9 +222,6 @@ def recover(root: Path) -> list[str]:
     return done
 
 
-remove_stale_tmp = recover  # the name older callers know
-
-
 def prune(root: Path, keep_last: int, saved: Optional[int] = None, keep: Iterable[int] = ()) -> list[int]:
     """Delete the oldest committed steps beyond keep_last, counting only steps up to `saved` (the step just
     committed). Never deleted: the step `latest` names, any step newer than `saved` (another history's, e.g.
