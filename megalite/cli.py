@@ -1,12 +1,18 @@
 """`megalite <command>`: thin argument parsing over importable functions.
 
-Bad input exits with code 2 and one line on stderr (`megalite <cmd>: error: ...`), never a traceback.
+The error contract: a user error (bad input, a checkpoint or data problem, an OS error such as a read-only
+or full disk) exits with code 2 and one line on stderr (`megalite <cmd>: error: ...`), never a traceback.
+Under torchrun every rank exits 2 and only rank 0 prints an error that all ranks share (the others print
+only an error of their own). MEGALITE_DEBUG=1 prints the traceback as well; a training run that got as
+far as its first step also appends it to <train.out_dir>/errors.log. Anything else is a bug and keeps its
+traceback.
 """
 from __future__ import annotations
 
 import argparse
 import os
 import sys
+import traceback
 
 from . import __version__
 
@@ -26,12 +32,26 @@ EPILOGS = {
     "generate": "example:\n  megalite generate --model model.safetensors --prompt 'def ' --max-new-tokens 100",
 }
 
-def _user_errors() -> tuple:
+def user_errors() -> tuple:
     """The errors a user can fix (one line, exit 2); anything else is a bug and keeps its traceback."""
     from .checkpoint import CheckpointError
     from .config import ConfigError
     from .data import DataError
-    return (ConfigError, DataError, CheckpointError, FileNotFoundError, FileExistsError, PermissionError)
+    from .train import NonFiniteError, StartupError
+    return (ConfigError, DataError, CheckpointError, OSError, NonFiniteError, StartupError)
+
+
+def _report(command: str, e: BaseException) -> None:
+    """One line on stderr (rank 0 only for an error every rank shares); the traceback too with MEGALITE_DEBUG=1."""
+    from .config import ConfigError
+    shared = getattr(e, "same_on_every_rank", isinstance(e, ConfigError))
+    if int(os.environ.get("RANK", "0")) != 0 and shared:
+        return
+    if os.environ.get("MEGALITE_DEBUG", "") not in ("", "0"):
+        traceback.print_exception(e)
+    text = " ".join(str(e).split()) if not isinstance(e, OSError) or not e.strerror else \
+        f"{e.strerror}: '{e.filename}'" if e.filename else e.strerror
+    print(f"megalite {command}: error: {text}", file=sys.stderr, flush=True)
 
 
 class _Parser(argparse.ArgumentParser):
@@ -40,9 +60,13 @@ class _Parser(argparse.ArgumentParser):
 
 
 def _cmd_train(args, rest) -> int:
-    from .config import load_config
+    from .config import ConfigError, load_config
     from .train import train
-    cfg = load_config(args.config, rest)
+    try:
+        cfg = load_config(args.config, rest)
+    except ConfigError as e:
+        e.same_on_every_rank = True
+        raise
     try:
         train(cfg)
     finally:
@@ -118,7 +142,19 @@ def _cmd_reshard(args, rest) -> int:
 
 
 def _cmd_generate(args, rest) -> int:
+    import math
+    from .config import ConfigError
     from .generate import sample_text
+    if args.top_k < 0:
+        raise ConfigError(f"--top-k {args.top_k}: expected 0 (off) or a positive integer")
+    if not math.isfinite(args.temperature) or args.temperature < 0:
+        raise ConfigError(f"--temperature {args.temperature}: expected a finite number >= 0 (0: greedy)")
+    if args.max_new_tokens < 0:
+        raise ConfigError(f"--max-new-tokens {args.max_new_tokens}: expected a number >= 0")
+    try:
+        args.prompt.encode("utf-8")
+    except UnicodeEncodeError:
+        raise ConfigError("--prompt: not valid UTF-8 text (the tokens are UTF-8 bytes)") from None
     print(sample_text(args.model, args.prompt, max_new_tokens=args.max_new_tokens, temperature=args.temperature,
                       top_k=args.top_k, seed=args.seed))
     return 0
@@ -255,9 +291,6 @@ def main(argv=None) -> int:
                      f"--section.key=value)")
     try:
         return args.fn(args, rest)
-    except _user_errors() as e:
-        from .config import ConfigError
-        # A config error is the same on every rank: say it once. Others may differ per rank (a shard).
-        if int(os.environ.get("RANK", "0")) == 0 or not isinstance(e, ConfigError):
-            print(f"megalite {args.command}: error: {e}", file=sys.stderr)
+    except user_errors() as e:
+        _report(args.command, e)
         return 2

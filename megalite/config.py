@@ -6,6 +6,7 @@ was expected, so a typo on the command line never trains the wrong thing silentl
 from __future__ import annotations
 
 import dataclasses
+import math
 import sys
 import typing
 from dataclasses import dataclass, field
@@ -56,6 +57,7 @@ class TrainConfig:
     beta1: float = 0.9
     beta2: float = 0.95
     grad_clip: float = 1.0
+    on_nonfinite: str = "stop"  # a NaN/inf loss or gradient norm: "stop" (one-line error) | "skip" the update
     seed: int = 1234
     log_interval: int = 10
     eval_interval: int = 50
@@ -170,8 +172,54 @@ def load_config(path: str | Path | None = None, overrides: typing.Sequence[str] 
     return cfg
 
 
+def model_from(raw, source: str) -> dict:
+    """A [model] table read from outside a run (a model file's metadata, an HF config.json), checked like a
+    config: every field present, with its type, finite and in range; one-line ConfigError naming `source`."""
+    if not isinstance(raw, dict):
+        raise ConfigError(f"{source}: expected a table of model fields, got {type(raw).__name__}")
+    missing = [f.name for f in dataclasses.fields(ModelConfig) if f.name not in raw]
+    if missing:
+        raise ConfigError(f"{source}: model field '{missing[0]}' is missing")
+    cfg = Config.from_dict({"model": raw}, source)
+    m = cfg.model
+    for f in dataclasses.fields(ModelConfig):
+        v = getattr(m, f.name)
+        if f.name != "dropout" and v <= 0:
+            raise ConfigError(f"{source}: model.{f.name} = {v}: must be a positive integer")
+    check_numbers(cfg)
+    if not 0.0 <= m.dropout < 1.0:
+        raise ConfigError(f"{source}: model.dropout = {m.dropout}: expected a value in [0, 1)")
+    if m.n_embd % m.n_head:
+        raise ConfigError(f"{source}: model.n_embd = {m.n_embd} is not divisible by model.n_head = {m.n_head}")
+    return dataclasses.asdict(m)
+
+
+def check_numbers(cfg: Config) -> None:
+    """Every number is finite and in its range, with the field named: a NaN learning rate must not train."""
+    for s in dataclasses.fields(cfg):
+        sec = getattr(cfg, s.name)
+        for f in dataclasses.fields(sec):
+            v = getattr(sec, f.name)
+            if isinstance(v, float) and not math.isfinite(v):
+                raise ConfigError(f"{s.name}.{_key(f.name)} = {v}: expected a finite number")
+    t, par = cfg.train, cfg.parallel
+    for name, value in (("train.beta1", t.beta1), ("train.beta2", t.beta2)):
+        if not 0.0 <= value < 1.0:
+            raise ConfigError(f"{name} = {value}: expected a value in [0, 1)")
+    if par.bucket_mb <= 0:
+        raise ConfigError(f"parallel.bucket_mb = {par.bucket_mb}: must be positive")
+    if t.seed < 0:
+        raise ConfigError(f"train.seed = {t.seed}: must not be negative")
+    if t.on_nonfinite not in ("stop", "skip"):
+        raise ConfigError(f"train.on_nonfinite = '{t.on_nonfinite}': expected 'stop' or 'skip'")
+    for name, value in (("data.path", cfg.data.path), ("train.out_dir", t.out_dir)):
+        if not value.strip():
+            raise ConfigError(f"{name} is empty: expected a path")
+
+
 def validate(cfg: Config, world_size: int | None = None) -> Config:
     """Check every cross-field rule; raise ConfigError with a one-line message on the first failure."""
+    check_numbers(cfg)
     m, par, t = cfg.model, cfg.parallel, cfg.train
     positive = [("model.n_layer", m.n_layer), ("model.n_head", m.n_head), ("model.n_embd", m.n_embd),
                 ("model.block_size", m.block_size), ("model.vocab_size", m.vocab_size),

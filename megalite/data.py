@@ -121,6 +121,7 @@ def prepare(sources: list[str | Path], out: str | Path, val_fraction: float = 0.
         "version": VERSION,
         "tokenizer": "byte",
         "vocab_size": ByteTokenizer.vocab_size,
+        "max_token": int(tokens.max()),  # checked against model.vocab_size when a run opens the file
         "dtype": "uint16",
         "num_tokens": num_tokens,
         "val_start": num_tokens - int(num_tokens * val_fraction),
@@ -181,11 +182,45 @@ class TokenDataset:
             raise DataError(f"data.path: the {split} split of '{path}' is empty "
                             f"(num_tokens={num_tokens}, val_start={val_start})")
         self.path, self.split, self.meta = path, split, meta
-        self.vocab_size = int(meta.get("vocab_size", ByteTokenizer.vocab_size))
+        vocab = meta.get("vocab_size", ByteTokenizer.vocab_size)
+        if not isinstance(vocab, int) or isinstance(vocab, bool) or vocab < 1:
+            raise DataError(f"data.path: metadata '{mpath}' has vocab_size {vocab!r}, expected a positive integer")
+        self.vocab_size = vocab
+        self.limit = None  # the model's vocab size once check_vocab has run: every batch drawn is checked
         self.tokens = np.memmap(path, dtype=np.uint16, mode="r", shape=(num_tokens,))[lo:hi]
 
     def __len__(self) -> int:
         return int(self.tokens.shape[0])
+
+
+SAMPLE_TOKENS = 1 << 20  # tokens read at start-up to check a recorded max_token (a strided sample)
+
+
+def check_vocab(dataset: TokenDataset, model_vocab: int) -> None:
+    """The data must fit the model, before step 1: its recorded vocab, and its token ids (the max recorded
+    by `prepare`, confirmed on a strided sample; a file without a recorded max is scanned whole). Every
+    batch drawn afterwards is checked too, so a corrupt id the sample missed stops the run, never trains."""
+    mpath = meta_path(dataset.path)
+    if dataset.vocab_size > model_vocab:
+        raise DataError(f"data.path: '{mpath}' records vocab_size {dataset.vocab_size}, larger than "
+                        f"model.vocab_size = {model_vocab} (token ids would not fit the embedding)")
+    recorded = dataset.meta.get("max_token")
+    toks = dataset.tokens
+    if recorded is None:
+        top = max((int(toks[i:i + SAMPLE_TOKENS].max()) for i in range(0, len(toks), SAMPLE_TOKENS)), default=0)
+    else:
+        if not isinstance(recorded, int) or isinstance(recorded, bool) or recorded < 0:
+            raise DataError(f"data.path: '{mpath}' has max_token {recorded!r}, expected a non-negative integer")
+        stride = max(1, len(toks) // SAMPLE_TOKENS)
+        top = int(toks[::stride].max()) if len(toks) else 0
+        if top > recorded:
+            raise DataError(f"data.path: token file '{dataset.path}' holds id {top}, above the max_token "
+                            f"{recorded} recorded in '{mpath.name}' (the file is corrupt; re-run `megalite prepare`)")
+        top = recorded
+    if top >= model_vocab:
+        raise DataError(f"data.path: token file '{dataset.path}' holds token id {top}, expected ids below "
+                        f"model.vocab_size = {model_vocab}")
+    dataset.limit = model_vocab
 
 
 def _check_shapes(dataset: TokenDataset, block_size: int, batch_size: int, dp_rank: int, dp_size: int,
@@ -206,6 +241,16 @@ def _draw(dataset, block_size, batch_size, dp_rank, dp_size, rng):
     All ranks draw all offsets so the result does not depend on dp_size.
     """
     starts = rng.integers(0, len(dataset) - block_size - 1, size=batch_size, endpoint=True)
+    if dataset.limit is not None:  # the whole global batch, on every rank: all ranks stop at the same step
+        every = np.asarray(dataset.tokens[starts[:, None] + np.arange(block_size + 1)])
+        if every.size and int(every.max()) >= dataset.limit:
+            pos = int(np.argmax(every.reshape(-1) >= dataset.limit))
+            row, col = divmod(pos, block_size + 1)
+            err = DataError(f"data.path: token file '{dataset.path}' holds token id {int(every.max())} "
+                            f"(at token {int(starts[row]) + col} of the {dataset.split} split), expected ids "
+                            f"below model.vocab_size = {dataset.limit}; the file is corrupt")
+            err.same_on_every_rank = True
+            raise err
     per_rank = batch_size // dp_size
     mine = starts[dp_rank * per_rank:(dp_rank + 1) * per_rank]
     rows = np.asarray(dataset.tokens[mine[:, None] + np.arange(block_size + 1)], dtype=np.int64)

@@ -3,6 +3,12 @@
 `maybe_crash` lets a test make one rank die hard at a chosen step (to exercise `torchrun --max-restarts`):
     MEGALITE_CRASH_AT_STEP=5 MEGALITE_CRASH_RANK=1 MEGALITE_CRASH_ONCE=/tmp/marker
 The marker file makes it happen once, so the restarted workers run through.
+
+`kill_point` makes a process die hard (SIGKILL, no cleanup of any kind) at a named boundary of the
+checkpoint commit protocol, deterministically:
+    MEGALITE_KILL_POINT=manifest_synced MEGALITE_KILL_RANK=0 MEGALITE_KILL_NTH=2
+kills rank 0 the second time it reaches that point. The points, in protocol order (checkpoint/save.py):
+KILL_POINTS.
 """
 from __future__ import annotations
 
@@ -16,6 +22,31 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+
+
+KILL_POINTS = (
+    "slices_written",    # a rank has written and fsynced its coordinate folder (before rank 0 hears of it)
+    "manifest_written",  # rank 0 has written manifest.json into .tmp-step_N
+    "manifest_synced",   # ... and fsynced the folder: the temporary step is complete
+    "resave_swapped",    # re-save: the new step_N swapped in atomically, the old copy not yet removed
+    "resave_old_moved",  # re-save without RENAME_EXCHANGE: the old step_N moved aside, the new not yet in
+    "renamed",           # .tmp-step_N is step_N (fsynced), `latest` still names the previous step
+    "latest_written",    # `latest` names step_N, pruning not yet done
+    "pruning",           # the first old step of this prune has been deleted
+)
+_reached: dict = {}
+
+
+def kill_point(name: str) -> None:
+    """SIGKILL this process here if MEGALITE_KILL_POINT names this point (see the module docstring)."""
+    want = os.environ.get("MEGALITE_KILL_POINT")
+    if want != name:
+        return
+    if int(os.environ.get("RANK", "0")) != int(os.environ.get("MEGALITE_KILL_RANK", "0")):
+        return
+    _reached[name] = _reached.get(name, 0) + 1
+    if _reached[name] == int(os.environ.get("MEGALITE_KILL_NTH", "1")):
+        os.kill(os.getpid(), signal.SIGKILL)
 
 
 def maybe_crash(step: int, rank: int) -> None:
@@ -104,9 +135,13 @@ def stress_ckpt(trials: int = 5, steps: int = 12, width: int = 64, workdir: str 
             time.sleep(0.02)
         time.sleep(rng.uniform(0.0, 1.0))
         victims = _workers(proc.pid)
-        if victims and proc.poll() is None:
-            mid_save = any(p.name.startswith(".tmp-") for p in ck.glob(".tmp-*"))
-            os.kill(rng.choice(victims), signal.SIGKILL)
+        victim = rng.choice(victims) if victims else None
+        in_save = time.monotonic() + 10  # aim inside a save: wait (bounded) until one is in progress
+        while not any(ck.glob(".tmp-step_*")) and proc.poll() is None and time.monotonic() < in_save:
+            time.sleep(0.0005)
+        if victim is not None and proc.poll() is None:
+            mid_save = any(ck.glob(".tmp-step_*"))  # a save's temporary folder existed just before the kill
+            os.kill(victim, signal.SIGKILL)
             results["killed_mid_save"] += int(mid_save)
         try:
             proc.communicate(timeout=120)

@@ -9,7 +9,9 @@ from __future__ import annotations
 
 import contextlib
 import json
+import math
 import os
+import traceback
 import signal
 import time
 from dataclasses import dataclass, field
@@ -24,7 +26,7 @@ from .checkpoint.manager import CheckpointManager
 from .checkpoint.state import seed_everything
 from .config import Config, num_microbatches, validate
 from .faults import maybe_crash
-from .data import BatchSampler, TokenDataset, ensure_data, eval_batches
+from .data import BatchSampler, TokenDataset, check_vocab, ensure_data, eval_batches
 from .model import GPTStage
 from .optim import grad_norm, lr_at
 from .parallel.data import GradBuffer, ShardedAdamW
@@ -109,6 +111,8 @@ def build(cfg: Config, grid: ParallelGrid, device: torch.device) -> Trainer:
     opt = ShardedAdamW(params, grid.tp, grid.dp, cfg.parallel.zero1, betas=(t.beta1, t.beta2),
                        weight_decay=t.weight_decay, bucket_mb=cfg.parallel.bucket_mb)
     train_ds, val_ds = TokenDataset(cfg.data.path, "train"), TokenDataset(cfg.data.path, "val")
+    check_vocab(train_ds, cfg.model.vocab_size)
+    check_vocab(val_ds, cfg.model.vocab_size)
     c = grid.coord
     sampler = BatchSampler(train_ds, cfg.model.block_size, t.global_batch_size, c.dp, grid.layout.dp, t.seed)
     val = eval_batches(val_ds, cfg.model.block_size, t.global_batch_size, c.dp, grid.layout.dp,
@@ -165,13 +169,33 @@ def train_step(tr: Trainer) -> dict:
     norm = grad_norm(tr.params, grid)
     clip = cfg.train.grad_clip
     scale = clip / (norm + 1e-6) if clip > 0 and norm > clip else 1.0
-    tr.optimizer.step(lr, grad_scale=scale)
+    skipped = not (math.isfinite(loss) and math.isfinite(norm)) and _nonfinite(tr, loss, norm)
+    if not skipped:
+        tr.optimizer.step(lr, grad_scale=scale)
     tr.step += 1
     tokens = cfg.train.global_batch_size * cfg.model.block_size
     tr.tokens_seen += tokens
     dt = time.perf_counter() - t0
     return {"step": tr.step, "loss": loss, "lr": lr, "grad_norm": norm, "tokens_per_s": tokens / dt,
-            "ms_per_step": dt * 1000, "tokens_seen": tr.tokens_seen}
+            "ms_per_step": dt * 1000, "tokens_seen": tr.tokens_seen, **({"skipped": True} if skipped else {})}
+
+
+class NonFiniteError(RuntimeError):
+    """The loss or gradient norm of a step is NaN or inf (train.on_nonfinite = "stop"); one line naming the step.
+    Every rank raises it alike: loss and norm are global numbers every rank holds."""
+    same_on_every_rank = True
+
+
+def _nonfinite(tr: Trainer, loss: float, norm: float) -> bool:
+    """train.on_nonfinite: "skip" drops this step's update (the data moves on; said on rank 0) and returns
+    True; "stop" raises NonFiniteError before the update, so no NaN ever reaches the weights or a checkpoint."""
+    what = f"step {tr.step + 1}: loss {loss}, grad-norm {norm}"
+    if tr.cfg.train.on_nonfinite == "skip":
+        if tr.grid.rank == 0:
+            print(f"WARNING: {what} is not finite; update skipped (train.on_nonfinite=skip)", flush=True)
+        return True
+    raise NonFiniteError(f"{what} is not finite; stopped before the update (train.on_nonfinite=stop; "
+                         f"'skip' drops such steps). The last checkpoint saved stays `latest`")
 
 
 def evaluate(tr: Trainer) -> float:
@@ -207,12 +231,7 @@ def train(cfg: Config, log=print) -> Trainer:
     validate(cfg, world_size_from_env())
     device, _ = init_distributed()
     grid = ParallelGrid.create(Layout(cfg.parallel.tp, cfg.parallel.pp, cfg.parallel.dp))
-    prepare_data(cfg, grid.rank)
-    tr = build(cfg, grid, device)
-    ckpt = CheckpointManager(cfg, grid, log)
-    ckpt.check_writable(Path(cfg.train.out_dir))
-    ckpt.resume(tr)
-    ckpt.reserve(tr)
+    tr, ckpt = _start(cfg, grid, device, log)
     is_logger = grid.rank == 0
     metrics_file = _open_metrics(Path(cfg.train.out_dir), tr.step) if is_logger else None
     if is_logger:
@@ -244,12 +263,74 @@ def train(cfg: Config, log=print) -> Trainer:
                 break
         else:
             ckpt.finish(tr)
+    except BaseException:
+        log_traceback(Path(cfg.train.out_dir), grid.rank)
+        raise
     finally:
         ckpt.restore_signal_handlers()
         ckpt.release()
         if metrics_file:
             metrics_file.close()
     return tr
+
+
+def _start(cfg: Config, grid: ParallelGrid, device, log) -> tuple:
+    """Data, model, the checkpoint folder's lock, resume: each phase agreed by all ranks (an error on any rank
+    stops every rank there, before the next collective). A failure here leaves nothing behind."""
+    def build_all():
+        prepare_data(cfg, grid.rank)
+        return build(cfg, grid, device), CheckpointManager(cfg, grid, log)
+
+    tr, ckpt = agree(build_all, grid)
+    explicit = cfg.checkpoint.resume not in ("", "auto")
+    if explicit:  # only reads: done before anything is created or locked, so a bad PATH writes nothing
+        agree(lambda: ckpt.resume(tr), grid)
+    ckpt.check_writable(Path(cfg.train.out_dir))
+    try:
+        if not explicit:
+            agree(lambda: ckpt.resume(tr), grid)  # resume=auto may finish an interrupted save: under the lock
+        agree(lambda: ckpt.reserve(tr), grid)
+    except BaseException:
+        ckpt.abandon()
+        raise
+    return tr, ckpt
+
+
+def agree(fn, grid: ParallelGrid):
+    """Run fn() on every rank; if a user error happens on any rank, every rank raises the lowest failing
+    rank's error (marked same_on_every_rank, so only rank 0 prints it), instead of ranks dying one by one
+    in different places. Anything else (a bug) keeps its own traceback."""
+    from .cli import user_errors
+    result, err = None, None
+    try:
+        result = fn()
+    except user_errors() as e:
+        err = e
+    if grid.layout.world_size > 1:
+        msgs = [None] * grid.layout.world_size
+        dist.all_gather_object(msgs, None if err is None else (type(err).__name__, str(err)), group=grid.cpu)
+        first = next((m for m in msgs if m is not None), None)
+        if first is not None and err is None:
+            err = StartupError(first[1])
+    if err is not None:
+        err.same_on_every_rank = True
+        raise err
+    return result
+
+
+class StartupError(RuntimeError):
+    """Another rank's start-up error, raised here too so that every rank stops alike."""
+
+
+def log_traceback(out_dir: Path, rank: int) -> None:
+    """Append the traceback of what ended a run to <out_dir>/errors.log (the one-line CLI error points
+    here; MEGALITE_DEBUG=1 also prints it)."""
+    try:
+        if out_dir.is_dir():
+            with open(out_dir / "errors.log", "a") as f:
+                f.write(f"--- rank {rank}, {time.strftime('%Y-%m-%dT%H:%M:%S')}\n{traceback.format_exc()}")
+    except OSError:
+        pass
 
 
 def _open_metrics(out: Path, resumed_step: int):

@@ -225,16 +225,18 @@ def test_prune_keeps_the_last_n(tmp_path):
     assert L.resolve(tmp_path).name == L.step_dir(5)
 
 
-def test_prune_never_deletes_what_latest_names(tmp_path):
+def test_prune_never_deletes_what_latest_names_or_anything_newer(tmp_path):
     for s in range(1, 7):
         _committed(tmp_path, s)
-    L.write_latest(tmp_path, L.step_dir(2))  # a run rolled back to step 2: steps 3-6 were abandoned
+    L.write_latest(tmp_path, L.step_dir(2))  # a run rolled back to step 2: steps 3-6 are another history's
     assert L.committed_steps(tmp_path) == [3, 4, 5, 6, 1, 2]  # oldest first: the abandoned ones
-    prune(tmp_path, 2)
-    assert L.committed_steps(tmp_path) == [1, 2]
+    assert prune(tmp_path, 2) == [] and sorted(L.committed_steps(tmp_path)) == [1, 2, 3, 4, 5, 6]
     assert L.resolve(tmp_path).name == L.step_dir(2)
-    prune(tmp_path, 1)
-    assert L.committed_steps(tmp_path) == [2]
+    assert prune(tmp_path, 1) == [1]  # only steps up to the one saved (here: the one `latest` names) count
+    assert sorted(L.committed_steps(tmp_path)) == [2, 3, 4, 5, 6]
+    L.write_latest(tmp_path, L.step_dir(6))
+    assert prune(tmp_path, 1, saved=6, keep={3, 5}) == [2, 4]  # `keep`: failed verification / not this run's
+    assert sorted(L.committed_steps(tmp_path)) == [3, 5, 6]
 
 
 # ---------------------------------------------------------------- the write plan of a whole grid

@@ -394,10 +394,11 @@ def test_stress_ckpt_one_trial(tmp_path, token_file):
     work.mkdir()
     shutil.copy(token_file, work / "tokens.bin")  # skip building the default corpus
     shutil.copy(Path(token_file).with_suffix(".json"), work / "tokens.json")
-    p = ok(_run([*MEGALITE, "stress", "ckpt", "--trials", "1", "--steps", "8",
+    p = ok(_run([*MEGALITE, "stress", "ckpt", "--trials", "1", "--steps", "8", "--seed", "11",
                  "--width", "32", "--workdir", str(work)], timeout=300))
     lines = p.stdout.strip().splitlines()
     assert lines[-2].split() == ["trials", "valid", "latest", "resumed", "exactly", "killed", "mid-save",
                                  "data", "lost"], p.stdout
-    trials, valid, exact, _mid_save, lost = map(int, lines[-1].split())
+    trials, valid, exact, mid_save, lost = map(int, lines[-1].split())
     assert trials == valid == exact == 1 and lost == 0, p.stdout
+    assert mid_save == 1, "the kill did not land inside a save:\n" + p.stdout

@@ -17,6 +17,7 @@ from __future__ import annotations
 import math
 import os
 import re
+import shutil
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterable, Optional
@@ -30,6 +31,7 @@ MODEL_FILE = "model.safetensors"
 OPTIM_FILE = "optimizer.safetensors"
 STATE_FILE = "state.json"
 LATEST = "latest"
+LATEST_TMP = ".latest.tmp"
 LOCK = "lock"
 TMP_PREFIX = ".tmp-"
 
@@ -104,38 +106,94 @@ def tmp_dir(step: int) -> str:
 
 
 def committed_steps(root: Path) -> list[int]:
-    """Steps with a committed folder under root (a manifest present), oldest first.
+    """Steps with a committed folder under root (a real folder, not a symlink, with a manifest), oldest first.
 
     Oldest means: steps above the one `latest` names come first (a run that rolled back with
-    resume=PATH abandoned them), then the rest in step order. So keep_last prunes an abandoned run's
-    checkpoints before this run's, and resume=auto's fallback prefers this run's.
+    resume=PATH abandoned them), then the rest in step order. So resume=auto's fallback prefers this run's.
     """
     if not root.is_dir():
         return []
-    steps = sorted(s for s in (parse_step_dir(p.name) for p in root.iterdir() if (p / MANIFEST).is_file())
-                   if s is not None)
-    latest = parse_step_dir(read_latest(root) or "")
+    steps = sorted(s for s in (parse_step_dir(p.name) for p in root.iterdir()
+                               if not p.is_symlink() and (p / MANIFEST).is_file()) if s is not None)
+    try:
+        latest = parse_step_dir(read_latest(root) or "")
+    except CheckpointError:
+        latest = None
     if latest is None:
         return steps
     return [s for s in steps if s > latest] + [s for s in steps if s <= latest]
 
 
 def read_latest(root: Path) -> Optional[str]:
+    """The step folder `latest` names (None when there is no `latest`).
+
+    `latest` must be a plain file of one line naming a step folder of this root (`step_NNNNNNNN`, no
+    path): anything else (a symlink, a folder, bytes that are not UTF-8, `../other/step_..`) is refused
+    with a one-line error rather than followed.
+    """
     f = root / LATEST
-    if not f.exists():
+    if not os.path.lexists(f):
         return None
-    return f.read_text().strip()
+    what = f"{f}: expected a plain file holding one line that names a step folder of this checkpoint"
+    if f.is_symlink() or not f.is_file():
+        raise CheckpointError(f"{what}, found a {'symlink' if f.is_symlink() else 'folder or special file'}")
+    try:
+        with open(f, "rb") as fh:
+            name = fh.read(4096).decode("utf-8").strip()
+    except UnicodeDecodeError:
+        raise CheckpointError(f"{what}, found bytes that are not UTF-8 text") from None
+    if parse_step_dir(name) is None:
+        raise CheckpointError(f"{what} (step_NNNNNNNN), found {name[:80]!r}")
+    return name
 
 
 def write_latest(root: Path, name: str) -> None:
-    """Replace `latest` atomically: write a temp file, fsync it, os.replace, fsync the folder."""
-    tmp = root / f".{LATEST}.tmp"
-    with open(tmp, "w") as f:
-        f.write(name + "\n")
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, root / LATEST)
+    """Replace `latest` atomically: write a temp file (created afresh, never through a symlink), fsync it,
+    os.replace, fsync the folder. On failure the temp file is removed and `latest` is untouched."""
+    if parse_step_dir(name) is None:
+        raise ValueError(f"write_latest: {name!r} is not a step folder name")
+    tmp = root / LATEST_TMP
+    write_new_file(tmp, (name + "\n").encode())
+    try:
+        os.replace(tmp, root / LATEST)
+    except BaseException:
+        unlink_quietly(tmp)
+        raise
     fsync_dir(root)
+
+
+def write_new_file(path: Path, data: bytes) -> None:
+    """Create `path` as a new plain file holding `data`, fsynced. Whatever was at `path` (a stale temp file,
+    a symlink planted there) is unlinked first, never followed: O_CREAT | O_EXCL | O_NOFOLLOW. On failure
+    nothing is left at `path`."""
+    unlink_quietly(path)
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_NOFOLLOW", 0), 0o644)
+    try:
+        view = memoryview(data)
+        while view:
+            view = view[os.write(fd, view):]
+        os.fsync(fd)
+    except BaseException:
+        os.close(fd)
+        unlink_quietly(path)
+        raise
+    os.close(fd)
+
+
+def unlink_quietly(path: Path) -> None:
+    """Remove a file or a symlink (never what it points to); nothing there is fine."""
+    try:
+        os.unlink(path)
+    except FileNotFoundError:
+        pass
+
+
+def remove_tree(path: Path) -> None:
+    """Remove a folder this project created; a symlink is unlinked, never followed."""
+    if os.path.islink(path) or (os.path.lexists(path) and not os.path.isdir(path)):
+        unlink_quietly(path)
+    elif os.path.isdir(path):
+        shutil.rmtree(path)
 
 
 def fsync_dir(path: Path) -> None:
@@ -157,10 +215,15 @@ def resolve(path: str | os.PathLike) -> Path:
         return p
     if not p.exists():
         raise CheckpointError(f"checkpoint '{p}' does not exist")
+    if not p.is_dir():
+        raise CheckpointError(f"'{p}' is not a checkpoint: expected a step folder or a checkpoint root folder")
     name = read_latest(p)
     if name is None:
         raise CheckpointError(f"'{p}' is not a checkpoint: no {MANIFEST} and no '{LATEST}' file")
     target = p / name
+    if target.is_symlink():
+        raise CheckpointError(f"{p / LATEST} names '{name}', which is a symlink (a step folder of this root "
+                              f"must be a real folder)")
     if not is_step_dir(target):
         raise CheckpointError(f"{p / LATEST} names '{name}', which is missing or has no {MANIFEST}")
     return target

@@ -124,6 +124,10 @@ def load_into(path, params, optimizer, grid, model_cfg: Optional[dict] = None,
             optimizer.step_count = int(man.optimizer["step"]) if man.optimizer else 0
     rng = False
     if state is not None and state.get("rng") is not None:  # None after split/reshard: no per-rank stream
-        restore_rng(state["rng"])
+        try:
+            restore_rng(state["rng"])
+        except (KeyError, TypeError, ValueError, IndexError, OverflowError, RuntimeError) as e:
+            raise CheckpointError(f"{step.name}: {coord_dir(c)}/{STATE_FILE} has an unusable 'rng' state "
+                                  f"({type(e).__name__}: {e})") from None
         rng = True
     return Loaded(step, man.step, man.tokens_seen, man.data, man.client_state, same, rng, man, warnings)

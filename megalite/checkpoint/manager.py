@@ -1,19 +1,22 @@
 """The training loop's checkpoint policy: resume, save every `interval`, at the end, and on SIGTERM/SIGINT."""
 from __future__ import annotations
 
+import errno
 import fcntl
 import os
 import shutil
 import signal
 import socket
+import stat
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
 
 from . import load_checkpoint, save_checkpoint
-from .layout import LATEST, LOCK, CheckpointError, committed_steps, read_latest, step_dir
-from .save import AsyncSaver, bcast_object, collect
+from .layout import (LATEST, LOCK, CheckpointError, committed_steps, parse_step_dir, read_latest, step_dir,
+                     unlink_quietly, write_new_file)
+from .save import AsyncSaver, bcast_object, collect, recover
 from .state import seed_everything
 from .verify import verify
 
@@ -28,13 +31,16 @@ class CheckpointManager:
         self._signal = 0
         self._old_handlers = {}
         self._lock_fd = None
+        self._created: list = []  # what check_writable made (folders, the lock file): removed if start-up fails
+        self.resumed_from = 0  # the step resumed from (0: fresh)
+        self.keep: set = set()  # steps pruning must never delete (see _protect)
 
     # ------------------------------------------------------------ start-up
     def check_writable(self, out_dir: Path) -> None:
         """Fail before the first step, not after an hour of training: train.out_dir and checkpoint.dir
         must be writable and the checkpoint folder not in use by another run. The lock is an flock held by
         rank 0 for the run, so a killed run never leaves it stuck (the kernel releases it)."""
-        err, created = None, []
+        err, created = None, self._created
         if self.grid.rank == 0:
             for field, folder in (("checkpoint.dir", self.root), ("train.out_dir", out_dir)):
                 if folder is None or err:
@@ -44,22 +50,52 @@ class CheckpointManager:
                     folder.mkdir(parents=True, exist_ok=True)
                     created += missing[-1:]  # the topmost folder this check made
                     probe = folder / f".write-test-{os.getpid()}"
-                    probe.write_text("ok")
+                    write_new_file(probe, b"ok")  # never through a symlink planted at that name
                     probe.unlink()
                 except OSError as e:
                     err = f"{field}: cannot write to '{folder}' ({e.strerror or e})"
             if not err and self.root is not None:
                 err = self._take_lock()
+            if not err and self.root is not None:
+                try:
+                    for line in recover(self.root):
+                        self.log(f"checkpoint: {line} (left by a killed save)")
+                except OSError as e:
+                    err = f"checkpoint.dir: cannot tidy '{self.root}' ({e.strerror or e})"
             if err:  # a failed start leaves nothing behind
-                for folder in created:
-                    if not any(p.is_file() for p in folder.rglob("*")):
-                        shutil.rmtree(folder, ignore_errors=True)
+                self.abandon()
         err = bcast_object(err, self.grid, self.grid.cpu)
         if err:
-            raise CheckpointError(err)
+            e = CheckpointError(err)
+            e.same_on_every_rank = True  # rank 0 found it, every rank raises it: printed once
+            raise e
+
+    def abandon(self) -> None:
+        """Start-up failed (a bad resume, say): release the lock and remove what check_writable made, so a
+        failed start leaves nothing behind. Folders that hold any file are kept."""
+        lock_created = self.root is not None and self.root / LOCK in self._created
+        self.release()
+        if lock_created:
+            unlink_quietly(self.root / LOCK)
+        for folder in reversed(self._created):
+            if folder.is_dir() and not folder.is_symlink() and not any(p.is_file() for p in folder.rglob("*")):
+                shutil.rmtree(folder, ignore_errors=True)
+        self._created.clear()
 
     def _take_lock(self):
-        fd = os.open(self.root / LOCK, os.O_RDWR | os.O_CREAT, 0o644)
+        lock = self.root / LOCK
+        existed = os.path.lexists(lock)
+        try:  # never through a symlink planted in the folder: it would overwrite what it points to
+            fd = os.open(lock, os.O_RDWR | os.O_CREAT | getattr(os, "O_NOFOLLOW", 0), 0o644)
+        except OSError as e:
+            if e.errno == errno.ELOOP or os.path.islink(lock):
+                return f"checkpoint.dir: {lock} is a symlink; refusing to follow it (remove it)"
+            return f"checkpoint.dir: cannot open {lock} ({e.strerror or e})"
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            os.close(fd)
+            return f"checkpoint.dir: {lock} is not a plain file (remove it)"
+        if not existed:
+            self._created.append(lock)
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
@@ -79,29 +115,48 @@ class CheckpointManager:
             self._lock_fd = None
 
     def _choose_auto(self):
-        """resume=auto: the step `latest` names if it verifies, else the newest that does (said loudly)."""
+        """resume=auto: the step `latest` names if it verifies, else the newest that does (said loudly).
+        Returns (path or None, warnings, the steps that failed verification)."""
         if self.root is None or not self.root.is_dir():
-            return None, []
-        named = read_latest(self.root)
+            return None, [], []
+        warnings, failed = [], []
+        try:
+            named = read_latest(self.root)
+        except CheckpointError as e:  # a `latest` that is not ours to follow: say so, fall back
+            named = None
+            warnings.append(f"WARNING: resume=auto: ignoring {e}")
         steps = [step_dir(s) for s in reversed(committed_steps(self.root))]
         candidates = ([named] if named else []) + [s for s in steps if s != named]
         if not candidates:
-            return None, []
-        warnings = []
+            if warnings:
+                raise CheckpointError(f"resume=auto: {warnings[0].split('ignoring ', 1)[1]}; no other checkpoint "
+                                      f"under '{self.root}'")
+            return None, [], []
         for name in candidates:
             _, problems = verify(self.root / name)
             if not problems:
-                return str(self.root / name), warnings
+                return str(self.root / name), warnings, failed
+            if parse_step_dir(name) is not None:
+                failed.append(parse_step_dir(name))
             warnings.append(f"WARNING: resume=auto: skipping {self.root / name}: {problems[0]}"
                             + (f" (+{len(problems) - 1} more)" if len(problems) > 1 else ""))
-        tried = "; ".join(w.split("skipping ", 1)[1] for w in warnings)
+        tried = "; ".join(w.split("skipping ", 1)[1] for w in warnings if "skipping " in w)
         raise CheckpointError(f"resume=auto: no checkpoint under '{self.root}' verifies: {tried}")
+
+    def _protect(self, failed: list) -> None:
+        """What pruning must never delete (rank 0 decides, at start-up): the steps that failed verification
+        (kept as evidence; README says how to remove them) and the committed steps newer than the one this
+        run resumed from (another history's, e.g. abandoned by a rollback)."""
+        if self.root is None or self.grid.rank != 0:
+            return
+        self.keep = set(failed) | {s for s in committed_steps(self.root) if s > self.resumed_from}
 
     def resume(self, tr) -> None:
         """checkpoint.resume: '' = fresh; 'auto' = latest if any (falling back to the newest checkpoint that
         verifies, loudly); PATH = that checkpoint or an error, never a silent fresh start."""
         want = self.c.resume
         if not want:
+            self._protect([])
             return
         if want == "auto":
             choice = None
@@ -113,11 +168,16 @@ class CheckpointManager:
             choice = bcast_object(choice, self.grid, self.grid.cpu)
             if isinstance(choice, CheckpointError):
                 raise choice
-            path, warnings = choice
+            path, warnings, failed = choice
             for w in warnings:
                 self.log(w)
+            if failed:
+                self.log(f"WARNING: resume=auto: keeping the checkpoint(s) that failed verification "
+                         f"({', '.join(step_dir(s) for s in failed)}); keep_last never deletes them. Inspect them "
+                         f"with `megalite verify`, then remove them by hand")
             if path is None:
                 self.log(f"resume=auto: no checkpoint under '{self.c.dir}' ({LATEST} not found); starting fresh")
+                self._protect(failed)
                 return
             if warnings:
                 self.log(f"WARNING: resume=auto: falling back to {path}")
@@ -126,7 +186,8 @@ class CheckpointManager:
         info = load_checkpoint(path, tr.model, tr.optimizer, self.grid, model_config=self.cfg.to_dict()["model"])
         tr.step, tr.tokens_seen = info.step, info.tokens_seen
         tr.sampler.load_state_dict(info.data)
-        self.last_saved = info.step
+        self.last_saved = self.resumed_from = info.step
+        self._protect(failed if want == "auto" else [])
         for w in info.warnings:
             self.log(w)
         how = "same layout" if info.same_layout else f"resharded from {info.manifest.layout} to {self.grid.layout}"
@@ -172,7 +233,8 @@ class CheckpointManager:
         try:
             path = save_checkpoint(self.root, tr.step, tr.model, tr.optimizer, self.grid,
                                    config=self.cfg.to_dict(), tokens_seen=tr.tokens_seen,
-                                   data_state=tr.sampler.state_dict(), keep_last=self.c.keep_last, saver=self.saver)
+                                   data_state=tr.sampler.state_dict(), keep_last=self.c.keep_last, saver=self.saver,
+                                   keep=self.keep)
         except CheckpointError as e:
             self._failed(e)
             return

@@ -1,33 +1,41 @@
 """Per-coordinate writes, the atomic commit, keep_last, and asynchronous saves.
 
 Commit protocol (all coordination on the grid's `aux` gloo group, never shared with training):
-  1. rank 0 removes stale `.tmp-step_*` folders of killed runs and creates `.tmp-step_N/`;
+  1. rank 0 finishes or undoes what a killed save left (`recover`) and creates `.tmp-step_N/`;
   2. every rank writes its own `tpXX-ppXX-dpXX/` folder (safetensors + JSON), fsyncs, and reports the
      files with sizes and checksums (or its error) to rank 0;
-  3. rank 0, if all succeeded, writes manifest.json, fsyncs, renames `.tmp-step_N` -> `step_N`, and only
-     then replaces `latest`; then prunes to keep_last. On any failure it removes the temporary folder;
+  3. rank 0, if all succeeded, runs `commit_step` (the one commit, shared with `split`/`reshard`): writes
+     manifest.json, fsyncs, moves `.tmp-step_N` -> `step_N` (a re-saved step is swapped in atomically),
+     and only then replaces `latest`; then prunes. On any failure it removes the temporary folder;
   4. rank 0 broadcasts the outcome, and every rank returns or raises the same CheckpointError.
+
+At every instant `latest` names a committed folder that verifies: a process killed at any point of the
+protocol leaves at worst a `.tmp-*` folder that the next start finishes or removes (`recover`). The kill
+points of megalite.faults (`kill_point`) sit at each boundary, and tests kill a rank at each in turn.
 """
 from __future__ import annotations
 
+import ctypes
+import errno
 import os
-import shutil
 import sys
 import threading
 import time
 import traceback
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Optional
+from typing import Iterable, Optional
 
 import torch
 import torch.distributed as dist
 
 from .. import __version__
+from ..faults import kill_point
 from ..parallel.tensor import partition_of, valid_view
 from . import manifest as mf
-from .layout import (MODEL_FILE, OPTIM_FILE, STATE_FILE, TMP_PREFIX, CheckpointError, committed_steps,
-                     coord_dir, fsync_dir, plan_writes, read_latest, step_dir, tmp_dir, write_latest)
+from .layout import (LATEST, LATEST_TMP, MODEL_FILE, OPTIM_FILE, STATE_FILE, TMP_PREFIX, CheckpointError,
+                     committed_steps, coord_dir, fsync_dir, parse_step_dir, plan_writes, read_latest, remove_tree,
+                     step_dir, tmp_dir, unlink_quietly, write_latest)
 from .state import dumps_json
 from .stream import StreamingWriter
 
@@ -159,39 +167,135 @@ def _gather(obj, grid) -> Optional[list]:
     return out
 
 
-def remove_stale_tmp(root: Path) -> None:
-    for p in root.glob(TMP_PREFIX + "*"):
-        shutil.rmtree(p, ignore_errors=True)
+OLD_PREFIX = TMP_PREFIX + "old-"  # a step being replaced, kept until its replacement is in place
 
 
-def prune(root: Path, keep_last: int) -> list[int]:
-    """Delete the oldest committed steps beyond keep_last; never the one `latest` names."""
+def _exchange(a: Path, b: Path) -> bool:
+    """Swap two folders in one atomic step (Linux renameat2 RENAME_EXCHANGE); False where unsupported."""
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        fn = libc.renameat2
+    except (OSError, AttributeError):
+        return False
+    if os.environ.get("MEGALITE_NO_RENAME_EXCHANGE"):  # tests: exercise the two-rename fallback
+        return False
+    at_fdcwd, rename_exchange = -100, 2
+    if fn(at_fdcwd, os.fsencode(a), at_fdcwd, os.fsencode(b), rename_exchange) == 0:
+        return True
+    err = ctypes.get_errno()
+    if err in (errno.EINVAL, errno.ENOSYS, errno.EOPNOTSUPP):
+        return False
+    raise OSError(err, os.strerror(err), str(a))
+
+
+def _complete(folder: Path) -> bool:
+    from .verify import verify
+    return (folder / "manifest.json").is_file() and not verify(folder)[1]
+
+
+def recover(root: Path) -> list[str]:
+    """What a killed save left behind, put right (rank 0 only, holding the run's lock); returns what it did.
+
+    A step being re-saved whose old copy was moved aside (`.tmp-old-step_N`) but whose new copy was not
+    yet moved in: the new copy is moved in if it is complete (it verifies), else the old one is put back.
+    Every other temporary folder (`.tmp-step_N`, a save that never committed) and a stale `.latest.tmp`
+    are removed. Symlinks are unlinked, never followed.
+    """
+    done = []
+    if not root.is_dir():
+        return done
+    for old in sorted(root.glob(OLD_PREFIX + "*")):
+        name = old.name[len(OLD_PREFIX):]
+        final = root / name
+        if parse_step_dir(name) is not None and not old.is_symlink() and not os.path.lexists(final):
+            new = root / (TMP_PREFIX + name)
+            if not new.is_symlink() and new.is_dir() and _complete(new):
+                os.replace(new, final)
+                done.append(f"finished the interrupted re-save of {name}")
+            else:
+                os.replace(old, final)
+                done.append(f"restored {name} (its re-save was interrupted)")
+            fsync_dir(root)
+    for p in sorted(root.glob(TMP_PREFIX + "*")):
+        remove_tree(p)
+        done.append(f"removed {p.name}")
+    if os.path.lexists(root / LATEST_TMP):
+        unlink_quietly(root / LATEST_TMP)
+        done.append(f"removed {LATEST_TMP}")
+    return done
+
+
+def prune(root: Path, keep_last: int, saved: Optional[int] = None, keep: Iterable[int] = ()) -> list[int]:
+    """Delete the oldest committed steps beyond keep_last, counting only steps up to `saved` (the step just
+    committed). Never deleted: the step `latest` names, any step newer than `saved` (another history's, e.g.
+    abandoned by a rollback), and the steps in `keep` (the manager's: steps newer than the one the run
+    resumed from that it did not write, and steps that failed verification)."""
     if keep_last <= 0:
         return []
     latest = read_latest(root)
-    steps = committed_steps(root)
-    doomed = [s for s in steps[:-keep_last] if step_dir(s) != latest]
-    for s in doomed:
-        shutil.rmtree(root / step_dir(s), ignore_errors=True)
+    if saved is None:  # the API without a step: count up to the step `latest` names
+        saved = parse_step_dir(latest or "")
+    keep = set(keep)
+    steps = sorted(s for s in committed_steps(root) if saved is None or s <= saved)
+    doomed = [s for s in steps[:-keep_last] if step_dir(s) != latest and s not in keep]
+    for i, s in enumerate(doomed):
+        remove_tree(root / step_dir(s))
+        if i == 0:
+            kill_point("pruning")
     return doomed
 
 
-def commit_step(root: Path, step: int, tmp: Path, meta: dict, reports: list[dict]) -> Path:
-    """Step 3 of the protocol (rank 0, or the one process of an offline write): the manifest into the
-    finished temporary folder, fsync, rename it to step_N, and only then replace `latest`."""
-    mf.write(tmp, mf.build(meta, reports))
-    fsync_dir(tmp)
-    final = root / step_dir(step)
-    if final.exists():  # re-saving a step (e.g. after a resume): move the old one aside first
-        old = root / (TMP_PREFIX + "old-" + step_dir(step))
-        os.replace(final, old)
-        os.replace(tmp, final)
-        shutil.rmtree(old, ignore_errors=True)
-    else:
-        os.replace(tmp, final)
-    fsync_dir(root)
-    write_latest(root, step_dir(step))
+def commit_step(root: Path, step: int, man: dict, keep_last: int = 0, keep: Iterable[int] = ()) -> Path:
+    """Commit the complete temporary folder `.tmp-step_N` (every coordinate written and fsynced) as step_N:
+    manifest, fsync, rename (an existing step_N is swapped out atomically), then `latest`, then prune.
+
+    The one commit of live saves (rank 0) and of `split`/`reshard`. On failure before the rename, the
+    temporary folder is removed and CheckpointError says `latest` is unchanged; after the rename, the step
+    is committed and the error says so.
+    """
+    tmp, final = root / tmp_dir(step), root / step_dir(step)
+    try:
+        mf.write(tmp, man)
+        kill_point("manifest_written")
+        fsync_dir(tmp)
+        kill_point("manifest_synced")
+        if os.path.lexists(final):  # re-saving a step (after a rollback): never a moment without step_N
+            if _exchange(tmp, final):
+                kill_point("resave_swapped")
+                remove_tree(tmp)
+            else:
+                old = root / (OLD_PREFIX + step_dir(step))
+                remove_tree(old)
+                os.replace(final, old)
+                kill_point("resave_old_moved")  # the window `recover` closes on the next start
+                os.replace(tmp, final)
+                remove_tree(old)
+        else:
+            os.replace(tmp, final)
+        fsync_dir(root)
+        kill_point("renamed")
+    except Exception as e:  # noqa: BLE001 - OSError and CheckpointError alike: say what is left
+        remove_tree(tmp)
+        if not isinstance(e, (CheckpointError, OSError)):  # a bug: keep its traceback in the log
+            traceback.print_exc(file=sys.stderr)
+        msg = str(e) if isinstance(e, CheckpointError) else (getattr(e, "strerror", None) or str(e))
+        raise CheckpointError(f"checkpoint step {step} was not saved ({msg}); {root / LATEST} still names "
+                              f"{_latest_or_nothing(root)}") from None
+    try:
+        write_latest(root, step_dir(step))
+    except OSError as e:
+        raise CheckpointError(f"checkpoint step {step} was committed as {final} but {root / LATEST} could not "
+                              f"be updated ({e.strerror or e}); it still names {_latest_or_nothing(root)}") from None
+    kill_point("latest_written")
+    prune(root, keep_last, step, keep)
     return final
+
+
+def _latest_or_nothing(root: Path) -> str:
+    try:
+        return read_latest(root) or "nothing"
+    except CheckpointError:
+        return "something unreadable"
 
 
 def _write_failure(rank: int, rel: str, e: Exception) -> str:
@@ -204,7 +308,8 @@ def _write_failure(rank: int, rel: str, e: Exception) -> str:
             f"(a bug: the traceback is in rank {rank}'s log)")
 
 
-def save_collective(root: Path, step: int, pay: Payload, grid, meta: dict, keep_last: int = 0) -> Path:
+def save_collective(root: Path, step: int, pay: Payload, grid, meta: dict, keep_last: int = 0,
+                    keep: Iterable[int] = ()) -> Path:
     """Steps 1-4 of the protocol above. Every rank calls it; every rank returns or raises alike."""
     root = Path(root)
     tmp = root / tmp_dir(step)
@@ -212,16 +317,17 @@ def save_collective(root: Path, step: int, pay: Payload, grid, meta: dict, keep_
     if grid.rank == 0:
         try:
             root.mkdir(parents=True, exist_ok=True)
-            remove_stale_tmp(root)
+            recover(root)
             tmp.mkdir()
         except OSError as e:
             err = f"checkpoint step {step}: cannot create {tmp} ({e.strerror or e})"
     err = bcast_object(err, grid)
     if err:
-        raise CheckpointError(err)
+        raise _everywhere(CheckpointError(err))
     rel = coord_dir(grid.coord)
     try:
         report = write_rank(tmp / rel, pay, rel)
+        kill_point("slices_written")
     except Exception as e:  # noqa: BLE001 - every failure becomes the same error on all ranks
         report = {"error": _write_failure(grid.rank, rel, e)}
     reports = _gather(report, grid)
@@ -230,20 +336,21 @@ def save_collective(root: Path, step: int, pay: Payload, grid, meta: dict, keep_
         failures = [r["error"] for r in reports if "error" in r]
         try:
             if failures:
-                raise CheckpointError(failures[0])
-            commit_step(root, step, tmp, meta, reports)
-            prune(root, keep_last)
-        except Exception as e:  # noqa: BLE001
-            shutil.rmtree(tmp, ignore_errors=True)
-            if not isinstance(e, (CheckpointError, OSError)):
-                traceback.print_exc(file=sys.stderr)
-            msg = str(e) if isinstance(e, CheckpointError) else (getattr(e, "strerror", None) or str(e))
-            outcome = (f"checkpoint step {step} was not saved ({msg}); "
-                       f"{root / 'latest'} still names {read_latest(root) or 'nothing'}")
+                remove_tree(tmp)
+                raise CheckpointError(f"checkpoint step {step} was not saved ({failures[0]}); {root / LATEST} "
+                                      f"still names {_latest_or_nothing(root)}")
+            commit_step(root, step, mf.build(meta, reports), keep_last, keep)
+        except CheckpointError as e:
+            outcome = str(e)
     outcome = bcast_object(outcome, grid)
     if outcome:
-        raise CheckpointError(outcome)
+        raise _everywhere(CheckpointError(outcome))
     return root / step_dir(step)
+
+
+def _everywhere(e: CheckpointError) -> CheckpointError:
+    e.same_on_every_rank = True  # every rank raises it: the CLI prints it once, on rank 0
+    return e
 
 
 def manifest_meta(cfg_dict: dict, layout, zero1: bool, step: int, tokens_seen: int, optimizer,
@@ -270,13 +377,13 @@ class AsyncSaver:
         self.error: Optional[BaseException] = None
         self.last: Optional[Path] = None
 
-    def submit(self, root, step, pay, grid, meta, keep_last) -> None:
+    def submit(self, root, step, pay, grid, meta, keep_last, keep=()) -> None:
         self.wait()
         staged = self.stager.stage(pay)
 
         def run():
             try:
-                self.last = save_collective(root, step, staged, grid, meta, keep_last)
+                self.last = save_collective(root, step, staged, grid, meta, keep_last, keep)
             except BaseException as e:  # noqa: BLE001
                 self.error = e
 

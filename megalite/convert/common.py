@@ -2,8 +2,8 @@
 tags, and reading a checkpoint's model one full tensor at a time."""
 from __future__ import annotations
 
+import fcntl
 import os
-import shutil
 import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -12,7 +12,7 @@ from typing import Iterable
 
 import torch
 
-from ..checkpoint.layout import Box, CheckpointError
+from ..checkpoint.layout import LOCK, Box, CheckpointError, remove_tree
 from ..checkpoint.load import entry_for
 from ..checkpoint.manifest import Manifest
 from ..checkpoint.reshard import SliceReader
@@ -49,24 +49,64 @@ class Progress:
 
 # ---------------------------------------------------------------- output safety
 def _check_out(out: Path, force: bool, sources: Iterable[Path]) -> None:
+    """Refuse an output that is, contains or lies inside a source; that is `/`, `.` or holds the current
+    folder; that holds a live training run's lock; or that exists (without --force)."""
+    given = out
+    if given.name in ("", ".", ".."):
+        raise ConvertError(f"--out '{given}': expected the path of a new file or folder, not '{given}'")
     out = out.resolve()
+    if out == Path.cwd() or out in Path.cwd().parents:
+        raise ConvertError(f"--out {out}: refusing to replace a folder that holds the current directory")
     for src in sources:
         src = src.resolve()
         if out == src or src in out.parents:
             raise ConvertError(f"--out {out}: refusing to write into the source checkpoint {src}")
+        if out in src.parents:
+            raise ConvertError(f"--out {out}: refusing to replace a folder that contains the source {src}")
     if out.exists() and not force:
         raise ConvertError(f"--out {out} already exists (pass --force to replace it)")
+    if out.is_dir() and not out.is_symlink():
+        for lock in [out / LOCK, *out.glob(f"*/{LOCK}")]:
+            if _held(lock):
+                raise ConvertError(f"--out {out}: a training run holds {lock}; refusing to replace a live run's "
+                                   f"checkpoint folder")
+
+
+def _held(lock: Path) -> bool:
+    """Whether a live process holds this flock (the training run's lock), without following symlinks."""
+    try:
+        fd = os.open(lock, os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0))
+    except OSError:
+        return False
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        return True
+    finally:
+        os.close(fd)
+    return False
 
 
 def _replace(tmp: Path, out: Path) -> None:
-    """Move a finished temporary output into place; the old output is removed only after it is done."""
-    if out.exists():
-        old = out.with_name(out.name + ".old-megalite")
-        os.replace(out, old)
-        os.replace(tmp, out)
-        shutil.rmtree(old) if old.is_dir() else old.unlink()
-    else:
-        os.replace(tmp, out)
+    """Move a finished temporary output into place; the old output is removed only after it is done.
+    A symlink at --out is replaced itself, never followed. If the move fails, the temporary output is removed
+    and the old output is where it was."""
+    try:
+        if os.path.lexists(out):
+            old = out.with_name(out.name + ".old-megalite")
+            remove_tree(old)
+            os.replace(out, old)
+            try:
+                os.replace(tmp, out)
+            except BaseException:
+                os.replace(old, out)
+                raise
+            remove_tree(old)
+        else:
+            os.replace(tmp, out)
+    except BaseException:
+        remove_tree(tmp)
+        raise
 
 
 def _full_tensors(step: Path, man: Manifest, progress: Progress):

@@ -10,6 +10,7 @@ import torch
 from einops import rearrange
 
 from ..checkpoint.stream import StreamingWriter
+from ..config import model_from
 from .common import ConvertError, Progress, _full_tensors, _replace
 
 
@@ -102,11 +103,17 @@ def read_hf_folder(p: Path):
     cfg_file, st = p / "config.json", p / "model.safetensors"
     if not cfg_file.is_file() or not st.is_file():
         raise ConvertError(f"{p}: expected an HF GPT-2 folder with config.json and model.safetensors")
-    hf = json.loads(cfg_file.read_text())
-    if hf.get("model_type") != "gpt2":
-        raise ConvertError(f"{cfg_file}: model_type is {hf.get('model_type')!r}, expected 'gpt2'")
-    m = {"n_layer": hf["n_layer"], "n_head": hf["n_head"], "n_embd": hf["n_embd"],
-         "block_size": hf["n_positions"], "vocab_size": hf["vocab_size"], "dropout": 0.0}
+    from .single import _json
+    hf = _json(cfg_file.read_bytes().decode("utf-8", errors="replace"), str(cfg_file))
+    if not isinstance(hf, dict) or hf.get("model_type") != "gpt2":
+        got = hf.get("model_type") if isinstance(hf, dict) else hf
+        raise ConvertError(f"{cfg_file}: model_type is {got!r}, expected 'gpt2'")
+    names = {"n_layer": "n_layer", "n_head": "n_head", "n_embd": "n_embd", "block_size": "n_positions",
+             "vocab_size": "vocab_size"}
+    for ours, theirs in names.items():
+        if theirs not in hf:
+            raise ConvertError(f"{cfg_file}: field '{theirs}' is missing (expected an HF GPT-2 config)")
+    m = model_from({ours: hf[theirs] for ours, theirs in names.items()} | {"dropout": 0.0}, str(cfg_file))
     f = _open_st(st)
     table = {}
     for k in f.keys():

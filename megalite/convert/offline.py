@@ -4,12 +4,11 @@ coordinate with its `write_rank` and commits with its `commit_step`: one tree, o
 from __future__ import annotations
 
 import copy
-import shutil
 from pathlib import Path
 from typing import Callable, Optional
 
 from ..checkpoint import manifest as mf
-from ..checkpoint.layout import coord_dir, plan_writes, resolve, step_dir, tmp_dir
+from ..checkpoint.layout import coord_dir, plan_writes, remove_tree, resolve, step_dir, tmp_dir
 from ..checkpoint.reshard import SliceReader
 from ..checkpoint.save import Payload, add, commit_step, manifest_meta, write_rank
 from ..config import Config
@@ -30,7 +29,7 @@ def write_offline(out: Path, step: int, layout: Layout, zero1: bool, tensors: di
     read(item) -> the tensor of one planned slice (checked by the reader); itemsize(item) -> its bytes per
     element (progress only)."""
     root = out.with_name(out.name + ".tmp-megalite")
-    shutil.rmtree(root, ignore_errors=True)
+    remove_tree(root)
     tmp = root / tmp_dir(step)
     tmp.mkdir(parents=True)
     plans = []
@@ -51,9 +50,9 @@ def write_offline(out: Path, step: int, layout: Layout, zero1: bool, tensors: di
                 add(pay, it, tensors[it.name], read(it))
                 progress.step(nbytes(it))
             reports.append(write_rank(tmp / coord_dir(c), pay, coord_dir(c)))
-        commit_step(root, step, tmp, meta, reports)
+        commit_step(root, step, mf.build(meta, reports))
     except BaseException:
-        shutil.rmtree(root, ignore_errors=True)
+        remove_tree(root)
         raise
     _replace(root, out)
     return out / step_dir(step)

@@ -11,6 +11,7 @@ from safetensors import safe_open
 from ..checkpoint import manifest as mf
 from ..checkpoint.layout import resolve
 from ..checkpoint.stream import StreamingWriter
+from ..config import model_from
 from .common import (DTYPES, ConvertError, Progress, _check_out, _full_tensors, _replace,
                      check_manifest_tensors)
 
@@ -65,8 +66,16 @@ def read_model_file(path) -> tuple[dict, Callable[[str], torch.Tensor], list[str
     if "megalite.model_config" not in meta:
         raise ConvertError(f"{p}: safetensors metadata has no 'megalite.model_config' "
                            f"(expected a file written by `megalite convert`)")
-    m = json.loads(meta["megalite.model_config"])
+    m = model_from(_json(meta["megalite.model_config"], f"{p}: metadata 'megalite.model_config'"),
+                   f"{p}: metadata 'megalite.model_config'")
     return m, (lambda name: f.get_tensor(name).float()), sorted(f.keys())
+
+
+def _json(text: str, source: str):
+    try:
+        return json.loads(text)
+    except ValueError as e:
+        raise ConvertError(f"{source} is not valid JSON ({e})") from None
 
 
 def _open_st(path: Path):
