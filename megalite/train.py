@@ -23,7 +23,7 @@ import torch
 import torch.distributed as dist
 
 from .checkpoint.manager import CheckpointManager
-from .config import Config, num_microbatches, validate
+from .config import Config, num_microbatches, seq_len, validate
 from .faults import maybe_crash
 from .data import BatchSampler, TokenDataset, ensure_data, eval_batches
 from .model import GPTStage
@@ -118,8 +118,8 @@ def build(cfg: Config, grid: ParallelGrid, device: torch.device) -> Trainer:
                        weight_decay=t.weight_decay, bucket_mb=cfg.parallel.bucket_mb)
     train_ds, val_ds = TokenDataset(cfg.data.path, "train"), TokenDataset(cfg.data.path, "val")
     c = grid.coord
-    sampler = BatchSampler(train_ds, cfg.model.block_size, t.global_batch_size, c.dp, grid.layout.dp, t.seed)
-    val = eval_batches(val_ds, cfg.model.block_size, t.global_batch_size, c.dp, grid.layout.dp,
+    sampler = BatchSampler(train_ds, seq_len(cfg), t.global_batch_size, c.dp, grid.layout.dp, t.seed)
+    val = eval_batches(val_ds, seq_len(cfg), t.global_batch_size, c.dp, grid.layout.dp,
                        t.eval_batches, t.seed)
     seed_everything(t.seed, grid)
     return Trainer(cfg, grid, device, model, params, grads, opt, sampler, val)
@@ -135,7 +135,7 @@ def _run_pipeline(tr: Trainer, x, y, train: bool) -> float:
     cfg, grid = tr.cfg, tr.grid
     m = num_microbatches(cfg)
     xs, ys = _micro(x, m, tr.device), _micro(y, m, tr.device)
-    shape = (cfg.train.micro_batch_size, cfg.model.block_size, cfg.model.n_embd)
+    shape = (cfg.train.micro_batch_size, seq_len(cfg), cfg.model.n_embd)
     p2p = P2P(grid, shape, torch.float32, tr.device) if grid.layout.pp > 1 else None
 
     def stage_fn(inp, i):
@@ -165,7 +165,7 @@ def train_step(tr: Trainer) -> dict:
     tr.grads.zero()
     loss = _run_pipeline(tr, x, y, train=True)
     # The tied embedding has two copies (first and last stage): add their gradients so both step alike.
-    if grid.embed.active:
+    if grid.embed.active and cfg.model.tie_embeddings:
         for name, p in tr.params:
             if name == "wte.weight":
                 dist.all_reduce(p.grad, group=grid.embed.group)
@@ -175,7 +175,7 @@ def train_step(tr: Trainer) -> dict:
     scale = clip / (norm + 1e-6) if clip > 0 and norm > clip else 1.0
     tr.optimizer.step(lr, grad_scale=scale)
     tr.step += 1
-    tokens = cfg.train.global_batch_size * cfg.model.block_size
+    tokens = cfg.train.global_batch_size * seq_len(cfg)
     tr.tokens_seen += tokens
     dt = time.perf_counter() - t0
     return {"step": tr.step, "loss": loss, "lr": lr, "grad_norm": norm, "tokens_per_s": tokens / dt,

@@ -12,6 +12,7 @@ from typing import Optional
 
 import torch
 
+from ..config import model_architecture
 from ..parallel.tensor import partition_of, tp_box, valid_view
 from . import manifest as mf
 from .layout import STATE_FILE, CheckpointError, coord_dir, resolve
@@ -36,7 +37,8 @@ def check_model(man: dict, step: Path, model_cfg: Optional[dict]) -> None:
         return
     if not man["config"].get("model"):
         raise CheckpointError(f"{step}: manifest field 'config.model' is empty; cannot check it against this run")
-    diffs = mf.model_config_diff(man["config"]["model"], model_cfg)
+    # dropout is a training setting: fine-tuning a split checkpoint with another value is allowed
+    diffs = mf.model_config_diff(model_architecture(man["config"]["model"]), model_architecture(model_cfg))
     if diffs:
         raise CheckpointError(f"{step}: saved with a different model: {'; '.join(diffs)}")
 

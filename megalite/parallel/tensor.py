@@ -31,11 +31,15 @@ class Partition:
              is a copy of `wte.weight`); tied copies are never saved, only loaded from their source.
     placement: which pipeline stage owns it: "first", "last", or "layer.<i>" (the stage holding layer i);
              `pipeline.stage_of` turns it into a stage index for any pp.
+    decay: whether AdamW applies weight decay to it (GPT-2 / nanoGPT: matrices and embeddings yes; biases
+             and LayerNorm parameters no, whatever their shape: the fused QKV bias is (3, C)). Set by the layer
+             that creates the parameter; an optimizer setting, so not stored in the manifest.
     """
     global_shape: tuple
     dim: Optional[int] = None
     tied_to: Optional[str] = None
     placement: str = "first"
+    decay: bool = True
 
     def to_json(self) -> dict:
         return {"dim": self.dim, "tied_to": self.tied_to, "placement": self.placement}
@@ -215,7 +219,7 @@ class ColumnParallelLinear(nn.Module):
         lead = (stack,) if stack > 1 else ()
         split = len(lead)
         self.weight = _param(Partition(lead + (out_features, in_features), dim=split), tp, "normal")
-        self.bias = _param(Partition(lead + (out_features,), dim=split), tp, "zeros") if bias else None
+        self.bias = _param(Partition(lead + (out_features,), dim=split, decay=False), tp, "zeros") if bias else None
         self.in_features = in_features
 
     def forward(self, x):  # (..., in) -> (..., stack * out / tp)
@@ -236,7 +240,7 @@ class RowParallelLinear(nn.Module):
         super().__init__()
         self.tp = tp
         self.weight = _param(Partition((out_features, in_features), dim=1), tp, "normal")
-        self.bias = _param(Partition((out_features,), dim=None), tp, "zeros") if bias else None
+        self.bias = _param(Partition((out_features,), dim=None, decay=False), tp, "zeros") if bias else None
 
     def forward(self, x):  # (..., in / tp) -> (..., out)
         y = reduce_from_tp(F.linear(x, self.weight), self.tp)
