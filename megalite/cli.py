@@ -156,7 +156,7 @@ def _cmd_generate(args, rest) -> int:
     except UnicodeEncodeError:
         raise ConfigError("--prompt: not valid UTF-8 text (the tokens are UTF-8 bytes)") from None
     print(sample_text(args.model, args.prompt, max_new_tokens=args.max_new_tokens, temperature=args.temperature,
-                      top_k=args.top_k, seed=args.seed))
+                      top_k=args.top_k, seed=args.seed, as_ids=args.ids))
     return 0
 
 
@@ -236,6 +236,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--temperature", type=float, default=0.8)
     p.add_argument("--top-k", type=int, default=0)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--ids", action="store_true", help="print the token ids (prompt + new), not the text")
 
     p = add("stress", "fault injection: `stress ckpt` kills a random rank mid-save, N times, and checks that "
                       "latest stays valid and resumes exactly", _cmd_stress)

@@ -31,7 +31,21 @@ class ModelConfig:
     n_embd: int = 64
     block_size: int = 64
     vocab_size: int = 256
-    dropout: float = 0.0
+    dropout: float = 0.0  # a training setting kept here for the layers: it may change on resume or fine-tuning
+    tie_embeddings: bool = True  # the LM head is wte.weight (GPT-2); false: a separate lm_head.weight
+    layer_norm_eps: float = 1e-5
+    activation: str = "gelu_new"  # "gelu_new" (GPT-2's tanh approximation) | "gelu" (exact, erf) | "relu"
+
+
+ACTIVATIONS = ("gelu_new", "gelu", "relu")
+SIZE_FIELDS = ("n_layer", "n_head", "n_embd", "block_size", "vocab_size")  # positive integers
+TRAINING_ONLY = ("dropout",)  # [model] keys that do not define the model: never compared with a checkpoint
+
+
+def model_architecture(model: dict) -> dict:
+    """The [model] keys that define the network (defaults filled in for keys an older checkpoint lacks)."""
+    full = {**dataclasses.asdict(ModelConfig()), **model}
+    return {k: v for k, v in full.items() if k not in TRAINING_ONLY}
 
 
 @dataclass
@@ -47,6 +61,7 @@ class ParallelConfig:
 @dataclass
 class TrainConfig:
     steps: int = 100
+    seq_len: int = 0  # tokens per training sequence, <= model.block_size (the position table); 0: block_size
     stop_at_step: int = 0  # stop early (with a checkpoint) after this step; the schedule still spans `steps`
     global_batch_size: int = 16
     micro_batch_size: int = 4
@@ -177,16 +192,19 @@ def model_from(raw, source: str) -> dict:
     config: every field present, with its type, finite and in range; one-line ConfigError naming `source`."""
     if not isinstance(raw, dict):
         raise ConfigError(f"{source}: expected a table of model fields, got {type(raw).__name__}")
-    missing = [f.name for f in dataclasses.fields(ModelConfig) if f.name not in raw]
+    missing = [k for k in SIZE_FIELDS + ("dropout",) if k not in raw]  # the options have GPT-2's defaults
     if missing:
         raise ConfigError(f"{source}: model field '{missing[0]}' is missing")
     cfg = Config.from_dict({"model": raw}, source)
     m = cfg.model
-    for f in dataclasses.fields(ModelConfig):
-        v = getattr(m, f.name)
-        if f.name != "dropout" and v <= 0:
-            raise ConfigError(f"{source}: model.{f.name} = {v}: must be a positive integer")
+    for name in SIZE_FIELDS:
+        if getattr(m, name) <= 0:
+            raise ConfigError(f"{source}: model.{name} = {getattr(m, name)}: must be a positive integer")
     check_numbers(cfg)
+    if m.activation not in ACTIVATIONS:
+        raise ConfigError(f"{source}: model.activation = '{m.activation}': expected one of {', '.join(ACTIVATIONS)}")
+    if not m.layer_norm_eps > 0:
+        raise ConfigError(f"{source}: model.layer_norm_eps = {m.layer_norm_eps}: must be positive")
     if not 0.0 <= m.dropout < 1.0:
         raise ConfigError(f"{source}: model.dropout = {m.dropout}: expected a value in [0, 1)")
     if m.n_embd % m.n_head:
@@ -236,6 +254,13 @@ def validate(cfg: Config, world_size: int | None = None) -> Config:
                         ("checkpoint.keep_last", cfg.checkpoint.keep_last)]:
         if value < 0:
             raise ConfigError(f"{name} = {value}: must not be negative")
+    if m.activation not in ACTIVATIONS:
+        raise ConfigError(f"model.activation = '{m.activation}': expected one of {', '.join(ACTIVATIONS)}")
+    if not m.layer_norm_eps > 0:
+        raise ConfigError(f"model.layer_norm_eps = {m.layer_norm_eps}: must be positive")
+    if not 0 <= t.seq_len <= m.block_size:
+        raise ConfigError(f"train.seq_len = {t.seq_len}: expected 1..model.block_size = {m.block_size} "
+                          f"(0 means model.block_size)")
     if not 0.0 <= m.dropout < 1.0:
         raise ConfigError(f"model.dropout = {m.dropout}: expected a value in [0, 1)")
     if not 0.0 < cfg.data.val_fraction < 1.0:
@@ -262,6 +287,11 @@ def validate(cfg: Config, world_size: int | None = None) -> Config:
     if t.min_lr > t.lr:
         raise ConfigError(f"train.min_lr = {t.min_lr} is larger than train.lr = {t.lr}")
     return cfg
+
+
+def seq_len(cfg: Config) -> int:
+    """Tokens per training sequence: train.seq_len, or the whole position table when it is 0."""
+    return cfg.train.seq_len or cfg.model.block_size
 
 
 def num_microbatches(cfg: Config) -> int:

@@ -226,7 +226,7 @@ def check_vocab(dataset: TokenDataset, model_vocab: int) -> None:
 def _check_shapes(dataset: TokenDataset, block_size: int, batch_size: int, dp_rank: int, dp_size: int,
                   batch_field: str) -> None:
     if block_size < 1 or len(dataset) < block_size + 1:
-        raise DataError(f"model.block_size: {block_size} needs at least {block_size + 1} tokens but the "
+        raise DataError(f"train.seq_len (0: model.block_size): {block_size} needs at least {block_size + 1} tokens but the "
                         f"{dataset.split} split of '{dataset.path}' has {len(dataset)}")
     if batch_size < 1 or dp_size < 1 or batch_size % dp_size != 0:
         raise DataError(f"{batch_field}: {batch_size} must be a positive multiple of the "

@@ -1,6 +1,7 @@
 """Sample from a single-file model in one plain process (no torch.distributed), proving the file is a model."""
 from __future__ import annotations
 
+import sys
 from pathlib import Path
 
 import torch
@@ -27,14 +28,28 @@ def load_model(path) -> GPTStage:
     return model.eval()
 
 
+def _warn(msg: str) -> None:
+    print(f"generate: WARNING: {msg}", file=sys.stderr, flush=True)
+
+
 @torch.no_grad()
 def generate(model: GPTStage, ids: list[int], max_new_tokens: int = 200, temperature: float = 0.8,
-             top_k: int = 0, seed: int = 0) -> list[int]:
-    """Autoregressive sampling; the context is cropped to block_size. temperature 0 means greedy."""
+             top_k: int = 0, seed: int = 0, warn=_warn) -> list[int]:
+    """Autoregressive sampling; temperature 0 means greedy.
+
+    The model has block_size positions. A longer context is cropped to its last block_size tokens (a
+    sliding window; transformers refuses instead), and `warn` says so once, before the first token."""
+    block = model.cfg.block_size
+    if len(ids) > block:
+        warn(f"the prompt has {len(ids)} tokens but model.block_size is {block}: the model sees only the "
+             f"last {block}")
+    elif len(ids) + max_new_tokens > block:
+        warn(f"prompt ({len(ids)} tokens) + --max-new-tokens {max_new_tokens} exceeds model.block_size "
+             f"{block}: from token {block - len(ids) + 1} on, the model sees only the last {block} tokens")
     g = torch.Generator().manual_seed(seed)
     x = torch.tensor([ids], dtype=torch.long)
     for _ in range(max_new_tokens):
-        logits = model(x[:, -model.cfg.block_size:])[:, -1, :]  # (1, V)
+        logits = model(x[:, -block:])[:, -1, :]  # (1, V)
         if temperature <= 0:
             nxt = logits.argmax(-1, keepdim=True)
         else:
@@ -47,7 +62,7 @@ def generate(model: GPTStage, ids: list[int], max_new_tokens: int = 200, tempera
     return x[0].tolist()
 
 
-def sample_text(path: str | Path, prompt: str, **kw) -> str:
+def sample_text(path: str | Path, prompt: str, as_ids: bool = False, **kw) -> str:
     tok = ByteTokenizer()
     out = generate(load_model(path), tok.encode(prompt) or [10], **kw)
-    return tok.decode(out)
+    return " ".join(map(str, out)) if as_ids else tok.decode(out)

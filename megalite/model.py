@@ -1,8 +1,10 @@
 """GPT-2, written in *local* heads and width, built from the tensor-parallel layers.
 
 One `GPTStage` is the part of the model a pipeline stage holds: the embeddings on the first stage,
-a contiguous range of blocks (keyed by their global layer id), and the final LayerNorm + tied LM head
-on the last. With tp = pp = 1 it is the whole GPT-2.
+a contiguous range of blocks (keyed by their global layer id), and the final LayerNorm + LM head on the
+last (tied to wte, as in GPT-2, or a separate `lm_head.weight`). With tp = pp = 1 it is the whole GPT-2;
+the options Hugging Face's GPT2Config has and megalite honours are `tie_embeddings`, `layer_norm_eps`
+and `activation` (see README, "Hugging Face fidelity").
 """
 from __future__ import annotations
 
@@ -28,8 +30,11 @@ def _place(module: nn.Module, placement: str) -> None:
         _retag(p, placement=placement)
 
 
-def _replicated(shape: tuple, init: str) -> nn.Parameter:
-    return tag(nn.Parameter(torch.zeros(shape)), Partition(shape, dim=None, init=init))
+ACTIVATION_FNS = {"gelu_new": lambda x: F.gelu(x, approximate="tanh"), "gelu": F.gelu, "relu": F.relu}
+
+
+def _replicated(shape: tuple, init: str, decay: bool = True) -> nn.Parameter:
+    return tag(nn.Parameter(torch.zeros(shape)), Partition(shape, dim=None, init=init, decay=decay))
 
 
 def _retag(p: nn.Parameter, **changes) -> None:
@@ -39,13 +44,14 @@ def _retag(p: nn.Parameter, **changes) -> None:
 class LayerNorm(nn.Module):
     """Replicated on every tp rank: its input (the residual stream) is the same everywhere."""
 
-    def __init__(self, dim: int):
+    def __init__(self, dim: int, eps: float):
         super().__init__()
-        self.weight = _replicated((dim,), "ones")
-        self.bias = _replicated((dim,), "zeros")
+        self.eps = eps
+        self.weight = _replicated((dim,), "ones", decay=False)
+        self.bias = _replicated((dim,), "zeros", decay=False)
 
     def forward(self, x):
-        return F.layer_norm(x, self.weight.shape, self.weight, self.bias, 1e-5)
+        return F.layer_norm(x, self.weight.shape, self.weight, self.bias, self.eps)
 
 
 class CausalSelfAttention(nn.Module):
@@ -71,16 +77,17 @@ class MLP(nn.Module):
         self.fc = ColumnParallelLinear(cfg.n_embd, 4 * cfg.n_embd, tp)
         self.proj = RowParallelLinear(4 * cfg.n_embd, cfg.n_embd, tp)
         _retag(self.proj.weight, init="scaled")
+        self.act = ACTIVATION_FNS[cfg.activation]
 
     def forward(self, x):  # (B, T, C) -> (B, T, C)
-        return self.proj(F.gelu(self.fc(x), approximate="tanh"))
+        return self.proj(self.act(self.fc(x)))
 
 
 class Block(nn.Module):
     def __init__(self, cfg: ModelConfig, tp: Axis):
         super().__init__()
-        self.ln_1, self.attn = LayerNorm(cfg.n_embd), CausalSelfAttention(cfg, tp)
-        self.ln_2, self.mlp = LayerNorm(cfg.n_embd), MLP(cfg, tp)
+        self.ln_1, self.attn = LayerNorm(cfg.n_embd, cfg.layer_norm_eps), CausalSelfAttention(cfg, tp)
+        self.ln_2, self.mlp = LayerNorm(cfg.n_embd, cfg.layer_norm_eps), MLP(cfg, tp)
         self.drop = nn.Dropout(cfg.dropout)
 
     def forward(self, x):
@@ -104,9 +111,13 @@ class GPTStage(nn.Module):
         for i in layers:
             _place(self.blocks[str(i)], f"layer.{i}")
         if self.last:
-            self.ln_f = LayerNorm(cfg.n_embd)
+            self.ln_f = LayerNorm(cfg.n_embd, cfg.layer_norm_eps)
             _place(self.ln_f, "last")
-            if not self.first:  # the tied LM head lives on another stage: keep a synchronised copy
+            if not cfg.tie_embeddings:  # a separate LM head, vocab-split like wte: global name lm_head.weight
+                head = Partition((cfg.vocab_size, cfg.n_embd), dim=0, placement="last", init="normal")
+                self.lm_head = nn.ParameterDict({"weight": tag(nn.Parameter(torch.zeros(local_shape(
+                    head, grid.tp.size))), head)})
+            elif not self.first:  # the tied LM head lives on another stage: keep a synchronised copy
                 # same name, seed and init as wte.weight: starts identical; `tied`: gradients summed with it
                 wte = Partition((cfg.vocab_size, cfg.n_embd), dim=0, tied_to="wte.weight", placement="last",
                                 init="normal", tied=True)
@@ -140,7 +151,10 @@ class GPTStage(nn.Module):
         if not self.last:
             return x
         x = self.ln_f(x)
-        head = self.wte.weight if self.first else self.lm_head
+        if not self.cfg.tie_embeddings:
+            head = self.lm_head.weight
+        else:
+            head = self.wte.weight if self.first else self.lm_head
         logits = F.linear(copy_to_tp(x, self.tp), head)  # (B, T, V/tp)
         if targets is None:
             return logits

@@ -12,10 +12,12 @@ from .parallel.tensor import partition_of
 
 
 def lr_at(step: int, t: TrainConfig) -> float:
-    """Linear warm-up over warmup_steps, then cosine decay from lr to min_lr at the last step."""
+    """The LR of 0-based step `step` (the update that makes step + 1): linear warm-up to lr over the first
+    warmup_steps updates, then cosine decay from lr (at step warmup_steps) to exactly min_lr at the last
+    step (steps - 1). With steps <= warmup_steps + 1 there is no decay phase to speak of."""
     if step < t.warmup_steps:
         return t.lr * (step + 1) / t.warmup_steps
-    span = max(1, t.steps - t.warmup_steps)
+    span = max(1, t.steps - 1 - t.warmup_steps)
     progress = min(1.0, (step - t.warmup_steps) / span)
     return t.min_lr + 0.5 * (1 + math.cos(math.pi * progress)) * (t.lr - t.min_lr)
 

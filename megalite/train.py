@@ -24,7 +24,7 @@ import torch.distributed as dist
 
 from .checkpoint.manager import CheckpointManager
 from .checkpoint.state import seed_everything
-from .config import Config, num_microbatches, validate
+from .config import Config, num_microbatches, seq_len, validate
 from .faults import maybe_crash
 from .data import BatchSampler, TokenDataset, check_vocab, ensure_data, eval_batches
 from .model import GPTStage
@@ -114,8 +114,8 @@ def build(cfg: Config, grid: ParallelGrid, device: torch.device) -> Trainer:
     check_vocab(train_ds, cfg.model.vocab_size)
     check_vocab(val_ds, cfg.model.vocab_size)
     c = grid.coord
-    sampler = BatchSampler(train_ds, cfg.model.block_size, t.global_batch_size, c.dp, grid.layout.dp, t.seed)
-    val = eval_batches(val_ds, cfg.model.block_size, t.global_batch_size, c.dp, grid.layout.dp,
+    sampler = BatchSampler(train_ds, seq_len(cfg), t.global_batch_size, c.dp, grid.layout.dp, t.seed)
+    val = eval_batches(val_ds, seq_len(cfg), t.global_batch_size, c.dp, grid.layout.dp,
                        t.eval_batches, t.seed)
     seed_everything(t.seed, grid)
     return Trainer(cfg, grid, device, model, params, grads, opt, sampler, val)
@@ -131,7 +131,7 @@ def _run_pipeline(tr: Trainer, x, y, train: bool) -> float:
     cfg, grid = tr.cfg, tr.grid
     m = num_microbatches(cfg)
     xs, ys = _micro(x, m, tr.device), _micro(y, m, tr.device)
-    shape = (cfg.train.micro_batch_size, cfg.model.block_size, cfg.model.n_embd)
+    shape = (cfg.train.micro_batch_size, seq_len(cfg), cfg.model.n_embd)
     p2p = P2P(grid, shape, torch.float32, tr.device) if grid.layout.pp > 1 else None
 
     def stage_fn(inp, i):
@@ -161,7 +161,7 @@ def train_step(tr: Trainer) -> dict:
     tr.grads.zero()
     loss = _run_pipeline(tr, x, y, train=True)
     # The tied embedding has two copies (first and last stage): add their gradients so both step alike.
-    if grid.embed.active:
+    if grid.embed.active and cfg.model.tie_embeddings:
         for _, p in tr.params:
             if partition_of(p).tied:
                 dist.all_reduce(p.grad, group=grid.embed.group)
@@ -173,7 +173,7 @@ def train_step(tr: Trainer) -> dict:
     if not skipped:
         tr.optimizer.step(lr, grad_scale=scale)
     tr.step += 1
-    tokens = cfg.train.global_batch_size * cfg.model.block_size
+    tokens = cfg.train.global_batch_size * seq_len(cfg)
     tr.tokens_seen += tokens
     dt = time.perf_counter() - t0
     return {"step": tr.step, "loss": loss, "lr": lr, "grad_norm": norm, "tokens_per_s": tokens / dt,

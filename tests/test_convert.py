@@ -3,6 +3,7 @@ generation from a single file, and --dtype. Training runs are conftest.py's sess
 """
 from __future__ import annotations
 
+import dataclasses
 import json
 
 import pytest
@@ -11,6 +12,7 @@ from safetensors import safe_open
 from safetensors.torch import load_file
 
 import helpers as H
+from megalite.config import ModelConfig
 from megalite.checkpoint import manifest as mf
 from megalite.checkpoint.layout import resolve
 from megalite.checkpoint.verify import verify
@@ -66,7 +68,7 @@ def test_convert_file_contents(run111, model_file):
     man = mf.read_json(resolve(run111["ckpt"]))
     f = safe_open(str(model_file), framework="pt")
     meta = f.metadata()
-    assert json.loads(meta["megalite.model_config"]) == H.TINY_MODEL
+    assert json.loads(meta["megalite.model_config"]) == dataclasses.asdict(ModelConfig(**H.TINY_MODEL))
     assert sorted(f.keys()) == sorted(man["model"])
     assert "lm_head" not in " ".join(f.keys())
     assert json.loads(meta["megalite.partitions"]) == {n: e["partition"] for n, e in man["model"].items()}

@@ -14,6 +14,7 @@ from typing import Optional
 
 import torch
 
+from ..config import model_architecture
 from ..parallel.tensor import partition_of, tp_box, valid_view
 from . import manifest as mf
 from .layout import STATE_FILE, Box, CheckpointError, coord_dir, resolve
@@ -39,7 +40,8 @@ def check_model(man: mf.Manifest, step: Path, model_cfg: Optional[dict]) -> None
         return
     if not man.model_config:
         raise CheckpointError(f"{step}: manifest field 'config.model' is empty; cannot check it against this run")
-    diffs = mf.model_config_diff(man.model_config, model_cfg)
+    # dropout is a training setting: fine-tuning a split checkpoint with another value is allowed
+    diffs = mf.model_config_diff(model_architecture(man.model_config), model_architecture(model_cfg))
     if diffs:
         raise CheckpointError(f"{step}: saved with a different model: {'; '.join(diffs)}")
 

@@ -1,21 +1,24 @@
 """Hugging Face GPT-2: names and layouts of its tensors, its config.json, export and import."""
 from __future__ import annotations
 
+import dataclasses
 import json
 import shutil
 from pathlib import Path
 from typing import Optional
 
 import torch
-from einops import rearrange
+from einops import EinopsError, rearrange
 
 from ..checkpoint.stream import StreamingWriter
-from ..config import model_from
-from .common import ConvertError, Progress, _full_tensors, _replace
+from ..config import ACTIVATIONS, ModelConfig, model_from
+from .common import ConvertError, Progress, _full_tensors, _replace, model_partitions
 
 
 def _to_hf(name: str, t: torch.Tensor) -> list[tuple[str, torch.Tensor]]:
     """megalite name/tensor -> HF GPT-2 name/tensor (HF's Conv1D stores weights as (in, out))."""
+    if name == "lm_head.weight":  # an untied head: nn.Linear (vocab, C) in both
+        return [("lm_head.weight", t)]
     if name == "wte.weight":
         return [("transformer.wte.weight", t)]
     if name == "wpe":
@@ -36,10 +39,14 @@ def _to_hf(name: str, t: torch.Tensor) -> list[tuple[str, torch.Tensor]]:
     return [(base + rest, t)]  # ln_1, ln_2
 
 
-def _from_hf(name: str, t: torch.Tensor) -> Optional[tuple[str, torch.Tensor]]:
-    if name in ("lm_head.weight",) or name.endswith(".attn.bias") or name.endswith(".attn.masked_bias"):
-        return None  # tied to wte / causal-mask buffers of old exports
+def _from_hf(name: str, t: torch.Tensor, tied: bool = True) -> Optional[tuple[str, torch.Tensor]]:
+    if name == "lm_head.weight":
+        return None if tied else (name, t)  # a tied head is wte (older exports still store the copy)
+    if name.endswith(".attn.bias") or name.endswith(".attn.masked_bias"):
+        return None  # causal-mask buffers of old exports
     name = name.removeprefix("transformer.")
+    if "." not in name or (name.startswith("h.") and name.count(".") < 2):
+        return name, t  # not a GPT-2 tensor: the caller names it
     if name == "wte.weight":
         return "wte.weight", t
     if name == "wpe.weight":
@@ -59,13 +66,76 @@ def _from_hf(name: str, t: torch.Tensor) -> Optional[tuple[str, torch.Tensor]]:
     return base + rest, t
 
 
+# ---------------------------------------------------------------- GPT2Config, field by field
+# Each field Hugging Face's GPT2Config can carry is honoured (mapped to a megalite model key), accepted only
+# at the value that means plain GPT-2, or ignored because it changes neither the weights nor the logits.
+# Any other field is refused: a config megalite cannot reproduce is never imported silently.
+HONOURED = {"vocab_size": "vocab_size", "n_positions": "block_size", "n_embd": "n_embd", "n_layer": "n_layer",
+            "n_head": "n_head", "layer_norm_epsilon": "layer_norm_eps", "activation_function": "activation",
+            "tie_word_embeddings": "tie_embeddings"}
+ONLY_AT = {"scale_attn_weights": (True,), "scale_attn_by_inverse_layer_idx": (False,),
+           "reorder_and_upcast_attn": (False,), "add_cross_attention": (False,), "is_encoder_decoder": (False,),
+           "n_special": (0,), "model_type": ("gpt2",)}  # n_inner: None or 4 * n_embd (checked below)
+IGNORED = {  # training, generation and bookkeeping settings: no effect on the imported weights or logits
+    "resid_pdrop", "embd_pdrop", "attn_pdrop",  # dropout is a megalite training setting (model.dropout)
+    "initializer_range",  # only used to initialise a fresh model
+    "summary_type", "summary_use_proj", "summary_activation", "summary_proj_to_labels", "summary_first_dropout",
+    # ^ GPT2DoubleHeadsModel's classification head, which the LM model does not have
+    "bos_token_id", "eos_token_id", "pad_token_id",  # the byte tokenizer has no special tokens
+    "use_cache", "output_past", "n_ctx", "predict_special_tokens", "task_specific_params", "chunk_size_feed_forward",
+    "architectures", "dtype", "torch_dtype", "transformers_version", "_name_or_path", "output_hidden_states",
+    "output_attentions", "return_dict", "id2label", "label2id", "problem_type", "_num_labels",
+    "gradient_checkpointing", "tokenizer_class"}
+ARCHITECTURES = ("GPT2LMHeadModel", "GPT2Model")
+
+
+def model_from_hf_config(hf: dict, where: str) -> dict:
+    """A megalite [model] dict from a GPT2Config dict; a field megalite cannot honour is a one-line error."""
+    for key, value in hf.items():
+        if key in HONOURED or key in IGNORED or key == "n_inner":
+            continue
+        if key not in ONLY_AT:
+            raise ConvertError(f"{where}: field '{key}' is not a GPT2Config field megalite knows; refusing to "
+                               f"import a model it may not reproduce")
+        if value not in ONLY_AT[key]:
+            raise ConvertError(f"{where}: {key} = {json.dumps(value)} is not supported (megalite reproduces "
+                               f"only {key} = {json.dumps(ONLY_AT[key][0])})")
+    for key in ("vocab_size", "n_positions", "n_embd", "n_layer", "n_head"):
+        if not isinstance(hf.get(key), int) or isinstance(hf.get(key), bool) or hf[key] < 1:
+            raise ConvertError(f"{where}: field '{key}' = {hf.get(key)!r}, expected a positive integer")
+    if hf.get("n_inner") not in (None, 4 * hf["n_embd"]):
+        raise ConvertError(f"{where}: n_inner = {hf['n_inner']} is not supported (megalite's MLP width is "
+                           f"4 * n_embd = {4 * hf['n_embd']}; expected null or that)")
+    arch = hf.get("architectures") or ["GPT2LMHeadModel"]
+    if not isinstance(arch, list) or any(a not in ARCHITECTURES for a in arch):
+        raise ConvertError(f"{where}: architectures = {json.dumps(arch)}, expected one of "
+                           f"{', '.join(ARCHITECTURES)}")
+    m = {ours: hf[theirs] for theirs, ours in HONOURED.items() if theirs in hf}
+    m["dropout"] = 0.0
+    cfg = ModelConfig(**m)  # defaults for what the folder leaves out are GPT2Config's defaults too
+    if cfg.activation not in ACTIVATIONS:
+        raise ConvertError(f"{where}: activation_function = {json.dumps(cfg.activation)} is not supported "
+                           f"(expected one of {', '.join(ACTIVATIONS)})")
+    if not isinstance(cfg.tie_embeddings, bool):
+        raise ConvertError(f"{where}: tie_word_embeddings = {cfg.tie_embeddings!r}, expected true or false")
+    if not isinstance(cfg.layer_norm_eps, (int, float)) or isinstance(cfg.layer_norm_eps, bool) \
+            or not cfg.layer_norm_eps > 0:
+        raise ConvertError(f"{where}: layer_norm_epsilon = {cfg.layer_norm_eps!r}, expected a positive number")
+    cfg.layer_norm_eps = float(cfg.layer_norm_eps)
+    return dataclasses.asdict(cfg)
+
+
 def hf_config(m: dict) -> dict:
+    """config.json for a megalite [model] dict: plain GPT-2 plus the options megalite has, no special tokens."""
+    m = {**dataclasses.asdict(ModelConfig()), **m}
     return {"architectures": ["GPT2LMHeadModel"], "model_type": "gpt2", "vocab_size": m["vocab_size"],
-            "n_positions": m["block_size"], "n_ctx": m["block_size"], "n_embd": m["n_embd"],
+            "n_positions": m["block_size"], "n_embd": m["n_embd"],
             "n_layer": m["n_layer"], "n_head": m["n_head"], "n_inner": None,
-            "activation_function": "gelu_new", "layer_norm_epsilon": 1e-5, "resid_pdrop": m["dropout"],
-            "embd_pdrop": m["dropout"], "attn_pdrop": m["dropout"], "initializer_range": 0.02,
-            "scale_attn_weights": True, "tie_word_embeddings": True, "bos_token_id": 0, "eos_token_id": 0,
+            "activation_function": m["activation"], "layer_norm_epsilon": m["layer_norm_eps"],
+            "resid_pdrop": m["dropout"], "embd_pdrop": m["dropout"], "attn_pdrop": m["dropout"],
+            "initializer_range": 0.02, "scale_attn_weights": True, "scale_attn_by_inverse_layer_idx": False,
+            "reorder_and_upcast_attn": False, "tie_word_embeddings": m["tie_embeddings"],
+            "bos_token_id": None, "eos_token_id": None, "pad_token_id": None,
             "torch_dtype": "float32", "use_cache": True}
 
 
@@ -96,7 +166,6 @@ def export_hf(step: Path, man: dict, out: Path, dtype: torch.dtype, progress: Pr
     return out
 
 
-
 def read_hf_folder(p: Path):
     """(model config dict, get(name) -> full fp32 tensor, names) for an HF GPT-2 folder."""
     from .single import _open_st
@@ -108,19 +177,26 @@ def read_hf_folder(p: Path):
     if not isinstance(hf, dict) or hf.get("model_type") != "gpt2":
         got = hf.get("model_type") if isinstance(hf, dict) else hf
         raise ConvertError(f"{cfg_file}: model_type is {got!r}, expected 'gpt2'")
-    names = {"n_layer": "n_layer", "n_head": "n_head", "n_embd": "n_embd", "block_size": "n_positions",
-             "vocab_size": "vocab_size"}
-    for ours, theirs in names.items():
+    for theirs in ("n_layer", "n_head", "n_embd", "n_positions", "vocab_size"):
         if theirs not in hf:
             raise ConvertError(f"{cfg_file}: field '{theirs}' is missing (expected an HF GPT-2 config)")
-    m = model_from({ours: hf[theirs] for ours, theirs in names.items()} | {"dropout": 0.0}, str(cfg_file))
+    m = model_from(model_from_hf_config(hf, str(cfg_file)), str(cfg_file))
     f = _open_st(st)
     table = {}
     for k in f.keys():
-        r = _from_hf(k, torch.empty(f.get_slice(k).get_shape(), device="meta"))
+        shape = f.get_slice(k).get_shape()
+        try:
+            r = _from_hf(k, torch.empty(shape, device="meta"), m["tie_embeddings"])
+        except (EinopsError, RuntimeError):
+            raise ConvertError(f"{st}: tensor '{k}' has shape {list(shape)}, which is not a GPT-2 layout") from None
         if r is not None:
             table[r[0]] = k
+    known = model_partitions(m)
+    extra = sorted(k for name, k in table.items() if name not in known)
+    if extra:
+        raise ConvertError(f"{st}: tensor '{extra[0]}' is not part of a GPT-2 with this config.json "
+                           f"({len(extra)} such)")
 
     def get(name):
-        return _from_hf(table[name], f.get_tensor(table[name]).float())[1]
+        return _from_hf(table[name], f.get_tensor(table[name]).float(), m["tie_embeddings"])[1]
     return m, get, sorted(table)

@@ -98,8 +98,8 @@ class ShardedAdamW:
         for name, p in named_params:
             n = self.valid_numel(p)
             a, b = self.piece(n, dp.rank) if self.zero1 else (0, n)
-            # No decay on biases and LayerNorm parameters (the 1-D ones), as in GPT-2 / nanoGPT.
-            self.entries.append(_Entry(name, p, a, b, decay=p.dim() >= 2))
+            # The layer that made the parameter decided (its tag): no decay on biases and LayerNorms.
+            self.entries.append(_Entry(name, p, a, b, decay=partition_of(p).decay))
             self.exp_avg[name] = torch.zeros(b - a, dtype=torch.float32, device=p.device)
             self.exp_avg_sq[name] = torch.zeros(b - a, dtype=torch.float32, device=p.device)
         self._by_name = {e.name: e for e in self.entries}

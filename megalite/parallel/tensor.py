@@ -36,6 +36,9 @@ class Partition:
           GPT-2's residual projections), "ones" or "zeros".
     tied: part of a tie (the source or a copy): its gradient is summed over the grid's `embed` group so
           that every copy takes the same step.
+    decay: whether AdamW applies weight decay to it (GPT-2 / nanoGPT: matrices and embeddings yes; biases
+             and LayerNorm parameters no, whatever their shape: the fused QKV bias is (3, C)). Set by the layer
+             that creates the parameter; an optimizer setting, so not stored in the manifest.
     """
     global_shape: tuple
     dim: Optional[int] = None
@@ -43,6 +46,7 @@ class Partition:
     placement: str = "first"
     init: str = "normal"
     tied: bool = False
+    decay: bool = True
 
     def to_json(self) -> dict:
         return {"dim": self.dim, "tied_to": self.tied_to, "placement": self.placement}
@@ -222,7 +226,7 @@ class ColumnParallelLinear(nn.Module):
         lead = (stack,) if stack > 1 else ()
         split = len(lead)
         self.weight = _param(Partition(lead + (out_features, in_features), dim=split), tp, "normal")
-        self.bias = _param(Partition(lead + (out_features,), dim=split), tp, "zeros") if bias else None
+        self.bias = _param(Partition(lead + (out_features,), dim=split, decay=False), tp, "zeros") if bias else None
         self.in_features = in_features
 
     def forward(self, x):  # (..., in) -> (..., stack * out / tp)
@@ -243,7 +247,7 @@ class RowParallelLinear(nn.Module):
         super().__init__()
         self.tp = tp
         self.weight = _param(Partition((out_features, in_features), dim=1), tp, "normal")
-        self.bias = _param(Partition((out_features,), dim=None), tp, "zeros") if bias else None
+        self.bias = _param(Partition((out_features,), dim=None, decay=False), tp, "zeros") if bias else None
 
     def forward(self, x):  # (..., in / tp) -> (..., out)
         y = reduce_from_tp(F.linear(x, self.weight), self.tp)
