@@ -30,7 +30,8 @@ from .model import GPTStage
 from .optim import grad_norm, lr_at
 from .parallel.data import GradBuffer, ShardedAdamW
 from .parallel.grid import Layout, ParallelGrid
-from .parallel.pipeline import P2P, SCHEDULES, forward_only
+from .parallel.pipeline import P2P, SCHEDULES, forward_only, interleaved, interleaved_forward_only
+from .parallel.tensor import sync_sequence_parallel_grads
 
 
 # ---------------------------------------------------------------- process group
@@ -110,10 +111,11 @@ def seed_everything(seed: int, grid: ParallelGrid) -> None:
 
 def build(cfg: Config, grid: ParallelGrid, device: torch.device) -> Trainer:
     t = cfg.train
-    model = GPTStage(cfg.model, grid).to(device)
+    par = cfg.parallel
+    model = GPTStage(cfg.model, grid, vpp=par.vpp, sp=par.sp, recompute=t.recompute).to(device)
     model.init_weights(t.seed)
     params = sorted(model.global_parameters(), key=lambda np_: np_[0])
-    grads = GradBuffer([p for _, p in params], grid.dp, cfg.parallel.bucket_mb)
+    grads = GradBuffer([p for _, p in params], grid.dp, par.bucket_mb, overlap=par.overlap_grad_reduce)
     opt = ShardedAdamW(params, grid.tp, grid.dp, cfg.parallel.zero1, betas=(t.beta1, t.beta2),
                        weight_decay=t.weight_decay, bucket_mb=cfg.parallel.bucket_mb)
     train_ds, val_ds = TokenDataset(cfg.data.path, "train"), TokenDataset(cfg.data.path, "val")
@@ -135,16 +137,23 @@ def _run_pipeline(tr: Trainer, x, y, train: bool) -> float:
     cfg, grid = tr.cfg, tr.grid
     m = num_microbatches(cfg)
     xs, ys = _micro(x, m, tr.device), _micro(y, m, tr.device)
-    shape = (cfg.train.micro_batch_size, cfg.model.block_size, cfg.model.n_embd)
+    seq = cfg.model.block_size // (grid.tp.size if tr.model.sp else 1)  # sp: stages pass seq/tp positions
+    shape = (cfg.train.micro_batch_size, seq, cfg.model.n_embd)
     p2p = P2P(grid, shape, torch.float32, tr.device) if grid.layout.pp > 1 else None
+    vpp = len(tr.model.chunks)
 
-    def stage_fn(inp, i):
+    def stage_fn(inp, i, chunk=0):
+        last = grid.is_last_stage and chunk == vpp - 1
         with tr.autocast():
-            out = tr.model(inp, ys[i] if grid.is_last_stage else None)
-        return out / m if grid.is_last_stage else out  # the mean over micro-batches is a sum of means / m
+            out = tr.model(inp, ys[i] if last else None, chunk=chunk)
+        return out / m if last else out  # the mean over micro-batches is a sum of means / m
 
     tr.model.train(train)
-    if train:
+    if vpp > 1 and train:
+        losses = interleaved(stage_fn, xs, m, grid, p2p, vpp, all_warmup=cfg.parallel.schedule == "afab")
+    elif vpp > 1:
+        losses = interleaved_forward_only(stage_fn, xs, m, grid, p2p, vpp)
+    elif train:
         losses = SCHEDULES[cfg.parallel.schedule](stage_fn, xs, m, grid, p2p)
     else:
         losses = forward_only(stage_fn, xs, m, grid, p2p)
@@ -163,13 +172,16 @@ def train_step(tr: Trainer) -> dict:
     lr = lr_at(tr.step, cfg.train)
     x, y = tr.sampler.next_batch()
     tr.grads.zero()
+    tr.grads.arm(num_microbatches(cfg))  # overlap_grad_reduce: buckets reduce during the last backward
     loss = _run_pipeline(tr, x, y, train=True)
+    tr.grads.finish()  # the dp mean of every gradient bucket
     # The tied embedding has two copies (first and last stage): add their gradients so both step alike.
     if grid.embed.active:
         for name, p in tr.params:
             if name == "wte.weight":
                 dist.all_reduce(p.grad, group=grid.embed.group)
-    tr.grads.all_reduce_mean()
+    if tr.model.sp:  # sequence parallelism: replicated parameters saw seq/tp of the tokens on each rank
+        sync_sequence_parallel_grads([p for _, p in tr.params], grid.tp)
     norm = grad_norm(tr.params, grid)
     clip = cfg.train.grad_clip
     scale = clip / (norm + 1e-6) if clip > 0 and norm > clip else 1.0
