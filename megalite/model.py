@@ -168,6 +168,14 @@ class GPTStage(nn.Module):
                 p.copy_(init_local(name, partition_of(p), "normal" if kind == "scaled" else kind, seed, scale,
                                    self.tp.rank, self.tp.size))
 
+    def run_block(self, i: int, x):
+        """Block i (global id) on x; with full recomputation only x is kept, and the block is rerun (RNG
+        replayed) in backward."""
+        block = self.blocks[str(i)]
+        if self.full_recompute and torch.is_grad_enabled():
+            return checkpoint(block, x, use_reentrant=False)
+        return block(x)
+
     def forward(self, x, targets=None, chunk: int = 0):
         """Chunk 0 of the first stage: x is ids (B, T); others: hidden (B, T, C) ((B, T/tp, C) with sp).
         The last chunk of the last stage returns the mean loss (or local logits (B, T, V/tp) when targets
@@ -177,12 +185,7 @@ class GPTStage(nn.Module):
             pos = self.wpe[slice(*seq_chunk(T, self.tp))] if self.sp else self.wpe[:T]
             x = self.drop(self.wte(x) + pos)  # (B, T, C); with sp (B, T/tp, C)
         for i in self.chunks[chunk]:
-            block = self.blocks[str(i)]
-            if self.full_recompute and torch.is_grad_enabled():
-                # Full recomputation: keep only the block's input; rerun it (RNG replayed) in backward.
-                x = checkpoint(block, x, use_reentrant=False)
-            else:
-                x = block(x)
+            x = self.run_block(i, x)
         if not (self.last and chunk == len(self.chunks) - 1):
             return x
         x = self.ln_f(x)

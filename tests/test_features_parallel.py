@@ -175,3 +175,27 @@ def test_bf16_checkpoint_resumes_bit_exactly_and_converts(tmp_path, token_file):
     for k in f32:
         assert f32[k].dtype == torch.float32 and f16[k].dtype == torch.bfloat16
         assert torch.equal(f16[k], f32[k].to(torch.bfloat16)), k
+
+
+def _memory_worker(rank, world_size, tmp):
+    from megalite.bench.features import _measure_layer, layer_activation_bytes
+    from megalite.config import ModelConfig
+    from megalite.parallel.grid import Layout, ParallelGrid
+    grid = ParallelGrid.create(Layout(world_size, 1, 1))
+    m = ModelConfig(n_layer=2, n_head=4, n_embd=32, block_size=16)
+    s, b, h, a, t = 16, 2, 32, 4, world_size
+    got = {(rc, sp): _measure_layer(grid, m, b, sp, rc) for rc in ("none", "selective", "full") for sp in (0, 1)}
+    for (rc, sp), n in got.items():
+        assert n == layer_activation_bytes(rc, s, b, h, a, t, bool(sp)), (rc, sp, n)
+    # sp cuts the replicated part (LN inputs, QKV and FC inputs, LN statistics: 4sbh + 4sb) by the factor tp
+    replicated = (4 * s * b * h + 4 * s * b) * 4
+    for rc in ("none", "selective"):
+        assert got[(rc, 0)] - got[(rc, 1)] == replicated - replicated // t
+    assert got[("full", 1)] * t == got[("full", 0)] == s * b * h * 4  # full: only the layer input
+    assert got[("selective", 0)] < got[("none", 0)]
+
+
+def test_saved_activation_bytes_match_the_adapted_formula(tmp_path):
+    """Saved-tensor hooks count the bytes one layer keeps for backward; they equal the adapted Korthikanti
+    formula (megalite.bench.features.layer_activation_bytes) at tp = 2, for every recompute x sp setting."""
+    run_parallel(_memory_worker, 2, tmp_path)

@@ -224,6 +224,31 @@ class _ReduceScatterToSP(torch.autograd.Function):
         return _gather_seq(g, ctx.axis), None
 
 
+class _SPColumnLinear(torch.autograd.Function):
+    """Column-parallel linear on a sequence-parallel input, keeping only this rank's shard for backward
+    (Megatron's choice): the full input is all-gathered again in backward instead of being stored.
+
+    forward: all-gather the sequence dim, then y = x W^T + b; backward: all-gather again, grad_W = g^T x,
+    grad_x = reduce-scatter(g W) over the sequence dim. Under autocast the matmuls run in the dtype autocast
+    gave the output (g's), and the gradients are cast back to the fp32 parameters and input.
+    """
+
+    @staticmethod
+    def forward(ctx, x, weight, bias, axis):
+        ctx.axis, ctx.has_bias = axis, bias is not None
+        ctx.save_for_backward(x, weight)
+        return F.linear(_gather_seq(x, axis), weight, bias)
+
+    @staticmethod
+    def backward(ctx, g):
+        x, weight = ctx.saved_tensors
+        total = _gather_seq(x, ctx.axis).to(g.dtype)  # (B, T, in)
+        grad_x = _reduce_scatter_seq((g @ weight.to(g.dtype)).to(x.dtype), ctx.axis)
+        grad_w = torch.einsum("...o,...i->oi", g, total).to(weight.dtype)
+        grad_b = g.reshape(-1, g.shape[-1]).sum(0).to(weight.dtype) if ctx.has_bias else None
+        return grad_x, grad_w, grad_b, None
+
+
 # ---------------------------------------------------------------- tier 3: thin public wrappers
 def copy_to_tp(x, axis: Axis):
     return _CopyToTP.apply(x, axis) if axis.active else x
@@ -277,7 +302,7 @@ class ColumnParallelLinear(nn.Module):
     (stack, out, in), split on the `out` dim: the stored tensor means the same thing at every tp size.
     forward: copy_to_tp on the input (its backward all-reduces the input gradient); output stays split
     unless gather_output (only meaningful for stack == 1: a gathered stacked output is ordered per rank).
-    With sp the input is this rank's sequence chunk (B, T/tp, in): gather_from_sp replaces copy_to_tp.
+    With sp the input is this rank's sequence chunk (B, T/tp, in), all-gathered inside _SPColumnLinear.
     """
 
     def __init__(self, in_features: int, out_features: int, tp: Axis, bias: bool = True, stack: int = 1,
@@ -291,9 +316,11 @@ class ColumnParallelLinear(nn.Module):
         self.in_features = in_features
 
     def forward(self, x):  # (..., in) -> (..., stack * out / tp)
-        x = gather_from_sp(x, self.tp) if self.sp else copy_to_tp(x, self.tp)
-        y = F.linear(x, self.weight.reshape(-1, self.in_features),
-                     None if self.bias is None else self.bias.reshape(-1))
+        w, b = self.weight.reshape(-1, self.in_features), None if self.bias is None else self.bias.reshape(-1)
+        if self.sp and self.tp.active:  # x: (B, T/tp, in)
+            y = _SPColumnLinear.apply(x, w, b, self.tp)
+        else:
+            y = F.linear(copy_to_tp(x, self.tp), w, b)
         return gather_from_tp(y, self.tp) if self.gather_output else y
 
 
