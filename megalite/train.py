@@ -238,7 +238,7 @@ def train(cfg: Config, log=print) -> Trainer:
     if is_logger:
         log(f"megalite: {grid.layout} on {grid.layout.world_size} {device.type} process(es), "
             f"{num_microbatches(cfg)} micro-batches/step, schedule {cfg.parallel.schedule}, "
-            f"zero1 {'on' if cfg.parallel.zero1 else 'off'}, precision {tr.precision}")
+            f"zero1 {'on' if cfg.parallel.zero1 else 'off'}, precision {tr.precision}{_features(cfg)}")
     start, t_start = tr.step, time.perf_counter()
     ckpt.install_signal_handlers()
     try:
@@ -270,6 +270,20 @@ def train(cfg: Config, log=print) -> Trainer:
         if metrics_file:
             metrics_file.close()
     return tr
+
+
+def _features(cfg: Config) -> str:
+    """The memory/bubble features that are on, for the start-up line."""
+    par, on = cfg.parallel, []
+    if par.sp and par.tp > 1:
+        on.append("sp")
+    if par.vpp > 1:
+        on.append(f"vpp {par.vpp} (interleaved)")
+    if cfg.train.recompute != "none":
+        on.append(f"recompute {cfg.train.recompute}")
+    if par.overlap_grad_reduce and par.dp > 1:
+        on.append("overlap_grad_reduce")
+    return ", " + ", ".join(on) if on else ""
 
 
 def _open_metrics(out: Path, resumed_step: int):
