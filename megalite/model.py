@@ -144,8 +144,7 @@ class GPTStage(nn.Module):
             self.wpe = _replicated((cfg.block_size, cfg.n_embd), "normal")
             self.drop = SeqDropout(cfg.dropout, grid.tp, self.sp)
         self.blocks = nn.ModuleDict({str(i): Block(cfg, grid.tp, self.sp, recompute) for i in self.layers})
-        layers = self.layers
-        for i in layers:
+        for i in self.layers:
             _place(self.blocks[str(i)], f"layer.{i}")
         if self.last:
             self.ln_f = LayerNorm(cfg.n_embd)

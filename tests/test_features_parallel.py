@@ -74,6 +74,10 @@ def _compare(tag, run, ref, loss_rtol, param_rtol, failures, first_step=1):
         if abs(got[step] - w) > loss_rtol * abs(w):
             failures.append(f"{tag} step {step}: loss {got[step]} != {w} (rel {abs(got[step] - w) / w:.2e})")
     if param_rtol is not None:
+        # the final evaluation (forward only; over virtual stages with vpp) as well
+        got_val, want_val = run["history"][-1]["val_loss"], ref["history"][-1]["val_loss"]
+        if abs(got_val - want_val) > loss_rtol * abs(want_val):
+            failures.append(f"{tag}: final val_loss {got_val} != {want_val}")
         assert run["params"].keys() == ref["params"].keys(), tag
         worst = max((H.rel_err(run["params"][k], ref["params"][k]), k) for k in ref["params"])
         if worst[0] >= param_rtol:
@@ -103,7 +107,7 @@ def test_features_alone_and_together_match_single_process_and_reshard(tmp_path, 
         ("A16", {**A, **BF16}), ("B16", {**B, **BF16}), ("C16", {**C, **BF16}),
     ]
     run_parallel(_worker, 8, tmp / "rdzv8", args=(token_file, tmp, eight))
-    four = [("D", D), ("D16", {**D, **BF16}), *((f"alone-{k}", v) for k, v in ALONE.items()),
+    four = [("D", D), ("D_afab", {**D, "parallel.schedule": "afab"}), ("D16", {**D, **BF16}), *((f"alone-{k}", v) for k, v in ALONE.items()),
             *((f"drop-{rc}", {**DROP, "train.recompute": rc}) for rc in ("none", "selective", "full"))]
     run_parallel(_worker, 4, tmp / "rdzv4", args=(token_file, tmp, four))
 
@@ -116,7 +120,8 @@ def test_features_alone_and_together_match_single_process_and_reshard(tmp_path, 
     assert ref["history"][-1]["loss"] < ref["history"][0]["loss"]  # it does train
 
     failures = []
-    for name, r in (("A", ref), ("B", ref), ("C", ref8), ("D", ref), *((f"alone-{k}", ref) for k in ALONE)):
+    for name, r in (("A", ref), ("B", ref), ("C", ref8), ("D", ref), ("D_afab", ref),
+                    *((f"alone-{k}", ref) for k in ALONE)):
         _compare(name, _load(tmp, name), r, 1e-5, 1e-4, failures)
     for name in ("B_resume", "E_resume"):
         _compare(name, _load(tmp, name), ref, 1e-5, 1e-4, failures, first_step=3)

@@ -173,21 +173,22 @@ def _worker(rank: int, world: int, tmp: str, o: dict) -> None:
 
 
 # ---------------------------------------------------------------- the driver
-def bench_features(o: dict, worlds: list, run_single) -> dict:
-    """Tables 4-7 for the bench model in `o` (see bench_train); run_single(kind, raw, steps) times one process."""
+def bench_features(o: dict, worlds: list, run_single, parts=("memory", "interleaved", "overlap", "precision")) -> dict:
+    """Tables 4-7 for the bench model in `o` (see bench_train); run_single(kind, raw, steps) times one process.
+    `parts` leaves out the gloo tables when only "precision" is asked for."""
     from ..testing import run_parallel
     m = o["model"]
     o = {**o, "overlap_layouts": {str(w): [lay for lay in ((1, 1, w), (2, 1, w // 2))
                                             if lay[2] > 1 and m["n_head"] % lay[0] == 0
                                             and o["batch"] % (o["micro"] * lay[2]) == 0] for w in worlds}}
     results = {}
-    for w in worlds:
+    for w in (worlds if set(parts) - {"precision"} else []):
         run_parallel(_worker, w, tmp_dir=o["work"], args=(o,))
         with open(os.path.join(o["work"], f"features-{w}.json")) as f:
             results[w] = json.load(f)
     memory, bubble, overlap = [], [], []
     s, b, h, a = m["block_size"], o["micro"], m["n_embd"], m["n_head"]
-    for w in worlds:
+    for w in results:
         for r in results[w][0]["memory"]:  # every rank measures the same
             want = layer_activation_bytes(r["recompute"], s, b, h, a, w, r["sp"])
             memory.append({**r, "formula": want, "ratio": r["bytes"] / want})
@@ -208,15 +209,19 @@ def bench_features(o: dict, worlds: list, run_single) -> dict:
                         "train": {"global_batch_size": o["batch"], "micro_batch_size": o["micro"], "steps": 1000,
                                   "warmup_steps": 10, "eval_batches": 1, "out_dir": o["work"], "precision": prec},
                         "data": {"path": o["data"]}}
+    times = {"fp32": [], "bf16": []}
+    for _ in range(o.get("rounds", 2)):  # alternate, pool the step times: drifts in machine speed hit both
+        for prec in times:
+            times[prec] += run_single("megalite", raw(prec), o["steps"])["times"]
     precision = []
-    for prec in ("fp32", "bf16"):
-        med = statistics.median(run_single("megalite", raw(prec), o["steps"])["times"])
+    for prec, ts in times.items():
+        med = statistics.median(ts)
         precision.append({"precision": prec, "tokens_per_s": o["batch"] * s / med, "ms_per_step": med * 1000})
     return {"memory": memory, "interleaved": bubble, "overlap": overlap, "precision": precision}
 
 
 def format_feature_tables(out: dict, model: dict, micro: int) -> str:
-    s = ["", f"4. activation bytes saved for backward by one layer (micro-batch {micro}, seq {model['block_size']}, "
+    s = ["\n", f"4. activation bytes saved for backward by one layer (micro-batch {micro}, seq {model['block_size']}, "
              f"hidden {model['n_embd']}, {model['n_head']} heads, fp32, dropout 0): saved_tensors_hooks vs "
              f"Korthikanti et al. adapted (megalite.bench.features.layer_activation_bytes)"]
     s.append(table(["tp", "recompute", "sp", "measured KiB", "formula KiB", "measured/formula", "vs sp off"],

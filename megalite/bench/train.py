@@ -229,7 +229,7 @@ def bench_train(steps: int = 10, nproc: int = 4, n_embd: int = 128, n_layer: int
             with open(os.path.join(work, f"train-{w}.json")) as f:
                 results[w] = json.load(f)
         worlds = [w for w in sorted({2, nproc}) if n_head % w == 0 and block_size % w == 0 and w <= n_layer]
-        features = bench_features({**o, "bucket_mb": 0.5}, worlds, _run_single)
+        features = bench_features({**o, "bucket_mb": 0.5, "rounds": rounds}, worlds, _run_single)
     finally:
         shutil.rmtree(work, ignore_errors=True)
     tokens = batch * block_size

@@ -75,26 +75,26 @@ class P2P:
         self.grid, self.shape, self.dtype, self.device = grid, tuple(shape), dtype, device
         self.pending: list = []
 
-    def _send(self, t: torch.Tensor, dst: int, tag: int = 0) -> None:
+    def send_to(self, t: torch.Tensor, dst: int, tag: int = 0) -> None:
         t = t.detach().to(self.dtype).contiguous()
         self.pending.append((dist.isend(t, dst, tag=tag), t))
 
-    def _recv(self, src: int, tag: int = 0) -> torch.Tensor:
+    def recv_from(self, src: int, tag: int = 0) -> torch.Tensor:
         t = torch.empty(self.shape, dtype=self.dtype, device=self.device)
         dist.recv(t, src, tag=tag)
         return t
 
     def send_forward(self, act):
-        self._send(act, self.grid.next_rank)
+        self.send_to(act, self.grid.next_rank)
 
     def recv_forward(self):
-        return self._recv(self.grid.prev_rank)
+        return self.recv_from(self.grid.prev_rank)
 
     def send_backward(self, grad):
-        self._send(grad, self.grid.prev_rank)
+        self.send_to(grad, self.grid.prev_rank)
 
     def recv_backward(self):
-        return self._recv(self.grid.next_rank)
+        return self.recv_from(self.grid.next_rank)
 
     def wait(self) -> None:
         for work, _ in self.pending:
@@ -211,7 +211,7 @@ class _VirtualRunner:
     so sends and receives pair up whatever order the two ranks post them in.
     """
 
-    def __init__(self, stage_fn, inputs, p2p: Optional[P2P], grid: ParallelGrid, num_micro: int, vpp: int):
+    def __init__(self, stage_fn, inputs, p2p: Optional[P2P], grid: ParallelGrid, vpp: int):
         self.stage_fn, self.inputs, self.p2p, self.grid, self.vpp = stage_fn, inputs, p2p, grid, vpp
         self.pp, self.rank = grid.layout.pp, grid.coord.pp
         self.n_virtual = self.pp * vpp
@@ -229,13 +229,13 @@ class _VirtualRunner:
         if s == 0:
             x = self.inputs[micro]
         else:
-            x = self.p2p._recv(self._neighbour(-1), self._tag(micro, s - 1, False))
+            x = self.p2p.recv_from(self._neighbour(-1), self._tag(micro, s - 1, False))
             x.requires_grad_(keep)
         out = self.stage_fn(x, micro, chunk)
         if s == self.n_virtual - 1:
             self.losses.append(out.detach())
         else:
-            self.p2p._send(out, self._neighbour(1), self._tag(micro, s, False))
+            self.p2p.send_to(out, self._neighbour(1), self._tag(micro, s, False))
         if keep:
             self.in_flight[chunk].append((x, out))
 
@@ -245,16 +245,16 @@ class _VirtualRunner:
         if s == self.n_virtual - 1:
             torch.autograd.backward(out)
         else:
-            torch.autograd.backward(out, self.p2p._recv(self._neighbour(1), self._tag(micro, s, True)))
+            torch.autograd.backward(out, self.p2p.recv_from(self._neighbour(1), self._tag(micro, s, True)))
         if s > 0:
-            self.p2p._send(x.grad, self._neighbour(-1), self._tag(micro, s - 1, True))
+            self.p2p.send_to(x.grad, self._neighbour(-1), self._tag(micro, s - 1, True))
 
 
 def interleaved(stage_fn, inputs, num_micro: int, grid: ParallelGrid, p2p: Optional[P2P], vpp: int,
                 all_warmup: bool = False) -> list:
     """Interleaved 1F1B over vpp model chunks per rank (afab order when all_warmup); stage_fn(x, micro, chunk).
     The bubble shrinks to (pp - 1) / (vpp * m + pp - 1) of the step, at vpp times the p2p messages."""
-    r = _VirtualRunner(stage_fn, inputs, p2p, grid, num_micro, vpp)
+    r = _VirtualRunner(stage_fn, inputs, p2p, grid, vpp)
     for kind, micro, chunk in interleaved_order(grid.layout.pp, grid.coord.pp, num_micro, vpp, all_warmup):
         (r.forward if kind == "F" else r.backward)(micro, chunk)
     if p2p:
@@ -266,7 +266,7 @@ def interleaved(stage_fn, inputs, num_micro: int, grid: ParallelGrid, p2p: Optio
 def interleaved_forward_only(stage_fn, inputs, num_micro: int, grid: ParallelGrid, p2p: Optional[P2P],
                              vpp: int) -> list:
     """Evaluation over virtual stages: every forward in the interleaved order, no backward."""
-    r = _VirtualRunner(stage_fn, inputs, p2p, grid, num_micro, vpp)
+    r = _VirtualRunner(stage_fn, inputs, p2p, grid, vpp)
     for kind, micro, chunk in interleaved_order(grid.layout.pp, grid.coord.pp, num_micro, vpp, all_warmup=True):
         if kind == "F":
             r.forward(micro, chunk, keep=False)
