@@ -134,3 +134,9 @@ def test_afab_order_and_forward_only_order():
     ops = interleaved_order(2, 0, 4, 2, all_warmup=True)
     assert [k for k, _, _ in ops] == ["F"] * 8 + ["B"] * 8
     assert _simulate(2, 4, 2)[0] < 1
+
+
+def test_inspect_names_an_interleaved_stages_layer_runs():
+    from megalite.checkpoint.verify import _span
+    rank0 = [i for chunk in chunk_layers(8, 2, 2)[0] for i in chunk]
+    assert _span(rank0) == "0-1,4-5" and _span([2, 3]) == "2-3" and _span([]) == "-"
