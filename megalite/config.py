@@ -56,6 +56,9 @@ class ParallelConfig:
     schedule: str = "1f1b"  # "1f1b" | "afab"
     zero1: bool = False
     bucket_mb: float = 25.0  # size of a data-parallel gradient all-reduce bucket
+    sp: bool = False  # sequence parallelism: LayerNorm/dropout regions hold seq/tp of the sequence
+    vpp: int = 1  # virtual pipeline stages per rank (interleaved 1F1B when > 1)
+    overlap_grad_reduce: bool = False  # all-reduce dp gradient buckets during backward, as they fill
 
 
 @dataclass
@@ -79,6 +82,7 @@ class TrainConfig:
     eval_batches: int = 4
     out_dir: str = "runs/tiny"
     precision: str = "auto"  # "auto" (bf16 autocast on GPU, fp32 on CPU) | "fp32" | "bf16"
+    recompute: str = "none"  # activation recomputation: "none" | "selective" (attention core) | "full" (blocks)
 
 
 @dataclass
@@ -271,6 +275,7 @@ def validate(cfg: Config, world_size: int | None = None) -> Config:
         raise ConfigError(f"checkpoint.on_error = '{cfg.checkpoint.on_error}': expected 'stop' or 'continue'")
     if t.precision not in ("auto", "fp32", "bf16"):
         raise ConfigError(f"train.precision = '{t.precision}': expected 'auto', 'fp32' or 'bf16'")
+    _validate_memory_features(cfg)
     if m.n_embd % m.n_head:
         raise ConfigError(f"model.n_embd = {m.n_embd} is not divisible by model.n_head = {m.n_head}")
     try:
@@ -292,6 +297,27 @@ def validate(cfg: Config, world_size: int | None = None) -> Config:
 def seq_len(cfg: Config) -> int:
     """Tokens per training sequence: train.seq_len, or the whole position table when it is 0."""
     return cfg.train.seq_len or cfg.model.block_size
+def _validate_memory_features(cfg: Config) -> None:
+    """Sequence parallelism, virtual pipeline stages and activation recomputation (issue 13's knobs)."""
+    m, par, t = cfg.model, cfg.parallel, cfg.train
+    if t.recompute not in ("none", "selective", "full"):
+        raise ConfigError(f"train.recompute = '{t.recompute}': expected 'none', 'selective' or 'full'")
+    if par.vpp <= 0:
+        raise ConfigError(f"parallel.vpp = {par.vpp}: must be a positive integer")
+    if par.vpp > 1:
+        if par.pp < 2:
+            raise ConfigError(f"parallel.vpp = {par.vpp} needs parallel.pp >= 2 (virtual stages interleave "
+                              f"pipeline ranks), got parallel.pp = {par.pp}")
+        if par.pp * par.vpp > m.n_layer:
+            raise ConfigError(f"parallel.pp * parallel.vpp = {par.pp}*{par.vpp} is larger than model.n_layer = "
+                              f"{m.n_layer} (every model chunk needs at least one layer)")
+        per_step = t.micro_batch_size * par.dp
+        if t.global_batch_size % per_step == 0 and (t.global_batch_size // per_step) % par.pp:
+            raise ConfigError(f"parallel.vpp = {par.vpp}: the interleaved schedule needs the micro-batches per "
+                              f"step ({t.global_batch_size // per_step}) to be a multiple of parallel.pp = {par.pp}")
+    if par.sp and seq_len(cfg) % par.tp:
+        raise ConfigError(f"parallel.sp: the sequence length (train.seq_len, 0: model.block_size) = {seq_len(cfg)} "
+                          f"is not divisible by parallel.tp = {par.tp}")
 
 
 def num_microbatches(cfg: Config) -> int:

@@ -4,7 +4,13 @@ One `GPTStage` is the part of the model a pipeline stage holds: the embeddings o
 a contiguous range of blocks (keyed by their global layer id), and the final LayerNorm + LM head on the
 last (tied to wte, as in GPT-2, or a separate `lm_head.weight`). With tp = pp = 1 it is the whole GPT-2;
 the options Hugging Face's GPT2Config has and megalite honours are `tie_embeddings`, `layer_norm_eps`
-and `activation` (see README, "Hugging Face fidelity").
+and `activation` (see README, "Hugging Face fidelity"). With vpp virtual stages a stage holds vpp chunks of
+blocks (`forward(..., chunk=j)` runs one); the embeddings belong to chunk 0 of the first stage, the head to
+the last chunk of the last stage.
+
+Memory features (issue 13): with sequence parallelism (sp) the residual stream between the tp regions is
+(B, T/tp, C) on each rank (LayerNorm, dropout and the residual adds run on seq/tp of the tokens);
+recompute = "selective" recomputes the attention core in backward, "full" each block from its input.
 """
 from __future__ import annotations
 
@@ -16,12 +22,14 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 from einops import rearrange
+from torch.utils.checkpoint import checkpoint
 
 from .config import ModelConfig
 from .parallel.grid import Axis, ParallelGrid
-from .parallel.pipeline import partition_layers
+from .parallel.pipeline import chunk_layers
 from .parallel.tensor import (ColumnParallelLinear, Partition, RowParallelLinear, VocabParallelEmbedding,
-                              copy_to_tp, init_local, local_shape, partition_of, tag, vocab_parallel_cross_entropy)
+                              copy_to_tp, gather_from_sp, init_local, local_shape, partition_of, seq_chunk, tag,
+                              vocab_parallel_cross_entropy)
 
 
 def _place(module: nn.Module, placement: str) -> None:
@@ -54,28 +62,62 @@ class LayerNorm(nn.Module):
         return F.layer_norm(x, self.weight.shape, self.weight, self.bias, self.eps)
 
 
+class SeqDropout(nn.Module):
+    """Dropout on the residual stream, the same mask whether or not it is sequence-parallel.
+
+    The mask is drawn for the whole (B, T, C) from the default generator, which all tp ranks share, and
+    with sp each rank keeps its sequence chunk: sp changes nothing about which elements drop, and
+    torch.utils.checkpoint's RNG replay makes recomputation draw the same mask again.
+    """
+
+    def __init__(self, p: float, tp: Axis, sp: bool):
+        super().__init__()
+        self.p, self.tp, self.sp = p, tp, sp and tp.active
+
+    def forward(self, x):  # (B, T or T/tp, C)
+        if not self.training or self.p == 0.0:
+            return x
+        shape = list(x.shape)
+        if self.sp:
+            shape[1] *= self.tp.size
+        keep = torch.empty(shape, dtype=torch.bool, device=x.device).bernoulli_(1.0 - self.p)
+        if self.sp:
+            keep = keep[:, slice(*seq_chunk(shape[1], self.tp))]
+        return x * keep / (1.0 - self.p)
+
+
+def _attention_core(q, k, v, dropout_p: float):  # (B, H, T, D) x3 -> (B, H, T, D)
+    return F.scaled_dot_product_attention(q, k, v, is_causal=True, dropout_p=dropout_p)
+
+
 class CausalSelfAttention(nn.Module):
-    def __init__(self, cfg: ModelConfig, tp: Axis):
+    def __init__(self, cfg: ModelConfig, tp: Axis, sp: bool = False, recompute: str = "none"):
         super().__init__()
         self.head_dim = cfg.n_embd // cfg.n_head
-        self.qkv = ColumnParallelLinear(cfg.n_embd, cfg.n_embd, tp, stack=3)  # heads split across tp
-        self.proj = RowParallelLinear(cfg.n_embd, cfg.n_embd, tp)
+        self.qkv = ColumnParallelLinear(cfg.n_embd, cfg.n_embd, tp, stack=3, sp=sp)  # heads split across tp
+        self.proj = RowParallelLinear(cfg.n_embd, cfg.n_embd, tp, sp=sp)
         _retag(self.proj.weight, init="scaled")  # GPT-2: residual projections get std / sqrt(2 * n_layer)
         self.dropout = cfg.dropout
+        self.selective = recompute == "selective"
 
-    def forward(self, x):  # (B, T, C) -> (B, T, C)
+    def forward(self, x):  # (B, T, C) -> (B, T, C); with sp (B, T/tp, C) -> (B, T/tp, C)
         qkv = self.qkv(x)  # (B, T, 3 * C/tp)
         q, k, v = rearrange(qkv, "b t (three h d) -> three b h t d", three=3, d=self.head_dim)
-        y = F.scaled_dot_product_attention(q, k, v, is_causal=True,
-                                           dropout_p=self.dropout if self.training else 0.0)
+        p = self.dropout if self.training else 0.0
+        if self.selective and torch.is_grad_enabled():
+            # Selective recomputation (Korthikanti et al.): keep only q, k, v; the softmax statistics, the
+            # attention dropout mask and the output are recomputed in backward, with the RNG state replayed.
+            y = checkpoint(_attention_core, q, k, v, p, use_reentrant=False)
+        else:
+            y = _attention_core(q, k, v, p)
         return self.proj(rearrange(y, "b h t d -> b t (h d)"))
 
 
 class MLP(nn.Module):
-    def __init__(self, cfg: ModelConfig, tp: Axis):
+    def __init__(self, cfg: ModelConfig, tp: Axis, sp: bool = False):
         super().__init__()
-        self.fc = ColumnParallelLinear(cfg.n_embd, 4 * cfg.n_embd, tp)
-        self.proj = RowParallelLinear(4 * cfg.n_embd, cfg.n_embd, tp)
+        self.fc = ColumnParallelLinear(cfg.n_embd, 4 * cfg.n_embd, tp, sp=sp)
+        self.proj = RowParallelLinear(4 * cfg.n_embd, cfg.n_embd, tp, sp=sp)
         _retag(self.proj.weight, init="scaled")
         self.act = ACTIVATION_FNS[cfg.activation]
 
@@ -84,11 +126,11 @@ class MLP(nn.Module):
 
 
 class Block(nn.Module):
-    def __init__(self, cfg: ModelConfig, tp: Axis):
+    def __init__(self, cfg: ModelConfig, tp: Axis, sp: bool = False, recompute: str = "none"):
         super().__init__()
-        self.ln_1, self.attn = LayerNorm(cfg.n_embd, cfg.layer_norm_eps), CausalSelfAttention(cfg, tp)
-        self.ln_2, self.mlp = LayerNorm(cfg.n_embd, cfg.layer_norm_eps), MLP(cfg, tp)
-        self.drop = nn.Dropout(cfg.dropout)
+        self.ln_1, self.attn = LayerNorm(cfg.n_embd, cfg.layer_norm_eps), CausalSelfAttention(cfg, tp, sp, recompute)
+        self.ln_2, self.mlp = LayerNorm(cfg.n_embd, cfg.layer_norm_eps), MLP(cfg, tp, sp)
+        self.drop = SeqDropout(cfg.dropout, tp, sp)
 
     def forward(self, x):
         x = x + self.drop(self.attn(self.ln_1(x)))
@@ -96,19 +138,20 @@ class Block(nn.Module):
 
 
 class GPTStage(nn.Module):
-    def __init__(self, cfg: ModelConfig, grid: ParallelGrid, layers: Optional[range] = None):
+    def __init__(self, cfg: ModelConfig, grid: ParallelGrid, layers: Optional[range] = None, vpp: int = 1,
+                 sp: bool = False, recompute: str = "none"):
         super().__init__()
         self.cfg, self.tp = cfg, grid.tp
+        self.sp, self.full_recompute = sp and grid.tp.active, recompute == "full"
         self.first, self.last = grid.is_first_stage, grid.is_last_stage
-        if layers is None:
-            layers = partition_layers(cfg.n_layer, grid.layout.pp)[grid.coord.pp]
-        self.layers = layers
+        self.chunks = [layers] if layers is not None else chunk_layers(cfg.n_layer, grid.layout.pp, vpp)[grid.coord.pp]
+        self.layers = [i for chunk in self.chunks for i in chunk]
         if self.first:
-            self.wte = VocabParallelEmbedding(cfg.vocab_size, cfg.n_embd, grid.tp)
+            self.wte = VocabParallelEmbedding(cfg.vocab_size, cfg.n_embd, grid.tp, sp=self.sp)
             self.wpe = _replicated((cfg.block_size, cfg.n_embd), "normal")
-            self.drop = nn.Dropout(cfg.dropout)
-        self.blocks = nn.ModuleDict({str(i): Block(cfg, grid.tp) for i in layers})
-        for i in layers:
+            self.drop = SeqDropout(cfg.dropout, grid.tp, self.sp)
+        self.blocks = nn.ModuleDict({str(i): Block(cfg, grid.tp, self.sp, recompute) for i in self.layers})
+        for i in self.layers:
             _place(self.blocks[str(i)], f"layer.{i}")
         if self.last:
             self.ln_f = LayerNorm(cfg.n_embd, cfg.layer_norm_eps)
@@ -140,22 +183,33 @@ class GPTStage(nn.Module):
                 p.copy_(init_local(name, partition_of(p), "normal" if kind == "scaled" else kind, seed, scale,
                                    self.tp.rank, self.tp.size))
 
-    def forward(self, x, targets=None):
-        """First stage: x is ids (B, T); others: hidden (B, T, C). Last stage returns the mean loss
-        (or local logits (B, T, V/tp) when targets is None); others return hidden (B, T, C)."""
-        if self.first:
+    def run_block(self, i: int, x):
+        """Block i (global id) on x; with full recomputation only x is kept, and the block is rerun (RNG
+        replayed) in backward."""
+        block = self.blocks[str(i)]
+        if self.full_recompute and torch.is_grad_enabled():
+            return checkpoint(block, x, use_reentrant=False)
+        return block(x)
+
+    def forward(self, x, targets=None, chunk: int = 0):
+        """Chunk 0 of the first stage: x is ids (B, T); others: hidden (B, T, C) ((B, T/tp, C) with sp).
+        The last chunk of the last stage returns the mean loss (or local logits (B, T, V/tp) when targets
+        is None); others return hidden."""
+        if self.first and chunk == 0:
             T = x.shape[1]
-            x = self.drop(self.wte(x) + self.wpe[:T])  # (B, T, C)
-        for block in self.blocks.values():
-            x = block(x)
-        if not self.last:
+            pos = self.wpe[slice(*seq_chunk(T, self.tp))] if self.sp else self.wpe[:T]
+            x = self.drop(self.wte(x) + pos)  # (B, T, C); with sp (B, T/tp, C)
+        for i in self.chunks[chunk]:
+            x = self.run_block(i, x)
+        if not (self.last and chunk == len(self.chunks) - 1):
             return x
         x = self.ln_f(x)
         if not self.cfg.tie_embeddings:
             head = self.lm_head.weight
         else:
             head = self.wte.weight if self.first else self.lm_head
-        logits = F.linear(copy_to_tp(x, self.tp), head)  # (B, T, V/tp)
+        x = gather_from_sp(x, self.tp) if self.sp else copy_to_tp(x, self.tp)  # (B, T, C)
+        logits = F.linear(x, head)  # (B, T, V/tp)
         if targets is None:
             return logits
         return vocab_parallel_cross_entropy(logits, targets, self.cfg.vocab_size, self.tp).mean()

@@ -31,8 +31,8 @@ from .model import GPTStage
 from .optim import grad_norm, lr_at
 from .parallel.data import GradBuffer, ShardedAdamW
 from .parallel.grid import Layout, ParallelGrid
-from .parallel.pipeline import P2P, SCHEDULES, forward_only
-from .parallel.tensor import partition_of
+from .parallel.pipeline import P2P, SCHEDULES, forward_only, interleaved, interleaved_forward_only
+from .parallel.tensor import partition_of, sync_sequence_parallel_grads
 
 
 # ---------------------------------------------------------------- process group
@@ -104,10 +104,11 @@ class Trainer:
 
 def build(cfg: Config, grid: ParallelGrid, device: torch.device) -> Trainer:
     t = cfg.train
-    model = GPTStage(cfg.model, grid).to(device)
+    par = cfg.parallel
+    model = GPTStage(cfg.model, grid, vpp=par.vpp, sp=par.sp, recompute=t.recompute).to(device)
     model.init_weights(t.seed)
     params = sorted(model.global_parameters(), key=lambda np_: np_[0])
-    grads = GradBuffer([p for _, p in params], grid.dp, cfg.parallel.bucket_mb)
+    grads = GradBuffer([p for _, p in params], grid.dp, par.bucket_mb, overlap=par.overlap_grad_reduce)
     opt = ShardedAdamW(params, grid.tp, grid.dp, cfg.parallel.zero1, betas=(t.beta1, t.beta2),
                        weight_decay=t.weight_decay, bucket_mb=cfg.parallel.bucket_mb)
     train_ds, val_ds = TokenDataset(cfg.data.path, "train"), TokenDataset(cfg.data.path, "val")
@@ -131,16 +132,23 @@ def _run_pipeline(tr: Trainer, x, y, train: bool) -> float:
     cfg, grid = tr.cfg, tr.grid
     m = num_microbatches(cfg)
     xs, ys = _micro(x, m, tr.device), _micro(y, m, tr.device)
-    shape = (cfg.train.micro_batch_size, seq_len(cfg), cfg.model.n_embd)
+    seq = seq_len(cfg) // (grid.tp.size if tr.model.sp else 1)  # sp: stages pass seq/tp positions
+    shape = (cfg.train.micro_batch_size, seq, cfg.model.n_embd)
     p2p = P2P(grid, shape, torch.float32, tr.device) if grid.layout.pp > 1 else None
+    vpp = len(tr.model.chunks)
 
-    def stage_fn(inp, i):
+    def stage_fn(inp, i, chunk=0):
+        last = grid.is_last_stage and chunk == vpp - 1
         with tr.autocast():
-            out = tr.model(inp, ys[i] if grid.is_last_stage else None)
-        return out / m if grid.is_last_stage else out  # the mean over micro-batches is a sum of means / m
+            out = tr.model(inp, ys[i] if last else None, chunk=chunk)
+        return out / m if last else out  # the mean over micro-batches is a sum of means / m
 
     tr.model.train(train)
-    if train:
+    if vpp > 1 and train:
+        losses = interleaved(stage_fn, xs, m, grid, p2p, vpp, all_warmup=cfg.parallel.schedule == "afab")
+    elif vpp > 1:
+        losses = interleaved_forward_only(stage_fn, xs, m, grid, p2p, vpp)
+    elif train:
         losses = SCHEDULES[cfg.parallel.schedule](stage_fn, xs, m, grid, p2p)
     else:
         losses = forward_only(stage_fn, xs, m, grid, p2p)
@@ -159,13 +167,16 @@ def train_step(tr: Trainer) -> dict:
     lr = lr_at(tr.step, cfg.train)
     x, y = tr.sampler.next_batch()
     tr.grads.zero()
+    tr.grads.arm(num_microbatches(cfg))  # overlap_grad_reduce: buckets reduce during the last backward
     loss = _run_pipeline(tr, x, y, train=True)
+    tr.grads.finish()  # the dp mean of every gradient bucket
     # The tied embedding has two copies (first and last stage): add their gradients so both step alike.
     if grid.embed.active and cfg.model.tie_embeddings:
         for _, p in tr.params:
             if partition_of(p).tied:
                 dist.all_reduce(p.grad, group=grid.embed.group)
-    tr.grads.all_reduce_mean()
+    if tr.model.sp:  # sequence parallelism: replicated parameters saw seq/tp of the tokens on each rank
+        sync_sequence_parallel_grads([p for _, p in tr.params], grid.tp)
     norm = grad_norm(tr.params, grid)
     clip = cfg.train.grad_clip
     scale = clip / (norm + 1e-6) if clip > 0 and norm > clip else 1.0
@@ -237,7 +248,7 @@ def train(cfg: Config, log=print) -> Trainer:
     if is_logger:
         log(f"megalite: {grid.layout} on {grid.layout.world_size} {device.type} process(es), "
             f"{num_microbatches(cfg)} micro-batches/step, schedule {cfg.parallel.schedule}, "
-            f"zero1 {'on' if cfg.parallel.zero1 else 'off'}, precision {tr.precision}")
+            f"zero1 {'on' if cfg.parallel.zero1 else 'off'}, precision {tr.precision}{_features(cfg)}")
     start, t_start = tr.step, time.perf_counter()
     ckpt.install_signal_handlers()
     try:
@@ -331,6 +342,18 @@ def log_traceback(out_dir: Path, rank: int) -> None:
                 f.write(f"--- rank {rank}, {time.strftime('%Y-%m-%dT%H:%M:%S')}\n{traceback.format_exc()}")
     except OSError:
         pass
+def _features(cfg: Config) -> str:
+    """The memory/bubble features that are on, for the start-up line."""
+    par, on = cfg.parallel, []
+    if par.sp and par.tp > 1:
+        on.append("sp")
+    if par.vpp > 1:
+        on.append(f"vpp {par.vpp} (interleaved)")
+    if cfg.train.recompute != "none":
+        on.append(f"recompute {cfg.train.recompute}")
+    if par.overlap_grad_reduce and par.dp > 1:
+        on.append("overlap_grad_reduce")
+    return ", " + ", ".join(on) if on else ""
 
 
 def _open_metrics(out: Path, resumed_step: int):

@@ -1,6 +1,8 @@
 """`megalite bench ckpt|train` run end to end at a tiny size and print their tables (timings are not checked)."""
 from __future__ import annotations
 
+import re
+
 from helpers import cli, ok
 
 
@@ -28,3 +30,11 @@ def test_bench_train_prints_its_tables(tmp_path):
         assert header in out, header
     for row in ("\nplain ", "\nmegalite ", "1f1b", "afab", "\n1,1,2 ", "\n1,2,1 ", "\n2,1,1 "):
         assert row in out, row
+    # issue 13's tables: activation bytes per recompute x sp (measured = the adapted formula), the interleaved
+    # bubble, exposed dp reduction with and without overlap, bf16 vs fp32
+    for header in ("4. activation bytes", "measured/formula", "5. interleaved 1F1B", "6. exposed dp gradient",
+                   "overlap_grad_reduce", "7. precision", "\nbf16 "):
+        assert header in out, header
+    for rc in ("none", "selective", "full"):
+        for sp in ("off", "on"):
+            assert re.search(rf"\n2 +{rc} +{sp} .* 1\.000 ", out), (rc, sp)

@@ -18,7 +18,6 @@ import math
 import re
 import shlex
 import shutil
-import sys
 from pathlib import Path
 
 import pytest

@@ -6,6 +6,8 @@
    schedule (blocked receives, send completion) over the schedule's time, averaged over stages, vs
    (pp-1)/(m+pp-1); and the peak bytes saved for backward (a saved_tensors_hooks counter), per stage.
 3. Every layout of `nproc` processes: tokens/s and the share of step time inside torch.distributed calls.
+4-7. Activation memory per recompute / sp setting, the interleaved schedule's bubble, exposed dp
+   communication with and without overlap, bf16 vs fp32 (see features.py).
 All processes run one thread each (the gloo workers of megalite.testing do).
 """
 from __future__ import annotations
@@ -25,6 +27,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from . import SavedBytes, patch_dist, table
+from .features import bench_features, format_feature_tables
 
 
 # ---------------------------------------------------------------- the plain PyTorch reference
@@ -225,6 +228,8 @@ def bench_train(steps: int = 10, nproc: int = 4, n_embd: int = 128, n_layer: int
             run_parallel(_worker, w, tmp_dir=work, args=({**o, "bubble": w in pps, "layouts": lays},))
             with open(os.path.join(work, f"train-{w}.json")) as f:
                 results[w] = json.load(f)
+        worlds = [w for w in sorted({2, nproc}) if n_head % w == 0 and block_size % w == 0 and w <= n_layer]
+        features = bench_features({**o, "bucket_mb": 0.5, "rounds": rounds}, worlds, _run_single)
     finally:
         shutil.rmtree(work, ignore_errors=True)
     tokens = batch * block_size
@@ -251,8 +256,8 @@ def bench_train(steps: int = 10, nproc: int = 4, n_embd: int = 128, n_layer: int
         comm = statistics.mean(sum(r["comm"]) / sum(r["times"]) for r in ranks)
         layouts.append({"layout": tuple(lay), "micro_batches": batch // (micro * lay[2]), "tokens_per_s": tokens / step,
                         "ms_per_step": step * 1000, "comm_frac": comm})
-    out = {"single": single, "bubble": bubble, "layouts": layouts}
-    log(format_tables(out, model, batch, micro, steps))
+    out = {"single": single, "bubble": bubble, "layouts": layouts, **features}
+    log(format_tables(out, model, batch, micro, steps) + format_feature_tables(features, model, micro))
     return out
 
 

@@ -60,16 +60,24 @@ def verify(path) -> tuple[Path, list[str]]:
 def _stage_layers(man: dict) -> dict[int, list[int]]:
     """The global layer ids each pipeline stage holds, read from the partition tags' placement."""
     n_layer = man.model_config.get("n_layer")
+    vpp = man.config.get("parallel", {}).get("vpp", 1)  # virtual stages: a rank holds vpp chunks
     out = defaultdict(set)
     for entry in man.model.values():
         placement = entry.partition.placement
         if placement.startswith("layer.") and n_layer:
-            out[stage_of(placement, n_layer, man.layout.pp)].add(int(placement.split(".", 1)[1]))
+            out[stage_of(placement, n_layer, man.layout.pp, vpp)].add(int(placement.split(".", 1)[1]))
     return {pp: sorted(ls) for pp, ls in out.items()}
 
 
 def _span(layers: list[int]) -> str:
-    return f"{layers[0]}-{layers[-1]}" if layers else "-"
+    """Sorted layer ids as ranges: "0-3", or "0-1,4-5" for the chunks of an interleaved (vpp) stage."""
+    runs: list[list[int]] = []
+    for i in layers:
+        if runs and i == runs[-1][1] + 1:
+            runs[-1][1] = i
+        else:
+            runs.append([i, i])
+    return ",".join(f"{a}-{b}" for a, b in runs) if runs else "-"
 
 
 def inspect(path) -> str:

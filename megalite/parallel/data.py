@@ -4,6 +4,12 @@ Gradients live in a few flat buckets (each parameter's .grad is a view into one)
 is one collective per bucket, not one per parameter. With zero1, each parameter's flattened local
 tensor is cut into dp ceil-sized pieces; dp rank r keeps the AdamW moments of piece r of every
 parameter, updates only those elements, and the updated pieces are all-gathered back.
+
+With overlap_grad_reduce each bucket's all-reduce starts, asynchronously, inside backward as soon as every
+parameter in it has accumulated its last micro-batch's gradient (post-accumulate-grad hooks count them);
+`finish()` waits for them before the optimizer step. ZeRO-1 keeps the all-reduce: its grad-norm clipping
+needs every gradient and its pieces are cut per parameter, not per bucket, so a reduce-scatter would not
+hand each rank its piece.
 """
 from __future__ import annotations
 
@@ -38,28 +44,77 @@ def _buckets(params: list, bucket_bytes: float) -> list[list]:
     return out
 
 
+def _backward_order(p) -> tuple:
+    """Sort key: the order backward finishes gradients in (head first, then layers downwards, embeddings
+    last), read from the placement tag."""
+    place = partition_of(p).placement
+    if place == "last":
+        return (0, 0)
+    if place.startswith("layer."):
+        return (1, -int(place.split(".", 1)[1]))
+    return (2, 0)
+
+
 class GradBuffer:
     """Flat fp32 gradient buckets; parameter .grad tensors are views into them.
 
-    Autograd accumulates micro-batch gradients into the views in place; `all_reduce_mean()` then
-    averages each whole bucket over dp with one collective.
+    Autograd accumulates micro-batch gradients into the views in place; `finish()` then averages each
+    whole bucket over dp with one collective (started during backward with overlap).
     """
 
-    def __init__(self, params: list, dp: Axis, bucket_mb: float = 25.0):
+    def __init__(self, params: list, dp: Axis, bucket_mb: float = 25.0, overlap: bool = False):
         self.dp = dp
-        self.buffers = []
-        # Backward produces gradients roughly from the last layer to the first: bucket in that order.
-        for bucket in _buckets(list(reversed(params)), bucket_mb * 2**20):
+        self.buffers, self.buckets = [], []
+        # Backward produces gradients from the last layer to the first: bucket in that order.
+        for bucket in _buckets(sorted(params, key=_backward_order), bucket_mb * 2**20):
             flat = torch.zeros(sum(p.numel() for p in bucket), dtype=torch.float32, device=bucket[0].device)
             offset = 0
             for p in bucket:
                 p.grad = flat[offset:offset + p.numel()].view_as(p)
                 offset += p.numel()
             self.buffers.append(flat)
+            self.buckets.append(bucket)
+        self.overlap = overlap and dp.active
+        self.works: list = [None] * len(self.buffers)
+        self.expected = 0  # accumulations per parameter in this step (its micro-batches); 0: not armed
+        if self.overlap:
+            self._where = {p: i for i, bucket in enumerate(self.buckets) for p in bucket}
+            self._hooks = [p.register_post_accumulate_grad_hook(self._accumulated) for p in self._where]
 
     def zero(self) -> None:
         for b in self.buffers:
             b.zero_()
+
+    def arm(self, num_micro: int) -> None:
+        """Overlap: this step runs num_micro backwards per parameter; a bucket is reduced after the last."""
+        if self.overlap:
+            self.expected = num_micro
+            self._seen = dict.fromkeys(self._where, 0)
+            self._left = [len(b) for b in self.buckets]
+
+    def _accumulated(self, p) -> None:
+        if not self.expected:
+            return
+        self._seen[p] += 1
+        if self._seen[p] == self.expected:
+            i = self._where[p]
+            self._left[i] -= 1
+            if self._left[i] == 0:  # the bucket is final: reduce it while backward goes on
+                self.works[i] = dist.all_reduce(self.buffers[i], group=self.dp.group, async_op=True)
+
+    def finish(self) -> None:
+        """Average every bucket over dp: wait for the overlapped all-reduces (start any whose parameters got
+        fewer gradients than expected, in bucket order on every rank), or do them all now without overlap."""
+        if not self.overlap:
+            return self.all_reduce_mean()
+        for i, b in enumerate(self.buffers):
+            if self.works[i] is None:
+                self.works[i] = dist.all_reduce(b, group=self.dp.group, async_op=True)
+        for i, b in enumerate(self.buffers):
+            self.works[i].wait()
+            b.div_(self.dp.size)
+        self.works = [None] * len(self.buffers)
+        self.expected = 0
 
     def all_reduce_mean(self) -> None:
         if not self.dp.active:

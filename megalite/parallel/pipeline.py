@@ -1,7 +1,9 @@
-"""Pipeline parallelism: layer partition, point-to-point activation passing, and the two schedules.
+"""Pipeline parallelism: layer partition, point-to-point activation passing, and the schedules.
 
 Stages keep *global* layer ids (stage 1 of 2 over 4 layers holds blocks 2 and 3), so checkpoints name
-layers the same way whatever the pipeline size.
+layers the same way whatever the pipeline size. With vpp virtual stages per rank (interleaved 1F1B), the
+layers are cut into pp * vpp groups and chunk j of rank r holds group j * pp + r (Megatron's assignment);
+`place_of` is the one function that maps a parameter's placement to its (pp rank, chunk).
 """
 from __future__ import annotations
 
@@ -30,14 +32,30 @@ def partition_layers(n_layer: int, pp: int) -> list[range]:
     return out
 
 
-def stage_of(placement: str, n_layer: int, pp: int) -> int:
-    """The pipeline stage that owns a parameter with this placement (see Partition.placement)."""
+def chunk_layers(n_layer: int, pp: int, vpp: int = 1) -> list[list[range]]:
+    """[pp rank][chunk] -> the layers of that model chunk: group j * pp + r of pp * vpp contiguous groups."""
+    groups = partition_layers(n_layer, pp * vpp)
+    return [[groups[j * pp + r] for j in range(vpp)] for r in range(pp)]
+
+
+def place_of(placement: str, n_layer: int, pp: int, vpp: int = 1) -> tuple[int, int]:
+    """(pp rank, chunk) that owns a parameter with this placement (see Partition.placement): "first" is
+    chunk 0 of rank 0 (the embeddings), "last" chunk vpp-1 of rank pp-1 (final LayerNorm, LM head)."""
     if placement == "first":
-        return 0
+        return 0, 0
     if placement == "last":
-        return pp - 1
+        return pp - 1, vpp - 1
     layer = int(placement.split(".", 1)[1])
-    return next(s for s, r in enumerate(partition_layers(n_layer, pp)) if layer in r)
+    for r, chunks in enumerate(chunk_layers(n_layer, pp, vpp)):
+        for j, layers in enumerate(chunks):
+            if layer in layers:
+                return r, j
+    raise ValueError(f"placement '{placement}' names no layer of a {n_layer}-layer model")
+
+
+def stage_of(placement: str, n_layer: int, pp: int, vpp: int = 1) -> int:
+    """The pipeline rank that owns a parameter with this placement."""
+    return place_of(placement, n_layer, pp, vpp)[0]
 
 
 def num_warmup_microbatches(pp: int, pp_rank: int, num_micro: int) -> int:
@@ -57,26 +75,26 @@ class P2P:
         self.grid, self.shape, self.dtype, self.device = grid, tuple(shape), dtype, device
         self.pending: list = []
 
-    def _send(self, t: torch.Tensor, dst: int) -> None:
+    def send_to(self, t: torch.Tensor, dst: int, tag: int = 0) -> None:
         t = t.detach().to(self.dtype).contiguous()
-        self.pending.append((dist.isend(t, dst), t))
+        self.pending.append((dist.isend(t, dst, tag=tag), t))
 
-    def _recv(self, src: int) -> torch.Tensor:
+    def recv_from(self, src: int, tag: int = 0) -> torch.Tensor:
         t = torch.empty(self.shape, dtype=self.dtype, device=self.device)
-        dist.recv(t, src)
+        dist.recv(t, src, tag=tag)
         return t
 
     def send_forward(self, act):
-        self._send(act, self.grid.next_rank)
+        self.send_to(act, self.grid.next_rank)
 
     def recv_forward(self):
-        return self._recv(self.grid.prev_rank)
+        return self.recv_from(self.grid.prev_rank)
 
     def send_backward(self, grad):
-        self._send(grad, self.grid.prev_rank)
+        self.send_to(grad, self.grid.prev_rank)
 
     def recv_backward(self):
-        return self._recv(self.grid.next_rank)
+        return self.recv_from(self.grid.next_rank)
 
     def wait(self) -> None:
         for work, _ in self.pending:
@@ -153,6 +171,108 @@ def one_f_one_b(stage_fn: StageFn, inputs, num_micro: int, grid: ParallelGrid, p
 
 
 SCHEDULES = {"afab": afab, "1f1b": one_f_one_b}
+
+
+# ---------------------------------------------------------------- interleaved (virtual stages)
+def interleaved_order(pp: int, pp_rank: int, num_micro: int, vpp: int, all_warmup: bool = False) -> list:
+    """The ("F" | "B", micro, chunk) operations rank pp_rank runs, in Megatron's interleaved 1F1B order.
+
+    Forwards go in groups of pp micro-batches: chunk 0 of micro 0..pp-1, chunk 1 of the same, ...;
+    backwards the same with chunks reversed. Warm-up: 2 * (pp - rank - 1) + (vpp - 1) * pp forwards, then
+    one forward + one backward pairs, then cool-down. With all_warmup (afab, or m == pp as in Megatron)
+    every forward runs before the first backward.
+    """
+    total, group = num_micro * vpp, pp * vpp
+
+    def unit(k: int, backward: bool) -> tuple:
+        g, within = divmod(k, group)
+        chunk = within // pp
+        return ("B" if backward else "F", g * pp + within % pp, vpp - 1 - chunk if backward else chunk)
+
+    if all_warmup or num_micro == pp:
+        warmup = total
+    else:
+        warmup = min(2 * (pp - pp_rank - 1) + (vpp - 1) * pp, total)
+    # Phase 1, warm-up: forwards only.
+    ops = [unit(k, False) for k in range(warmup)]
+    # Phase 2, steady state: one forward, then one backward.
+    for k in range(total - warmup):
+        ops += [unit(warmup + k, False), unit(k, True)]
+    # Phase 3, cool-down: the backwards still due.
+    ops += [unit(k, True) for k in range(total - warmup, total)]
+    return ops
+
+
+class _VirtualRunner:
+    """Forward/backward of one (micro-batch, chunk) on a rank holding vpp chunks.
+
+    Virtual stage s = chunk * pp + rank; activations cross from s to s + 1 (the last rank's chunk j feeds
+    rank 0's chunk j + 1), gradients go back. Every message is tagged with (micro, boundary, direction),
+    so sends and receives pair up whatever order the two ranks post them in.
+    """
+
+    def __init__(self, stage_fn, inputs, p2p: Optional[P2P], grid: ParallelGrid, vpp: int):
+        self.stage_fn, self.inputs, self.p2p, self.grid, self.vpp = stage_fn, inputs, p2p, grid, vpp
+        self.pp, self.rank = grid.layout.pp, grid.coord.pp
+        self.n_virtual = self.pp * vpp
+        self.in_flight: list[list] = [[] for _ in range(vpp)]
+        self.losses: list[torch.Tensor] = []
+
+    def _neighbour(self, step: int) -> int:
+        return self.grid.layout.rank_of(self.grid.coord._replace(pp=(self.rank + step) % self.pp))
+
+    def _tag(self, micro: int, boundary: int, backward: bool) -> int:
+        return 2 * (micro * self.n_virtual + boundary) + int(backward)
+
+    def forward(self, micro: int, chunk: int, keep: bool = True) -> None:
+        s = chunk * self.pp + self.rank
+        if s == 0:
+            x = self.inputs[micro]
+        else:
+            x = self.p2p.recv_from(self._neighbour(-1), self._tag(micro, s - 1, False))
+            x.requires_grad_(keep)
+        out = self.stage_fn(x, micro, chunk)
+        if s == self.n_virtual - 1:
+            self.losses.append(out.detach())
+        else:
+            self.p2p.send_to(out, self._neighbour(1), self._tag(micro, s, False))
+        if keep:
+            self.in_flight[chunk].append((x, out))
+
+    def backward(self, micro: int, chunk: int) -> None:
+        s = chunk * self.pp + self.rank
+        x, out = self.in_flight[chunk].pop(0)
+        if s == self.n_virtual - 1:
+            torch.autograd.backward(out)
+        else:
+            torch.autograd.backward(out, self.p2p.recv_from(self._neighbour(1), self._tag(micro, s, True)))
+        if s > 0:
+            self.p2p.send_to(x.grad, self._neighbour(-1), self._tag(micro, s - 1, True))
+
+
+def interleaved(stage_fn, inputs, num_micro: int, grid: ParallelGrid, p2p: Optional[P2P], vpp: int,
+                all_warmup: bool = False) -> list:
+    """Interleaved 1F1B over vpp model chunks per rank (afab order when all_warmup); stage_fn(x, micro, chunk).
+    The bubble shrinks to (pp - 1) / (vpp * m + pp - 1) of the step, at vpp times the p2p messages."""
+    r = _VirtualRunner(stage_fn, inputs, p2p, grid, vpp)
+    for kind, micro, chunk in interleaved_order(grid.layout.pp, grid.coord.pp, num_micro, vpp, all_warmup):
+        (r.forward if kind == "F" else r.backward)(micro, chunk)
+    if p2p:
+        p2p.wait()
+    return r.losses
+
+
+@torch.no_grad()
+def interleaved_forward_only(stage_fn, inputs, num_micro: int, grid: ParallelGrid, p2p: Optional[P2P],
+                             vpp: int) -> list:
+    """Evaluation over virtual stages: every forward in the interleaved order, no backward."""
+    r = _VirtualRunner(stage_fn, inputs, p2p, grid, vpp)
+    for kind, micro, chunk in interleaved_order(grid.layout.pp, grid.coord.pp, num_micro, vpp, all_warmup=True):
+        if kind == "F":
+            r.forward(micro, chunk, keep=False)
+    if p2p:
+        p2p.wait()
+    return r.losses
 
 
 @torch.no_grad()

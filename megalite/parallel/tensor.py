@@ -140,6 +140,21 @@ def _split_last(x: torch.Tensor, axis: Axis) -> torch.Tensor:
     return x.chunk(axis.size, dim=-1)[axis.rank].contiguous()
 
 
+def _gather_seq(x: torch.Tensor, axis: Axis) -> torch.Tensor:
+    """(B, T/tp, ...) on each rank -> (B, T, ...): the ranks' sequence chunks in rank order."""
+    parts = [torch.empty_like(x) for _ in range(axis.size)]
+    dist.all_gather(parts, x.contiguous(), group=axis.group)
+    return torch.cat(parts, dim=1)
+
+
+def _reduce_scatter_seq(x: torch.Tensor, axis: Axis) -> torch.Tensor:
+    """(B, T, ...) partial sums on each rank -> (B, T/tp, ...): this rank's sequence chunk of the sum."""
+    parts = [c.contiguous() for c in x.chunk(axis.size, dim=1)]
+    out = torch.empty_like(parts[axis.rank])
+    dist.reduce_scatter(out, parts, group=axis.group)
+    return out
+
+
 # ---------------------------------------------------------------- tier 2: autograd pairs
 class _CopyToTP(torch.autograd.Function):
     """forward: identity; backward: all-reduce over tp."""
@@ -192,6 +207,59 @@ class _ScatterToTP(torch.autograd.Function):
         return _gather_last(g, ctx.axis), None
 
 
+class _GatherFromSP(torch.autograd.Function):
+    """Sequence parallelism, entering a tp region. forward: all-gather the sequence dim over tp;
+    backward: reduce-scatter the sequence dim (each rank's input gradient is a partial sum)."""
+
+    @staticmethod
+    def forward(ctx, x, axis):
+        ctx.axis = axis
+        return _gather_seq(x, axis)
+
+    @staticmethod
+    def backward(ctx, g):
+        return _reduce_scatter_seq(g, ctx.axis), None
+
+
+class _ReduceScatterToSP(torch.autograd.Function):
+    """Sequence parallelism, leaving a tp region. forward: reduce-scatter the partial sums along the sequence
+    dim; backward: all-gather the sequence dim."""
+
+    @staticmethod
+    def forward(ctx, x, axis):
+        ctx.axis = axis
+        return _reduce_scatter_seq(x, axis)
+
+    @staticmethod
+    def backward(ctx, g):
+        return _gather_seq(g, ctx.axis), None
+
+
+class _SPColumnLinear(torch.autograd.Function):
+    """Column-parallel linear on a sequence-parallel input, keeping only this rank's shard for backward
+    (Megatron's choice): the full input is all-gathered again in backward instead of being stored.
+
+    forward: all-gather the sequence dim, then y = x W^T + b; backward: all-gather again, grad_W = g^T x,
+    grad_x = reduce-scatter(g W) over the sequence dim. Under autocast the matmuls run in the dtype autocast
+    gave the output (g's), and the gradients are cast back to the fp32 parameters and input.
+    """
+
+    @staticmethod
+    def forward(ctx, x, weight, bias, axis):
+        ctx.axis, ctx.has_bias = axis, bias is not None
+        ctx.save_for_backward(x, weight)
+        return F.linear(_gather_seq(x, axis), weight, bias)
+
+    @staticmethod
+    def backward(ctx, g):
+        x, weight = ctx.saved_tensors
+        total = _gather_seq(x, ctx.axis).to(g.dtype)  # (B, T, in)
+        grad_x = _reduce_scatter_seq((g @ weight.to(g.dtype)).to(x.dtype), ctx.axis)
+        grad_w = torch.einsum("...o,...i->oi", g, total).to(weight.dtype)
+        grad_b = g.reshape(-1, g.shape[-1]).sum(0).to(weight.dtype) if ctx.has_bias else None
+        return grad_x, grad_w, grad_b, None
+
+
 # ---------------------------------------------------------------- tier 3: thin public wrappers
 def copy_to_tp(x, axis: Axis):
     return _CopyToTP.apply(x, axis) if axis.active else x
@@ -209,6 +277,34 @@ def scatter_to_tp(x, axis: Axis):
     return _ScatterToTP.apply(x, axis) if axis.active else x
 
 
+def gather_from_sp(x, axis: Axis):
+    return _GatherFromSP.apply(x, axis) if axis.active else x
+
+
+def reduce_scatter_to_sp(x, axis: Axis):
+    return _ReduceScatterToSP.apply(x, axis) if axis.active else x
+
+
+def seq_chunk(n: int, axis: Axis) -> tuple[int, int]:
+    """[start, end) of the sequence positions this tp rank holds under sequence parallelism."""
+    per = n // axis.size
+    return axis.rank * per, (axis.rank + 1) * per
+
+
+def sync_sequence_parallel_grads(params, tp: Axis) -> None:
+    """With sequence parallelism the tp-replicated parameters (LayerNorms, row-parallel biases, wpe) act on
+    seq/tp of the tokens on each rank, so their gradients are partial: sum them over tp (one collective)."""
+    grads = [p.grad for p in params if partition_of(p).dim is None and p.grad is not None]
+    if not tp.active or not grads:
+        return
+    flat = torch.cat([g.reshape(-1) for g in grads])
+    dist.all_reduce(flat, group=tp.group)
+    offset = 0
+    for g in grads:
+        g.copy_(flat[offset:offset + g.numel()].view_as(g))
+        offset += g.numel()
+
+
 # ---------------------------------------------------------------- layers
 class ColumnParallelLinear(nn.Module):
     """y = x W^T + b with W's output rows split across tp: each rank computes its slice of the outputs.
@@ -217,12 +313,13 @@ class ColumnParallelLinear(nn.Module):
     (stack, out, in), split on the `out` dim: the stored tensor means the same thing at every tp size.
     forward: copy_to_tp on the input (its backward all-reduces the input gradient); output stays split
     unless gather_output (only meaningful for stack == 1: a gathered stacked output is ordered per rank).
+    With sp the input is this rank's sequence chunk (B, T/tp, in), all-gathered inside _SPColumnLinear.
     """
 
     def __init__(self, in_features: int, out_features: int, tp: Axis, bias: bool = True, stack: int = 1,
-                 gather_output: bool = False):
+                 gather_output: bool = False, sp: bool = False):
         super().__init__()
-        self.tp, self.gather_output = tp, gather_output
+        self.tp, self.gather_output, self.sp = tp, gather_output, sp
         lead = (stack,) if stack > 1 else ()
         split = len(lead)
         self.weight = _param(Partition(lead + (out_features, in_features), dim=split), tp, "normal")
@@ -230,9 +327,11 @@ class ColumnParallelLinear(nn.Module):
         self.in_features = in_features
 
     def forward(self, x):  # (..., in) -> (..., stack * out / tp)
-        x = copy_to_tp(x, self.tp)
-        y = F.linear(x, self.weight.reshape(-1, self.in_features),
-                     None if self.bias is None else self.bias.reshape(-1))
+        w, b = self.weight.reshape(-1, self.in_features), None if self.bias is None else self.bias.reshape(-1)
+        if self.sp and self.tp.active:  # x: (B, T/tp, in)
+            y = _SPColumnLinear.apply(x, w, b, self.tp)
+        else:
+            y = F.linear(copy_to_tp(x, self.tp), w, b)
         return gather_from_tp(y, self.tp) if self.gather_output else y
 
 
@@ -241,16 +340,18 @@ class RowParallelLinear(nn.Module):
 
     forward: local matmul, then reduce_from_tp (all-reduce) of the partial sums, then the replicated bias;
     backward: the output gradient is used as is (identity), the input gradient stays split.
+    With sp the partial sums are reduce-scattered along the sequence instead (B, T/tp, out).
     """
 
-    def __init__(self, in_features: int, out_features: int, tp: Axis, bias: bool = True):
+    def __init__(self, in_features: int, out_features: int, tp: Axis, bias: bool = True, sp: bool = False):
         super().__init__()
-        self.tp = tp
+        self.tp, self.sp = tp, sp
         self.weight = _param(Partition((out_features, in_features), dim=1), tp, "normal")
         self.bias = _param(Partition((out_features,), dim=None, decay=False), tp, "zeros") if bias else None
 
     def forward(self, x):  # (..., in / tp) -> (..., out)
-        y = reduce_from_tp(F.linear(x, self.weight), self.tp)
+        y = F.linear(x, self.weight)
+        y = reduce_scatter_to_sp(y, self.tp) if self.sp else reduce_from_tp(y, self.tp)
         return y if self.bias is None else y + self.bias
 
 
@@ -259,11 +360,12 @@ class VocabParallelEmbedding(nn.Module):
 
     forward: ids outside this rank's range are masked to zero vectors, then reduce_from_tp sums the
     partial lookups; backward: identity, so each rank's rows receive only their own ids' gradients.
+    With sp the partial lookups are reduce-scattered along the sequence instead: (B, T/tp, C).
     """
 
-    def __init__(self, num_embeddings: int, dim: int, tp: Axis):
+    def __init__(self, num_embeddings: int, dim: int, tp: Axis, sp: bool = False):
         super().__init__()
-        self.tp = tp
+        self.tp, self.sp = tp, sp
         self.weight = _param(Partition((num_embeddings, dim), dim=0), tp, "normal")
         self.start, self.end = shard_range(num_embeddings, tp.rank, tp.size)
 
@@ -273,7 +375,7 @@ class VocabParallelEmbedding(nn.Module):
         outside = (ids < self.start) | (ids >= self.end)
         local = (ids - self.start).masked_fill(outside, 0)
         out = F.embedding(local, self.weight).masked_fill(outside.unsqueeze(-1), 0.0)
-        return reduce_from_tp(out, self.tp)
+        return reduce_scatter_to_sp(out, self.tp) if self.sp else reduce_from_tp(out, self.tp)
 
 
 def _param(p: Partition, tp: Axis, init: str) -> nn.Parameter:
