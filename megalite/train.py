@@ -23,9 +23,9 @@ import torch
 import torch.distributed as dist
 
 from .checkpoint.manager import CheckpointManager
-from .config import Config, num_microbatches, validate
+from .config import DEFAULT_DATA_PATH, Config, num_microbatches, validate
 from .faults import maybe_crash
-from .data import BatchSampler, TokenDataset, ensure_data, eval_batches
+from .data import BatchSampler, DataError, TokenDataset, ensure_data, eval_batches
 from .model import GPTStage
 from .optim import grad_norm, lr_at
 from .parallel.data import GradBuffer, ShardedAdamW
@@ -189,11 +189,13 @@ def evaluate(tr: Trainer) -> float:
 
 # ---------------------------------------------------------------- the loop
 def _log_line(rec: dict, total: int, elapsed: float, done_steps: int) -> str:
-    eta = elapsed / max(1, done_steps) * (total - rec["step"])
+    """`elapsed` covers `done_steps` steps after the first of this launch: the first step (start-up, lazy
+    allocations, the first communicator set-up) is not representative, so no ETA is guessed from it."""
+    eta = f"ETA {_fmt_time(elapsed / done_steps * (total - rec['step']))}" if done_steps > 0 else "ETA after step 2"
     val = f" | val {rec['val_loss']:.4f}" if "val_loss" in rec else ""
     return (f"step {rec['step']:>5}/{total} | loss {rec['loss']:.4f}{val} | lr {rec['lr']:.2e} | "
             f"grad-norm {rec['grad_norm']:.3f} | {rec['tokens_per_s']:,.0f} tok/s | "
-            f"{rec['ms_per_step']:.0f} ms/step | ETA {_fmt_time(eta)}")
+            f"{rec['ms_per_step']:.0f} ms/step | {eta}")
 
 
 def _fmt_time(s: float) -> str:
@@ -202,9 +204,18 @@ def _fmt_time(s: float) -> str:
 
 
 def prepare_data(cfg: Config, rank: int) -> None:
-    """Build the default corpus once, on rank 0, if the configured file is missing and auto_prepare is on."""
-    if cfg.data.auto_prepare and rank == 0 and not Path(cfg.data.path).exists():
-        ensure_data(cfg.data.path)
+    """Build the default corpus once, on rank 0, if auto_prepare is on and the *default* path is missing.
+
+    Any other missing path is a user error: a mistyped --data.path must not train on the stdlib sources.
+    """
+    path = Path(cfg.data.path)
+    if cfg.data.auto_prepare and not path.exists():
+        if path != Path(DEFAULT_DATA_PATH):
+            raise DataError(f"data.path: token file '{path}' does not exist (data.auto_prepare builds only "
+                            f"the default corpus at '{DEFAULT_DATA_PATH}'; run `megalite prepare FILES --out "
+                            f"{path}` for your own text)")
+        if rank == 0:
+            ensure_data(path)
     if dist.is_initialized() and dist.get_world_size() > 1:
         dist.barrier()
 
@@ -213,8 +224,10 @@ def train(cfg: Config, log=print) -> Trainer:
     """Train per `cfg` on the current torchrun job (or one process); return the Trainer (its .history
     holds every step's metrics)."""
     validate(cfg, world_size_from_env())
-    device, _ = init_distributed()
+    device, backend = init_distributed()
     grid = ParallelGrid.create(Layout(cfg.parallel.tp, cfg.parallel.pp, cfg.parallel.dp))
+    if grid.rank == 0:  # start-up can take a while under torchrun: say what is happening
+        log(f"megalite: {grid.layout.world_size} process(es) joined ({backend}); building the model and data")
     prepare_data(cfg, grid.rank)
     tr = build(cfg, grid, device)
     ckpt = CheckpointManager(cfg, grid, log)
@@ -227,7 +240,7 @@ def train(cfg: Config, log=print) -> Trainer:
         log(f"megalite: {grid.layout} on {grid.layout.world_size} {device.type} process(es), "
             f"{num_microbatches(cfg)} micro-batches/step, schedule {cfg.parallel.schedule}, "
             f"zero1 {'on' if cfg.parallel.zero1 else 'off'}, precision {tr.precision}")
-    start, t_start = tr.step, time.perf_counter()
+    start, t_first = tr.step, time.perf_counter()
     ckpt.install_signal_handlers()
     try:
         while tr.step < cfg.train.steps:
@@ -239,8 +252,10 @@ def train(cfg: Config, log=print) -> Trainer:
             if is_logger:
                 metrics_file.write(json.dumps(rec) + "\n")
                 metrics_file.flush()
+                if tr.step == start + 1:
+                    t_first = time.perf_counter()  # the ETA is timed from the end of the first step
                 if tr.step % cfg.train.log_interval == 0 or tr.step == cfg.train.steps or tr.step == start + 1:
-                    log(_log_line(rec, cfg.train.steps, time.perf_counter() - t_start, tr.step - start))
+                    log(_log_line(rec, cfg.train.steps, time.perf_counter() - t_first, tr.step - start - 1))
             ckpt.after_step(tr)
             signum = ckpt.stop_requested()
             if signum or tr.step == cfg.train.stop_at_step:
