@@ -47,7 +47,7 @@ def _cmd_train(args, rest) -> int:
     from .train import train
     cfg = load_config(args.config, rest)
     try:
-        train(cfg)
+        train(cfg, force=args.force)
     finally:
         _shutdown_distributed()
     return 0
@@ -167,6 +167,8 @@ def build_parser() -> argparse.ArgumentParser:
                      "overridden as --section.key=value", _cmd_train)
     p.epilog = f"{p.epilog}\n\nconfig fields (TOML [section] key, or --section.key=value):\n{help_text()}"
     p.add_argument("--config", help="TOML config file (configs/tiny-cpu.toml)")
+    p.add_argument("--force", action="store_true",
+                   help="with --checkpoint.resume=none: move an earlier run's checkpoints aside (never deleted)")
     p.set_defaults(allow_rest=True)
 
     p = add("config", "`config show`: print the resolved config (file + overrides, validated) as TOML",

@@ -72,13 +72,16 @@ class DataConfig:
     auto_prepare: bool = False  # build the default corpus when `path` is the default path and missing
 
 
+OUT_DIR = "{out_dir}"  # in checkpoint.dir: replaced by train.out_dir
+
+
 @dataclass
 class CheckpointConfig:
-    dir: str = ""  # empty: no checkpoints
-    interval: int = 0  # 0: only at the end (and on SIGTERM/SIGINT)
+    dir: str = OUT_DIR + "/checkpoints"  # on by default; "" turns checkpoints off
+    interval: int = 500  # also at the end and on SIGTERM/SIGINT; 0: only then
     async_: bool = False  # spelled `async` in TOML and on the command line
     keep_last: int = 0  # 0: keep every checkpoint
-    resume: str = ""  # "" (fresh), "auto", or a checkpoint path
+    resume: str = "auto"  # "auto" (continue the run in checkpoint.dir, if any), "none" (fresh), or a path
     on_error: str = "stop"  # a failed save: "stop" (raise) or "continue" (warn, keep training)
 
 
@@ -196,6 +199,9 @@ def validate(cfg: Config, world_size: int | None = None) -> Config:
         raise ConfigError(f"data.val_fraction = {cfg.data.val_fraction}: expected a value in (0, 1)")
     if par.schedule not in ("1f1b", "afab"):
         raise ConfigError(f"parallel.schedule = '{par.schedule}': expected '1f1b' or 'afab'")
+    if cfg.checkpoint.resume == "":
+        cfg.checkpoint.resume = "none"  # the spelling of a fresh start before "auto" became the default
+    cfg.checkpoint.dir = checkpoint_dir(cfg)
     if cfg.checkpoint.on_error not in ("stop", "continue"):
         raise ConfigError(f"checkpoint.on_error = '{cfg.checkpoint.on_error}': expected 'stop' or 'continue'")
     if t.precision not in ("auto", "fp32", "bf16"):
@@ -217,6 +223,11 @@ def validate(cfg: Config, world_size: int | None = None) -> Config:
     if t.min_lr > t.lr:
         raise ConfigError(f"train.min_lr = {t.min_lr} is larger than train.lr = {t.lr}")
     return cfg
+
+
+def checkpoint_dir(cfg: Config) -> str:
+    """checkpoint.dir with `{out_dir}` replaced by train.out_dir ("" stays "": no checkpoints)."""
+    return cfg.checkpoint.dir.replace(OUT_DIR, cfg.train.out_dir.rstrip("/") or ".")
 
 
 def infer_dp(cfg: Config, world_size: int | None) -> None:
@@ -275,11 +286,11 @@ DOCS = {
     "data.path": "token file written by `megalite prepare` (uint16 .bin + .json)",
     "data.val_fraction": "share of the tokens held out for validation, in (0, 1)",
     "data.auto_prepare": f"build the default corpus (stdlib sources) when data.path is '{DEFAULT_DATA_PATH}' and missing",
-    "checkpoint.dir": "checkpoint root ('' = no checkpoints)",
-    "checkpoint.interval": "save every N steps (0: only at the end and on SIGTERM/SIGINT)",
+    "checkpoint.dir": "checkpoint root; {out_dir} is train.out_dir; '' turns checkpoints off",
+    "checkpoint.interval": "save every N steps, and always at the end and on SIGTERM/SIGINT (0: only then)",
     "checkpoint.async": "write checkpoints in the background while training goes on",
     "checkpoint.keep_last": "keep the newest N checkpoints (0: keep all)",
-    "checkpoint.resume": "'' (fresh start), 'auto' (newest that verifies) or a checkpoint path",
+    "checkpoint.resume": "auto (continue from checkpoint.dir if it has a checkpoint), none (fresh start), or a path",
     "checkpoint.on_error": "a failed save: stop (raise) or continue (warn, keep training)",
 }
 

@@ -1,24 +1,19 @@
 """`megalite plot RUN_DIR... --out loss.png`: train/val loss curves of one or more runs on one chart."""
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
+from . import metrics
 from .config import ConfigError
 
 
 def read_metrics(run_dir) -> list[dict]:
-    f = Path(run_dir) / "metrics.jsonl"
-    if not f.is_file():
-        raise FileNotFoundError(f"plot: {f} does not exist (expected a run's out_dir)")
-    rows = []
-    for i, line in enumerate(f.read_text().splitlines(), 1):
-        if line.strip():
-            try:
-                rows.append(json.loads(line))
-            except json.JSONDecodeError:
-                raise ConfigError(f"plot: {f} line {i} is not JSON") from None
-    return rows
+    try:
+        return metrics.read(run_dir)
+    except FileNotFoundError as e:
+        raise FileNotFoundError(f"plot: {e}") from None
+    except metrics.MetricsError as e:
+        raise ConfigError(f"plot: {e}") from None
 
 
 def plot(run_dirs, out, title: str = "megalite loss") -> Path:

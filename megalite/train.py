@@ -22,6 +22,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+from . import metrics
 from .checkpoint.manager import CheckpointManager
 from .config import DEFAULT_DATA_PATH, Config, num_microbatches, validate
 from .faults import maybe_crash
@@ -220,26 +221,33 @@ def prepare_data(cfg: Config, rank: int) -> None:
         dist.barrier()
 
 
-def train(cfg: Config, log=print) -> Trainer:
+def train(cfg: Config, log=print, force: bool = False) -> Trainer:
     """Train per `cfg` on the current torchrun job (or one process); return the Trainer (its .history
-    holds every step's metrics)."""
+    holds every step's metrics). `force`: a fresh start (checkpoint.resume=none) may move an earlier run's
+    checkpoints in checkpoint.dir aside instead of refusing."""
     validate(cfg, world_size_from_env())
     device, backend = init_distributed()
     grid = ParallelGrid.create(Layout(cfg.parallel.tp, cfg.parallel.pp, cfg.parallel.dp))
-    if grid.rank == 0:  # start-up can take a while under torchrun: say what is happening
-        log(f"megalite: {grid.layout.world_size} process(es) joined ({backend}); building the model and data")
     prepare_data(cfg, grid.rank)
     tr = build(cfg, grid, device)
-    ckpt = CheckpointManager(cfg, grid, log)
+    ckpt = CheckpointManager(cfg, grid, log, force=force)
     ckpt.check_writable(Path(cfg.train.out_dir))
+    if grid.rank == 0:  # start-up can take a while under torchrun: say what is happening
+        log(f"megalite: {grid.layout.world_size} process(es) joined ({backend}); model and data ready"
+            f"{'; looking for a checkpoint to resume' if ckpt.root and cfg.checkpoint.resume != 'none' else ''}")
     ckpt.resume(tr)
     ckpt.reserve(tr)
     is_logger = grid.rank == 0
-    metrics_file = _open_metrics(Path(cfg.train.out_dir), tr.step) if is_logger else None
+    metrics_file = metrics.open_for_run(Path(cfg.train.out_dir), tr.step, ckpt.resumed_event, log) \
+        if is_logger else None
     if is_logger:
         log(f"megalite: {grid.layout} on {grid.layout.world_size} {device.type} process(es), "
             f"{num_microbatches(cfg)} micro-batches/step, schedule {cfg.parallel.schedule}, "
             f"zero1 {'on' if cfg.parallel.zero1 else 'off'}, precision {tr.precision}")
+    if tr.step >= cfg.train.steps and is_logger:
+        log(f"megalite: this run already finished (step {tr.step}/{cfg.train.steps}, from {ckpt.resumed_from}); "
+            f"nothing to train. To train further, raise --train.steps (the LR schedule then spans the new "
+            f"total, see README), or start a new run with another --train.out_dir")
     start, t_first = tr.step, time.perf_counter()
     ckpt.install_signal_handlers()
     try:
@@ -273,17 +281,3 @@ def train(cfg: Config, log=print) -> Trainer:
         if metrics_file:
             metrics_file.close()
     return tr
-
-
-def _open_metrics(out: Path, resumed_step: int):
-    """metrics.jsonl: fresh runs start it anew; resumed runs keep the lines up to the resumed step."""
-    out.mkdir(parents=True, exist_ok=True)
-    path = out / "metrics.jsonl"
-    kept = []
-    if resumed_step and path.exists():
-        kept = [line for line in path.read_text().splitlines() if line.strip()
-                and json.loads(line).get("step", 0) <= resumed_step]
-    f = open(path, "w")
-    for line in kept:
-        f.write(line + "\n")
-    return f
