@@ -47,7 +47,9 @@ def test_plot_writes_a_png(tmp_path):
     for name, scale in (("a", 1.0), ("b", 0.9)):
         d = tmp_path / name
         d.mkdir()
-        rows = [{"step": s, "loss": scale * 5 / s, **({"val_loss": 6 / s} if s % 5 == 0 else {})} for s in range(1, 11)]
+        rows = [{"step": s, "loss": scale * 5 / s, "lr": 1e-3 * s, **({"val_loss": 6 / s} if s % 5 == 0 else {})}
+                for s in range(1, 11)]
+        rows.insert(6, {"event": "resume", "step": 6, "layout": "tp=1 pp=4 dp=1", "from": "x"})
         (d / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
     out = tmp_path / "loss.png"
     r = cli("plot", tmp_path / "a", tmp_path / "b", "--out", out, cwd=ROOT)
