@@ -112,3 +112,16 @@ def test_eta_ignores_the_first_step():
 
 def test_help_text_is_what_train_help_shows():
     assert help_text() in megalite_cli.build_parser()._subparsers._group_actions[0].choices["train"].epilog
+
+
+def test_shipped_configs_validate_at_the_layouts_readme_runs():
+    from pathlib import Path
+    root = Path(__file__).resolve().parents[1]
+    for name, layouts in (("tiny-cpu.toml", [(2, 2, 8), (1, 4, 4), (1, 1, 1)]),
+                          ("small-cpu.toml", [(2, 2, 8), (1, 4, 8), (1, 1, 1)]),
+                          ("gpt2-124m.toml", [(1, 1, 8), (1, 1, 1)])):
+        for tp, pp, world in layouts:
+            cfg = validate(load_config(root / "configs" / name, [f"--parallel.tp={tp}", f"--parallel.pp={pp}"]),
+                           world)
+            assert cfg.parallel.dp == world // (tp * pp), (name, tp, pp)
+            assert cfg.checkpoint.dir == f"{cfg.train.out_dir}/checkpoints"

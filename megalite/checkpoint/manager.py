@@ -131,8 +131,8 @@ class CheckpointManager:
         """checkpoint.resume: 'none' = fresh; 'auto' (the default) = latest if any (falling back to the newest checkpoint that
         verifies, loudly); PATH = that checkpoint or an error, never a silent fresh start."""
         want = self.c.resume
-        if want in ("none", ""):
-            return
+        if want in ("none", "") or (want == "auto" and self.root is None):
+            return  # a fresh start, or checkpoints turned off: nothing to look for
         if want == "auto":
             choice = None
             if self.grid.rank == 0:
