@@ -10,6 +10,7 @@ import torch
 from einops import rearrange
 
 from ..checkpoint.stream import StreamingWriter
+from .tokenizer import write_byte_tokenizer
 from .common import ConvertError, Progress, _full_tensors, _model_cfg, _replace
 
 
@@ -87,6 +88,7 @@ def export_hf(step: Path, man: dict, out: Path, dtype: torch.dtype, progress: Pr
         cfg = hf_config(_model_cfg(man))
         cfg["torch_dtype"] = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}[dtype]
         (tmp / "config.json").write_text(json.dumps(cfg, indent=2) + "\n")
+        write_byte_tokenizer(tmp, cfg["n_positions"])  # so AutoTokenizer / pipeline work on the folder as is
     except BaseException:
         w.abort()
         shutil.rmtree(tmp, ignore_errors=True)
