@@ -8,8 +8,8 @@
 #   RDZV_ENDPOINT   host:port of the c10d rendezvous, normally the first node
 #                   (required; or set MASTER_ADDR and optionally MASTER_PORT, default 29500)
 #   RDZV_ID         job id shared by all nodes (default: megalite)
-#   NODE_RANK       optional fixed rank of this node (default: $SLURM_NODEID if set;
-#                   otherwise c10d assigns ranks in arrival order)
+#   NODE_RANK       a label for this node in the start-up line (default: $SLURM_NODEID); the c10d
+#                   rendezvous assigns the real node ranks in arrival order
 #   NPROC_PER_NODE  processes per node (default: GPU count, or 8 CPU processes)
 #   OMP_NUM_THREADS threads per CPU process (default 1, CPU only)
 #   MAX_RESTARTS    torchrun restarts on failure (default 0)
@@ -49,14 +49,12 @@ if command -v torchrun >/dev/null 2>&1; then
 else
     TORCHRUN=(python3 -m torch.distributed.run)
 fi
-EXTRA=()
-if [[ -n "${NODE_RANK}" ]]; then
-    EXTRA+=(--node-rank "${NODE_RANK}")
-fi
+# With the c10d rendezvous torchrun assigns node ranks itself in arrival order and warns that --node-rank
+# "will be ignored", so it is not passed; NODE_RANK only names this node in the line below.
 
 echo "multinode.sh: $(hostname) node_rank=${NODE_RANK:-auto} nnodes=${NNODES}" \
      "nproc_per_node=${NPROC_PER_NODE} rdzv=${RDZV_ENDPOINT} id=${RDZV_ID}" >&2
 exec "${TORCHRUN[@]}" --nnodes "${NNODES}" --nproc-per-node "${NPROC_PER_NODE}" \
     --rdzv-backend c10d --rdzv-endpoint "${RDZV_ENDPOINT}" --rdzv-id "${RDZV_ID}" \
-    --max-restarts "${MAX_RESTARTS:-0}" ${EXTRA[@]+"${EXTRA[@]}"} \
+    --max-restarts "${MAX_RESTARTS:-0}" \
     -m megalite train "$@"

@@ -18,18 +18,21 @@ from . import __version__
 
 EPILOGS = {
     "train": "example:\n  torchrun --nproc-per-node 8 -m megalite train --config configs/tiny-cpu.toml "
-             "--parallel.tp=2 --parallel.pp=2 --parallel.dp=2",
+             "--parallel.tp=2 --parallel.pp=2    # dp = 8 / (tp * pp) = 2",
+    "config": "examples:\n  megalite config show --config configs/tiny-cpu.toml --parallel.tp=2\n"
+              "  megalite config show > my.toml   # every field with its default, ready to edit",
     "prepare": "example:\n  megalite prepare ~/books/ notes.txt --out data/mine.bin",
     "inspect": "examples:\n  megalite inspect runs/demo/checkpoints\n  megalite inspect runs/demo/checkpoints --tree",
     "plot": "example:\n  megalite plot runs/demo runs/resumed --out loss.png",
-    "verify": "example:\n  megalite verify runs/demo/checkpoints/step_00000060",
-    "convert": "examples:\n  megalite convert runs/demo/checkpoints --out model.safetensors\n"
-               "  megalite convert runs/demo/checkpoints --format hf-gpt2 --out gpt2-demo/",
-    "split": "example:\n  megalite split model.safetensors --tp 2 --pp 2 --dp 1 --out ckpt-222/",
-    "reshard": "example:\n  megalite reshard runs/demo/checkpoints --tp 1 --pp 4 --dp 2 --out ckpt-142/",
+    "verify": "examples:\n  megalite verify runs/demo/checkpoints                  # the step `latest` names\n"
+              "  megalite verify runs/demo/checkpoints/step_00000150",
+    "convert": "examples:\n  megalite convert runs/demo/checkpoints --out runs/demo/model.safetensors\n"
+               "  megalite convert runs/demo/checkpoints --format hf-gpt2 --out runs/demo/hf/",
+    "split": "example:\n  megalite split runs/demo/model.safetensors --tp 2 --pp 2 --dp 1 --out runs/split-221/",
+    "reshard": "example:\n  megalite reshard runs/demo/checkpoints --tp 1 --pp 4 --dp 2 --out runs/reshard-142/",
     "bench": "examples:\n  megalite bench ckpt --size-mb 1024 --world 4\n  megalite bench train --steps 10 --nproc 4",
     "stress": "example:\n  megalite stress ckpt --trials 10",
-    "generate": "example:\n  megalite generate --model model.safetensors --prompt 'def ' --max-new-tokens 100",
+    "generate": "example:\n  megalite generate --model runs/demo/model.safetensors --prompt 'def ' --max-new-tokens 100",
 }
 
 def user_errors() -> tuple:
@@ -68,9 +71,16 @@ def _cmd_train(args, rest) -> int:
         e.same_on_every_rank = True
         raise
     try:
-        train(cfg)
+        train(cfg, force=args.force)
     finally:
         _shutdown_distributed()
+    return 0
+
+
+def _cmd_config(args, rest) -> int:
+    from .config import load_config, to_toml, validate
+    cfg = validate(load_config(args.config, rest), int(os.environ.get("WORLD_SIZE", "0")) or None)
+    print(to_toml(cfg), end="")
     return 0
 
 
@@ -188,9 +198,19 @@ def build_parser() -> argparse.ArgumentParser:
         p.set_defaults(fn=fn)
         return p
 
+    from .config import help_text
     p = add("train", "train a GPT (under torchrun, or alone for one process); any config field can be "
                      "overridden as --section.key=value", _cmd_train)
+    p.epilog = f"{p.epilog}\n\nconfig fields (TOML [section] key, or --section.key=value):\n{help_text()}"
     p.add_argument("--config", help="TOML config file (configs/tiny-cpu.toml)")
+    p.add_argument("--force", action="store_true",
+                   help="with --checkpoint.resume=none: move an earlier run's checkpoints aside (never deleted)")
+    p.set_defaults(allow_rest=True)
+
+    p = add("config", "`config show`: print the resolved config (file + overrides, validated) as TOML",
+            _cmd_config)
+    p.add_argument("what", choices=["show"])
+    p.add_argument("--config", help="TOML config file (default: the built-in defaults)")
     p.set_defaults(allow_rest=True)
 
     p = add("prepare", "turn text files or folders into a uint16 token file (+ .json) with a val split", _cmd_prepare)

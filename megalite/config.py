@@ -52,7 +52,7 @@ def model_architecture(model: dict) -> dict:
 class ParallelConfig:
     tp: int = 1
     pp: int = 1
-    dp: int = 1
+    dp: int = 0  # 0: inferred as world_size / (tp * pp), as Megatron and torchtitan do
     schedule: str = "1f1b"  # "1f1b" | "afab"
     zero1: bool = False
     bucket_mb: float = 25.0  # size of a data-parallel gradient all-reduce bucket
@@ -85,20 +85,26 @@ class TrainConfig:
     recompute: str = "none"  # activation recomputation: "none" | "selective" (attention core) | "full" (blocks)
 
 
+DEFAULT_DATA_PATH = "data/stdlib.bin"  # the only path `auto_prepare` may build (from the stdlib sources)
+
+
 @dataclass
 class DataConfig:
-    path: str = "data/stdlib.bin"
+    path: str = DEFAULT_DATA_PATH
     val_fraction: float = 0.1
-    auto_prepare: bool = False  # build `path` from the default corpus (stdlib sources) when it is missing
+    auto_prepare: bool = False  # build the default corpus when `path` is the default path and missing
+
+
+OUT_DIR = "{out_dir}"  # in checkpoint.dir: replaced by train.out_dir
 
 
 @dataclass
 class CheckpointConfig:
-    dir: str = ""  # empty: no checkpoints
-    interval: int = 0  # 0: only at the end (and on SIGTERM/SIGINT)
+    dir: str = OUT_DIR + "/checkpoints"  # on by default; "" turns checkpoints off
+    interval: int = 500  # also at the end and on SIGTERM/SIGINT; 0: only then
     async_: bool = False  # spelled `async` in TOML and on the command line
     keep_last: int = 0  # 0: keep every checkpoint
-    resume: str = ""  # "" (fresh), "auto", or a checkpoint path
+    resume: str = "auto"  # "auto" (continue the run in checkpoint.dir, if any), "none" (fresh), or a path
     on_error: str = "stop"  # a failed save: "stop" (raise) or "continue" (warn, keep training)
 
 
@@ -243,6 +249,7 @@ def validate(cfg: Config, world_size: int | None = None) -> Config:
     """Check every cross-field rule; raise ConfigError with a one-line message on the first failure."""
     check_numbers(cfg)
     m, par, t = cfg.model, cfg.parallel, cfg.train
+    infer_dp(cfg, world_size)
     positive = [("model.n_layer", m.n_layer), ("model.n_head", m.n_head), ("model.n_embd", m.n_embd),
                 ("model.block_size", m.block_size), ("model.vocab_size", m.vocab_size),
                 ("parallel.tp", par.tp), ("parallel.pp", par.pp), ("parallel.dp", par.dp),
@@ -271,6 +278,9 @@ def validate(cfg: Config, world_size: int | None = None) -> Config:
         raise ConfigError(f"data.val_fraction = {cfg.data.val_fraction}: expected a value in (0, 1)")
     if par.schedule not in ("1f1b", "afab"):
         raise ConfigError(f"parallel.schedule = '{par.schedule}': expected '1f1b' or 'afab'")
+    if cfg.checkpoint.resume == "":
+        cfg.checkpoint.resume = "none"  # the spelling of a fresh start before "auto" became the default
+    cfg.checkpoint.dir = checkpoint_dir(cfg)
     if cfg.checkpoint.on_error not in ("stop", "continue"):
         raise ConfigError(f"checkpoint.on_error = '{cfg.checkpoint.on_error}': expected 'stop' or 'continue'")
     if t.precision not in ("auto", "fp32", "bf16"):
@@ -297,6 +307,8 @@ def validate(cfg: Config, world_size: int | None = None) -> Config:
 def seq_len(cfg: Config) -> int:
     """Tokens per training sequence: train.seq_len, or the whole position table when it is 0."""
     return cfg.train.seq_len or cfg.model.block_size
+
+
 def _validate_memory_features(cfg: Config) -> None:
     """Sequence parallelism, virtual pipeline stages and activation recomputation (issue 13's knobs)."""
     m, par, t = cfg.model, cfg.parallel, cfg.train
@@ -320,5 +332,128 @@ def _validate_memory_features(cfg: Config) -> None:
                           f"is not divisible by parallel.tp = {par.tp}")
 
 
+def checkpoint_dir(cfg: Config) -> str:
+    """checkpoint.dir with `{out_dir}` replaced by train.out_dir ("" stays "": no checkpoints)."""
+    return cfg.checkpoint.dir.replace(OUT_DIR, cfg.train.out_dir.rstrip("/") or ".")
+
+
+def infer_dp(cfg: Config, world_size: int | None) -> None:
+    """parallel.dp = 0 means "whatever the world leaves": world_size / (tp * pp), or 1 without a world."""
+    par = cfg.parallel
+    if par.dp != 0:
+        return
+    if world_size is None:
+        par.dp = 1
+        return
+    if par.tp <= 0 or par.pp <= 0:
+        return  # reported below as a non-positive tp / pp
+    if world_size % (par.tp * par.pp):
+        raise ConfigError(f"parallel.dp is not set and world size {world_size} is not divisible by "
+                          f"parallel.tp*pp = {par.tp}*{par.pp}; set tp, pp (and dp) so that tp*pp*dp = {world_size}")
+    par.dp = world_size // (par.tp * par.pp)
+
+
 def num_microbatches(cfg: Config) -> int:
     return cfg.train.global_batch_size // (cfg.train.micro_batch_size * cfg.parallel.dp)
+
+
+# ---------------------------------------------------------------- documentation of every field
+# One line per field: `megalite train --help` and `megalite config show` print these next to the type and
+# default read from the dataclasses above (a test checks that every field has a line here).
+DOCS = {
+    "model.n_layer": "transformer blocks",
+    "model.n_head": "attention heads (divisible by parallel.tp)",
+    "model.n_embd": "model width (divisible by model.n_head)",
+    "model.block_size": "context length: the position table and the training window",
+    "model.vocab_size": "token ids 0..vocab_size-1 (byte tokens: 256)",
+    "model.dropout": "dropout probability in [0, 1); a training setting (may change on resume or fine-tuning)",
+    "model.tie_embeddings": "the LM head is wte.weight (GPT-2); false: a separate lm_head.weight",
+    "model.layer_norm_eps": "LayerNorm epsilon (GPT-2: 1e-5)",
+    "model.activation": "MLP activation: gelu_new (GPT-2, tanh approximation) | gelu (exact) | relu",
+    "parallel.tp": "tensor-parallel size (splits heads and the MLP across ranks)",
+    "parallel.pp": "pipeline-parallel size (splits the blocks into stages)",
+    "parallel.dp": "data-parallel replicas; 0 = world_size / (tp * pp)",
+    "parallel.schedule": "pipeline schedule: 1f1b | afab",
+    "parallel.zero1": "shard the AdamW moments across dp (ZeRO-1)",
+    "parallel.bucket_mb": "size of one data-parallel gradient all-reduce bucket, MiB",
+    "parallel.sp": "sequence parallelism: LayerNorm/dropout regions hold seq/tp of the tokens (needs tp > 1)",
+    "parallel.vpp": "virtual pipeline stages per rank (> 1: the interleaved 1F1B schedule)",
+    "parallel.overlap_grad_reduce": "all-reduce dp gradient buckets during backward, as soon as each is full",
+    "train.steps": "optimizer steps in the run (the LR schedule spans them)",
+    "train.seq_len": "tokens per training window, <= model.block_size (0: model.block_size)",
+    "train.stop_at_step": "stop early, with a checkpoint, after this step (0: run to train.steps)",
+    "train.global_batch_size": "sequences per optimizer step over all dp replicas",
+    "train.micro_batch_size": "sequences per micro-batch per dp replica",
+    "train.lr": "peak learning rate (after warm-up)",
+    "train.min_lr": "learning rate at the end of the cosine decay",
+    "train.warmup_steps": "linear warm-up steps",
+    "train.weight_decay": "AdamW decoupled weight decay",
+    "train.beta1": "AdamW beta1, in [0, 1)",
+    "train.beta2": "AdamW beta2, in [0, 1)",
+    "train.grad_clip": "clip the global gradient norm to this (0: no clipping)",
+    "train.on_nonfinite": "a NaN/inf loss or grad-norm: stop (one-line error) | skip (drop that update)",
+    "train.recompute": "activation recomputation: none | selective (attention core) | full (each block)",
+    "train.seed": "seed of the initial weights, the data order and dropout",
+    "train.log_interval": "print a log line every N steps",
+    "train.eval_interval": "validation loss every N steps (and at the end)",
+    "train.eval_batches": "validation batches per evaluation",
+    "train.out_dir": "run folder (metrics.jsonl)",
+    "train.precision": "auto (bf16 on GPU, fp32 on CPU) | fp32 | bf16",
+    "data.path": "token file written by `megalite prepare` (uint16 .bin + .json)",
+    "data.val_fraction": "share of the tokens held out for validation, in (0, 1)",
+    "data.auto_prepare": f"build the default corpus (stdlib sources) when data.path is '{DEFAULT_DATA_PATH}' and missing",
+    "checkpoint.dir": "checkpoint root; {out_dir} is train.out_dir; '' turns checkpoints off",
+    "checkpoint.interval": "save every N steps, and always at the end and on SIGTERM/SIGINT (0: only then)",
+    "checkpoint.async": "write checkpoints in the background while training goes on",
+    "checkpoint.keep_last": "keep the newest N checkpoints (0: keep all)",
+    "checkpoint.resume": "auto (continue from checkpoint.dir if it has a checkpoint), none (fresh start), or a path",
+    "checkpoint.on_error": "a failed save: stop (raise) or continue (warn, keep training)",
+}
+
+
+def fields() -> list[tuple[str, str, object, str]]:
+    """(section.key, type name, default, doc) for every config field, in declaration order."""
+    out = []
+    defaults = Config()
+    for s in dataclasses.fields(Config):
+        sec = getattr(defaults, s.name)
+        for f in dataclasses.fields(sec):
+            typ = f.type if isinstance(f.type, str) else f.type.__name__
+            dotted = f"{s.name}.{_key(f.name)}"
+            out.append((dotted, typ, getattr(sec, f.name), DOCS.get(dotted, "")))
+    return out
+
+
+def help_text() -> str:
+    """Every field as `--section.key=TYPE  doc (default: X)`, grouped by section."""
+    rows = [(f"--{dotted}={typ.upper()}", doc, default, dotted.split(".")[0])
+            for dotted, typ, default, doc in fields()]
+    width = max(len(flag) for flag, *_ in rows)
+    lines, section = [], None
+    for flag, doc, default, sec in rows:
+        if sec != section:
+            section = sec
+            lines.append(f"[{sec}]")
+        lines.append(f"  {flag:<{width}}  {doc} (default: {_toml_value(default)})")
+    return "\n".join(lines)
+
+
+def _toml_value(v) -> str:
+    if isinstance(v, bool):
+        return "true" if v else "false"
+    if isinstance(v, str):
+        return '"' + v.replace("\\", "\\\\").replace('"', '\\"') + '"'
+    return repr(v)
+
+
+def to_toml(cfg: Config) -> str:
+    """The resolved config as TOML that `load_config` reads back to the same Config."""
+    d = cfg.to_dict()
+    out = []
+    for section, values in d.items():
+        out.append(f"[{section}]")
+        for key, value in values.items():
+            doc = DOCS.get(f"{section}.{key}", "")
+            out.append(f"{key} = {_toml_value(value)}" + (f"  # {doc}" if doc else ""))
+        out.append("")
+    return "\n".join(out)

@@ -22,11 +22,12 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
+from . import metrics
 from .checkpoint.manager import CheckpointManager
 from .checkpoint.state import seed_everything
-from .config import Config, num_microbatches, seq_len, validate
+from .config import DEFAULT_DATA_PATH, Config, num_microbatches, seq_len, validate
 from .faults import maybe_crash
-from .data import BatchSampler, TokenDataset, check_vocab, ensure_data, eval_batches
+from .data import BatchSampler, DataError, TokenDataset, check_vocab, ensure_data, eval_batches
 from .model import GPTStage
 from .optim import grad_norm, lr_at
 from .parallel.data import GradBuffer, ShardedAdamW
@@ -216,11 +217,13 @@ def evaluate(tr: Trainer) -> float:
 
 # ---------------------------------------------------------------- the loop
 def _log_line(rec: dict, total: int, elapsed: float, done_steps: int) -> str:
-    eta = elapsed / max(1, done_steps) * (total - rec["step"])
+    """`elapsed` covers `done_steps` steps after the first of this launch: the first step (start-up, lazy
+    allocations, the first communicator set-up) is not representative, so no ETA is guessed from it."""
+    eta = f"ETA {_fmt_time(elapsed / done_steps * (total - rec['step']))}" if done_steps > 0 else "ETA after step 2"
     val = f" | val {rec['val_loss']:.4f}" if "val_loss" in rec else ""
     return (f"step {rec['step']:>5}/{total} | loss {rec['loss']:.4f}{val} | lr {rec['lr']:.2e} | "
             f"grad-norm {rec['grad_norm']:.3f} | {rec['tokens_per_s']:,.0f} tok/s | "
-            f"{rec['ms_per_step']:.0f} ms/step | ETA {_fmt_time(eta)}")
+            f"{rec['ms_per_step']:.0f} ms/step | {eta}")
 
 
 def _fmt_time(s: float) -> str:
@@ -229,27 +232,42 @@ def _fmt_time(s: float) -> str:
 
 
 def prepare_data(cfg: Config, rank: int) -> None:
-    """Build the default corpus once, on rank 0, if the configured file is missing and auto_prepare is on."""
-    if cfg.data.auto_prepare and rank == 0 and not Path(cfg.data.path).exists():
-        ensure_data(cfg.data.path)
+    """Build the default corpus once, on rank 0, if auto_prepare is on and the *default* path is missing.
+
+    Any other missing path is a user error: a mistyped --data.path must not train on the stdlib sources.
+    """
+    path = Path(cfg.data.path)
+    if cfg.data.auto_prepare and not path.exists():
+        if path != Path(DEFAULT_DATA_PATH):
+            raise DataError(f"data.path: token file '{path}' does not exist (data.auto_prepare builds only "
+                            f"the default corpus at '{DEFAULT_DATA_PATH}'; run `megalite prepare FILES --out "
+                            f"{path}` for your own text)")
+        if rank == 0:
+            ensure_data(path)
     if dist.is_initialized() and dist.get_world_size() > 1:
         dist.barrier()
 
 
-def train(cfg: Config, log=print) -> Trainer:
+def train(cfg: Config, log=print, force: bool = False) -> Trainer:
     """Train per `cfg` on the current torchrun job (or one process); return the Trainer (its .history
-    holds every step's metrics)."""
+    holds every step's metrics). `force`: a fresh start (checkpoint.resume=none) may move an earlier run's
+    checkpoints in checkpoint.dir aside instead of refusing."""
     validate(cfg, world_size_from_env())
-    device, _ = init_distributed()
+    device, backend = init_distributed()
     grid = ParallelGrid.create(Layout(cfg.parallel.tp, cfg.parallel.pp, cfg.parallel.dp))
-    tr, ckpt = _start(cfg, grid, device, log)
+    tr, ckpt = _start(cfg, grid, device, log, force, backend)
     is_logger = grid.rank == 0
-    metrics_file = _open_metrics(Path(cfg.train.out_dir), tr.step) if is_logger else None
+    metrics_file = metrics.open_for_run(Path(cfg.train.out_dir), tr.step, ckpt.resumed_event, log) \
+        if is_logger else None
     if is_logger:
         log(f"megalite: {grid.layout} on {grid.layout.world_size} {device.type} process(es), "
             f"{num_microbatches(cfg)} micro-batches/step, schedule {cfg.parallel.schedule}, "
             f"zero1 {'on' if cfg.parallel.zero1 else 'off'}, precision {tr.precision}{_features(cfg)}")
-    start, t_start = tr.step, time.perf_counter()
+    if tr.step >= cfg.train.steps and is_logger:
+        log(f"megalite: this run already finished (step {tr.step}/{cfg.train.steps}, from {ckpt.resumed_path}); "
+            f"nothing to train. To train further, raise --train.steps (the LR schedule then spans the new "
+            f"total, see README), or start a new run with another --train.out_dir")
+    start, t_first = tr.step, time.perf_counter()
     ckpt.install_signal_handlers()
     try:
         while tr.step < cfg.train.steps:
@@ -261,8 +279,10 @@ def train(cfg: Config, log=print) -> Trainer:
             if is_logger:
                 metrics_file.write(json.dumps(rec) + "\n")
                 metrics_file.flush()
+                if tr.step == start + 1:
+                    t_first = time.perf_counter()  # the ETA is timed from the end of the first step
                 if tr.step % cfg.train.log_interval == 0 or tr.step == cfg.train.steps or tr.step == start + 1:
-                    log(_log_line(rec, cfg.train.steps, time.perf_counter() - t_start, tr.step - start))
+                    log(_log_line(rec, cfg.train.steps, time.perf_counter() - t_first, tr.step - start - 1))
             ckpt.after_step(tr)
             signum = ckpt.stop_requested()
             if signum or tr.step == cfg.train.stop_at_step:
@@ -285,18 +305,21 @@ def train(cfg: Config, log=print) -> Trainer:
     return tr
 
 
-def _start(cfg: Config, grid: ParallelGrid, device, log) -> tuple:
+def _start(cfg: Config, grid: ParallelGrid, device, log, force: bool = False, backend: str = "") -> tuple:
     """Data, model, the checkpoint folder's lock, resume: each phase agreed by all ranks (an error on any rank
     stops every rank there, before the next collective). A failure here leaves nothing behind."""
     def build_all():
         prepare_data(cfg, grid.rank)
-        return build(cfg, grid, device), CheckpointManager(cfg, grid, log)
+        return build(cfg, grid, device), CheckpointManager(cfg, grid, log, force=force)
 
     tr, ckpt = agree(build_all, grid)
-    explicit = cfg.checkpoint.resume not in ("", "auto")
+    explicit = cfg.checkpoint.resume not in ("", "none", "auto")
     if explicit:  # only reads: done before anything is created or locked, so a bad PATH writes nothing
         agree(lambda: ckpt.resume(tr), grid)
     ckpt.check_writable(Path(cfg.train.out_dir))
+    if grid.rank == 0:  # start-up can take a while under torchrun: say what is happening
+        log(f"megalite: {grid.layout.world_size} process(es) joined ({backend}); model and data ready"
+            f"{'; looking for a checkpoint to resume' if ckpt.root and cfg.checkpoint.resume != 'none' else ''}")
     try:
         if not explicit:
             agree(lambda: ckpt.resume(tr), grid)  # resume=auto may finish an interrupted save: under the lock
@@ -342,6 +365,8 @@ def log_traceback(out_dir: Path, rank: int) -> None:
                 f.write(f"--- rank {rank}, {time.strftime('%Y-%m-%dT%H:%M:%S')}\n{traceback.format_exc()}")
     except OSError:
         pass
+
+
 def _features(cfg: Config) -> str:
     """The memory/bubble features that are on, for the start-up line."""
     par, on = cfg.parallel, []
@@ -354,17 +379,3 @@ def _features(cfg: Config) -> str:
     if par.overlap_grad_reduce and par.dp > 1:
         on.append("overlap_grad_reduce")
     return ", " + ", ".join(on) if on else ""
-
-
-def _open_metrics(out: Path, resumed_step: int):
-    """metrics.jsonl: fresh runs start it anew; resumed runs keep the lines up to the resumed step."""
-    out.mkdir(parents=True, exist_ok=True)
-    path = out / "metrics.jsonl"
-    kept = []
-    if resumed_step and path.exists():
-        kept = [line for line in path.read_text().splitlines() if line.strip()
-                and json.loads(line).get("step", 0) <= resumed_step]
-    f = open(path, "w")
-    for line in kept:
-        f.write(line + "\n")
-    return f

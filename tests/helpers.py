@@ -73,6 +73,7 @@ TINY_RAW = {
                   weight_decay=0.1, grad_clip=1.0, seed=1234, log_interval=1000, eval_interval=1000,
                   eval_batches=1),
     "data": dict(val_fraction=0.1, auto_prepare=False),
+    "checkpoint": dict(dir=""),  # tests that want checkpoints name a folder (the default is <out_dir>/checkpoints)
 }
 
 
@@ -229,7 +230,13 @@ def one_line_error(p: subprocess.CompletedProcess, prefix: str | tuple = "megali
 
 # ---------------------------------------------------------------- metrics
 def metrics(out_dir: Path) -> list[dict]:
-    """The records of out_dir/metrics.jsonl."""
+    """The step records of out_dir/metrics.jsonl as megalite reads them: the last one of each step."""
+    from megalite.metrics import read
+    return read(out_dir)
+
+
+def metrics_lines(out_dir: Path) -> list[dict]:
+    """Every line of out_dir/metrics.jsonl, events and redone steps included."""
     return [json.loads(line) for line in (Path(out_dir) / "metrics.jsonl").read_text().splitlines()]
 
 

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from helpers import (CKPT, MEGALITE, TIMEOUT, assert_still_at_step_1, env, metrics, ok, one_line_error,
+from helpers import (CKPT, MEGALITE, TIMEOUT, assert_still_at_step_1, env, metrics, metrics_lines, ok, one_line_error,
                      same_on_every_rank, step_names, tmp_dirs, torchrun_cmd, train, train_cmd, train_in_process,
                      verify_cli, wait_for)
 from megalite.checkpoint.layout import committed_steps, read_latest
@@ -101,7 +101,11 @@ def reference(crash_job):
 def _assert_resumed_exactly(text: str, d: Path, reference: list) -> None:
     assert f"resumed from {d / 'ck' / 'step_00000004'} at step 4 (same layout)" in text, text[-3000:]
     got = metrics(d / "out")
-    assert [r["step"] for r in got] == list(range(1, 9)), "metrics.jsonl must hold each step once"
+    assert [r["step"] for r in got] == list(range(1, 9))
+    lines = metrics_lines(d / "out")  # appended, never truncated: the resume is an event line in the file
+    assert {"event": "resume", "step": 4, "layout": "tp=2 pp=1 dp=2", "from": str(d / "ck" / "step_00000004")} \
+        in lines, lines
+    assert [r["step"] for r in lines if "event" not in r][:4] == [1, 2, 3, 4]
     assert _exact(got) == reference  # bit-exact, the steps redone after the crash included
     assert read_latest(d / "ck") == "step_00000008" and verify_cli(d / "ck")[0] == 0
 

@@ -47,7 +47,9 @@ def test_plot_writes_a_png(tmp_path):
     for name, scale in (("a", 1.0), ("b", 0.9)):
         d = tmp_path / name
         d.mkdir()
-        rows = [{"step": s, "loss": scale * 5 / s, **({"val_loss": 6 / s} if s % 5 == 0 else {})} for s in range(1, 11)]
+        rows = [{"step": s, "loss": scale * 5 / s, "lr": 1e-3 * s, **({"val_loss": 6 / s} if s % 5 == 0 else {})}
+                for s in range(1, 11)]
+        rows.insert(6, {"event": "resume", "step": 6, "layout": "tp=1 pp=4 dp=1", "from": "x"})
         (d / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
     out = tmp_path / "loss.png"
     r = cli("plot", tmp_path / "a", tmp_path / "b", "--out", out, cwd=ROOT)
@@ -96,9 +98,9 @@ def test_readme_walkthrough_runs(tmp_path):
         assert r.returncode == 0, f"`{cmd}` failed:\n{r.stdout[-2000:]}\n{r.stderr[-3000:]}"
     assert (tmp_path / "runs/walk/model.safetensors").is_file()
     assert (tmp_path / "runs/walk/loss.png").read_bytes()[:4] == b"\x89PNG"
-    import json
-    resumed = [json.loads(line)["step"] for line in (tmp_path / "runs/walk-pp4/metrics.jsonl").read_text().splitlines()]
-    assert resumed == [7, 8, 9]  # continued from the (2,2,2) run's step 6, at pp=4
+    from megalite import metrics
+    assert [r["step"] for r in metrics.read(tmp_path / "runs/walk-pp4")] == [7, 8, 9]  # from (2,2,2)'s step 6
+    assert [(e["step"], e["layout"]) for e in metrics.events(tmp_path / "runs/walk-pp4")] == [(6, "tp=1 pp=4 dp=1")]
 
 
 def test_ci_runs_the_readme_test_command():

@@ -8,6 +8,7 @@ import shutil
 import signal
 import socket
 import stat
+import time
 from pathlib import Path
 
 import torch
@@ -22,9 +23,12 @@ from .verify import verify
 
 
 class CheckpointManager:
-    def __init__(self, cfg, grid, log=print):
+    def __init__(self, cfg, grid, log=print, force: bool = False):
+        from ..config import checkpoint_dir
         self.cfg, self.grid, self.c = cfg, grid, cfg.checkpoint
-        self.root = Path(self.c.dir) if self.c.dir else None
+        self.root = Path(checkpoint_dir(cfg)) if self.c.dir else None
+        self.force = force  # a fresh start may move an earlier run's checkpoints aside (never deletes them)
+        self.resumed_path, self.resumed_event = None, None
         self.log = log if grid.rank == 0 else (lambda *a: None)
         self.saver = AsyncSaver() if self.c.async_ else None
         self.last_saved = -1
@@ -42,6 +46,7 @@ class CheckpointManager:
         rank 0 for the run, so a killed run never leaves it stuck (the kernel releases it)."""
         err, created = None, self._created
         if self.grid.rank == 0:
+            err = self._fresh_start_guard()
             for field, folder in (("checkpoint.dir", self.root), ("train.out_dir", out_dir)):
                 if folder is None or err:
                     continue
@@ -81,6 +86,32 @@ class CheckpointManager:
             if folder.is_dir() and not folder.is_symlink() and not any(p.is_file() for p in folder.rglob("*")):
                 shutil.rmtree(folder, ignore_errors=True)
         self._created.clear()
+
+    def _fresh_start_guard(self):
+        """resume=none into a folder that holds another run's checkpoints: refused (one line) unless --force,
+        which moves that folder aside to `<dir>.old-<time>`; nothing is ever deleted."""
+        if self.c.resume not in ("none", "") or self.root is None or not self.root.is_dir():
+            return None
+        steps = committed_steps(self.root)
+        if not steps and read_latest(self.root) is None:
+            return None
+        what = f"'{self.root}' already holds checkpoints (newest {step_dir(steps[-1]) if steps else LATEST})"
+        if not self.force:
+            return (f"checkpoint.dir {what}; continue that run with --checkpoint.resume=auto (the default), "
+                    f"start fresh in a new --checkpoint.dir, or pass --force to move the old one aside")
+        lock = self.root / LOCK
+        if lock.is_file() and not lock.is_symlink():
+            fd = os.open(lock, os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0))
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                return f"checkpoint.dir '{self.root}' is in use by a live run ({lock} is locked); not moving it"
+            finally:
+                os.close(fd)  # closing the descriptor releases the probe's lock
+        aside = self.root.with_name(f"{self.root.name}.old-{time.strftime('%Y%m%d-%H%M%S')}")
+        os.rename(self.root, aside)
+        self.log(f"megalite: --force: moved the previous checkpoints {self.root} aside to {aside}")
+        return None
 
     def _take_lock(self):
         lock = self.root / LOCK
@@ -152,12 +183,12 @@ class CheckpointManager:
         self.keep = set(failed) | {s for s in committed_steps(self.root) if s > self.resumed_from}
 
     def resume(self, tr) -> None:
-        """checkpoint.resume: '' = fresh; 'auto' = latest if any (falling back to the newest checkpoint that
+        """checkpoint.resume: 'none' = fresh; 'auto' (the default) = latest if any (falling back to the newest checkpoint that
         verifies, loudly); PATH = that checkpoint or an error, never a silent fresh start."""
         want = self.c.resume
-        if not want:
+        if want in ("none", "") or (want == "auto" and self.root is None):
             self._protect([])
-            return
+            return  # a fresh start, or checkpoints turned off: nothing to look for
         if want == "auto":
             choice = None
             if self.grid.rank == 0:
@@ -195,6 +226,26 @@ class CheckpointManager:
             seed_everything(self.cfg.train.seed + info.step, self.grid)
             how += "; RNG states re-seeded from (seed, step): no per-rank states for this layout"
         self.log(f"resumed from {info.path} at step {info.step} ({how})")
+        self.resumed_path = str(info.path)
+        self.resumed_event = {"layout": str(self.grid.layout), "from": str(info.path)}
+        self._schedule_note(info.manifest.get("config", {}).get("train", {}), info.step)
+
+    def _schedule_note(self, saved: dict, step: int) -> None:
+        """The LR schedule is a function of (step, train.steps, warmup, lr, min_lr): changing train.steps on
+        resume re-shapes it from here on. That is deliberate (the new total is the run's length); say so."""
+        from ..optim import lr_at
+        t = self.cfg.train
+        if not isinstance(saved.get("steps"), int) or saved["steps"] == t.steps or step >= t.steps:
+            return
+        import dataclasses
+        try:
+            before = lr_at(step, dataclasses.replace(t, **{k: saved[k] for k in ("steps", "warmup_steps", "lr",
+                                                                                  "min_lr") if k in saved}))
+        except TypeError:
+            return
+        self.log(f"megalite: train.steps {saved['steps']} -> {t.steps}: the cosine LR schedule now spans "
+                 f"{t.steps} steps, so the LR at step {step + 1} is {lr_at(step, t):.3g} "
+                 f"(the saved run's schedule gave {before:.3g})")
 
     def reserve(self, tr) -> None:
         """Async saves: allocate the host staging buffers before training starts."""

@@ -13,6 +13,7 @@ from einops import EinopsError, rearrange
 from ..checkpoint.stream import StreamingWriter
 from ..config import ACTIVATIONS, ModelConfig, model_from
 from .common import ConvertError, Progress, _full_tensors, _replace, model_partitions
+from .tokenizer import write_byte_tokenizer
 
 
 def _to_hf(name: str, t: torch.Tensor) -> list[tuple[str, torch.Tensor]]:
@@ -158,6 +159,7 @@ def export_hf(step: Path, man: dict, out: Path, dtype: torch.dtype, progress: Pr
         cfg = hf_config(man.model_config)
         cfg["torch_dtype"] = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}[dtype]
         (tmp / "config.json").write_text(json.dumps(cfg, indent=2) + "\n")
+        write_byte_tokenizer(tmp, cfg["n_positions"])  # so AutoTokenizer / pipeline work on the folder as is
     except BaseException:
         w.abort()
         shutil.rmtree(tmp, ignore_errors=True)

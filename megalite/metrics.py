@@ -1,0 +1,62 @@
+"""`<out_dir>/metrics.jsonl`: one JSON record per step, appended and never truncated.
+
+A launch that resumes appends an event line `{"event": "resume", "step": N, "layout": ..., "from": ...}` and
+then its steps; a step that an interrupted launch logged after its last checkpoint is logged again by the
+launch that redoes it, and readers keep the *last* record of each step. A fresh start never overwrites an
+earlier run's file: it moves it aside to `metrics.<time>.jsonl` first.
+"""
+from __future__ import annotations
+
+import json
+import os
+import time
+from pathlib import Path
+
+NAME = "metrics.jsonl"
+
+
+class MetricsError(ValueError):
+    """A metrics file that is not one JSON object per line; the message names the file and the line."""
+
+
+def open_for_run(out_dir: Path, resumed_step: int, event: dict | None = None, log=print):
+    """The file handle this launch appends its records to (rank 0 only)."""
+    out_dir.mkdir(parents=True, exist_ok=True)
+    path = out_dir / NAME
+    if not resumed_step and path.exists() and path.stat().st_size:
+        aside = out_dir / f"metrics.{time.strftime('%Y%m%d-%H%M%S')}.jsonl"
+        os.replace(path, aside)
+        log(f"megalite: fresh start: moved the previous {path} aside to {aside.name}")
+    f = open(path, "a")
+    if resumed_step:
+        f.write(json.dumps({"event": "resume", "step": resumed_step, **(event or {})}) + "\n")
+        f.flush()
+    return f
+
+
+def _lines(run_dir) -> list[dict]:
+    path = Path(run_dir) / NAME
+    if not path.is_file():
+        raise FileNotFoundError(f"{path} does not exist (expected a run's out_dir)")
+    rows = []
+    for i, line in enumerate(path.read_text().splitlines(), 1):
+        if line.strip():
+            try:
+                row = json.loads(line)
+            except json.JSONDecodeError:
+                raise MetricsError(f"{path} line {i} is not JSON") from None
+            if not isinstance(row, dict) or not isinstance(row.get("step"), int):
+                raise MetricsError(f"{path} line {i}: expected an object with an integer 'step'")
+            rows.append(row)
+    return rows
+
+
+def read(run_dir) -> list[dict]:
+    """The step records in step order, the last one logged for each step (redone steps replace earlier ones)."""
+    last = {r["step"]: r for r in _lines(run_dir) if "event" not in r}
+    return [last[s] for s in sorted(last)]
+
+
+def events(run_dir) -> list[dict]:
+    """The resume events, in order (each names the step it resumed from, and the layout)."""
+    return [r for r in _lines(run_dir) if "event" in r]
