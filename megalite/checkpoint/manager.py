@@ -228,7 +228,7 @@ class CheckpointManager:
         self.log(f"resumed from {info.path} at step {info.step} ({how})")
         self.resumed_path = str(info.path)
         self.resumed_event = {"layout": str(self.grid.layout), "from": str(info.path)}
-        self._schedule_note(info.manifest.get("config", {}).get("train", {}), info.step)
+        self._schedule_note((info.manifest.config or {}).get("train") or {}, info.step)
 
     def _schedule_note(self, saved: dict, step: int) -> None:
         """The LR schedule is a function of (step, train.steps, warmup, lr, min_lr): changing train.steps on
