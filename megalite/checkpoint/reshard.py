@@ -61,6 +61,13 @@ def check_key(step: Path, header: dict, entry: TensorEntry, sl: SliceRef) -> dic
     return h
 
 
+def lands_in(out: Optional[torch.Tensor], dtype: torch.dtype, numel: int) -> bool:
+    """The one rule for reading straight into the destination: host memory, contiguous, the stored dtype
+    and the right size (anything else is read into a staging buffer and copied, casting if needed)."""
+    return (out is not None and out.device.type == "cpu" and out.is_contiguous() and out.dtype == dtype
+            and out.numel() == numel)
+
+
 def _strides(shape) -> list:
     out, acc = [], 1
     for n in reversed(shape):
@@ -101,8 +108,7 @@ class SliceReader:
         result may be a view of the reader's scratch buffer, valid until the next read: copy it at once."""
         shape, dtype = sl.shape, entry.torch_dtype
         want = [s.stop - s.start for s in region] if region is not None else shape
-        if not (out is not None and out.device.type == "cpu" and out.is_contiguous() and out.dtype == dtype
-                and out.numel() == math.prod(want)):
+        if not lands_in(out, dtype, math.prod(want)):
             out = None
         if region is None or list(want) == list(shape):
             got = self.read_flat(entry, sl, 0, sl.numel, None if out is None else out.view(-1))
@@ -137,8 +143,7 @@ class SliceReader:
         isz, B, dtype = entry.itemsize, self.man.block_bytes, entry.torch_dtype
         offset = start + h["data_offsets"][0]
         blo, bhi = lo * isz // B * B, min(-(-hi * isz // B) * B, sl.numel * isz)
-        direct = (out is not None and out.device.type == "cpu" and out.is_contiguous() and out.dtype == dtype
-                  and out.numel() == hi - lo and (blo, bhi) == (lo * isz, hi * isz))
+        direct = lands_in(out, dtype, hi - lo) and (blo, bhi) == (lo * isz, hi * isz)
         buf = out if direct else self._scratch(bhi - blo).view(dtype)
         self._read(entry, sl, offset, blo, raw_bytes(buf))
         return buf if direct else buf[lo - blo // isz:hi - blo // isz]
@@ -173,8 +178,7 @@ class SliceReader:
             by_box.setdefault(sl.box, []).append(sl)
         exact = by_box.get(box)
         if flat is None and exact and exact[0].flat is None:  # same layout: one read, into place
-            ok = (out is not None and out.device.type == "cpu" and out.is_contiguous()
-                  and out.dtype == entry.torch_dtype)
+            ok = lands_in(out, entry.torch_dtype, box.numel)
             return self.read_stored(entry, exact[0], None, out if ok else torch.empty(box.shape, dtype=entry.torch_dtype))
         usable = flat is None and out is not None and out.is_contiguous() and list(out.shape) == list(box.shape)
         full = out if usable else torch.empty(box.shape, dtype=entry.torch_dtype)
@@ -204,8 +208,7 @@ class SliceReader:
         if not pieces:
             return None
         a, b = flat
-        ok = out is not None and out.device.type == "cpu" and out.is_contiguous() and out.numel() == b - a
-        dest = out if ok else torch.empty(b - a, dtype=entry.torch_dtype)
+        dest = out if lands_in(out, entry.torch_dtype, b - a) else torch.empty(b - a, dtype=entry.torch_dtype)
         for sl in pieces:
             pa, pb = sl.flat or (0, box.numel)
             lo, hi = max(a, pa), min(b, pb)
