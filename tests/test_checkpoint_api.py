@@ -191,7 +191,7 @@ def test_pickle_in_place_of_safetensors_is_refused_and_not_executed(tmp_path, si
     if fix_manifest:  # a matching size and a re-signed manifest: only the file format can give it away
         man = mf.read_json(step)
         man["files"]["tp00-pp00-dp00/model.safetensors"] = {"bytes": evil.stat().st_size,
-                                                            "header_crc32": mf.crc32_file(evil)}
+                                                            "header_crc32c": mf.crc32c_file(evil)}
         mf.write_json(step, mf.sign(man))
     before = [p.detach().clone() for _, p in tr.params]
     with pytest.raises(CheckpointError) as e:

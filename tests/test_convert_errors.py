@@ -64,7 +64,7 @@ def edit_shard(ckpt, name: str, edit) -> str:
     path = step / sl["file"]
     resave(path, path, lambda tensors: edit(tensors, sl["key"]))
     man = mf.read_json(step)
-    man["files"][sl["file"]] = {"bytes": path.stat().st_size, "header_crc32": f"{read_header(path)[2]:08x}"}
+    man["files"][sl["file"]] = {"bytes": path.stat().st_size, "header_crc32c": f"{read_header(path)[2]:08x}"}
     mf.write_json(step, mf.sign(man))
     return sl["file"]
 

@@ -154,17 +154,17 @@ def test_local_shape_and_tp_box_with_vocab_padding():
     wte = Partition((250, 32), dim=0)
     assert local_shape(wte, 4) == (63, 32)
     assert local_shape(wte, 1) == (250, 32)
-    assert [tp_box(wte, r, 4) for r in range(4)] == [[(0, 63), (0, 32)], [(63, 126), (0, 32)],
+    assert [list(tp_box(wte, r, 4)) for r in range(4)] == [[(0, 63), (0, 32)], [(63, 126), (0, 32)],
                                                       [(126, 189), (0, 32)], [(189, 250), (0, 32)]]
     qkv = Partition((3, 64, 32), dim=1)
     assert local_shape(qkv, 2) == (3, 32, 32)
-    assert tp_box(qkv, 1, 2) == [(0, 3), (32, 64), (0, 32)]
+    assert list(tp_box(qkv, 1, 2)) == [(0, 3), (32, 64), (0, 32)]
     row = Partition((32, 128), dim=1)
     assert local_shape(row, 4) == (32, 32)
-    assert tp_box(row, 2, 4) == [(0, 32), (64, 96)]
+    assert list(tp_box(row, 2, 4)) == [(0, 32), (64, 96)]
     rep = Partition((32,), dim=None)
     assert local_shape(rep, 4) == (32,)
-    assert tp_box(rep, 3, 4) == [(0, 32)]
+    assert list(tp_box(rep, 3, 4)) == [(0, 32)]
 
 
 def test_layout_validate_is_the_one_rule():

@@ -2,12 +2,11 @@
 
 Before anything is read, the manifest is parsed and validated (manifest.Manifest.from_json) and checked
 against the run: model config (each differing field named with both values) and every tensor the model
-needs (name and global shape). Every byte read is checked against its block CRC32 (reshard.SliceReader).
+needs (name and global shape). Every byte read is checked against its block CRC32C (reshard.SliceReader).
 """
 from __future__ import annotations
 
 import json
-import zlib
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Optional
@@ -17,9 +16,10 @@ import torch
 from ..config import model_architecture
 from ..parallel.tensor import partition_of, tp_box, valid_view
 from . import manifest as mf
-from .layout import STATE_FILE, Box, CheckpointError, coord_dir, resolve
+from .layout import STATE_FILE, CheckpointError, coord_dir, resolve
 from .reshard import SliceReader
 from .state import restore_rng
+from .stream import crc32c
 
 
 @dataclass
@@ -58,7 +58,7 @@ def entry_for(section: dict, name: str, shape, step: Path) -> mf.TensorEntry:
 
 
 def read_state(step: Path, man: mf.Manifest, coord) -> dict:
-    """One coordinate's state.json, checked against the size and CRC32 the manifest records for it."""
+    """One coordinate's state.json, checked against the size and CRC32C the manifest records for it."""
     rel = f"{coord_dir(coord)}/{STATE_FILE}"
     path, rec = step / rel, man.files[rel]
     if path.is_symlink() or path.parent.is_symlink():
@@ -67,9 +67,9 @@ def read_state(step: Path, man: mf.Manifest, coord) -> dict:
         data = path.read_bytes()
     except FileNotFoundError:
         raise CheckpointError(f"{step.name}: {rel} is missing") from None
-    if len(data) != rec.bytes or f"{zlib.crc32(data):08x}" != rec.crc32:
-        raise CheckpointError(f"{step.name}: {rel} fails its checksum ({len(data)} bytes, crc32 "
-                              f"{zlib.crc32(data):08x}; the manifest says {rec.bytes} bytes, crc32 {rec.crc32})")
+    if len(data) != rec.bytes or f"{crc32c(data):08x}" != rec.crc32c:
+        raise CheckpointError(f"{step.name}: {rel} fails its checksum ({len(data)} bytes, crc32c "
+                              f"{crc32c(data):08x}; the manifest says {rec.bytes} bytes, crc32c {rec.crc32c})")
     try:
         state = json.loads(data)
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
@@ -102,7 +102,7 @@ def load_into(path, params, optimizer, grid, model_cfg: Optional[dict] = None,
     for name, p in params:
         part = partition_of(p)
         entry = entry_for(man.model, name, part.global_shape, step)
-        plan.append((name, p, part, entry, Box(tp_box(part, c.tp, L.tp))))
+        plan.append((name, p, part, entry, tp_box(part, c.tp, L.tp)))
     if optimizer is not None and not man.optimizer_state:
         optimizer = None  # a weights-only checkpoint (from `megalite split`): the optimizer starts fresh
         warnings.append(f"WARNING: {step} holds no optimizer state (weights only): AdamW moments start from "

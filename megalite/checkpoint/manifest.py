@@ -2,17 +2,17 @@
 
     {
       "format": "megalite-checkpoint", "format_version": 2,
-      "manifest_crc32": "<CRC32 of the canonical JSON of everything else>",
+      "manifest_crc32c": "<CRC32C of the canonical JSON of everything else>",
       "megalite_version": "...", "torch_version": "...", "created": "<ISO time>",
       "step": 200, "tokens_seen": 204800,
       "layout": {"tp": 2, "pp": 2, "dp": 2, "zero1": true},
       "config": { the full run config }, "data": {"batch_index": 200}, "client_state": {}, "scheduler": null,
       "optimizer": {"type": "adamw", "step": 200, "betas": [0.9, 0.95], "eps": 1e-8, "weight_decay": 0.1},
-      "checksum": {"algorithm": "crc32", "block_bytes": 1048576},
+      "checksum": {"algorithm": "crc32c", "block_bytes": 1048576},
       "model":     { "<global name>": TENSOR, ... },        e.g. "blocks.7.attn.qkv.weight"
       "optimizer_state": { "<global name>.exp_avg": TENSOR, "<global name>.exp_avg_sq": TENSOR, ... },
-      "files": { "tp00-pp00-dp00/model.safetensors": {"bytes": 123, "header_crc32": "89abcdef"},
-                 "tp00-pp00-dp00/state.json": {"bytes": 456, "crc32": "01234567"}, ... }
+      "files": { "tp00-pp00-dp00/model.safetensors": {"bytes": 123, "header_crc32c": "89abcdef"},
+                 "tp00-pp00-dp00/state.json": {"bytes": 456, "crc32c": "01234567"}, ... }
     }
     TENSOR = {"dtype": "float32" | "bfloat16" | "float16", "shape": [global shape],
               "partition": {"dim": split dim over tp or null, "tied_to": null,
@@ -20,7 +20,7 @@
               "slices": [{"file": "...", "key": "<key in that file>",
                           "box": [[start, end] per dim of the global tensor],
                           "flat": [a, b]    only for ZeRO-1 pieces: elements [a, b) of the box, row-major,
-                          "crc32": ["<CRC32 of stored bytes [0, B)>", "<of [B, 2B)>", ...]}]}   B = block_bytes
+                          "crc32c": ["<CRC32C of stored bytes [0, B)>", "<of [B, 2B)>", ...]}]}   B = block_bytes
 
 `Manifest.from_json` checks everything a loader relies on and raises one-line CheckpointErrors naming the
 field; nothing else in megalite reads the JSON. Validation is linear in the number of slices (tiling is
@@ -33,7 +33,6 @@ import json
 import math
 import os
 import re
-import zlib
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Optional
@@ -44,6 +43,7 @@ import torch
 from ..parallel.grid import Layout, LayoutError
 from ..parallel.tensor import Partition
 from .layout import MANIFEST, MODEL_FILE, OPTIM_FILE, STATE_FILE, Box, CheckpointError, coord_dir
+from .stream import crc32c
 
 FORMAT = "megalite-checkpoint"
 FORMAT_VERSION = 2
@@ -57,22 +57,12 @@ _HEX8 = re.compile(r"^[0-9a-f]{8}$")
 _PLACEMENT = re.compile(r"^(first|last|layer\.(\d+))$")
 
 
-def crc32_bytes(data, crc: int = 0) -> int:
-    return zlib.crc32(data, crc)
-
-
-def crc32_file(path: Path, chunk: int = 16 << 20) -> str:
+def crc32c_file(path: Path, chunk: int = 16 << 20) -> str:
     crc = 0
     with open(path, "rb") as f:
         while block := f.read(chunk):
-            crc = zlib.crc32(block, crc)
+            crc = crc32c(block, crc)
     return f"{crc:08x}"
-
-
-def block_crcs(data, block: int = BLOCK_BYTES) -> list[str]:
-    """CRC32 of each `block`-byte chunk of `data` (the last may be short), as hex."""
-    mv = memoryview(data).cast("B")
-    return [f"{zlib.crc32(mv[i:i + block]):08x}" for i in range(0, len(mv), block)]
 
 
 def n_blocks(nbytes: int, block: int) -> int:
@@ -92,13 +82,13 @@ def itemsize(dtype: str) -> int:
 # ---------------------------------------------------------------- the typed records
 @dataclass(frozen=True)
 class FileRecord:
-    """A file of the step folder: its size, and the CRC32 of its header (safetensors: the 8-byte length
+    """A file of the step folder: its size, and the CRC32C of its header (safetensors: the 8-byte length
     and the JSON; the tensor bytes are covered by their slices' block checksums) or of all of it (JSON)."""
     bytes: int
-    crc32: str
+    crc32c: str
 
     def to_json(self, rel: str) -> dict:
-        return {"bytes": self.bytes, ("crc32" if rel.endswith(".json") else "header_crc32"): self.crc32}
+        return {"bytes": self.bytes, ("crc32c" if rel.endswith(".json") else "header_crc32c"): self.crc32c}
 
 
 @dataclass(frozen=True)
@@ -108,7 +98,7 @@ class SliceRef:
     key: str
     box: Box
     flat: Optional[tuple] = None  # ZeRO-1 piece: elements [a, b) of the box, row-major
-    crc32: tuple = ()  # one per block of the stored bytes
+    crc32c: tuple = ()  # one per block of the stored bytes
 
     @property
     def shape(self) -> list:
@@ -123,7 +113,7 @@ class SliceRef:
         out = {"file": self.file, "key": self.key, "box": self.box.to_json()}
         if self.flat:
             out["flat"] = list(self.flat)
-        out["crc32"] = list(self.crc32)
+        out["crc32c"] = list(self.crc32c)
         return out
 
 
@@ -193,7 +183,7 @@ class Manifest:
                 "layout": {"tp": self.layout.tp, "pp": self.layout.pp, "dp": self.layout.dp, "zero1": self.zero1},
                 "config": self.config, "data": self.data, "optimizer": self.optimizer,
                 "client_state": self.client_state, "scheduler": self.scheduler,
-                "checksum": {"algorithm": "crc32", "block_bytes": self.block_bytes},
+                "checksum": {"algorithm": "crc32c", "block_bytes": self.block_bytes},
                 "model": {n: e.to_json() for n, e in sorted(self.model.items())},
                 "optimizer_state": {n: e.to_json() for n, e in sorted(self.optimizer_state.items())},
                 "files": {r: f.to_json(r) for r, f in sorted(self.files.items())}}
@@ -205,16 +195,16 @@ class Manifest:
 
 
 def canonical_crc(d: dict) -> str:
-    """CRC32 of the canonical JSON (sorted keys, no spaces) of `d` without its manifest_crc32."""
-    body = {k: v for k, v in d.items() if k != "manifest_crc32"}
-    return f"{zlib.crc32(json.dumps(body, sort_keys=True, separators=(',', ':')).encode()):08x}"
+    """CRC32C of the canonical JSON (sorted keys, no spaces) of `d` without its manifest_crc32c."""
+    body = {k: v for k, v in d.items() if k != "manifest_crc32c"}
+    return f"{crc32c(json.dumps(body, sort_keys=True, separators=(',', ':')).encode()):08x}"
 
 
 def sign(d: dict) -> dict:
-    """`d` with manifest_crc32 set (after format/format_version, for readers of the file)."""
+    """`d` with manifest_crc32c set (after format/format_version, for readers of the file)."""
     head = {k: d[k] for k in ("format", "format_version") if k in d}
-    rest = {k: v for k, v in d.items() if k not in head and k != "manifest_crc32"}
-    return {**head, "manifest_crc32": canonical_crc(d), **rest}
+    rest = {k: v for k, v in d.items() if k not in head and k != "manifest_crc32c"}
+    return {**head, "manifest_crc32c": canonical_crc(d), **rest}
 
 
 # ---------------------------------------------------------------- validation
@@ -266,9 +256,9 @@ class _Parser:
                                   f"(format_version {FORMAT_VERSION}); upgrade megalite")
         if version != FORMAT_VERSION:
             self.fail("format_version", version, f"{FORMAT_VERSION} (the only version this megalite reads)")
-        crc = d.get("manifest_crc32")
+        crc = d.get("manifest_crc32c")
         if not isinstance(crc, str) or crc != canonical_crc(d):
-            raise CheckpointError(f"{self.where}: field 'manifest_crc32' is {_short(crc)} but the content's CRC32 "
+            raise CheckpointError(f"{self.where}: field 'manifest_crc32c' is {_short(crc)} but the content's CRC32C "
                                   f"is {canonical_crc(d)} (the manifest was edited or damaged)")
         step = self.int_(self.get(d, "step", "step"), "step")
         tokens = self.int_(d.get("tokens_seen", 0), "tokens_seen")
@@ -287,8 +277,8 @@ class _Parser:
         if opt is not None:
             self.int_(self.get(opt, "step", "optimizer.step"), "optimizer.step")
         chk = self.dict_(self.get(d, "checksum", "checksum"), "checksum")
-        if chk.get("algorithm") != "crc32":
-            self.fail("checksum.algorithm", chk.get("algorithm"), "'crc32'")
+        if chk.get("algorithm") != "crc32c":
+            self.fail("checksum.algorithm", chk.get("algorithm"), "'crc32c'")
         block = self.int_(chk.get("block_bytes"), "checksum.block_bytes", 8)
         if block % 8:
             self.fail("checksum.block_bytes", block, "a multiple of 8")
@@ -328,7 +318,7 @@ class _Parser:
                                       f"{layout}")
             self.dict_(rec, f"files.{rel}")
             size = self.int_(rec.get("bytes"), f"files.{rel}.bytes")
-            key = "crc32" if rel.endswith(".json") else "header_crc32"
+            key = "crc32c" if rel.endswith(".json") else "header_crc32c"
             crc = rec.get(key)
             if not isinstance(crc, str) or not _HEX8.match(crc):
                 self.fail(f"files.{rel}.{key}", crc, "8 lowercase hex digits")
@@ -389,11 +379,11 @@ class _Parser:
             if s.get("flat") is not None:
                 flat = self.range_(s["flat"], f"{sat}.flat", box.numel)
             sl = SliceRef(rel, key, box, flat, ())
-            crcs = s.get("crc32")
+            crcs = s.get("crc32c")
             want = n_blocks(sl.numel * size, block)
             if (not isinstance(crcs, list) or len(crcs) != want
                     or not all(isinstance(c, str) and _HEX8.match(c) for c in crcs)):
-                self.fail(f"{sat}.crc32", crcs, f"a list of {want} CRC32s (8 hex digits, one per {block}-byte block)")
+                self.fail(f"{sat}.crc32c", crcs, f"a list of {want} CRC32Cs (8 hex digits, one per {block}-byte block)")
             slices.append(SliceRef(rel, key, box, flat, tuple(crcs)))
         problems = tiling_problems(name, (shape, slices))
         if problems:

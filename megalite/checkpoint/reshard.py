@@ -3,13 +3,14 @@
 A reader asks for a box of the global tensor (and, for a ZeRO-1 optimizer piece, a flat range of that
 box); the planner intersects it with the slices the manifest lists and reads only the checksum blocks
 those intersections touch, never whole files or the whole model. Every block read is checked against
-its CRC32 before any of its bytes are used, so resharded and partial reads are as safe as whole ones.
+its CRC32C before any of its bytes are used, so resharded and partial reads are as safe as whole ones.
 Same-layout loads are the special case where every intersection is a whole stored slice: its bytes go
 straight from the file into the destination memory and are checked there.
 """
 from __future__ import annotations
 
-import zlib
+import itertools
+import math
 from pathlib import Path
 from typing import Optional
 
@@ -17,12 +18,12 @@ import torch
 
 from .layout import Box, CheckpointError
 from .manifest import Manifest, SliceRef, TensorEntry
-from .stream import check_header, raw_bytes, read_bytes, read_header, st_dtype
+from .stream import check_header, crc32c, raw_bytes, read_bytes, read_header, st_dtype
 
 
 def check_file(step: Path, rel: str, man: Manifest) -> tuple[dict, int]:
     """Open one safetensors file of the step as the loader does: a regular file inside the step folder,
-    the size the manifest says, a well-formed header whose CRC32 matches. Returns (header, data start)."""
+    the size the manifest says, a well-formed header whose CRC32C matches. Returns (header, data start)."""
     path, rec = step / rel, man.files[rel]
     if path.is_symlink() or path.parent.is_symlink():
         raise CheckpointError(f"{step.name}: {rel} is a symbolic link (refused: files must live in the step folder)")
@@ -36,9 +37,9 @@ def check_file(step: Path, rel: str, man: Manifest) -> tuple[dict, int]:
         header, start, crc = read_header(path)
     except (ValueError, UnicodeDecodeError) as e:  # a damaged header, or not safetensors at all
         raise CheckpointError(f"{step.name}: {rel} is not a readable safetensors file ({e})") from None
-    if f"{crc:08x}" != rec.crc32:
-        raise CheckpointError(f"{step.name}: {rel} fails its header checksum (crc32 {crc:08x}, manifest "
-                              f"{rec.crc32}): the file is corrupted")
+    if f"{crc:08x}" != rec.crc32c:
+        raise CheckpointError(f"{step.name}: {rel} fails its header checksum (crc32c {crc:08x}, manifest "
+                              f"{rec.crc32c}): the file is corrupted")
     try:
         check_header(header, start, size)
     except ValueError as e:
@@ -60,6 +61,13 @@ def check_key(step: Path, header: dict, entry: TensorEntry, sl: SliceRef) -> dic
     return h
 
 
+def lands_in(out: Optional[torch.Tensor], dtype: torch.dtype, numel: int) -> bool:
+    """The one rule for reading straight into the destination: host memory, contiguous, the stored dtype
+    and the right size (anything else is read into a staging buffer and copied, casting if needed)."""
+    return (out is not None and out.device.type == "cpu" and out.is_contiguous() and out.dtype == dtype
+            and out.numel() == numel)
+
+
 def _strides(shape) -> list:
     out, acc = [], 1
     for n in reversed(shape):
@@ -75,6 +83,7 @@ class SliceReader:
     def __init__(self, step_dir: Path, manifest: Manifest):
         self.dir, self.man = Path(step_dir), manifest
         self.headers: dict = {}  # rel -> (header, data offset)
+        self.scratch = torch.empty(0, dtype=torch.uint8)
 
     def header(self, rel: str):
         if rel not in self.headers:
@@ -85,43 +94,65 @@ class SliceReader:
         mv, B = memoryview(data).cast("B"), self.man.block_bytes
         for i, off in enumerate(range(0, len(mv), B)):
             k = first_block + i
-            crc = f"{zlib.crc32(mv[off:off + B]):08x}"
-            if crc != sl.crc32[k]:
+            crc = f"{crc32c(mv[off:off + B]):08x}"
+            if crc != sl.crc32c[k]:
                 raise CheckpointError(f"{self.dir.name}: tensor '{entry.name}' in {sl.file} fails its checksum "
                                       f"(block {k}, bytes {k * B}-{k * B + len(mv[off:off + B])} of the slice: "
-                                      f"crc32 {crc}, manifest {sl.crc32[k]}); the file is corrupted")
+                                      f"crc32c {crc}, manifest {sl.crc32c[k]}); the file is corrupted")
 
     def read_stored(self, entry: TensorEntry, sl: SliceRef, region: Optional[tuple] = None,
                     out: Optional[torch.Tensor] = None) -> torch.Tensor:
         """`region` (slices into the stored tensor; None: all of it), its blocks checked.
 
-        A whole slice lands in `out` when `out` is a contiguous CPU tensor of its dtype and size; use the
-        returned tensor (for a region it is a view of a block-aligned buffer)."""
-        shape = sl.shape
-        if region is None or all(s.start == 0 and s.stop == n for s, n in zip(region, shape)):
-            got = self.read_flat(entry, sl, 0, sl.numel, out)
-            return got if out is not None and got is out and list(out.shape) == shape else got.view(shape)
+        Lands in `out` when `out` is a contiguous CPU tensor of the dtype and the region's size; else the
+        result may be a view of the reader's scratch buffer, valid until the next read: copy it at once."""
+        shape, dtype = sl.shape, entry.torch_dtype
+        want = [s.stop - s.start for s in region] if region is not None else shape
+        if not lands_in(out, dtype, math.prod(want)):
+            out = None
+        if region is None or list(want) == list(shape):
+            got = self.read_flat(entry, sl, 0, sl.numel, None if out is None else out.view(-1))
+            return out if out is not None and got.data_ptr() == out.data_ptr() else got.view(shape)
         st = _strides(shape)
-        lo = sum(s.start * k for s, k in zip(region, st))  # the first and last element the region touches
-        hi = sum((s.stop - 1) * k for s, k in zip(region, st)) + 1
-        span = self.read_flat(entry, sl, lo, hi)
-        return span.as_strided([s.stop - s.start for s in region], st)
+        k = len(shape)  # dims k.. are whole: each index of dims < k-1 is one contiguous run
+        while region[k - 1].start == 0 and region[k - 1].stop == shape[k - 1]:
+            k -= 1
+        run = (region[k - 1].stop - region[k - 1].start) * st[k - 1]
+        outer = [range(s.start, s.stop) for s in region[:k - 1]]
+        if outer and run * entry.itemsize >= 2 * self.man.block_bytes and math.prod(map(len, outer)) <= 4096:
+            # a few long runs (the q, k, v parts of a fused QKV slice): read and check only their blocks
+            dest = out if out is not None else torch.empty(want, dtype=dtype)
+            for idx in itertools.product(*outer):
+                lo = sum(i * st[d] for d, i in enumerate(idx)) + region[k - 1].start * st[k - 1]
+                part = dest[tuple(i - s.start for i, s in zip(idx, region))].view(-1)
+                got = self.read_flat(entry, sl, lo, lo + run, part)
+                if got.data_ptr() != part.data_ptr():
+                    part.copy_(got)
+            return dest.view(want)
+        lo = sum(s.start * k_ for s, k_ in zip(region, st))  # the first and last element the region touches
+        hi = sum((s.stop - 1) * k_ for s, k_ in zip(region, st)) + 1
+        return self.read_flat(entry, sl, lo, hi).as_strided(want, st)
 
     def read_flat(self, entry: TensorEntry, sl: SliceRef, lo: int, hi: int,
                   out: Optional[torch.Tensor] = None) -> torch.Tensor:
         """Elements [lo, hi) of the stored slice (row-major), reading and checking only the blocks they
         touch. Lands in `out` (returned) when it is a contiguous CPU tensor of the dtype and size and the
-        range is block-aligned; else the result is a view into a block-aligned buffer."""
+        range is block-aligned; else the result is a view of the scratch buffer (valid until the next read)."""
         header, start = self.header(sl.file)
         h = check_key(self.dir, header, entry, sl)
         isz, B, dtype = entry.itemsize, self.man.block_bytes, entry.torch_dtype
         offset = start + h["data_offsets"][0]
         blo, bhi = lo * isz // B * B, min(-(-hi * isz // B) * B, sl.numel * isz)
-        direct = (out is not None and out.device.type == "cpu" and out.is_contiguous() and out.dtype == dtype
-                  and out.numel() == hi - lo and (blo, bhi) == (lo * isz, hi * isz))
-        buf = out if direct else torch.empty((bhi - blo) // isz, dtype=dtype)
+        direct = lands_in(out, dtype, hi - lo) and (blo, bhi) == (lo * isz, hi * isz)
+        buf = out if direct else self._scratch(bhi - blo).view(dtype)
         self._read(entry, sl, offset, blo, raw_bytes(buf))
         return buf if direct else buf[lo - blo // isz:hi - blo // isz]
+
+    def _scratch(self, nbytes: int) -> torch.Tensor:
+        """A reused staging buffer (fresh allocations of this size would page-fault on every read)."""
+        if self.scratch.numel() < nbytes:
+            self.scratch = torch.empty(max(nbytes, 2 * self.scratch.numel()), dtype=torch.uint8)
+        return self.scratch[:nbytes]
 
     def _read(self, entry, sl, offset: int, at: int, buf) -> None:
         try:
@@ -147,7 +178,8 @@ class SliceReader:
             by_box.setdefault(sl.box, []).append(sl)
         exact = by_box.get(box)
         if flat is None and exact and exact[0].flat is None:  # same layout: one read, into place
-            return self.read_stored(entry, exact[0], None, out)
+            ok = lands_in(out, entry.torch_dtype, box.numel)
+            return self.read_stored(entry, exact[0], None, out if ok else torch.empty(box.shape, dtype=entry.torch_dtype))
         usable = flat is None and out is not None and out.is_contiguous() and list(out.shape) == list(box.shape)
         full = out if usable else torch.empty(box.shape, dtype=entry.torch_dtype)
         for sbox, slices in by_box.items():
@@ -157,12 +189,15 @@ class SliceReader:
             region = full[inter.within(box)]
             if slices[0].flat is None:
                 got = self.read_stored(entry, slices[0], inter.within(sbox), region if region.is_contiguous() else None)
-                if got is not region:
+                if got.data_ptr() != region.data_ptr():
                     region.copy_(got)
             else:  # ZeRO-1 pieces: rebuild that one box (one tp slice of one tensor), then cut
                 whole = torch.empty(sbox.numel, dtype=entry.torch_dtype)
                 for sl in slices:
-                    self.read_stored(entry, sl, None, whole[sl.flat[0]:sl.flat[1]])
+                    piece = whole[sl.flat[0]:sl.flat[1]]
+                    got = self.read_stored(entry, sl, None, piece)
+                    if got.data_ptr() != piece.data_ptr():
+                        piece.copy_(got)
                 region.copy_(whole.view(sbox.shape)[inter.within(sbox)])
         return full if flat is None else full.view(-1)[flat[0]:flat[1]].clone()
 
@@ -173,8 +208,7 @@ class SliceReader:
         if not pieces:
             return None
         a, b = flat
-        ok = out is not None and out.device.type == "cpu" and out.is_contiguous() and out.numel() == b - a
-        dest = out if ok else torch.empty(b - a, dtype=entry.torch_dtype)
+        dest = out if lands_in(out, entry.torch_dtype, b - a) else torch.empty(b - a, dtype=entry.torch_dtype)
         for sl in pieces:
             pa, pb = sl.flat or (0, box.numel)
             lo, hi = max(a, pa), min(b, pb)

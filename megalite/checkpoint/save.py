@@ -37,7 +37,7 @@ from .layout import (LATEST, LATEST_TMP, MODEL_FILE, OPTIM_FILE, STATE_FILE, TMP
                      committed_steps, coord_dir, fsync_dir, parse_step_dir, plan_writes, read_latest, remove_tree,
                      step_dir, tmp_dir, unlink_quietly, write_latest)
 from .state import dumps_json
-from .stream import StreamingWriter
+from .stream import StreamingWriter, crc32c
 
 
 @dataclass
@@ -63,7 +63,7 @@ def collect(params, optimizer, grid, state: dict) -> Payload:
             t = valid_view(p.detach(), part, c.tp, L.tp)
         else:
             store = optimizer.exp_avg if it.kind == "exp_avg" else optimizer.exp_avg_sq
-            t = store[it.name] if it.flat else store[it.name].view([e - s for s, e in it.box])
+            t = store[it.name] if it.flat else store[it.name].view(it.box.shape)
         add(pay, it, part, t)
     return pay
 
@@ -117,7 +117,7 @@ def _write_file(path: Path, data: bytes) -> None:
 
 def _write_tensors(path: Path, tensors: dict, block: int) -> tuple[int, str, dict]:
     """Stream one safetensors file (keys sorted: the same state gives the same bytes); return its size,
-    its header's CRC32 and each tensor's block CRC32s, computed on the buffers as they are written."""
+    its header's CRC32C and each tensor's block CRC32Cs, computed on the buffers as they are written."""
     keys = sorted(tensors)
     w = StreamingWriter(path, [(k, list(tensors[k].shape), tensors[k].dtype) for k in keys], {"format": "pt"},
                         block=block)
@@ -127,7 +127,7 @@ def _write_tensors(path: Path, tensors: dict, block: int) -> tuple[int, str, dic
     except BaseException:
         w.abort()
         raise
-    return w.size, f"{w.header_crc32:08x}", crcs
+    return w.size, f"{w.header_crc32c:08x}", crcs
 
 
 def write_rank(folder: Path, pay: Payload, rel: str) -> dict:
@@ -141,7 +141,7 @@ def write_rank(folder: Path, pay: Payload, rel: str) -> dict:
         report["files"][f"{rel}/{fname}"] = mf.FileRecord(size, crc)
     data = dumps_json(pay.state).encode()
     _write_file(folder / STATE_FILE, data)
-    report["files"][f"{rel}/{STATE_FILE}"] = mf.FileRecord(len(data), f"{mf.crc32_bytes(data):08x}")
+    report["files"][f"{rel}/{STATE_FILE}"] = mf.FileRecord(len(data), f"{crc32c(data):08x}")
     for proto, it in pay.records:
         sl = mf.SliceRef(f"{rel}/{it.file}", it.key, it.box, it.flat, crcs[it.file][it.key])
         report["tensors"].append((proto, sl))

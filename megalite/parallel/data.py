@@ -166,7 +166,7 @@ class ShardedAdamW:
     def valid_numel(self, p) -> int:
         """Elements of the local tensor that belong to the global one: vocab padding rows sit at the end
         of dim 0, so the valid elements are a prefix of the flattened tensor and padding is never sharded."""
-        return math.prod(b - a for a, b in tp_box(partition_of(p), self.tp.rank, self.tp.size))
+        return tp_box(partition_of(p), self.tp.rank, self.tp.size).numel
 
     @torch.no_grad()
     def step(self, lr: float, grad_scale: float = 1.0) -> None:

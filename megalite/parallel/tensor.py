@@ -56,6 +56,44 @@ class Partition:
         return cls(tuple(shape), d.get("dim"), d.get("tied_to"), d.get("placement", "first"))
 
 
+class Box(tuple):
+    """A region of a global tensor, ((start, end) per dim), half-open: the one home of slice arithmetic.
+
+    A tuple, so it is hashable, compares by value and serialises as [[start, end], ...]."""
+
+    def __new__(cls, ranges):
+        return super().__new__(cls, tuple((int(a), int(b)) for a, b in ranges))
+
+    @classmethod
+    def whole(cls, shape) -> "Box":
+        return cls((0, n) for n in shape)
+
+    @property
+    def shape(self) -> tuple:
+        return tuple(b - a for a, b in self)
+
+    @property
+    def numel(self) -> int:
+        return math.prod(self.shape)
+
+    def intersect(self, other) -> Optional["Box"]:
+        """The common region, or None when it is empty."""
+        out = Box((max(a, c), min(b, d)) for (a, b), (c, d) in zip(self, other))
+        return out if all(a < b for a, b in out) else None
+
+    def within(self, outer: "Box") -> tuple:
+        """This box as an index (slices) into a tensor holding `outer`."""
+        return tuple(slice(a - o, b - o) for (a, b), (o, _) in zip(self, outer))
+
+    @property
+    def index(self) -> tuple:
+        """This box as an index (slices) into the global tensor."""
+        return tuple(slice(a, b) for a, b in self)
+
+    def to_json(self) -> list:
+        return [[a, b] for a, b in self]
+
+
 def shard_range(n: int, rank: int, size: int) -> tuple[int, int]:
     """[start, end) of chunk `rank` when n items are cut into `size` ceil-sized chunks (last may be short)."""
     chunk = math.ceil(n / size)
@@ -71,12 +109,12 @@ def local_shape(p: Partition, tp_size: int) -> tuple:
     return tuple(shape)
 
 
-def tp_box(p: Partition, tp_rank: int, tp_size: int) -> list[tuple[int, int]]:
-    """The [start, end) ranges, per dim, of the global tensor that a tp rank holds (its valid part)."""
+def tp_box(p: Partition, tp_rank: int, tp_size: int) -> Box:
+    """The region of the global tensor that a tp rank holds (its valid part)."""
     box = [(0, n) for n in p.global_shape]
     if p.dim is not None:
         box[p.dim] = shard_range(p.global_shape[p.dim], tp_rank, tp_size)
-    return box
+    return Box(box)
 
 
 def tag(param: nn.Parameter, partition: Partition) -> nn.Parameter:
@@ -112,9 +150,8 @@ def init_local(name: str, p: Partition, init: str, seed: int, std: float, tp_ran
         g = torch.Generator().manual_seed(seed * 1_000_003 + zlib.crc32(name.encode()))
         full = torch.empty(p.global_shape).normal_(0.0, std, generator=g)
     box = tp_box(p, tp_rank, tp_size)
-    part = full[tuple(slice(a, b) for a, b in box)]
     local = torch.zeros(local_shape(p, tp_size))
-    local[tuple(slice(0, b - a) for a, b in box)] = part
+    local[tuple(slice(0, n) for n in box.shape)] = full[box.index]
     return local
 
 
