@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import signal
 import sys
 import traceback
 
@@ -72,6 +73,12 @@ def _cmd_train(args, rest) -> int:
         raise
     try:
         train(cfg, force=args.force)
+    except BaseException:
+        # The job is stopping with an error on every rank. torchrun SIGTERMs the workers still running as
+        # soon as one has exited; ignoring that lets each rank finish with its own exit code (2).
+        if int(os.environ.get("WORLD_SIZE", "1")) > 1:
+            signal.signal(signal.SIGTERM, signal.SIG_IGN)
+        raise
     finally:
         _shutdown_distributed()
     return 0

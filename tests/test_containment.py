@@ -121,11 +121,12 @@ def test_disk_full_while_writing_latest_says_the_step_is_committed(tmp_path, tok
     real, calls = os.write, []
 
     def full(fd, data):
-        if os.readlink(f"/proc/self/fd/{fd}").endswith(".latest.tmp"):  # only the writes of `latest`
-            calls.append(fd)
-            if len(calls) == 2:  # the second `latest` of the run: step 2's
-                real(fd, bytes(data)[:3])
-                raise OSError(errno.ENOSPC, "No space left on device")
+        if not os.readlink(f"/proc/self/fd/{fd}").endswith(".latest.tmp"):
+            return real(fd, data)
+        calls.append(fd)
+        if len(calls) == 2:  # the second `latest` of the run: step 2's
+            real(fd, bytes(data)[:3])
+            raise OSError(errno.ENOSPC, "No space left on device")
         return real(fd, data)
 
     monkeypatch.setattr(layout.os, "write", full)
