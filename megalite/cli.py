@@ -43,10 +43,8 @@ def _cmd_train(args, rest) -> int:
     from .config import load_config
     from .train import train
     cfg = load_config(args.config, rest)
-    try:
-        train(cfg)
-    finally:
-        _shutdown_distributed()
+    train(cfg)  # on an error, exit at once: a barrier could wait the whole timeout on a peer that is gone
+    _shutdown_distributed()
     return 0
 
 

@@ -39,6 +39,7 @@ class ParallelConfig:
     schedule: str = "1f1b"  # "1f1b" | "afab"
     zero1: bool = False
     bucket_mb: float = 25.0  # size of a data-parallel gradient all-reduce bucket
+    timeout_s: float = 1800.0  # how long a collective waits for a silent peer (the process-group timeout)
 
 
 @dataclass
@@ -186,6 +187,8 @@ def validate(cfg: Config, world_size: int | None = None) -> Config:
                         ("checkpoint.keep_last", cfg.checkpoint.keep_last)]:
         if value < 0:
             raise ConfigError(f"{name} = {value}: must not be negative")
+    if not par.timeout_s > 0:
+        raise ConfigError(f"parallel.timeout_s = {par.timeout_s}: must be a positive number of seconds")
     if not 0.0 <= m.dropout < 1.0:
         raise ConfigError(f"model.dropout = {m.dropout}: expected a value in [0, 1)")
     if not 0.0 < cfg.data.val_fraction < 1.0:
