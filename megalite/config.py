@@ -11,6 +11,8 @@ import typing
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from .parallel.grid import Layout, LayoutError
+
 if sys.version_info >= (3, 11):
     import tomllib
 else:  # pragma: no cover
@@ -201,11 +203,10 @@ def validate(cfg: Config, world_size: int | None = None) -> Config:
         raise ConfigError(f"train.precision = '{t.precision}': expected 'auto', 'fp32' or 'bf16'")
     if m.n_embd % m.n_head:
         raise ConfigError(f"model.n_embd = {m.n_embd} is not divisible by model.n_head = {m.n_head}")
-    if m.n_head % par.tp:
-        raise ConfigError(f"parallel.tp = {par.tp} does not divide model.n_head = {m.n_head}")
-    if par.pp > m.n_layer:
-        raise ConfigError(f"parallel.pp = {par.pp} is larger than model.n_layer = {m.n_layer} "
-                          f"(every pipeline stage needs at least one layer)")
+    try:
+        Layout(par.tp, par.pp, par.dp).validate(m, "parallel.")
+    except LayoutError as e:
+        raise ConfigError(str(e)) from None
     if world_size is not None and world_size != par.tp * par.pp * par.dp:
         raise ConfigError(f"world size {world_size} != parallel.tp*pp*dp = {par.tp}*{par.pp}*{par.dp} "
                           f"= {par.tp * par.pp * par.dp}")

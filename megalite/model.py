@@ -25,13 +25,15 @@ from .parallel.tensor import (ColumnParallelLinear, Partition, RowParallelLinear
 def _place(module: nn.Module, placement: str) -> None:
     """Record in each parameter's tag which pipeline stage owns it."""
     for p in module.parameters():
-        tag(p, dataclasses.replace(partition_of(p), placement=placement))
+        _retag(p, placement=placement)
 
 
 def _replicated(shape: tuple, init: str) -> nn.Parameter:
-    p = tag(nn.Parameter(torch.zeros(shape)), Partition(shape, dim=None))
-    p.init = init
-    return p
+    return tag(nn.Parameter(torch.zeros(shape)), Partition(shape, dim=None, init=init))
+
+
+def _retag(p: nn.Parameter, **changes) -> None:
+    tag(p, dataclasses.replace(partition_of(p), **changes))
 
 
 class LayerNorm(nn.Module):
@@ -52,7 +54,7 @@ class CausalSelfAttention(nn.Module):
         self.head_dim = cfg.n_embd // cfg.n_head
         self.qkv = ColumnParallelLinear(cfg.n_embd, cfg.n_embd, tp, stack=3)  # heads split across tp
         self.proj = RowParallelLinear(cfg.n_embd, cfg.n_embd, tp)
-        self.proj.weight.init = "scaled"  # GPT-2: residual projections get std / sqrt(2 * n_layer)
+        _retag(self.proj.weight, init="scaled")  # GPT-2: residual projections get std / sqrt(2 * n_layer)
         self.dropout = cfg.dropout
 
     def forward(self, x):  # (B, T, C) -> (B, T, C)
@@ -68,7 +70,7 @@ class MLP(nn.Module):
         super().__init__()
         self.fc = ColumnParallelLinear(cfg.n_embd, 4 * cfg.n_embd, tp)
         self.proj = RowParallelLinear(4 * cfg.n_embd, cfg.n_embd, tp)
-        self.proj.weight.init = "scaled"
+        _retag(self.proj.weight, init="scaled")
 
     def forward(self, x):  # (B, T, C) -> (B, T, C)
         return self.proj(F.gelu(self.fc(x), approximate="tanh"))
@@ -105,9 +107,12 @@ class GPTStage(nn.Module):
             self.ln_f = LayerNorm(cfg.n_embd)
             _place(self.ln_f, "last")
             if not self.first:  # the tied LM head lives on another stage: keep a synchronised copy
-                wte = Partition((cfg.vocab_size, cfg.n_embd), dim=0, tied_to="wte.weight", placement="last")
+                # same name, seed and init as wte.weight: starts identical; `tied`: gradients summed with it
+                wte = Partition((cfg.vocab_size, cfg.n_embd), dim=0, tied_to="wte.weight", placement="last",
+                                init="normal", tied=True)
                 self.lm_head = tag(nn.Parameter(torch.zeros(local_shape(wte, grid.tp.size))), wte)
-                self.lm_head.init = "normal"  # same name and seed as wte.weight: starts identical
+        if self.first and not self.last:  # the source of that copy
+            _retag(self.wte.weight, tied=True)
 
     # -- parameters by global name (what checkpoints, the optimizer and the converter use)
     def global_parameters(self) -> Iterator[tuple[str, nn.Parameter]]:
@@ -118,7 +123,7 @@ class GPTStage(nn.Module):
     def init_weights(self, seed: int) -> None:
         std = 0.02
         for name, p in self.global_parameters():
-            kind = p.init
+            kind = partition_of(p).init
             scale = std / math.sqrt(2 * self.cfg.n_layer) if kind == "scaled" else std
             with torch.no_grad():
                 p.copy_(init_local(name, partition_of(p), "normal" if kind == "scaled" else kind, seed, scale,

@@ -134,13 +134,13 @@ def _round_trip_worker(rank, world_size, tmp_dir, cfg_dict, phase, ckpt, steps):
 def full_state(ckpt) -> dict:
     """Every model and optimizer tensor of a checkpoint, whole, by global name (reads the manifest only)."""
     from .checkpoint import manifest as mf
-    from .checkpoint.layout import resolve
+    from .checkpoint.layout import Box, resolve
     from .checkpoint.reshard import SliceReader
     step = resolve(ckpt)
     man = mf.read(step)
     reader = SliceReader(step, man)
-    return {f"{section}/{name}": reader.read(name, e, [[0, n] for n in e["shape"]])
-            for section in ("model", "optimizer_state") for name, e in man[section].items()}
+    return {f"{'model' if e.kind == 'model' else 'optimizer_state'}/{e.name}": reader.read(e, Box.whole(e.shape))
+            for e in man.tensors()}
 
 
 def assert_round_trip(tmp_dir, save_layout: tuple, load_layout: tuple, *, model: dict | None = None,

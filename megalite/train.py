@@ -10,7 +10,6 @@ from __future__ import annotations
 import contextlib
 import json
 import os
-import random
 import signal
 import time
 from dataclasses import dataclass, field
@@ -18,11 +17,11 @@ from datetime import timedelta
 from pathlib import Path
 from typing import Optional
 
-import numpy as np
 import torch
 import torch.distributed as dist
 
 from .checkpoint.manager import CheckpointManager
+from .checkpoint.state import seed_everything
 from .config import Config, num_microbatches, validate
 from .faults import maybe_crash
 from .data import BatchSampler, TokenDataset, ensure_data, eval_batches
@@ -31,6 +30,7 @@ from .optim import grad_norm, lr_at
 from .parallel.data import GradBuffer, ShardedAdamW
 from .parallel.grid import Layout, ParallelGrid
 from .parallel.pipeline import P2P, SCHEDULES, forward_only
+from .parallel.tensor import partition_of
 
 
 # ---------------------------------------------------------------- process group
@@ -102,14 +102,6 @@ class Trainer:
         return contextlib.nullcontext()
 
 
-def seed_everything(seed: int, grid: ParallelGrid) -> None:
-    """tp ranks share a stream (dropout on the replicated residual must agree); pp/dp ranks differ."""
-    s = seed + 1000 * grid.coord.pp + grid.coord.dp
-    random.seed(s)
-    np.random.seed(s % 2**32)
-    torch.manual_seed(s)
-
-
 def build(cfg: Config, grid: ParallelGrid, device: torch.device) -> Trainer:
     t = cfg.train
     model = GPTStage(cfg.model, grid).to(device)
@@ -168,8 +160,8 @@ def train_step(tr: Trainer) -> dict:
     loss = _run_pipeline(tr, x, y, train=True)
     # The tied embedding has two copies (first and last stage): add their gradients so both step alike.
     if grid.embed.active:
-        for name, p in tr.params:
-            if name == "wte.weight":
+        for _, p in tr.params:
+            if partition_of(p).tied:
                 dist.all_reduce(p.grad, group=grid.embed.group)
     tr.grads.all_reduce_mean()
     norm = grad_norm(tr.params, grid)

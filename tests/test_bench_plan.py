@@ -63,14 +63,17 @@ def test_zero1_pieces_across_a_tp_change_are_read_whole():
 
 
 def test_validation_names_a_broken_manifest():
+    from megalite.checkpoint import manifest as mf
     row, man = plan_layout(MODEL, 2, 2, 2)
-    assert row.problems == 0 and validate(man, Layout(2, 2, 2)) == []
-    bad = copy.deepcopy(man)
-    sl = bad["model"]["blocks.0.attn.qkv.weight"]["slices"]
+    assert row.problems == 0
+    d = man.to_json()
+    assert validate(d) == []
+    sl = d["model"]["blocks.0.attn.qkv.weight"]["slices"]
     sl[1]["box"] = sl[0]["box"]  # two slices of the same region, none of the other half
-    assert any("stored more than once" in p for p in validate(bad, Layout(2, 2, 2)))
-    del bad["files"]["tp01-pp01-dp01/state.json"]
-    assert any("tp01-pp01-dp01 has no files" in p for p in validate(bad, Layout(2, 2, 2)))
+    assert validate(d) and "was edited" in validate(d)[0]
+    assert any("overlap" in p for p in validate(mf.sign(d)))
+    del d["files"]["tp01-pp01-dp01/state.json"]
+    assert any("tp01-pp01-dp01 has no state.json" in p for p in validate(mf.sign(d)))
 
 
 def test_interleaved_stages_hold_every_pp_th_chunk():

@@ -5,6 +5,7 @@ import os
 import random
 
 import pytest
+import torch
 
 from megalite.checkpoint import layout as L
 from megalite.checkpoint import manifest as mf
@@ -177,7 +178,7 @@ def test_tiling_exact_is_fine():
 def test_tiling_gap():
     probs = mf.tiling_problems("w", _entry([8, 4], ([[0, 4], [0, 4]],), ([[5, 8], [0, 4]],)))
     assert probs and all("'w'" in p for p in probs)
-    assert any("gap" in p for p in probs)
+    assert any("hole" in p for p in probs)
     assert mf.tiling_problems("w", _entry([8, 4])) != []  # nothing stored at all
 
 
@@ -198,7 +199,7 @@ def test_tiling_zero1_flat_pieces():
     ok = _entry([8, 4], (box, [0, 11]), (box, [11, 22]), (box, [22, 32]))
     assert mf.tiling_problems("m", ok) == []
     gap = _entry([8, 4], (box, [0, 11]), (box, [12, 22]), (box, [22, 32]))
-    assert any("gap" in p for p in mf.tiling_problems("m", gap))
+    assert any("hole" in p for p in mf.tiling_problems("m", gap))
     overlap = _entry([8, 4], (box, [0, 12]), (box, [11, 22]), (box, [22, 32]))
     assert any("overlap" in p for p in mf.tiling_problems("m", overlap))
     short = _entry([8, 4], (box, [0, 11]), (box, [11, 22]))
@@ -274,7 +275,7 @@ def test_plan_writes_of_all_coordinates_tile_every_tensor_once(tp, pp, dp, zero1
                 sl["flat"] = list(it.flat)
             entry["slices"].append(sl)
             if it.kind == "model":
-                written[c] += mf.numel(it.box)
+                written[c] += it.box.numel
     expected = {n for s in range(pp) for n, p in _stage_tensors(s, pp) if not p.tied_to}
     assert set(sections["model"]) == expected
     assert set(sections["optimizer_state"]) == {f"{n}.{m}" for n in expected for m in ("exp_avg", "exp_avg_sq")}
@@ -286,3 +287,15 @@ def test_plan_writes_of_all_coordinates_tile_every_tensor_once(tp, pp, dp, zero1
     # no model element is written twice (not by two dp replicas, not by two tp ranks): one model in total
     assert sum(written.values()) == sum(math.prod(p.global_shape) for n, p in
                                         (t for s in range(pp) for t in _stage_tensors(s, pp)) if not p.tied_to)
+
+
+# ---------------------------------------------------------------- Box
+def test_box_arithmetic():
+    b = L.Box([[2, 6], [0, 4]])
+    assert b == ((2, 6), (0, 4)) and b.shape == (4, 4) and b.numel == 16 and b.to_json() == [[2, 6], [0, 4]]
+    assert L.Box.whole([8, 4]).intersect(b) == b
+    assert b.intersect(L.Box([[6, 8], [0, 4]])) is None  # touching is not overlapping
+    inter = b.intersect(L.Box([[4, 8], [1, 3]]))
+    assert inter == ((4, 6), (1, 3))
+    full = torch.arange(32).view(8, 4)
+    assert torch.equal(full[b.index][inter.within(b)], full[inter.index])

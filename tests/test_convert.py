@@ -33,7 +33,7 @@ def test_reshard_then_convert_is_bitwise_identical(tmp_path, run111, model_file,
     src = run111["ckpt"]
     before = H.tree_digest(src)
     out = reshard(src, tmp_path / "ck", tp, pp, dp, zero1=zero1, quiet=True)
-    man = mf.read(out)
+    man = mf.read_json(out)
     assert man["layout"] == {"tp": tp, "pp": pp, "dp": dp, "zero1": zero1}
     assert man["step"] == 5 and man["data"] == {"batch_index": 5}
     assert len(coords_of(man)) == tp * pp * dp
@@ -55,7 +55,7 @@ def test_reshard_chain_returns_to_the_same_file(tmp_path, run111, model_file):
     a = reshard(run111["ckpt"], tmp_path / "a", 4, 2, 1, quiet=True)
     b = reshard(a, tmp_path / "b", 2, 2, 2, zero1=True, quiet=True)
     c = reshard(b, tmp_path / "c", 1, 3, 1, quiet=True)
-    assert mf.read(c)["layout"]["zero1"] is True  # default: as in the source
+    assert mf.read_json(c)["layout"]["zero1"] is True  # default: as in the source
     assert convert(c, tmp_path / "m.safetensors", quiet=True).read_bytes() == model_file.read_bytes()
     ref, got = full_state(run111["ckpt"]), full_state(c)
     assert all(torch.equal(ref[k], got[k]) for k in ref)
@@ -63,7 +63,7 @@ def test_reshard_chain_returns_to_the_same_file(tmp_path, run111, model_file):
 
 def test_convert_file_contents(run111, model_file):
     """The file: one tensor per global parameter (no tied copy), fp32, config and partitions in metadata."""
-    man = mf.read(resolve(run111["ckpt"]))
+    man = mf.read_json(resolve(run111["ckpt"]))
     f = safe_open(str(model_file), framework="pt")
     meta = f.metadata()
     assert json.loads(meta["megalite.model_config"]) == H.TINY_MODEL
@@ -91,7 +91,7 @@ def test_split_then_convert_round_trip(tmp_path, model_file, tp, pp, dp, zero1):
     assert resolve(tmp_path / "ck") == step  # `latest` names it
     problems = verify(step)[1]
     assert problems == []
-    man = mf.read(step)
+    man = mf.read_json(step)
     assert man["layout"] == {"tp": tp, "pp": pp, "dp": dp, "zero1": zero1}
     assert man["optimizer_state"] == {} and man["step"] == 3
     assert len(coords_of(man)) == tp * pp * dp
@@ -137,7 +137,7 @@ def test_split_checkpoint_resumes_training_in_process(tmp_path, convert_tokens, 
     assert abs(losses[0] - ref) <= 1e-5 * abs(ref)
     assert abs(losses[0] - run111["losses"][0]) > 1e-3  # it did not start from the seed's init
     # the run saved a full checkpoint (now with optimizer state) at step 3
-    man = mf.read(resolve(tmp_path / "ck2"))
+    man = mf.read_json(resolve(tmp_path / "ck2"))
     assert man["step"] == 3 and man["optimizer_state"]
 
 

@@ -165,3 +165,17 @@ def test_local_shape_and_tp_box_with_vocab_padding():
     rep = Partition((32,), dim=None)
     assert local_shape(rep, 4) == (32,)
     assert tp_box(rep, 3, 4) == [(0, 32)]
+
+
+def test_layout_validate_is_the_one_rule():
+    from megalite.parallel.grid import LayoutError
+    m = {"n_head": 4, "n_layer": 2}
+    assert Layout(2, 2, 3).validate(m) == Layout(2, 2, 3)
+    for lay, prefix, msg in [(Layout(0, 1, 1), "parallel.", "parallel.tp = 0: must be a positive integer"),
+                             (Layout(1, 1, -2), "--", "--dp -2: must be a positive integer"),
+                             (Layout(1, True, 1), "layout.", "layout.pp = True: must be a positive integer"),
+                             (Layout(3, 1, 1), "--", "--tp 3 does not divide model.n_head = 4"),
+                             (Layout(1, 3, 1), "layout.", "layout.pp = 3 is larger than model.n_layer = 2")]:
+        with pytest.raises(LayoutError) as e:
+            lay.validate(m, prefix)
+        assert str(e.value).startswith(msg), str(e.value)

@@ -274,8 +274,11 @@ def bench_ckpt(size_mb: float = 1024, world: int = 4, repeats: int = 3, dir: Opt
                log=print) -> list[dict]:
     """Run every measurement; print the table (via `log`) and return its rows."""
     from ..testing import run_parallel
+    from ..parallel.grid import Layout
     save_layout, reshard_layout = layouts(world)
     mcfg = model_config(size_mb, world)
+    for lay in filter(None, (save_layout, reshard_layout)):
+        Layout(*lay).validate(mcfg, "bench ckpt: layout ")
     if dir is not None:
         Path(dir).mkdir(parents=True, exist_ok=True)
     root = Path(tempfile.mkdtemp(prefix="megalite-bench-ckpt-", dir=dir))
@@ -287,7 +290,7 @@ def bench_ckpt(size_mb: float = 1024, world: int = 4, repeats: int = 3, dir: Opt
         rec, nbytes = res["rec"], res["bytes"]
         _convert(root, repeats, rec, nbytes)
         man = read_manifest(resolve(root / "ml"))
-        largest = max(math.prod(e["shape"]) * 4 for e in man["model"].values())
+        largest = max(e.nbytes for e in man.model.values())
     finally:
         shutil.rmtree(root, ignore_errors=True)
     rows = _rows(rec, nbytes)

@@ -3,15 +3,17 @@ machine could never run (GPT-3 175B at 16,384 ranks), with no tensors.
 
 Each pipeline stage's parameters come from the real model built on the meta device (so their partition
 tags are the ones training uses, not a copy of them); then, for every rank of the layout, the real write
-plan (`checkpoint.layout.plan_writes`) and the manifest records a save would produce
-(`checkpoint.save.add`), every rank's report as the commit gathers it to rank 0, the real manifest builder
-(`checkpoint.manifest.build`) and the manifest-only part of `verify` (every coordinate listed, every slice
-in a listed file, slices tiling every tensor). Checksums are placeholders; sizes are the tensors' bytes.
+plan (`checkpoint.layout.plan_writes`) and the records a save produces (`checkpoint.save.add`), every
+rank's report as the commit gathers it to rank 0, the typed manifest (`checkpoint.manifest.build`), and
+what `manifest.write` does with it on rank 0: serialise it, parse it back with `Manifest.from_json` (the
+full validation every reader runs: every field, every slice's file, exact tiling), and the JSON text that
+would be written. Checksums are placeholders with the real count (one CRC32 per 1 MiB block of every
+slice); file sizes are the tensors' bytes.
 
 With `--reshard-to TP,PP,DP` it also plans the resume at another layout: for every destination rank, which
 source files it opens and how many bytes it reads, following `checkpoint.reshard.SliceReader.read`'s rules
-(a ZeRO-1 piece of the same box reads only the overlapping ranges; a region of another box reads the
-intersection of whole slices, or every ZeRO-1 piece of that box).
+(a ZeRO-1 piece of a box stored at the same tp size reads only the overlapping ranges; a region of another
+box reads the intersection of whole slices, or every ZeRO-1 piece of that box).
 """
 from __future__ import annotations
 
@@ -105,8 +107,10 @@ def one_rank_plan_s(stages: list, layout, zero1: bool) -> float:
 
 def _reports(stages: list, layout, zero1: bool) -> tuple[list, list]:
     """Every rank's report as `save.write_rank` returns it (placeholder checksums), and its bytes written."""
+    from ..checkpoint import manifest as mf
     from ..checkpoint.layout import MODEL_FILE, OPTIM_FILE, STATE_FILE, coord_dir, plan_writes
     from ..checkpoint.save import Payload, add
+    fp32 = torch.empty((), device="meta")
     parts = [dict(s) for s in stages]
     reports, written = [], []
     for c in layout.coords():
@@ -114,33 +118,33 @@ def _reports(stages: list, layout, zero1: bool) -> tuple[list, list]:
         pay = Payload(files={MODEL_FILE: {}, OPTIM_FILE: {}})
         sizes = dict.fromkeys(pay.files, 0)
         for it in items:
-            add(pay, it, parts[c.pp][it.name], None)
-            n = (it.flat[1] - it.flat[0]) if it.flat else math.prod(b - a for a, b in it.box)
-            sizes[it.file] += 4 * n  # fp32
+            add(pay, it, parts[c.pp][it.name], fp32)
         rel = coord_dir(c)
-        files = {f"{rel}/{f}": {"bytes": n, "crc32": "00000000"} for f, n in sizes.items()}
-        files[f"{rel}/{STATE_FILE}"] = {"bytes": 0, "crc32": "00000000"}
-        reports.append({"files": files, "tensors": [{**r, "file": f"{rel}/{r['file']}", "crc32": "00000000"}
-                                                    for r in pay.records]})
+        tensors = []
+        for proto, it in pay.records:
+            n = 4 * ((it.flat[1] - it.flat[0]) if it.flat else it.box.numel)
+            sizes[it.file] += n
+            crcs = ("00000000",) * mf.n_blocks(n, mf.BLOCK_BYTES)
+            tensors.append((proto, mf.SliceRef(f"{rel}/{it.file}", it.key, it.box, it.flat, crcs)))
+        files = {f"{rel}/{f}": mf.FileRecord(n, "00000000") for f, n in sizes.items()}
+        files[f"{rel}/{STATE_FILE}"] = mf.FileRecord(0, "00000000")
+        reports.append({"files": files, "tensors": tensors})
         written.append(sum(sizes.values()))
     return reports, written
 
 
-def validate(man: dict, layout) -> list[str]:
-    """The manifest-only checks of `verify` (no files read): coordinates, files named, tiling."""
+def validate(d: dict) -> list[str]:
+    """What every reader checks (`Manifest.from_json`): the first problem, or nothing."""
     from ..checkpoint import manifest as mf
-    from ..checkpoint.layout import STATE_FILE, coord_dir
-    problems = [f"coordinate {coord_dir(c)} has no files in the manifest" for c in layout.coords()
-                if f"{coord_dir(c)}/{STATE_FILE}" not in man["files"]]
-    for section in ("model", "optimizer_state"):
-        for name, entry in man[section].items():
-            problems += mf.tiling_problems(name, entry)
-            problems += [f"tensor '{name}' names file {sl['file']}, which the manifest does not list"
-                         for sl in entry["slices"] if sl["file"] not in man["files"]]
-    return problems
+    from ..checkpoint.layout import CheckpointError
+    try:
+        mf.Manifest.from_json(d, "bench plan")
+    except CheckpointError as e:
+        return [str(e)]
+    return []
 
 
-def plan_layout(model: dict, tp: int, pp: int, dp: int, vpp: int = 1, zero1: bool = False) -> tuple[PlanRow, dict]:
+def plan_layout(model: dict, tp: int, pp: int, dp: int, vpp: int = 1, zero1: bool = False) -> tuple[PlanRow, object]:
     from ..checkpoint import manifest as mf
     from ..parallel.grid import Layout
     layout = Layout(tp, pp, dp)
@@ -150,56 +154,59 @@ def plan_layout(model: dict, tp: int, pp: int, dp: int, vpp: int = 1, zero1: boo
     with _writers_once_per_stage():
         reports, written = _reports(stages, layout, zero1)
     t1 = time.process_time()
-    meta = {"step": 0, "layout": {"tp": tp, "pp": pp, "dp": dp, "zero1": zero1}, "config": {"model": model}}
+    meta = {"step": 0, "layout": (tp, pp, dp), "zero1": zero1, "config": {"model": model}}
     man = mf.build(meta, reports)
-    text = json.dumps(man, indent=1)  # as manifest.write writes it
-    problems = validate(man, layout)
+    d = man.to_json()  # as manifest.write: serialise, parse back (the readers' validation), write the text
+    problems = validate(json.loads(json.dumps(d)))
+    text = json.dumps(d, indent=1)
     t2 = time.process_time()
     gathered = sum(len(pickle.dumps(r)) for r in reports[1:])  # what gather_object moves to rank 0
-    slices = sum(len(e["slices"]) for s in ("model", "optimizer_state") for e in man[s].values())
-    row = PlanRow(f"{tp},{pp},{dp}" + (f" vpp{vpp}" if vpp > 1 else ""), layout.world_size, len(man["files"]),
+    slices = sum(len(e.slices) for e in man.tensors())
+    row = PlanRow(f"{tp},{pp},{dp}" + (f" vpp{vpp}" if vpp > 1 else ""), layout.world_size, len(man.files),
                   slices, len(text), t1 - t0, rank_s, t2 - t1, max(written), statistics.fmean(written), gathered,
                   layout.world_size - 1, len(problems))
     return row, man
 
 
 # ---------------------------------------------------------------- resharding: what each destination reads
-def _piece_index(entry: dict) -> dict:
-    """Per stored box: its slices; ZeRO-1 pieces sorted by flat start (for range lookups)."""
+def _piece_index(entry) -> dict:
+    """Per stored box of a TensorEntry: its slices, ZeRO-1 pieces sorted by flat start (for range lookups)."""
     by_box = defaultdict(list)
-    for sl in entry["slices"]:
-        by_box[tuple(map(tuple, sl["box"]))].append(sl)
+    for sl in entry.slices:
+        by_box[sl.box].append(sl)
     for sls in by_box.values():
-        sls.sort(key=lambda s: s.get("flat", [0, 0])[0])
+        sls.sort(key=lambda s: (s.flat or (0, 0))[0])
     return by_box
 
 
-def reads_for(index: dict, box: tuple, flat) -> list[tuple[str, int]]:
+def reads_for(index: dict, box, flat) -> list[tuple[str, int]]:
     """(file, bytes) a load reads for region `box` (elements flat[0]:flat[1] of it with ZeRO-1),
-    following SliceReader.read."""
+    following SliceReader.read (fp32)."""
+    from ..checkpoint.layout import Box
+    box = Box(box)
     same = index.get(box)
-    if flat is not None and same and "flat" in same[0]:
+    if flat is not None and same:  # _read_flat_same_box: only the overlapping ranges
         a, b = flat
-        starts = [s["flat"][0] for s in same]
+        starts = [(s.flat or (0, 0))[0] for s in same]
         out = []
         for sl in same[max(0, bisect.bisect_right(starts, a) - 1):]:
-            pa, pb = sl["flat"]
+            pa, pb = sl.flat or (0, box.numel)
             if pa >= b:
                 break
             if min(b, pb) > max(a, pa):
-                out.append((sl["file"], 4 * (min(b, pb) - max(a, pa))))
+                out.append((sl.file, 4 * (min(b, pb) - max(a, pa))))
         return out
-    if flat is None and same and "flat" not in same[0]:
-        return [(same[0]["file"], 4 * math.prod(e - s for s, e in box))]
+    if flat is None and same and same[0].flat is None:
+        return [(same[0].file, 4 * box.numel)]
     out = []
     for sbox, sls in index.items():
-        inter = [(max(a, c), min(b, d)) for (a, b), (c, d) in zip(sbox, box)]
-        if any(a >= b for a, b in inter):
+        inter = sbox.intersect(box)
+        if inter is None:
             continue
-        if "flat" in sls[0]:  # rebuild that whole box from its pieces, then cut
-            out += [(sl["file"], 4 * (sl["flat"][1] - sl["flat"][0])) for sl in sls]
+        if sls[0].flat is not None:  # rebuild that whole box from its pieces, then cut
+            out += [(sl.file, 4 * sl.numel) for sl in sls]
         else:
-            out.append((sls[0]["file"], 4 * math.prod(b - a for a, b in inter)))
+            out.append((sls[0].file, 4 * inter.numel))
     return out
 
 
@@ -210,7 +217,7 @@ def plan_reshard(man: dict, model: dict, tp: int, pp: int, dp: int, vpp: int = 1
     from ..parallel.tensor import tp_box
     layout = Layout(tp, pp, dp)
     stages = stage_tensors(model, tp, pp, vpp)
-    index = {k: _piece_index(e) for s in ("model", "optimizer_state") for k, e in man[s].items()}
+    index = {e.name: _piece_index(e) for e in man.tensors()}
     t0 = time.process_time()
     files, nbytes, needed = [], [], []
     for c in layout.coords():

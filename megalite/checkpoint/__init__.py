@@ -56,6 +56,6 @@ def save_checkpoint(root, step: int, model, optimizer, grid, *, scheduler=None, 
 def load_checkpoint(path, model, optimizer, grid, *, scheduler=None, model_config: Optional[dict] = None) -> Loaded:
     """Load into this rank's slice (any layout; resharded on the fly). Raises CheckpointError if absent."""
     info = load_into(path, _named(model), optimizer, grid, model_config)
-    if scheduler is not None and info.manifest.get("scheduler") is not None:
-        scheduler.load_state_dict(info.manifest["scheduler"])
+    if scheduler is not None and info.manifest.scheduler is not None:
+        scheduler.load_state_dict(info.manifest.scheduler)
     return info

@@ -41,6 +41,44 @@ class CheckpointError(RuntimeError):
     """A checkpoint problem: the message is one line naming the file or field and what was expected."""
 
 
+class Box(tuple):
+    """A region of a global tensor, ((start, end) per dim), half-open: the one home of slice arithmetic.
+
+    A tuple, so it is hashable, compares by value and serialises as [[start, end], ...]."""
+
+    def __new__(cls, ranges):
+        return super().__new__(cls, tuple((int(a), int(b)) for a, b in ranges))
+
+    @classmethod
+    def whole(cls, shape) -> "Box":
+        return cls((0, n) for n in shape)
+
+    @property
+    def shape(self) -> tuple:
+        return tuple(b - a for a, b in self)
+
+    @property
+    def numel(self) -> int:
+        return math.prod(self.shape)
+
+    def intersect(self, other) -> Optional["Box"]:
+        """The common region, or None when it is empty."""
+        out = Box((max(a, c), min(b, d)) for (a, b), (c, d) in zip(self, other))
+        return out if all(a < b for a, b in out) else None
+
+    def within(self, outer: "Box") -> tuple:
+        """This box as an index (slices) into a tensor holding `outer`."""
+        return tuple(slice(a - o, b - o) for (a, b), (o, _) in zip(self, outer))
+
+    @property
+    def index(self) -> tuple:
+        """This box as an index (slices) into the global tensor."""
+        return tuple(slice(a, b) for a, b in self)
+
+    def to_json(self) -> list:
+        return [[a, b] for a, b in self]
+
+
 def coord_dir(c: Coord) -> str:
     return f"tp{c.tp:02d}-pp{c.pp:02d}-dp{c.dp:02d}"
 
@@ -158,7 +196,7 @@ class WriteItem:
     name: str  # global parameter name
     kind: str  # "model" | "exp_avg" | "exp_avg_sq"
     file: str  # MODEL_FILE or OPTIM_FILE
-    box: tuple  # ((start, end) per dim) of the global tensor
+    box: Box  # the region of the global tensor
     flat: Optional[tuple] = None  # ZeRO-1: elements [a, b) of the box, row-major
 
     @property
@@ -178,7 +216,7 @@ def plan_writes(tensors: Iterable[tuple[str, Partition]], coord: Coord, layout: 
     owner = assign_writers([(n, math.prod(p.global_shape), p.dim is None) for n, p in own], layout.tp, layout.dp)
     items = []
     for name, part in own:
-        box = tuple(tp_box(part, coord.tp, layout.tp))
+        box = Box(tp_box(part, coord.tp, layout.tp))
         t_owner, d_owner = owner[name]
         if t_owner is not None and t_owner != coord.tp:
             continue  # tp-replicated: another tp rank of this stage writes it
@@ -187,7 +225,7 @@ def plan_writes(tensors: Iterable[tuple[str, Partition]], coord: Coord, layout: 
         if not optimizer:
             continue
         if zero1:
-            a, b = zero1_piece(math.prod(e - s for s, e in box), coord.dp, layout.dp)
+            a, b = zero1_piece(box.numel, coord.dp, layout.dp)
             flat = (a, b) if b > a else None
             if flat is None:
                 continue

@@ -14,6 +14,7 @@ import torch.distributed as dist
 from . import load_checkpoint, save_checkpoint
 from .layout import LATEST, LOCK, CheckpointError, committed_steps, read_latest, step_dir
 from .save import AsyncSaver, bcast_object, collect
+from .state import seed_everything
 from .verify import verify
 
 
@@ -126,11 +127,10 @@ class CheckpointManager:
         tr.step, tr.tokens_seen = info.step, info.tokens_seen
         tr.sampler.load_state_dict(info.data)
         self.last_saved = info.step
-        lay = info.manifest["layout"]
-        how = "same layout" if info.same_layout else (
-            f"resharded from tp={lay['tp']} pp={lay['pp']} dp={lay['dp']} to {self.grid.layout}")
+        for w in info.warnings:
+            self.log(w)
+        how = "same layout" if info.same_layout else f"resharded from {info.manifest.layout} to {self.grid.layout}"
         if not info.rng_restored:
-            from ..train import seed_everything
             seed_everything(self.cfg.train.seed + info.step, self.grid)
             how += "; RNG states re-seeded from (seed, step): no per-rank states for this layout"
         self.log(f"resumed from {info.path} at step {info.step} ({how})")

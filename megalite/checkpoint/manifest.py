@@ -1,35 +1,60 @@
-"""The manifest: the global description of one checkpoint, enough to convert or reshard without model code.
+"""The manifest: the global description of one checkpoint, typed, with one owner (this module).
 
     {
-      "format": "megalite-checkpoint", "format_version": 1,
+      "format": "megalite-checkpoint", "format_version": 2,
+      "manifest_crc32": "<CRC32 of the canonical JSON of everything else>",
       "megalite_version": "...", "torch_version": "...", "created": "<ISO time>",
       "step": 200, "tokens_seen": 204800,
       "layout": {"tp": 2, "pp": 2, "dp": 2, "zero1": true},
-      "config": { the full run config },
-      "data": {"batch_index": 200},
+      "config": { the full run config }, "data": {"batch_index": 200}, "client_state": {}, "scheduler": null,
       "optimizer": {"type": "adamw", "step": 200, "betas": [0.9, 0.95], "eps": 1e-8, "weight_decay": 0.1},
+      "checksum": {"algorithm": "crc32", "block_bytes": 1048576},
       "model":     { "<global name>": TENSOR, ... },        e.g. "blocks.7.attn.qkv.weight"
       "optimizer_state": { "<global name>.exp_avg": TENSOR, "<global name>.exp_avg_sq": TENSOR, ... },
-      "files": { "tp00-pp00-dp00/model.safetensors": {"bytes": 123, "crc32": "89abcdef"}, ... }
+      "files": { "tp00-pp00-dp00/model.safetensors": {"bytes": 123, "header_crc32": "89abcdef"},
+                 "tp00-pp00-dp00/state.json": {"bytes": 456, "crc32": "01234567"}, ... }
     }
-    TENSOR = {"shape": [global shape], "dtype": "float32",
+    TENSOR = {"dtype": "float32" | "bfloat16" | "float16", "shape": [global shape],
               "partition": {"dim": split dim over tp or null, "tied_to": null,
                             "placement": "first" | "last" | "layer.<i>"  (which pipeline stage owns it)},
-              "slices": [{"file": "...", "key": "<key in that file>", "crc32": "<of the tensor's bytes>",
+              "slices": [{"file": "...", "key": "<key in that file>",
                           "box": [[start, end] per dim of the global tensor],
-                          "flat": [a, b]    only for ZeRO-1 pieces: elements [a, b) of the box, row-major}]}
+                          "flat": [a, b]    only for ZeRO-1 pieces: elements [a, b) of the box, row-major,
+                          "crc32": ["<CRC32 of stored bytes [0, B)>", "<of [B, 2B)>", ...]}]}   B = block_bytes
+
+`Manifest.from_json` checks everything a loader relies on and raises one-line CheckpointErrors naming the
+field; nothing else in megalite reads the JSON. Validation is linear in the number of slices (tiling is
+checked on the sorted grid of each tensor's cut points, not by comparing slices pairwise).
 """
 from __future__ import annotations
 
+import bisect
 import json
 import math
+import os
+import re
 import zlib
+from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Optional
 
-from .layout import MANIFEST, CheckpointError
+import numpy as np
+import torch
+
+from ..parallel.grid import Layout, LayoutError
+from ..parallel.tensor import Partition
+from .layout import MANIFEST, MODEL_FILE, OPTIM_FILE, STATE_FILE, Box, CheckpointError, coord_dir
 
 FORMAT = "megalite-checkpoint"
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2
+BLOCK_BYTES = 1 << 20  # checksum granularity: a reader verifies exactly the blocks it touches
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+DTYPE_NAMES = {v: k for k, v in DTYPES.items()}
+MOMENTS = ("exp_avg", "exp_avg_sq")
+_FILE_RE = re.compile(r"^(tp\d{2,}-pp\d{2,}-dp\d{2,})/(" + "|".join(
+    re.escape(n) for n in (MODEL_FILE, OPTIM_FILE, STATE_FILE)) + r")$")
+_HEX8 = re.compile(r"^[0-9a-f]{8}$")
+_PLACEMENT = re.compile(r"^(first|last|layer\.(\d+))$")
 
 
 def crc32_bytes(data, crc: int = 0) -> int:
@@ -44,102 +69,460 @@ def crc32_file(path: Path, chunk: int = 16 << 20) -> str:
     return f"{crc:08x}"
 
 
-def build(meta: dict, reports: list[dict]) -> dict:
-    """Merge every rank's report (the files it wrote, the slices they hold) into one manifest."""
-    man = {"format": FORMAT, "format_version": FORMAT_VERSION, **meta,
-           "model": {}, "optimizer_state": {}, "files": {}}
+def block_crcs(data, block: int = BLOCK_BYTES) -> list[str]:
+    """CRC32 of each `block`-byte chunk of `data` (the last may be short), as hex."""
+    mv = memoryview(data).cast("B")
+    return [f"{zlib.crc32(mv[i:i + block]):08x}" for i in range(0, len(mv), block)]
+
+
+def n_blocks(nbytes: int, block: int) -> int:
+    return -(-nbytes // block)
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    if dtype not in DTYPE_NAMES:
+        raise CheckpointError(f"dtype {dtype} cannot be checkpointed (expected one of {', '.join(DTYPES)})")
+    return DTYPE_NAMES[dtype]
+
+
+def itemsize(dtype: str) -> int:
+    return torch.empty((), dtype=DTYPES[dtype]).element_size()
+
+
+# ---------------------------------------------------------------- the typed records
+@dataclass(frozen=True)
+class FileRecord:
+    """A file of the step folder: its size, and the CRC32 of its header (safetensors: the 8-byte length
+    and the JSON; the tensor bytes are covered by their slices' block checksums) or of all of it (JSON)."""
+    bytes: int
+    crc32: str
+
+    def to_json(self, rel: str) -> dict:
+        return {"bytes": self.bytes, ("crc32" if rel.endswith(".json") else "header_crc32"): self.crc32}
+
+
+@dataclass(frozen=True)
+class SliceRef:
+    """One stored slice: which file and key hold it, which region of the global tensor it is, checksums."""
+    file: str
+    key: str
+    box: Box
+    flat: Optional[tuple] = None  # ZeRO-1 piece: elements [a, b) of the box, row-major
+    crc32: tuple = ()  # one per block of the stored bytes
+
+    @property
+    def shape(self) -> list:
+        """The shape of the stored tensor."""
+        return [self.flat[1] - self.flat[0]] if self.flat else list(self.box.shape)
+
+    @property
+    def numel(self) -> int:
+        return math.prod(self.shape)
+
+    def to_json(self) -> dict:
+        out = {"file": self.file, "key": self.key, "box": self.box.to_json()}
+        if self.flat:
+            out["flat"] = list(self.flat)
+        out["crc32"] = list(self.crc32)
+        return out
+
+
+@dataclass(frozen=True)
+class TensorEntry:
+    """One global tensor: its name, kind ("model" or an AdamW moment), real dtype, shape, partition, slices."""
+    name: str
+    kind: str
+    dtype: str
+    shape: tuple
+    partition: Partition
+    slices: tuple = ()
+
+    @property
+    def torch_dtype(self) -> torch.dtype:
+        return DTYPES[self.dtype]
+
+    @property
+    def itemsize(self) -> int:
+        return itemsize(self.dtype)
+
+    @property
+    def nbytes(self) -> int:
+        return math.prod(self.shape) * self.itemsize
+
+    def to_json(self) -> dict:
+        return {"dtype": self.dtype, "shape": list(self.shape), "partition": self.partition.to_json(),
+                "slices": [s.to_json() for s in self.slices]}
+
+
+INFO_KEYS = ("megalite_version", "torch_version", "created", "resharded_from")
+
+
+@dataclass
+class Manifest:
+    step: int
+    tokens_seen: int
+    layout: Layout
+    zero1: bool
+    config: dict
+    data: dict
+    optimizer: Optional[dict]
+    client_state: dict
+    scheduler: Optional[dict]
+    model: dict  # name -> TensorEntry
+    optimizer_state: dict  # "<name>.<moment>" -> TensorEntry
+    files: dict  # rel path -> FileRecord
+    block_bytes: int = BLOCK_BYTES
+    info: dict = field(default_factory=dict)  # megalite/torch version, created, resharded_from: not relied on
+
+    @property
+    def model_config(self) -> dict:
+        return self.config.get("model") or {}
+
+    def tensors(self):
+        yield from self.model.values()
+        yield from self.optimizer_state.values()
+
+    def slices_of(self, rel: str) -> list:
+        """(entry, slice) for every slice stored in file `rel`."""
+        return [(e, s) for e in self.tensors() for s in e.slices if s.file == rel]
+
+    # -------------------------------------------------------- JSON
+    def to_json(self) -> dict:
+        body = {**{k: v for k, v in self.info.items() if v is not None},
+                "step": self.step, "tokens_seen": self.tokens_seen,
+                "layout": {"tp": self.layout.tp, "pp": self.layout.pp, "dp": self.layout.dp, "zero1": self.zero1},
+                "config": self.config, "data": self.data, "optimizer": self.optimizer,
+                "client_state": self.client_state, "scheduler": self.scheduler,
+                "checksum": {"algorithm": "crc32", "block_bytes": self.block_bytes},
+                "model": {n: e.to_json() for n, e in sorted(self.model.items())},
+                "optimizer_state": {n: e.to_json() for n, e in sorted(self.optimizer_state.items())},
+                "files": {r: f.to_json(r) for r, f in sorted(self.files.items())}}
+        return sign({"format": FORMAT, "format_version": FORMAT_VERSION, **body})
+
+    @classmethod
+    def from_json(cls, d, where: str = MANIFEST) -> "Manifest":
+        return _Parser(where).manifest(d)
+
+
+def canonical_crc(d: dict) -> str:
+    """CRC32 of the canonical JSON (sorted keys, no spaces) of `d` without its manifest_crc32."""
+    body = {k: v for k, v in d.items() if k != "manifest_crc32"}
+    return f"{zlib.crc32(json.dumps(body, sort_keys=True, separators=(',', ':')).encode()):08x}"
+
+
+def sign(d: dict) -> dict:
+    """`d` with manifest_crc32 set (after format/format_version, for readers of the file)."""
+    head = {k: d[k] for k in ("format", "format_version") if k in d}
+    rest = {k: v for k, v in d.items() if k not in head and k != "manifest_crc32"}
+    return {**head, "manifest_crc32": canonical_crc(d), **rest}
+
+
+# ---------------------------------------------------------------- validation
+def _short(v) -> str:
+    r = repr(v)
+    return r if len(r) <= 60 else r[:57] + "..."
+
+
+class _Parser:
+    """Turns manifest JSON into typed records, refusing anything a loader could not rely on."""
+
+    def __init__(self, where: str):
+        self.where = where
+
+    def fail(self, fld: str, got, expected: str):
+        raise CheckpointError(f"{self.where}: field '{fld}' is {_short(got)}, expected {expected}")
+
+    def get(self, d: dict, key: str, fld: str):
+        if key not in d:
+            raise CheckpointError(f"{self.where}: field '{fld}' is missing")
+        return d[key]
+
+    def int_(self, v, fld: str, lo: int = 0) -> int:
+        if isinstance(v, bool) or not isinstance(v, int) or v < lo:
+            self.fail(fld, v, f"an integer >= {lo}")
+        return v
+
+    def dict_(self, v, fld: str, optional: bool = False) -> Optional[dict]:
+        if v is None and optional:
+            return None
+        if not isinstance(v, dict):
+            self.fail(fld, v, "an object" + (" or null" if optional else ""))
+        return v
+
+    def range_(self, v, fld: str, hi: int) -> tuple:
+        if (not isinstance(v, list) or len(v) != 2 or any(isinstance(x, bool) or not isinstance(x, int) for x in v)
+                or not 0 <= v[0] < v[1] <= hi):
+            self.fail(fld, v, f"[start, end] with 0 <= start < end <= {hi}")
+        return v[0], v[1]
+
+    def manifest(self, d) -> Manifest:
+        if not isinstance(d, dict):
+            raise CheckpointError(f"{self.where}: expected a JSON object, got {type(d).__name__}")
+        if d.get("format") != FORMAT:
+            self.fail("format", d.get("format"), f"'{FORMAT}'")
+        version = d.get("format_version")
+        if isinstance(version, int) and not isinstance(version, bool) and version > FORMAT_VERSION:
+            raise CheckpointError(f"{self.where}: format_version {version} is newer than this megalite reads "
+                                  f"(format_version {FORMAT_VERSION}); upgrade megalite")
+        if version != FORMAT_VERSION:
+            self.fail("format_version", version, f"{FORMAT_VERSION} (the only version this megalite reads)")
+        crc = d.get("manifest_crc32")
+        if not isinstance(crc, str) or crc != canonical_crc(d):
+            raise CheckpointError(f"{self.where}: field 'manifest_crc32' is {_short(crc)} but the content's CRC32 "
+                                  f"is {canonical_crc(d)} (the manifest was edited or damaged)")
+        step = self.int_(self.get(d, "step", "step"), "step")
+        tokens = self.int_(d.get("tokens_seen", 0), "tokens_seen")
+        config = self.dict_(self.get(d, "config", "config"), "config")
+        model_cfg = self.dict_(config.get("model", {}), "config.model")
+        lay = self.dict_(self.get(d, "layout", "layout"), "layout")
+        layout = Layout(*(self.get(lay, k, f"layout.{k}") for k in ("tp", "pp", "dp")))
+        try:
+            layout.validate(model_cfg, "layout.")
+        except LayoutError as e:
+            raise CheckpointError(f"{self.where}: {e}") from None
+        zero1 = lay.get("zero1", False)
+        if not isinstance(zero1, bool):
+            self.fail("layout.zero1", zero1, "true or false")
+        opt = self.dict_(d.get("optimizer"), "optimizer", optional=True)
+        if opt is not None:
+            self.int_(self.get(opt, "step", "optimizer.step"), "optimizer.step")
+        chk = self.dict_(self.get(d, "checksum", "checksum"), "checksum")
+        if chk.get("algorithm") != "crc32":
+            self.fail("checksum.algorithm", chk.get("algorithm"), "'crc32'")
+        block = self.int_(chk.get("block_bytes"), "checksum.block_bytes", 8)
+        if block % 8:
+            self.fail("checksum.block_bytes", block, "a multiple of 8")
+        files = self.files(self.dict_(self.get(d, "files", "files"), "files"), layout)
+        n_layer = model_cfg.get("n_layer") if isinstance(model_cfg.get("n_layer"), int) else None
+        seen: set = set()
+        model = {n: self.entry("model", n, e, files, block, n_layer, seen)
+                 for n, e in self.dict_(self.get(d, "model", "model"), "model").items()}
+        optim = {}
+        for n, e in self.dict_(self.get(d, "optimizer_state", "optimizer_state"), "optimizer_state").items():
+            base, _, moment = n.rpartition(".")
+            if moment not in MOMENTS or base not in model:
+                raise CheckpointError(f"{self.where}: optimizer_state entry '{n}' names no model tensor "
+                                      f"'{base}' (missing from 'model'; expected '<model tensor>."
+                                      f"{'|'.join(MOMENTS)}')")
+            entry = self.entry("optimizer_state", n, e, files, block, n_layer, seen, kind=moment)
+            if entry.shape != model[base].shape:
+                self.fail(f"optimizer_state.{n}.shape", list(entry.shape), f"{list(model[base].shape)} (as '{base}')")
+            optim[n] = entry
+        info = {k: d[k] for k in INFO_KEYS if k in d}
+        return Manifest(step, tokens, layout, zero1, config, self.dict_(d.get("data", {}), "data"), opt,
+                        self.dict_(d.get("client_state", {}), "client_state"),
+                        self.dict_(d.get("scheduler"), "scheduler", optional=True),
+                        model, optim, files, block, info)
+
+    def files(self, d: dict, layout: Layout) -> dict:
+        coords = {coord_dir(c) for c in layout.coords()}
+        out = {}
+        for rel, rec in d.items():
+            m = _FILE_RE.match(rel) if isinstance(rel, str) else None
+            if m is None:
+                raise CheckpointError(f"{self.where}: file name {_short(rel)} in 'files' is not "
+                                      f"'tpNN-ppNN-dpNN/<{MODEL_FILE}|{OPTIM_FILE}|{STATE_FILE}>' (a plain name "
+                                      f"inside the step folder)")
+            if m[1] not in coords:
+                raise CheckpointError(f"{self.where}: file {rel} in 'files' belongs to no coordinate of layout "
+                                      f"{layout}")
+            self.dict_(rec, f"files.{rel}")
+            size = self.int_(rec.get("bytes"), f"files.{rel}.bytes")
+            key = "crc32" if rel.endswith(".json") else "header_crc32"
+            crc = rec.get(key)
+            if not isinstance(crc, str) or not _HEX8.match(crc):
+                self.fail(f"files.{rel}.{key}", crc, "8 lowercase hex digits")
+            out[rel] = FileRecord(size, crc)
+        for c in sorted(coords):
+            if f"{c}/{STATE_FILE}" not in out:
+                raise CheckpointError(f"{self.where}: coordinate {c} has no {STATE_FILE} in 'files' "
+                                      f"(layout {layout} expects {layout.world_size} coordinates)")
+        return out
+
+    def entry(self, section: str, name, e, files: dict, block: int, n_layer, seen: set,
+              kind: str = "model") -> TensorEntry:
+        if not isinstance(name, str) or not name:
+            self.fail(f"{section} name", name, "a non-empty string")
+        at = f"{section}.{name}"
+        self.dict_(e, at)
+        dtype = e.get("dtype")
+        if dtype not in DTYPES:
+            self.fail(f"{at}.dtype", dtype, f"one of {', '.join(DTYPES)}")
+        shape = e.get("shape")
+        if (not isinstance(shape, list) or not shape
+                or any(isinstance(n, bool) or not isinstance(n, int) or n < 1 for n in shape)):
+            self.fail(f"{at}.shape", shape, "a list of positive integers")
+        part = self.dict_(e.get("partition"), f"{at}.partition")
+        dim = part.get("dim")
+        if dim is not None and (isinstance(dim, bool) or not isinstance(dim, int) or not 0 <= dim < len(shape)):
+            self.fail(f"{at}.partition.dim", dim, f"null or a dim in [0, {len(shape)})")
+        if part.get("tied_to") is not None:
+            self.fail(f"{at}.partition.tied_to", part.get("tied_to"), "null (tied copies are never stored)")
+        placement = part.get("placement", "first")
+        m = _PLACEMENT.match(placement) if isinstance(placement, str) else None
+        if m is None or (m[2] is not None and n_layer is not None and int(m[2]) >= n_layer):
+            self.fail(f"{at}.partition.placement", placement,
+                      "'first', 'last' or 'layer.<i>'" + (f" with i < n_layer = {n_layer}" if n_layer else ""))
+        want_file = MODEL_FILE if kind == "model" else OPTIM_FILE
+        size = itemsize(dtype)
+        slices = []
+        raw = e.get("slices")
+        if not isinstance(raw, list) or not raw:
+            self.fail(f"{at}.slices", raw, "a non-empty list")
+        for i, s in enumerate(raw):
+            sat = f"{at}.slices[{i}]"
+            self.dict_(s, sat)
+            rel = s.get("file")
+            if not isinstance(rel, str) or rel not in files or rel.rsplit("/", 1)[-1] != want_file:
+                self.fail(f"{sat}.file", rel, f"a '{want_file}' listed in 'files'")
+            key = s.get("key")
+            if not isinstance(key, str) or not key:
+                self.fail(f"{sat}.key", key, "a non-empty string")
+            if (rel, key) in seen:
+                raise CheckpointError(f"{self.where}: field '{sat}.key': {rel} key '{key}' is used by two slices")
+            seen.add((rel, key))
+            box = s.get("box")
+            if not isinstance(box, list) or len(box) != len(shape):
+                self.fail(f"{sat}.box", box, f"{len(shape)} [start, end] ranges (shape {shape})")
+            box = Box(self.range_(r, f"{sat}.box[{j}]", shape[j]) for j, r in enumerate(box))
+            flat = None
+            if s.get("flat") is not None:
+                flat = self.range_(s["flat"], f"{sat}.flat", box.numel)
+            sl = SliceRef(rel, key, box, flat, ())
+            crcs = s.get("crc32")
+            want = n_blocks(sl.numel * size, block)
+            if (not isinstance(crcs, list) or len(crcs) != want
+                    or not all(isinstance(c, str) and _HEX8.match(c) for c in crcs)):
+                self.fail(f"{sat}.crc32", crcs, f"a list of {want} CRC32s (8 hex digits, one per {block}-byte block)")
+            slices.append(SliceRef(rel, key, box, flat, tuple(crcs)))
+        problems = tiling_problems(name, (shape, slices))
+        if problems:
+            raise CheckpointError(f"{self.where}: {problems[0]}")
+        partition = Partition.from_json(shape, part)
+        return TensorEntry(name, kind, dtype, tuple(shape), partition, tuple(slices))
+
+
+# ---------------------------------------------------------------- tiling
+def _pieces(entry):
+    """(shape, [(Box, flat or None, file)]) from a TensorEntry, a (shape, slices) pair or a JSON entry."""
+    if isinstance(entry, TensorEntry):
+        return list(entry.shape), [(s.box, s.flat, s.file) for s in entry.slices]
+    if isinstance(entry, tuple):
+        shape, slices = entry
+        return list(shape), [(s.box, s.flat, s.file) for s in slices]
+    return list(entry["shape"]), [(tuple(tuple(r) for r in s["box"]), tuple(s["flat"]) if s.get("flat") else None,
+                                   s.get("file")) for s in entry["slices"]]
+
+
+def tiling_problems(name: str, entry) -> list[str]:
+    """The slices of one tensor must cover its global shape exactly: no hole, no overlap, nothing outside.
+
+    Linear in the number of slices (plus the grid): the boxes' start/end points cut every dim into
+    intervals; each box must cover whole cells of that grid, and every cell must be covered exactly once.
+    """
+    shape, pieces = _pieces(entry)
+    boxes: dict = {}
+    for box, flat, file in pieces:
+        if len(box) != len(shape) or any(not (0 <= a < b <= n) for (a, b), n in zip(box, shape)):
+            return [f"tensor '{name}': slice {[list(r) for r in box]} in {file} lies outside shape {shape}"]
+        boxes.setdefault(Box(box), []).append(flat)
+    if not boxes:
+        return [f"tensor '{name}': no slices are stored"]
+    problems = []
+    for box, flats in boxes.items():
+        if None in flats:
+            if len(flats) > 1:
+                problems.append(f"tensor '{name}': box {box.to_json()} is stored more than once (overlap)")
+            continue
+        pos = 0
+        for a, b in sorted(flats):
+            if a != pos:
+                problems.append(f"tensor '{name}': pieces of box {box.to_json()} "
+                                f"{'overlap' if a < pos else 'leave a hole'} at element {min(a, pos)}")
+                break
+            pos = b
+        else:
+            if pos != box.numel:
+                problems.append(f"tensor '{name}': pieces of box {box.to_json()} end at element {pos}, "
+                                f"expected {box.numel} (a hole)")
+    if problems:
+        return problems
+    cuts = [sorted({0, n} | {r[d][i] for r in boxes for i in (0, 1)}) for d, n in enumerate(shape)]
+    cells = math.prod(len(c) - 1 for c in cuts)
+    if cells > 16 * len(boxes) + 64:  # a sane layout cuts each dim a few times; refuse a hostile grid
+        return [f"tensor '{name}': its {len(boxes)} slices cut it into {cells} cells, not a grid of tp slices"]
+    count = np.zeros([len(c) - 1 for c in cuts], dtype=np.int64)
+    for box in boxes:
+        count[tuple(slice(bisect.bisect_left(c, a), bisect.bisect_left(c, b)) for c, (a, b) in zip(cuts, box))] += 1
+    if (count > 1).any():
+        at = [c[i] for c, i in zip(cuts, np.argwhere(count > 1)[0])]
+        problems.append(f"tensor '{name}': slices overlap at element {at}")
+    if (count == 0).any():
+        at = [c[i] for c, i in zip(cuts, np.argwhere(count == 0)[0])]
+        problems.append(f"tensor '{name}': slices leave a hole at element {at}")
+    return problems
+
+
+# ---------------------------------------------------------------- building, reading, writing
+def build(meta: dict, reports: list[dict]) -> Manifest:
+    """Merge every rank's report (the files it wrote, the slices they hold) into one manifest.
+
+    meta: step, tokens_seen, layout (Layout), zero1, config, data, optimizer, client_state, scheduler and
+    the informational keys; a report: {"files": {rel: FileRecord}, "tensors": [(TensorEntry, SliceRef)]}.
+    """
+    files, sections = {}, {"model": {}, "optimizer_state": {}}
     for rep in reports:
-        man["files"].update(rep["files"])
-        for t in rep["tensors"]:
-            section = man["model"] if t["kind"] == "model" else man["optimizer_state"]
-            entry = section.setdefault(t["name"], {"shape": t["shape"], "dtype": t["dtype"],
-                                                   "partition": t["partition"], "slices": []})
-            sl = {"file": t["file"], "key": t["key"], "box": t["box"], "crc32": t["crc32"]}
-            if t.get("flat") is not None:
-                sl["flat"] = t["flat"]
-            entry["slices"].append(sl)
-    for section in ("model", "optimizer_state"):
-        man[section] = dict(sorted(man[section].items()))
-        for entry in man[section].values():
-            entry["slices"].sort(key=lambda s: (s["box"], s.get("flat") or [0, 0]))
-    man["files"] = dict(sorted(man["files"].items()))
-    return man
+        files.update(rep["files"])
+        for proto, sl in rep["tensors"]:
+            section = sections["model" if proto.kind == "model" else "optimizer_state"]
+            section.setdefault(proto.name, []).append((proto, sl))
+    out = {}
+    for sname, section in sections.items():
+        out[sname] = {}
+        for name, items in sorted(section.items()):
+            slices = sorted((sl for _, sl in items), key=lambda s: (s.box, s.flat or (0, 0)))
+            out[sname][name] = TensorEntry(name, items[0][0].kind, items[0][0].dtype, tuple(items[0][0].shape),
+                                           items[0][0].partition, tuple(slices))
+    info = {k: meta[k] for k in INFO_KEYS if meta.get(k) is not None}
+    return Manifest(meta["step"], meta.get("tokens_seen", 0), Layout(*meta["layout"]), bool(meta.get("zero1")),
+                    meta.get("config") or {}, meta.get("data") or {}, meta.get("optimizer"),
+                    meta.get("client_state") or {}, meta.get("scheduler"), out["model"], out["optimizer_state"],
+                    dict(sorted(files.items())), BLOCK_BYTES, info)
 
 
-def read(step_dir: Path) -> dict:
-    """Load and sanity-check manifest.json; refuse newer formats, naming both versions."""
+def read_json(step_dir: Path) -> dict:
+    """The raw JSON of manifest.json (for tools and tests that craft manifests; loaders use `read`)."""
     path = Path(step_dir) / MANIFEST
+    if path.is_symlink():
+        raise CheckpointError(f"{path}: manifest is a symbolic link (refused: files must live in the step folder)")
     try:
-        man = json.loads(path.read_text())
+        return json.loads(path.read_text())
     except FileNotFoundError:
         raise CheckpointError(f"{path}: manifest is missing") from None
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
         raise CheckpointError(f"{path}: manifest is not valid JSON ({e})") from None
-    if not isinstance(man, dict) or man.get("format") != FORMAT:
-        raise CheckpointError(f"{path}: field 'format' is {man.get('format') if isinstance(man, dict) else man!r}, "
-                              f"expected '{FORMAT}'")
-    version = man.get("format_version")
-    if not isinstance(version, int):
-        raise CheckpointError(f"{path}: field 'format_version' is {version!r}, expected an integer")
-    if version > FORMAT_VERSION:
-        raise CheckpointError(f"{path}: format_version {version} is newer than this megalite reads "
-                              f"(format_version {FORMAT_VERSION}); upgrade megalite")
-    for key in ("layout", "config", "model", "optimizer_state", "files", "step"):
-        if key not in man:
-            raise CheckpointError(f"{path}: field '{key}' is missing")
-    return man
 
 
-def write(step_dir: Path, man: dict) -> None:
-    import os
+def read(step_dir: Path) -> Manifest:
+    """Load manifest.json and validate all of it (see Manifest.from_json)."""
+    return Manifest.from_json(read_json(step_dir), str(Path(step_dir) / MANIFEST))
+
+
+def write_json(step_dir: Path, d: dict) -> None:
+    """Write `d` as manifest.json, fsynced (`d` must already be signed; see `sign`)."""
     path = Path(step_dir) / MANIFEST
     with open(path, "w") as f:
-        json.dump(man, f, indent=1)
+        json.dump(d, f, indent=1)
         f.write("\n")
         f.flush()
         os.fsync(f.fileno())
 
 
-def numel(box) -> int:
-    return math.prod(b - a for a, b in box)
-
-
-def tiling_problems(name: str, entry: dict) -> list[str]:
-    """The slices of one tensor must cover its global shape exactly: no gap, no overlap."""
-    shape = entry["shape"]
-    boxes: dict = {}
-    for s in entry["slices"]:
-        box = tuple(tuple(r) for r in s["box"])
-        if len(box) != len(shape) or any(not (0 <= a <= b <= n) for (a, b), n in zip(box, shape)):
-            return [f"tensor '{name}': slice {s['box']} in {s['file']} lies outside shape {shape}"]
-        boxes.setdefault(box, []).append(s.get("flat"))
-    problems = []
-    for box, flats in boxes.items():
-        if None in flats:
-            if len(flats) > 1:
-                problems.append(f"tensor '{name}': box {list(map(list, box))} is stored more than once")
-            continue
-        spans = sorted(flats)
-        pos = 0
-        for a, b in spans:
-            if a != pos:
-                problems.append(f"tensor '{name}': pieces of box {list(map(list, box))} "
-                                f"{'overlap' if a < pos else 'leave a gap'} at element {min(a, pos)}")
-                break
-            pos = b
-        else:
-            if pos != numel(box):
-                problems.append(f"tensor '{name}': pieces of box {list(map(list, box))} end at {pos}, "
-                                f"expected {numel(box)}")
-    keys = list(boxes)
-    for i, a in enumerate(keys):
-        for b in keys[i + 1:]:
-            if all(max(x[0], y[0]) < min(x[1], y[1]) for x, y in zip(a, b)):
-                problems.append(f"tensor '{name}': slices {list(map(list, a))} and {list(map(list, b))} overlap")
-    covered = sum(numel(b) for b in keys)
-    if not problems and covered != math.prod(shape):
-        problems.append(f"tensor '{name}': slices cover {covered} of {math.prod(shape)} elements (a gap)")
-    return problems
+def write(step_dir: Path, man: Manifest) -> None:
+    """Write the manifest after parsing it back: a writer never commits what its readers would refuse."""
+    d = man.to_json()
+    Manifest.from_json(json.loads(json.dumps(d)), f"{Path(step_dir) / MANIFEST} (being written)")
+    write_json(step_dir, d)
 
 
 def model_config_diff(saved: dict, current: dict) -> list[str]:

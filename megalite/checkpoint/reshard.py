@@ -1,163 +1,186 @@
-"""Read any region of a global tensor out of a checkpoint, whatever layout wrote it.
+"""Read any region of a global tensor out of a checkpoint, whatever layout wrote it, checking every byte used.
 
 A reader asks for a box of the global tensor (and, for a ZeRO-1 optimizer piece, a flat range of that
-box); the planner intersects it with the slices the manifest lists and reads only the bytes of those
-intersections (safetensors `get_slice`), never whole files or the whole model. Same-layout loads are the
-special case where every intersection is a whole stored slice (then its checksum is checked too).
+box); the planner intersects it with the slices the manifest lists and reads only the checksum blocks
+those intersections touch, never whole files or the whole model. Every block read is checked against
+its CRC32 before any of its bytes are used, so resharded and partial reads are as safe as whole ones.
+Same-layout loads are the special case where every intersection is a whole stored slice: its bytes go
+straight from the file into the destination memory and are checked there.
 """
 from __future__ import annotations
 
-import math
+import zlib
 from pathlib import Path
 from typing import Optional
 
 import torch
-from safetensors import safe_open
 
-from .layout import CheckpointError
-from .manifest import crc32_bytes
-from .stream import read_header, read_into
-
-
-def overlap(a, b) -> Optional[list]:
-    """Intersection of two boxes ([[start, end] per dim]) or None."""
-    out = [[max(x0, y0), min(x1, y1)] for (x0, x1), (y0, y1) in zip(a, b)]
-    return out if all(lo < hi for lo, hi in out) else None
+from .layout import Box, CheckpointError
+from .manifest import Manifest, SliceRef, TensorEntry
+from .stream import check_header, raw_bytes, read_bytes, read_header, st_dtype
 
 
-def _shape(box) -> list:
-    return [hi - lo for lo, hi in box]
+def check_file(step: Path, rel: str, man: Manifest) -> tuple[dict, int]:
+    """Open one safetensors file of the step as the loader does: a regular file inside the step folder,
+    the size the manifest says, a well-formed header whose CRC32 matches. Returns (header, data start)."""
+    path, rec = step / rel, man.files[rel]
+    if path.is_symlink() or path.parent.is_symlink():
+        raise CheckpointError(f"{step.name}: {rel} is a symbolic link (refused: files must live in the step folder)")
+    if not path.is_file():
+        raise CheckpointError(f"{step.name}: shard {rel} is missing (layout {man.layout} expects it)")
+    size = path.stat().st_size
+    if size != rec.bytes:
+        raise CheckpointError(f"{step.name}: {rel} is {size} bytes, the manifest says {rec.bytes} "
+                              f"(truncated or replaced?)")
+    try:
+        header, start, crc = read_header(path)
+    except (ValueError, UnicodeDecodeError) as e:  # a damaged header, or not safetensors at all
+        raise CheckpointError(f"{step.name}: {rel} is not a readable safetensors file ({e})") from None
+    if f"{crc:08x}" != rec.crc32:
+        raise CheckpointError(f"{step.name}: {rel} fails its header checksum (crc32 {crc:08x}, manifest "
+                              f"{rec.crc32}): the file is corrupted")
+    try:
+        check_header(header, start, size)
+    except ValueError as e:
+        raise CheckpointError(f"{step.name}: {rel} has a bad safetensors header ({e})") from None
+    return header, start
 
 
-def _rel(inner, outer) -> tuple:
-    """`inner` as slices relative to the corner of `outer`."""
-    return tuple(slice(lo - o, hi - o) for (lo, hi), (o, _) in zip(inner, outer))
+def check_key(step: Path, header: dict, entry: TensorEntry, sl: SliceRef) -> dict:
+    """The slice's key is in its file with the manifest's dtype and stored shape."""
+    h = header.get(sl.key)
+    if h is None:
+        raise CheckpointError(f"{step.name}: tensor '{entry.name}' (key '{sl.key}') is missing from {sl.file}")
+    if list(h["shape"]) != sl.shape:
+        raise CheckpointError(f"{step.name}: tensor '{entry.name}' in {sl.file} has shape {list(h['shape'])}, "
+                              f"the manifest says {sl.shape}")
+    if h["dtype"] != st_dtype(entry.torch_dtype):
+        raise CheckpointError(f"{step.name}: tensor '{entry.name}' in {sl.file} is stored as {h['dtype']}, "
+                              f"the manifest says {entry.dtype}")
+    return h
+
+
+def _strides(shape) -> list:
+    out, acc = [], 1
+    for n in reversed(shape):
+        out.append(acc)
+        acc *= n
+    return out[::-1]
 
 
 class SliceReader:
-    """Reads slices from one step folder; every file is checked against the manifest when first used.
+    """Reads slices from one step folder; each file is checked (check_file) when first used, and every
+    checksum block is verified before its bytes are used."""
 
-    A read that covers a whole stored slice goes straight from the file into the destination memory (no
-    memory map, no extra copy) and its CRC32 is checked; a partial read (resharding) asks safetensors for
-    just that region's bytes.
-    """
-
-    def __init__(self, step_dir: Path, manifest: dict):
+    def __init__(self, step_dir: Path, manifest: Manifest):
         self.dir, self.man = Path(step_dir), manifest
         self.headers: dict = {}  # rel -> (header, data offset)
-        self.handles: dict = {}  # rel -> safe_open handle, only for partial reads
 
-    def _header(self, rel: str):
+    def header(self, rel: str):
         if rel not in self.headers:
-            path = self.dir / rel
-            meta = self.man["files"].get(rel)
-            if meta is None:
-                raise CheckpointError(f"{self.dir.name}: {rel} is not listed in the manifest's files")
-            if not path.is_file():
-                raise CheckpointError(f"{self.dir.name}: shard {rel} is missing "
-                                      f"(layout {_layout(self.man)} expects it)")
-            size = path.stat().st_size
-            if size != meta["bytes"]:
-                raise CheckpointError(f"{self.dir.name}: {rel} is {size} bytes, the manifest says "
-                                      f"{meta['bytes']} (truncated or replaced?)")
-            try:
-                self.headers[rel] = read_header(path)
-            except (ValueError, UnicodeDecodeError) as e:  # a damaged header, or not safetensors at all
-                raise CheckpointError(f"{self.dir.name}: {rel} is not a readable safetensors file ({e})") from None
+            self.headers[rel] = check_file(self.dir, rel, self.man)
         return self.headers[rel]
 
-    def _stored(self, name: str, sl: dict) -> dict:
-        header, _ = self._header(sl["file"])
-        entry = header.get(sl["key"])
-        if entry is None:
-            raise CheckpointError(f"{self.dir.name}: tensor '{name}' (key '{sl['key']}') is missing from {sl['file']}")
-        want = [sl["flat"][1] - sl["flat"][0]] if "flat" in sl else _shape(sl["box"])
-        if list(entry["shape"]) != want:
-            raise CheckpointError(f"{self.dir.name}: tensor '{name}' in {sl['file']} has shape "
-                                  f"{list(entry['shape'])}, the manifest says {want}")
-        return entry
+    def _check_blocks(self, entry: TensorEntry, sl: SliceRef, data, first_block: int) -> None:
+        mv, B = memoryview(data).cast("B"), self.man.block_bytes
+        for i, off in enumerate(range(0, len(mv), B)):
+            k = first_block + i
+            crc = f"{zlib.crc32(mv[off:off + B]):08x}"
+            if crc != sl.crc32[k]:
+                raise CheckpointError(f"{self.dir.name}: tensor '{entry.name}' in {sl.file} fails its checksum "
+                                      f"(block {k}, bytes {k * B}-{k * B + len(mv[off:off + B])} of the slice: "
+                                      f"crc32 {crc}, manifest {sl.crc32[k]}); the file is corrupted")
 
-    def _read(self, name: str, sl: dict, index: tuple, out: Optional[torch.Tensor] = None) -> torch.Tensor:
-        entry = self._stored(name, sl)
-        shape = entry["shape"]
-        if all(s.start == 0 and s.stop == n for s, n in zip(index, shape)):  # the whole stored slice
-            if out is None or out.device.type != "cpu" or not out.is_contiguous() or list(out.shape) != shape:
-                out = torch.empty(shape, dtype=torch.float32)
-            try:
-                read_into(self.dir / sl["file"], entry, self._header(sl["file"])[1], out)
-            except ValueError as e:
-                raise CheckpointError(f"{self.dir.name}: tensor '{name}' in {sl['file']}: {e}") from None
-            if "crc32" in sl and f"{crc32_bytes(out.numpy()):08x}" != sl["crc32"]:
-                raise CheckpointError(f"{self.dir.name}: tensor '{name}' in {sl['file']} fails its checksum "
-                                      f"(the file is corrupted)")
-            return out
-        if sl["file"] not in self.handles:
-            self.handles[sl["file"]] = safe_open(str(self.dir / sl["file"]), framework="pt")
-        return self.handles[sl["file"]].get_slice(sl["key"])[index]
+    def read_stored(self, entry: TensorEntry, sl: SliceRef, region: Optional[tuple] = None,
+                    out: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """`region` (slices into the stored tensor; None: all of it), its blocks checked.
 
-    def read(self, name: str, entry: dict, box, flat: Optional[tuple] = None,
+        A whole slice lands in `out` when `out` is a contiguous CPU tensor of its dtype and size; use the
+        returned tensor (for a region it is a view of a block-aligned buffer)."""
+        shape = sl.shape
+        if region is None or all(s.start == 0 and s.stop == n for s, n in zip(region, shape)):
+            got = self.read_flat(entry, sl, 0, sl.numel, out)
+            return got if out is not None and got is out and list(out.shape) == shape else got.view(shape)
+        st = _strides(shape)
+        lo = sum(s.start * k for s, k in zip(region, st))  # the first and last element the region touches
+        hi = sum((s.stop - 1) * k for s, k in zip(region, st)) + 1
+        span = self.read_flat(entry, sl, lo, hi)
+        return span.as_strided([s.stop - s.start for s in region], st)
+
+    def read_flat(self, entry: TensorEntry, sl: SliceRef, lo: int, hi: int,
+                  out: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """Elements [lo, hi) of the stored slice (row-major), reading and checking only the blocks they
+        touch. Lands in `out` (returned) when it is a contiguous CPU tensor of the dtype and size and the
+        range is block-aligned; else the result is a view into a block-aligned buffer."""
+        header, start = self.header(sl.file)
+        h = check_key(self.dir, header, entry, sl)
+        isz, B, dtype = entry.itemsize, self.man.block_bytes, entry.torch_dtype
+        offset = start + h["data_offsets"][0]
+        blo, bhi = lo * isz // B * B, min(-(-hi * isz // B) * B, sl.numel * isz)
+        direct = (out is not None and out.device.type == "cpu" and out.is_contiguous() and out.dtype == dtype
+                  and out.numel() == hi - lo and (blo, bhi) == (lo * isz, hi * isz))
+        buf = out if direct else torch.empty((bhi - blo) // isz, dtype=dtype)
+        self._read(entry, sl, offset, blo, raw_bytes(buf))
+        return buf if direct else buf[lo - blo // isz:hi - blo // isz]
+
+    def _read(self, entry, sl, offset: int, at: int, buf) -> None:
+        try:
+            read_bytes(self.dir / sl.file, offset + at, buf)
+        except (OSError, ValueError) as e:
+            raise CheckpointError(f"{self.dir.name}: tensor '{entry.name}' in {sl.file}: {e}") from None
+        self._check_blocks(entry, sl, buf, at // self.man.block_bytes)
+
+    def read(self, entry: TensorEntry, box, flat: Optional[tuple] = None,
              out: Optional[torch.Tensor] = None) -> torch.Tensor:
-        """The region `box` of tensor `name` (shape of the box), or elements flat[0]:flat[1] of it (1-D).
+        """The region `box` of the tensor (shape of the box), or elements flat[0]:flat[1] of it (1-D).
 
         With `out` (a CPU tensor of that shape) the data lands there when it can; use the returned tensor.
-        """
-        box = [list(r) for r in box]
+        The manifest's slices tile the tensor exactly (checked when it was read), so every element of the
+        box comes from exactly one slice."""
+        box = Box(box)
         if flat is not None:
-            fast = self._read_flat_same_box(name, entry, box, flat, out)
+            fast = self._read_flat_same_box(entry, box, flat, out)
             if fast is not None:
                 return fast
         by_box: dict = {}
-        for sl in entry["slices"]:
-            by_box.setdefault(tuple(map(tuple, sl["box"])), []).append(sl)
-        exact = by_box.get(tuple(map(tuple, box)))
-        if flat is None and exact and "flat" not in exact[0]:  # same layout: one read, into place
-            return self._read(name, exact[0], tuple(slice(0, n) for n in _shape(box)), out)
-        full = out if (flat is None and out is not None and out.is_contiguous()) else None
-        full = full if full is not None else torch.empty(_shape(box), dtype=torch.float32)
-        filled = 0
+        for sl in entry.slices:
+            by_box.setdefault(sl.box, []).append(sl)
+        exact = by_box.get(box)
+        if flat is None and exact and exact[0].flat is None:  # same layout: one read, into place
+            return self.read_stored(entry, exact[0], None, out)
+        usable = flat is None and out is not None and out.is_contiguous() and list(out.shape) == list(box.shape)
+        full = out if usable else torch.empty(box.shape, dtype=entry.torch_dtype)
         for sbox, slices in by_box.items():
-            sbox = [list(r) for r in sbox]
-            inter = overlap(sbox, box)
+            inter = sbox.intersect(box)
             if inter is None:
                 continue
-            if "flat" not in slices[0]:
-                region = full[_rel(inter, box)]
-                got = self._read(name, slices[0], _rel(inter, sbox), region if region.is_contiguous() else None)
+            region = full[inter.within(box)]
+            if slices[0].flat is None:
+                got = self.read_stored(entry, slices[0], inter.within(sbox), region if region.is_contiguous() else None)
                 if got is not region:
                     region.copy_(got)
             else:  # ZeRO-1 pieces: rebuild that one box (one tp slice of one tensor), then cut
-                whole = torch.empty(math.prod(_shape(sbox)), dtype=torch.float32)
+                whole = torch.empty(sbox.numel, dtype=entry.torch_dtype)
                 for sl in slices:
-                    a, b = sl["flat"]
-                    self._read(name, sl, (slice(0, b - a),), whole[a:b])
-                full[_rel(inter, box)] = whole.view(_shape(sbox))[_rel(inter, sbox)]
-            filled += math.prod(_shape(inter))
-        if filled != math.prod(_shape(box)):
-            raise CheckpointError(f"{self.dir.name}: tensor '{name}': the stored slices cover {filled} of the "
-                                  f"{math.prod(_shape(box))} elements requested")
+                    self.read_stored(entry, sl, None, whole[sl.flat[0]:sl.flat[1]])
+                region.copy_(whole.view(sbox.shape)[inter.within(sbox)])
         return full if flat is None else full.view(-1)[flat[0]:flat[1]].clone()
 
-    def _read_flat_same_box(self, name, entry, box, flat, out) -> Optional[torch.Tensor]:
-        """A ZeRO-1 piece from pieces of the same box (same tp size): read only the overlapping ranges."""
-        pieces = [sl for sl in entry["slices"] if sl["box"] == box and "flat" in sl]
+    def _read_flat_same_box(self, entry, box, flat, out) -> Optional[torch.Tensor]:
+        """A ZeRO-1 piece of a box stored whole or in pieces (same tp size): read only the overlapping
+        ranges, so each rank reads and checks just the blocks of its own piece."""
+        pieces = [sl for sl in entry.slices if sl.box == box]
         if not pieces:
             return None
         a, b = flat
-        dest = out if out is not None and out.device.type == "cpu" and out.is_contiguous() else None
-        dest = dest if dest is not None else torch.empty(b - a, dtype=torch.float32)
-        filled = 0
+        ok = out is not None and out.device.type == "cpu" and out.is_contiguous() and out.numel() == b - a
+        dest = out if ok else torch.empty(b - a, dtype=entry.torch_dtype)
         for sl in pieces:
-            pa, pb = sl["flat"]
+            pa, pb = sl.flat or (0, box.numel)
             lo, hi = max(a, pa), min(b, pb)
             if lo < hi:
                 region = dest[lo - a:hi - a]
-                got = self._read(name, sl, (slice(lo - pa, hi - pa),), region)
+                got = self.read_flat(entry, sl, lo - pa, hi - pa, region)
                 if got is not region:
                     region.copy_(got)
-                filled += hi - lo
-        return dest if filled == b - a else None
-
-
-def _layout(man: dict) -> str:
-    lay = man.get("layout", {})
-    return f"tp={lay.get('tp')} pp={lay.get('pp')} dp={lay.get('dp')}"
+        return dest

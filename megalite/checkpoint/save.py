@@ -12,8 +12,10 @@ from __future__ import annotations
 
 import os
 import shutil
+import sys
 import threading
 import time
+import traceback
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Optional
@@ -34,7 +36,7 @@ from .stream import StreamingWriter
 class Payload:
     """What one rank writes: tensors per file (key -> tensor), their manifest records, and its state.json."""
     files: dict = field(default_factory=dict)  # file name -> {key: tensor}
-    records: list = field(default_factory=list)  # manifest records of the slices (without "file")
+    records: list = field(default_factory=list)  # (TensorEntry without slices, WriteItem) per slice
     state: dict = field(default_factory=dict)
 
 
@@ -59,12 +61,10 @@ def collect(params, optimizer, grid, state: dict) -> Payload:
 
 
 def add(pay: Payload, it, part, tensor) -> None:
-    """Put one planned slice into the payload, with its manifest record."""
+    """Put one planned slice into the payload, with its manifest record (the tensor's real dtype)."""
     pay.files.setdefault(it.file, {})[it.key] = tensor
-    pay.records.append({"name": it.key, "kind": it.kind, "file": it.file, "key": it.key,
-                        "shape": list(part.global_shape), "dtype": "float32",
-                        "partition": part.to_json(), "box": [list(r) for r in it.box],
-                        "flat": list(it.flat) if it.flat else None})
+    proto = mf.TensorEntry(it.key, it.kind, mf.dtype_name(tensor.dtype), tuple(part.global_shape), part)
+    pay.records.append((proto, it))
 
 
 class Stager:
@@ -107,33 +107,36 @@ def _write_file(path: Path, data: bytes) -> None:
         os.fsync(f.fileno())
 
 
-def _write_tensors(path: Path, tensors: dict) -> tuple[int, str, dict]:
+def _write_tensors(path: Path, tensors: dict, block: int) -> tuple[int, str, dict]:
     """Stream one safetensors file (keys sorted: the same state gives the same bytes); return its size,
-    its CRC32 and each tensor's CRC32, computed on the buffers as they are written."""
+    its header's CRC32 and each tensor's block CRC32s, computed on the buffers as they are written."""
     keys = sorted(tensors)
-    w = StreamingWriter(path, [(k, list(tensors[k].shape), tensors[k].dtype) for k in keys], {"format": "pt"})
+    w = StreamingWriter(path, [(k, list(tensors[k].shape), tensors[k].dtype) for k in keys], {"format": "pt"},
+                        block=block)
     try:
-        crcs = {k: f"{w.write(k, tensors[k]):08x}" for k in keys}
+        crcs = {k: tuple(w.write(k, tensors[k])) for k in keys}
         w.close()
     except BaseException:
         w.abort()
         raise
-    return w.size, f"{w.crc32:08x}", crcs
+    return w.size, f"{w.header_crc32:08x}", crcs
 
 
 def write_rank(folder: Path, pay: Payload, rel: str) -> dict:
-    """Write one coordinate's folder; return its report for the manifest."""
+    """Write one coordinate's folder; return its report for the manifest (see manifest.build)."""
+    block = mf.BLOCK_BYTES
     folder.mkdir(parents=True, exist_ok=True)
     report = {"files": {}, "tensors": []}
     crcs = {}
     for fname, tensors in pay.files.items():
-        size, crc, crcs[fname] = _write_tensors(folder / fname, tensors)
-        report["files"][f"{rel}/{fname}"] = {"bytes": size, "crc32": crc}
+        size, crc, crcs[fname] = _write_tensors(folder / fname, tensors, block)
+        report["files"][f"{rel}/{fname}"] = mf.FileRecord(size, crc)
     data = dumps_json(pay.state).encode()
     _write_file(folder / STATE_FILE, data)
-    report["files"][f"{rel}/{STATE_FILE}"] = {"bytes": len(data), "crc32": f"{mf.crc32_bytes(data):08x}"}
-    for r in pay.records:
-        report["tensors"].append({**r, "file": f"{rel}/{r['file']}", "crc32": crcs[r["file"]][r["key"]]})
+    report["files"][f"{rel}/{STATE_FILE}"] = mf.FileRecord(len(data), f"{mf.crc32_bytes(data):08x}")
+    for proto, it in pay.records:
+        sl = mf.SliceRef(f"{rel}/{it.file}", it.key, it.box, it.flat, crcs[it.file][it.key])
+        report["tensors"].append((proto, sl))
     fsync_dir(folder)
     return report
 
@@ -173,6 +176,34 @@ def prune(root: Path, keep_last: int) -> list[int]:
     return doomed
 
 
+def commit_step(root: Path, step: int, tmp: Path, meta: dict, reports: list[dict]) -> Path:
+    """Step 3 of the protocol (rank 0, or the one process of an offline write): the manifest into the
+    finished temporary folder, fsync, rename it to step_N, and only then replace `latest`."""
+    mf.write(tmp, mf.build(meta, reports))
+    fsync_dir(tmp)
+    final = root / step_dir(step)
+    if final.exists():  # re-saving a step (e.g. after a resume): move the old one aside first
+        old = root / (TMP_PREFIX + "old-" + step_dir(step))
+        os.replace(final, old)
+        os.replace(tmp, final)
+        shutil.rmtree(old, ignore_errors=True)
+    else:
+        os.replace(tmp, final)
+    fsync_dir(root)
+    write_latest(root, step_dir(step))
+    return final
+
+
+def _write_failure(rank: int, rel: str, e: Exception) -> str:
+    """An I/O error is the user's to fix: one line. Anything else is a bug: keep its traceback in this
+    rank's log (stderr) and say where to find it."""
+    if isinstance(e, OSError):
+        return f"rank {rank} ({rel}) failed to write: {e.strerror or e}"
+    traceback.print_exc(file=sys.stderr)
+    return (f"rank {rank} ({rel}) failed to write: {type(e).__name__}: {e} "
+            f"(a bug: the traceback is in rank {rank}'s log)")
+
+
 def save_collective(root: Path, step: int, pay: Payload, grid, meta: dict, keep_last: int = 0) -> Path:
     """Steps 1-4 of the protocol above. Every rank calls it; every rank returns or raises alike."""
     root = Path(root)
@@ -191,9 +222,8 @@ def save_collective(root: Path, step: int, pay: Payload, grid, meta: dict, keep_
     rel = coord_dir(grid.coord)
     try:
         report = write_rank(tmp / rel, pay, rel)
-    except Exception as e:  # noqa: BLE001 - every failure becomes the same one-line error on all ranks
-        why = getattr(e, "strerror", None) or str(e)
-        report = {"error": f"rank {grid.rank} ({rel}) failed to write: {why}"}
+    except Exception as e:  # noqa: BLE001 - every failure becomes the same error on all ranks
+        report = {"error": _write_failure(grid.rank, rel, e)}
     reports = _gather(report, grid)
     outcome = None
     if grid.rank == 0:
@@ -201,22 +231,12 @@ def save_collective(root: Path, step: int, pay: Payload, grid, meta: dict, keep_
         try:
             if failures:
                 raise CheckpointError(failures[0])
-            man = mf.build(meta, reports)
-            mf.write(tmp, man)
-            fsync_dir(tmp)
-            final = root / step_dir(step)
-            if final.exists():  # re-saving a step (e.g. after a resume): move the old one aside first
-                old = root / (TMP_PREFIX + "old-" + step_dir(step))
-                os.replace(final, old)
-                os.replace(tmp, final)
-                shutil.rmtree(old, ignore_errors=True)
-            else:
-                os.replace(tmp, final)
-            fsync_dir(root)
-            write_latest(root, step_dir(step))
+            commit_step(root, step, tmp, meta, reports)
             prune(root, keep_last)
         except Exception as e:  # noqa: BLE001
             shutil.rmtree(tmp, ignore_errors=True)
+            if not isinstance(e, (CheckpointError, OSError)):
+                traceback.print_exc(file=sys.stderr)
             msg = str(e) if isinstance(e, CheckpointError) else (getattr(e, "strerror", None) or str(e))
             outcome = (f"checkpoint step {step} was not saved ({msg}); "
                        f"{root / 'latest'} still names {read_latest(root) or 'nothing'}")
@@ -228,10 +248,10 @@ def save_collective(root: Path, step: int, pay: Payload, grid, meta: dict, keep_
 
 def manifest_meta(cfg_dict: dict, layout, zero1: bool, step: int, tokens_seen: int, optimizer,
                   sampler_state: dict, client_state: Optional[dict]) -> dict:
+    """Everything in the manifest that is not about files and slices (see manifest.build)."""
     return {"megalite_version": __version__, "torch_version": torch.__version__,
             "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "step": step, "tokens_seen": tokens_seen,
-            "layout": {"tp": layout.tp, "pp": layout.pp, "dp": layout.dp, "zero1": bool(zero1)},
-            "config": cfg_dict, "data": sampler_state,
+            "layout": tuple(layout), "zero1": bool(zero1), "config": cfg_dict, "data": sampler_state,
             "optimizer": None if optimizer is None else {
                 "type": "adamw", "step": optimizer.step_count, "betas": list(optimizer.betas),
                 "eps": optimizer.eps, "weight_decay": optimizer.weight_decay},

@@ -22,18 +22,19 @@ ST_DTYPES = {torch.float32: "F32", torch.bfloat16: "BF16", torch.float16: "F16"}
 _FROM_ST = {v: k for k, v in ST_DTYPES.items()}
 
 
-def _bytes(t: torch.Tensor) -> memoryview:
-    """The raw little-endian bytes of a contiguous CPU tensor, without a copy."""
+def raw_bytes(t: torch.Tensor) -> memoryview:
+    """The raw little-endian bytes of a contiguous CPU tensor, without a copy (writable: reads land in it)."""
     return memoryview(t.contiguous().view(torch.uint8).numpy()).cast("B") if t.numel() else memoryview(b"")
 
 
 class StreamingWriter:
-    """Write tensors in the order of `specs` [(name, shape, dtype)]; with `checksum`, `crc32` covers the
-    whole file and `write` returns each tensor's CRC32 (the converter's outputs need neither)."""
+    """Write tensors in the order of `specs` [(name, shape, dtype)]. With `checksum`, `header_crc32` covers
+    the header (8-byte length + JSON) and `write` returns the CRC32 of each `block`-byte chunk of the
+    tensor's bytes: together they cover every byte of the file (the converter's outputs need neither)."""
 
     def __init__(self, path: Path, specs: list[tuple[str, list, torch.dtype]], metadata: dict,
-                 checksum: bool = True):
-        self.path, self.specs, self.checksum = Path(path), specs, checksum
+                 checksum: bool = True, block: int = 1 << 20):
+        self.path, self.specs, self.checksum, self.block = Path(path), specs, checksum, block
         header, offset = {"__metadata__": metadata}, 0
         for name, shape, dtype in specs:
             n = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
@@ -44,22 +45,21 @@ class StreamingWriter:
         head = len(blob).to_bytes(8, "little") + blob
         self.f = open(self.path, "wb")
         self.f.write(head)
-        self.crc32 = zlib.crc32(head)
+        self.header_crc32 = zlib.crc32(head)
         self.size = len(head) + offset
         self.next = 0
 
-    def write(self, name: str, t: torch.Tensor) -> int:
-        """Append tensor `name`; return the CRC32 of its bytes (0 without checksum)."""
+    def write(self, name: str, t: torch.Tensor) -> list[str]:
+        """Append tensor `name`; return the CRC32s of its blocks ([] without checksum)."""
         want, shape, dtype = self.specs[self.next]
         if name != want or list(t.shape) != list(shape) or t.dtype != dtype:
             raise ValueError(f"writer expected {want} {shape} {dtype}, got {name} {list(t.shape)} {t.dtype}")
-        data = _bytes(t.detach().cpu())
+        data = raw_bytes(t.detach().cpu())
         self.f.write(data)
         self.next += 1
         if not self.checksum:
-            return 0
-        self.crc32 = zlib.crc32(data, self.crc32)
-        return zlib.crc32(data)
+            return []
+        return [f"{zlib.crc32(data[i:i + self.block]):08x}" for i in range(0, len(data), self.block)]
 
     def close(self, fsync: bool = True) -> None:
         self.f.flush()
@@ -72,28 +72,66 @@ class StreamingWriter:
         self.path.unlink(missing_ok=True)
 
 
-def read_header(path: Path) -> tuple[dict, int]:
-    """(header without __metadata__, byte offset where tensor data starts); no tensor bytes are read."""
+def read_header(path: Path) -> tuple[dict, int, int]:
+    """(header without __metadata__, byte offset where tensor data starts, CRC32 of the header bytes);
+    no tensor bytes are read. Raises ValueError on anything that is not a safetensors header."""
     with open(path, "rb") as f:
         raw = f.read(8)
         n = int.from_bytes(raw, "little") if len(raw) == 8 else -1
         if n <= 0 or n > 100_000_000:
             raise ValueError(f"header length {n}")
-        header = json.loads(f.read(n))
+        blob = f.read(n)
+    if len(blob) != n:
+        raise ValueError(f"header of {n} bytes, the file ends after {len(blob)}")
+    header = json.loads(blob)
+    if not isinstance(header, dict):
+        raise ValueError("the header is not a JSON object")
     header.pop("__metadata__", None)
-    return header, 8 + n
+    return header, 8 + n, zlib.crc32(blob, zlib.crc32(raw))
 
 
-def read_into(path: Path, entry: dict, data_start: int, out: torch.Tensor) -> None:
-    """Read one whole stored tensor straight into `out` (a contiguous CPU tensor of its dtype and size)."""
-    if _FROM_ST.get(entry["dtype"]) != out.dtype:
-        raise ValueError(f"stored dtype {entry['dtype']}, expected {ST_DTYPES.get(out.dtype)}")
-    a, b = entry["data_offsets"]
-    buf = _bytes(out)
-    if len(buf) != b - a:
-        raise ValueError(f"stored {b - a} bytes, expected {len(buf)}")
+def check_header(header: dict, data_start: int, file_size: int) -> None:
+    """Every entry well-formed (known dtype, shape, offsets matching them) and the entries' byte ranges
+    tiling the data region exactly: no overlap, no gap, nothing past the end. Raises ValueError."""
+    spans = []
+    for key, e in header.items():
+        if not isinstance(e, dict) or e.get("dtype") not in _FROM_ST:
+            raise ValueError(f"key '{key}' has dtype {e.get('dtype') if isinstance(e, dict) else e!r}, "
+                             f"expected one of {', '.join(_FROM_ST)}")
+        shape, offs = e.get("shape"), e.get("data_offsets")
+        if not isinstance(shape, list) or any(isinstance(x, bool) or not isinstance(x, int) or x < 0 for x in shape):
+            raise ValueError(f"key '{key}' has shape {shape!r}")
+        if (not isinstance(offs, list) or len(offs) != 2 or any(isinstance(x, bool) or not isinstance(x, int)
+                                                                 for x in offs) or not 0 <= offs[0] <= offs[1]):
+            raise ValueError(f"key '{key}' has data_offsets {offs!r}")
+        n = math.prod(shape) * torch.empty((), dtype=_FROM_ST[e["dtype"]]).element_size()
+        if offs[1] - offs[0] != n:
+            raise ValueError(f"key '{key}' has data_offsets {offs} ({offs[1] - offs[0]} bytes) for {n} bytes of "
+                             f"{e['dtype']} {shape}")
+        spans.append((offs[0], offs[1], key))
+    pos = 0
+    for a, b, key in sorted(spans):
+        if a != pos:
+            raise ValueError(f"key '{key}' starts at byte {a}, expected {pos} "
+                             f"({'overlapping' if a < pos else 'a gap after'} the previous tensor)")
+        pos = b
+    if data_start + pos != file_size:
+        raise ValueError(f"the tensors end at byte {data_start + pos} of a {file_size}-byte file")
+
+
+def st_dtype(dtype: torch.dtype) -> str:
+    return ST_DTYPES[dtype]
+
+
+def read_bytes(path: Path, offset: int, out) -> None:
+    """Read exactly len(out) bytes at `offset` of `path` into the writable buffer `out`."""
+    buf = memoryview(out).cast("B")
     with open(path, "rb", buffering=0) as f:
-        f.seek(data_start + a)
-        got = f.readinto(buf)
-    if got != b - a:
-        raise ValueError(f"file ends after {got} of {b - a} bytes")
+        f.seek(offset)
+        got = 0
+        while got < len(buf):
+            n = f.readinto(buf[got:])
+            if not n:
+                raise ValueError(f"file ends after {offset + got} bytes, {len(buf) - got} more expected")
+            got += n
+

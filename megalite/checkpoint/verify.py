@@ -1,88 +1,70 @@
-"""`megalite verify` and `megalite inspect`: check a checkpoint against its manifest; describe it."""
+"""`megalite verify` and `megalite inspect`: check a checkpoint as the loader would; describe it.
+
+`verify` is the loader's own validation run without loading: the same manifest parser (every field,
+paths, dtypes, exact tiling, the manifest's checksum), the same file checks (no symlinks, sizes, header
+checksums and well-formed headers), the same key/dtype/shape checks, and every checksum block of every
+slice and every state.json. So a checkpoint `verify` calls intact is one every loader accepts, and any
+checkpoint problem a loader would refuse, `verify` reports.
+"""
 from __future__ import annotations
 
 from collections import defaultdict
 from pathlib import Path
 
-from ..parallel.grid import Coord, Layout
+from ..parallel.grid import Coord
 from . import manifest as mf
-from .stream import read_header
 from ..parallel.pipeline import stage_of
-from .layout import MODEL_FILE, OPTIM_FILE, STATE_FILE, CheckpointError, coord_dir, parse_coord_dir, resolve
+from .layout import MODEL_FILE, OPTIM_FILE, CheckpointError, coord_dir, parse_coord_dir, resolve
+from .load import read_state
+from .reshard import SliceReader, check_key
 
 
 def verify(path) -> tuple[Path, list[str]]:
-    """Every problem, one line each: files (present, size, checksum), coordinates, tiling, safetensors keys."""
+    """Every problem, one line each: the manifest, then per coordinate, per file and per tensor slice."""
     try:
         step = resolve(path)
         man = mf.read(step)
     except CheckpointError as e:
         return Path(path), [str(e)]
     problems = []
-    lay = man["layout"]
-    layout = Layout(lay["tp"], lay["pp"], lay["dp"])
-    for c in layout.coords():
+    for c in man.layout.coords():
         rel = coord_dir(c)
-        if f"{rel}/{STATE_FILE}" not in man["files"]:
-            problems.append(f"{step.name}: coordinate {rel} has no files in the manifest "
-                            f"(layout {layout} expects {layout.world_size} coordinates)")
         if not (step / rel).is_dir():
-            problems.append(f"{step.name}: folder {rel}/ is missing (layout {layout} expects it)")
-    for rel, meta in man["files"].items():
-        f = step / rel
-        if not f.is_file():
-            problems.append(f"{step.name}: file {rel} is missing")
+            problems.append(f"{step.name}: folder {rel}/ is missing (layout {man.layout} expects it)")
             continue
-        size = f.stat().st_size
-        if size != meta["bytes"]:
-            problems.append(f"{step.name}: file {rel} is {size} bytes, the manifest says {meta['bytes']}")
-            continue
-        crc = mf.crc32_file(f)
-        if crc != meta["crc32"]:
-            problems.append(f"{step.name}: file {rel} fails its checksum (crc32 {crc}, manifest {meta['crc32']})")
-    for section in ("model", "optimizer_state"):
-        for name, entry in man[section].items():
-            problems += [f"{step.name}: {p}" for p in mf.tiling_problems(name, entry)]
-            for sl in entry["slices"]:
-                if sl["file"] not in man["files"]:
-                    problems.append(f"{step.name}: tensor '{name}' names file {sl['file']}, which the manifest "
-                                    f"does not list")
-    problems += _check_keys(step, man)
-    return step, problems
-
-
-def _check_keys(step: Path, man: dict) -> list[str]:
-    """Each slice's key is in its file's safetensors header with the shape the manifest gives."""
-    want = defaultdict(dict)
-    for section in ("model", "optimizer_state"):
-        for name, entry in man[section].items():
-            for sl in entry["slices"]:
-                shape = [sl["flat"][1] - sl["flat"][0]] if "flat" in sl else [b - a for a, b in sl["box"]]
-                want[sl["file"]][sl["key"]] = (name, shape)
-    problems = []
-    for rel, keys in want.items():
         try:
-            header, _ = read_header(step / rel)
-        except (OSError, ValueError) as e:
-            problems.append(f"{step.name}: {rel} has an unreadable safetensors header ({e})")
-            continue
-        for key, (name, shape) in keys.items():
-            if key not in header:
-                problems.append(f"{step.name}: tensor '{name}' (key '{key}') is missing from {rel}")
-            elif header[key]["shape"] != shape:
-                problems.append(f"{step.name}: tensor '{name}' in {rel} has shape {header[key]['shape']}, "
-                                f"the manifest says {shape}")
-    return problems
+            read_state(step, man, c)
+        except CheckpointError as e:
+            problems.append(str(e))
+    reader = SliceReader(step, man)
+    bad_files = set()
+    for rel in man.files:
+        if rel.endswith(".safetensors"):
+            try:
+                reader.header(rel)
+            except CheckpointError as e:
+                problems.append(str(e))
+                bad_files.add(rel)
+    for entry in man.tensors():
+        for sl in entry.slices:
+            if sl.file in bad_files:
+                continue
+            try:
+                check_key(step, reader.header(sl.file)[0], entry, sl)
+                reader.read_stored(entry, sl)  # all its blocks, checked
+            except CheckpointError as e:
+                problems.append(str(e))
+    return step, problems
 
 
 def _stage_layers(man: dict) -> dict[int, list[int]]:
     """The global layer ids each pipeline stage holds, read from the partition tags' placement."""
-    lay, n_layer = man["layout"], man["config"].get("model", {}).get("n_layer")
+    n_layer = man.model_config.get("n_layer")
     out = defaultdict(set)
-    for entry in man["model"].values():
-        placement = entry["partition"].get("placement", "")
+    for entry in man.model.values():
+        placement = entry.partition.placement
         if placement.startswith("layer.") and n_layer:
-            out[stage_of(placement, n_layer, lay["pp"])].add(int(placement.split(".", 1)[1]))
+            out[stage_of(placement, n_layer, man.layout.pp)].add(int(placement.split(".", 1)[1]))
     return {pp: sorted(ls) for pp, ls in out.items()}
 
 
@@ -94,22 +76,23 @@ def inspect(path) -> str:
     """A table: step, layout, and per coordinate the layers it holds, tensors and bytes."""
     step = resolve(path)
     man = mf.read(step)
-    lay = man["layout"]
     per = defaultdict(lambda: {"tensors": 0, "model": 0, "optim": 0, "other": 0})
-    for rel, meta in man["files"].items():
+    for rel, rec in man.files.items():
         coord, fname = rel.split("/", 1)
         key = "model" if fname == MODEL_FILE else "optim" if fname == OPTIM_FILE else "other"
-        per[coord][key] += meta["bytes"]
+        per[coord][key] += rec.bytes
     layers = _stage_layers(man)
-    for section in ("model", "optimizer_state"):
-        for entry in man[section].values():
-            for sl in entry["slices"]:
-                per[sl["file"].split("/", 1)[0]]["tensors"] += 1
+    dtypes = defaultdict(int)
+    for entry in man.tensors():
+        dtypes[entry.dtype] += 1
+        for sl in entry.slices:
+            per[sl.file.split("/", 1)[0]]["tensors"] += 1
     lines = [f"checkpoint {step}",
-             f"step {man['step']}  tokens {man.get('tokens_seen', 0):,}  layout tp={lay['tp']} pp={lay['pp']} "
-             f"dp={lay['dp']} zero1={'on' if lay.get('zero1') else 'off'}  format v{man['format_version']}  "
-             f"megalite {man.get('megalite_version')}  torch {man.get('torch_version')}",
-             f"{len(man['model'])} model tensors, {len(man['optimizer_state'])} optimizer tensors",
+             f"step {man.step}  tokens {man.tokens_seen:,}  layout {man.layout} "
+             f"zero1={'on' if man.zero1 else 'off'}  format v{mf.FORMAT_VERSION}  "
+             f"megalite {man.info.get('megalite_version')}  torch {man.info.get('torch_version')}",
+             f"{len(man.model)} model tensors, {len(man.optimizer_state)} optimizer tensors "
+             f"({', '.join(f'{n} {d}' for d, n in sorted(dtypes.items()))})",
              "",
              f"{'coordinate':<16}{'layers':<12}{'tensors':>8}{'model':>12}{'optimizer':>12}{'total':>12}"]
     total = 0
@@ -136,11 +119,10 @@ def tree(path) -> str:
     replica; each cell is the coordinate folder, its global rank, and the bytes it holds."""
     step = resolve(path)
     man = mf.read(step)
-    lay = man["layout"]
-    layout = Layout(lay["tp"], lay["pp"], lay["dp"])
+    layout = man.layout
     size = defaultdict(int)
-    for rel, meta in man["files"].items():
-        size[rel.split("/", 1)[0]] += meta["bytes"]
+    for rel, rec in man.files.items():
+        size[rel.split("/", 1)[0]] += rec.bytes
     layers = _stage_layers(man)
     cell = 34
     lines = [f"{step}  (tp={layout.tp} pp={layout.pp} dp={layout.dp}; rank = tp + {layout.tp}*(dp + {layout.dp}*pp))",

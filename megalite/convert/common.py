@@ -12,9 +12,12 @@ from typing import Iterable
 
 import torch
 
-from ..checkpoint.layout import CheckpointError
+from ..checkpoint.layout import Box, CheckpointError
+from ..checkpoint.load import entry_for
+from ..checkpoint.manifest import Manifest
 from ..checkpoint.reshard import SliceReader
 from ..config import ModelConfig
+from ..parallel.grid import Layout, LayoutError
 from ..parallel.tensor import Partition
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
@@ -66,22 +69,17 @@ def _replace(tmp: Path, out: Path) -> None:
         os.replace(tmp, out)
 
 
-def _model_cfg(man: dict) -> dict:
-    return man["config"].get("model", {})
-
-
-def _full_tensors(step: Path, man: dict, progress: Progress):
+def _full_tensors(step: Path, man: Manifest, progress: Progress):
     """Yield (name, full tensor) for every model tensor, assembled from the slices, one at a time.
 
     A reader thread fetches the next tensor while the caller writes this one (file reads, CRC32 and
     writes all release the GIL), so at most two tensors are in memory.
     """
     reader = SliceReader(step, man)
-    items = list(man["model"].items())
+    items = list(man.model.items())
 
     def fetch(i):
-        name, entry = items[i]
-        return reader.read(name, entry, [[0, n] for n in entry["shape"]])
+        return reader.read(items[i][1], Box.whole(items[i][1].shape))
 
     with ThreadPoolExecutor(max_workers=1) as pool:
         nxt = pool.submit(fetch, 0) if items else None
@@ -101,24 +99,21 @@ def model_partitions(m: dict) -> dict[str, Partition]:
     return {name: p.partition for name, p in stage.global_parameters()}
 
 
-def check_manifest_tensors(step: Path, man: dict) -> None:
+def check_manifest_tensors(step: Path, man: Manifest) -> None:
     """Every tensor the model config implies is in the manifest, with its global shape."""
-    for name, part in model_partitions(_model_cfg(man)).items():
-        entry = man["model"].get(name)
-        if entry is None:
-            raise ConvertError(f"{step}: tensor '{name}' is missing from the manifest")
-        if list(entry["shape"]) != list(part.global_shape):
-            raise ConvertError(f"{step}: tensor '{name}' has global shape {entry['shape']} in the manifest, "
-                               f"the model expects {list(part.global_shape)}")
+    if not man.model_config:
+        raise ConvertError(f"{step}: manifest field 'config.model' is empty; the model cannot be described")
+    for name, part in model_partitions(man.model_config).items():
+        try:
+            entry_for(man.model, name, part.global_shape, step)
+        except CheckpointError as e:
+            raise ConvertError(str(e)) from None
 
 
-def check_layout(m: dict, tp: int, pp: int, dp: int) -> None:
-    for flag, v in (("--tp", tp), ("--pp", pp), ("--dp", dp)):
-        if v < 1:
-            raise ConvertError(f"{flag} {v}: must be a positive integer")
-    if m["n_head"] % tp:
-        raise ConvertError(f"--tp {tp} does not divide model.n_head = {m['n_head']}")
-    if pp > m["n_layer"]:
-        raise ConvertError(f"--pp {pp} is larger than model.n_layer = {m['n_layer']}")
+def check_layout(m: dict, tp: int, pp: int, dp: int) -> Layout:
+    try:
+        return Layout(tp, pp, dp).validate(m, "--")
+    except LayoutError as e:
+        raise ConvertError(str(e)) from None
 
 

@@ -10,7 +10,7 @@ import torch
 from einops import rearrange
 
 from ..checkpoint.stream import StreamingWriter
-from .common import ConvertError, Progress, _full_tensors, _model_cfg, _replace
+from .common import ConvertError, Progress, _full_tensors, _replace
 
 
 def _to_hf(name: str, t: torch.Tensor) -> list[tuple[str, torch.Tensor]]:
@@ -73,8 +73,8 @@ def export_hf(step: Path, man: dict, out: Path, dtype: torch.dtype, progress: Pr
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)
     specs = []
-    for name, e in man["model"].items():  # shapes only: transforms applied to meta tensors
-        for hf_name, t in _to_hf(name, torch.empty(e["shape"], device="meta")):
+    for name, e in man.model.items():  # shapes only: transforms applied to meta tensors
+        for hf_name, t in _to_hf(name, torch.empty(e.shape, device="meta")):
             specs.append((hf_name, list(t.shape), dtype))
     order = {n: i for i, (n, _, _) in enumerate(specs)}
     w = StreamingWriter(tmp / "model.safetensors", specs, {"format": "pt"}, checksum=False)
@@ -84,7 +84,7 @@ def export_hf(step: Path, man: dict, out: Path, dtype: torch.dtype, progress: Pr
                 assert order[hf_name] == w.next
                 w.write(hf_name, ht.to(dtype))
         w.close()
-        cfg = hf_config(_model_cfg(man))
+        cfg = hf_config(man.model_config)
         cfg["torch_dtype"] = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}[dtype]
         (tmp / "config.json").write_text(json.dumps(cfg, indent=2) + "\n")
     except BaseException:

@@ -2,7 +2,6 @@
 from __future__ import annotations
 
 import json
-import math
 from pathlib import Path
 from typing import Callable
 
@@ -12,7 +11,7 @@ from safetensors import safe_open
 from ..checkpoint import manifest as mf
 from ..checkpoint.layout import resolve
 from ..checkpoint.stream import StreamingWriter
-from .common import (DTYPES, ConvertError, Progress, _check_out, _full_tensors, _model_cfg, _replace,
+from .common import (DTYPES, ConvertError, Progress, _check_out, _full_tensors, _replace,
                      check_manifest_tensors)
 
 FORMATS = ("megalite", "hf-gpt2")
@@ -30,16 +29,17 @@ def convert(ckpt, out, dtype: str = "fp32", fmt: str = "megalite", force: bool =
     check_manifest_tensors(step, man)
     out = Path(out)
     _check_out(out, force, [step.parent, step])
-    total = sum(math.prod(e["shape"]) * 4 for e in man["model"].values())
-    progress = Progress("convert", len(man["model"]), total, quiet)
+    total = sum(e.nbytes for e in man.model.values())
+    progress = Progress("convert", len(man.model), total, quiet)
     if fmt == "hf-gpt2":
         from .hf import export_hf
         return export_hf(step, man, out, DTYPES[dtype], progress)
     tmp = out.with_name(out.name + ".tmp-megalite")
     torch_dtype = DTYPES[dtype]
-    specs = [(n, e["shape"], torch_dtype) for n, e in man["model"].items()]
-    meta = {"format": "pt", "megalite.kind": "model", "megalite.model_config": json.dumps(_model_cfg(man), sort_keys=True),
-            "megalite.partitions": json.dumps({n: e["partition"] for n, e in man["model"].items()}, sort_keys=True)}
+    specs = [(n, list(e.shape), torch_dtype) for n, e in man.model.items()]
+    meta = {"format": "pt", "megalite.kind": "model", "megalite.model_config": json.dumps(man.model_config, sort_keys=True),
+            "megalite.partitions": json.dumps({n: e.partition.to_json() for n, e in man.model.items()},
+                                              sort_keys=True)}
     w = StreamingWriter(tmp, specs, meta, checksum=False)
     try:
         for name, t in _full_tensors(step, man, progress):

@@ -79,8 +79,32 @@ class Layout(NamedTuple):
         """First and last pipeline stage: they hold the two copies of the tied token embedding."""
         return sorted({self.rank_of(Coord(c.tp, 0, c.dp)), self.rank_of(Coord(c.tp, self.pp - 1, c.dp))})
 
+    def validate(self, model=None, prefix: str = "parallel.") -> "Layout":
+        """The one definition of a valid layout: positive integer sizes, and, given the model config
+        (a ModelConfig or its dict), tp dividing n_head and no more pipeline stages than layers.
+        Raises LayoutError naming the field as the caller spells it (`parallel.tp`, `--tp`, `layout.tp`)."""
+        sep = " " if prefix.startswith("--") else " = "
+        for axis in ("tp", "pp", "dp"):
+            v = getattr(self, axis)
+            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+                raise LayoutError(f"{prefix}{axis}{sep}{v!r}: must be a positive integer")
+        if model is None:
+            return self
+        get = model.get if isinstance(model, dict) else (lambda k: getattr(model, k, None))
+        n_head, n_layer = get("n_head"), get("n_layer")
+        if isinstance(n_head, int) and n_head > 0 and n_head % self.tp:
+            raise LayoutError(f"{prefix}tp{sep}{self.tp} does not divide model.n_head = {n_head}")
+        if isinstance(n_layer, int) and self.pp > n_layer:
+            raise LayoutError(f"{prefix}pp{sep}{self.pp} is larger than model.n_layer = {n_layer} "
+                              f"(every pipeline stage needs at least one layer)")
+        return self
+
     def __str__(self) -> str:
         return f"tp={self.tp} pp={self.pp} dp={self.dp}"
+
+
+class LayoutError(ValueError):
+    """An invalid layout; the message is one line naming the field."""
 
 
 class ParallelGrid:
@@ -108,6 +132,7 @@ class ParallelGrid:
     def create(cls, layout: Layout, timeout=None) -> "ParallelGrid":
         """Create every group of every axis (all ranks must call new_group for all groups, in order).
         `timeout` (a timedelta): how long their collectives wait for a silent peer (torch's default: 30 min)."""
+        layout.validate()
         rank, world = dist.get_rank(), dist.get_world_size()
         if world != layout.world_size:
             raise ValueError(f"world size {world} != tp*pp*dp of {layout}")

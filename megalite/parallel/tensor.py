@@ -6,6 +6,7 @@ the converter all read the tag; nothing infers a split from a parameter's name.
 """
 from __future__ import annotations
 
+import dataclasses
 import math
 import zlib
 from dataclasses import dataclass
@@ -31,11 +32,17 @@ class Partition:
              is a copy of `wte.weight`); tied copies are never saved, only loaded from their source.
     placement: which pipeline stage owns it: "first", "last", or "layer.<i>" (the stage holding layer i);
              `pipeline.stage_of` turns it into a stage index for any pp.
+    init: how `init_weights` fills it, set at construction: "normal", "scaled" (std / sqrt(2 n_layer),
+          GPT-2's residual projections), "ones" or "zeros".
+    tied: part of a tie (the source or a copy): its gradient is summed over the grid's `embed` group so
+          that every copy takes the same step.
     """
     global_shape: tuple
     dim: Optional[int] = None
     tied_to: Optional[str] = None
     placement: str = "first"
+    init: str = "normal"
+    tied: bool = False
 
     def to_json(self) -> dict:
         return {"dim": self.dim, "tied_to": self.tied_to, "placement": self.placement}
@@ -267,9 +274,7 @@ class VocabParallelEmbedding(nn.Module):
 
 def _param(p: Partition, tp: Axis, init: str) -> nn.Parameter:
     """A zero parameter of this rank's local shape, tagged; `init` names how init_weights fills it."""
-    param = tag(nn.Parameter(torch.zeros(local_shape(p, tp.size))), p)
-    param.init = init
-    return param
+    return tag(nn.Parameter(torch.zeros(local_shape(p, tp.size))), dataclasses.replace(p, init=init))
 
 
 class _VocabParallelCrossEntropy(torch.autograd.Function):
