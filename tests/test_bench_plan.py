@@ -41,7 +41,9 @@ def test_counts_match_hand_computation(zero1):
 
 
 def test_resume_elsewhere_reads_only_its_share():
-    for zero1, src, dst in [(False, (2, 2, 2), (1, 4, 2)), (True, (2, 2, 2), (2, 1, 4)), (True, (2, 2, 4), (2, 4, 1))]:
+    cases = [(False, (2, 2, 2), (1, 4, 2)), (False, (2, 2, 2), (4, 1, 2)),  # tp 2 -> 1 and 2 -> 4 (part slices)
+             (True, (2, 2, 2), (2, 1, 4)), (True, (2, 2, 4), (2, 4, 1))]  # ZeRO-1 pieces, same tp
+    for zero1, src, dst in cases:
         out = _quiet(tp=src[0], pp=src[1], dp=[src[2]], zero1=zero1, reshard_to=dst)
         r = out["reshard"]
         assert r["ranks"] == math.prod(dst)
