@@ -128,8 +128,9 @@ def test_two_hosts_match_one_process(cluster, uninterrupted, token_file, tmp_pat
 
 def _freeze_host1_mid_save(cluster, ckpt: Path, agent0: Agent, timeout: float = 120) -> int:
     """Wait for an async save in flight (its .tmp-step_N folder exists, `latest` names an older step) and
-    SIGSTOP host 1 right there, so the save cannot commit; return N. Retries at the next save if the
-    commit won the race."""
+    SIGSTOP host 1 right there; return N once that save stays uncommitted (rank 0 commits only with host
+    1's reports). If host 1 had already reported and the commit goes through anyway, resume host 1 and
+    try again at the next save."""
     host1 = cluster.hosts[1]
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
@@ -143,7 +144,7 @@ def _freeze_host1_mid_save(cluster, ckpt: Path, agent0: Agent, timeout: float = 
         for pid in pids:
             os.kill(pid, signal.SIGSTOP)
         step = int(tmps[0].rsplit("_", 1)[1])
-        if (ckpt / tmps[0]).exists() and not (ckpt / f"step_{step:08d}").exists():
+        if not H.wait_for(lambda: (ckpt / f"step_{step:08d}").exists(), timeout=3, interval=0.05):
             return step
         for pid in pids:
             os.kill(pid, signal.SIGCONT)
