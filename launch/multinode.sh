@@ -16,6 +16,9 @@
 set -euo pipefail
 
 REPO_ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+# A fresh store per restart attempt, so that a replacement host can join survivors that restarted
+# (README: "Running on a cluster"; pytorch/pytorch#135712).
+export TORCH_DISABLE_SHARE_RDZV_TCP_STORE="${TORCH_DISABLE_SHARE_RDZV_TCP_STORE:-1}"
 export PYTHONPATH="${REPO_ROOT}${PYTHONPATH:+:${PYTHONPATH}}"
 
 NNODES="${NNODES:-${SLURM_NNODES:-}}"

@@ -31,7 +31,8 @@ EPILOGS = {
                "  megalite convert runs/demo/checkpoints --format hf-gpt2 --out runs/demo/hf/",
     "split": "example:\n  megalite split runs/demo/model.safetensors --tp 2 --pp 2 --dp 1 --out runs/split-221/",
     "reshard": "example:\n  megalite reshard runs/demo/checkpoints --tp 1 --pp 4 --dp 2 --out runs/reshard-142/",
-    "bench": "examples:\n  megalite bench ckpt --size-mb 1024 --world 4\n  megalite bench train --steps 10 --nproc 4",
+    "bench": "examples:\n  megalite bench ckpt --size-mb 1024 --world 4\n  megalite bench train --steps 10 --nproc 4\n"
+             "  megalite bench plan --tp 8 --pp 16 --dp 8,32,128 --reshard-to 8,8,256   (GPT-3 175B shape)",
     "stress": "example:\n  megalite stress ckpt --trials 10",
     "generate": "example:\n  megalite generate --model runs/demo/model.safetensors --prompt 'def ' --max-new-tokens 100",
 }
@@ -78,9 +79,8 @@ def _cmd_train(args, rest) -> int:
         # soon as one has exited; ignoring that lets each rank finish with its own exit code (2).
         if int(os.environ.get("WORLD_SIZE", "1")) > 1:
             signal.signal(signal.SIGTERM, signal.SIG_IGN)
-        raise
-    finally:
-        _shutdown_distributed()
+        raise  # at once, without the barrier below: it could wait the whole timeout on a peer that is gone
+    _shutdown_distributed()
     return 0
 
 
@@ -187,10 +187,13 @@ def _cmd_bench(args, rest) -> int:
     if args.what == "ckpt":
         from .bench.ckpt import bench_ckpt
         bench_ckpt(size_mb=args.size_mb, world=args.world, repeats=args.repeats, dir=args.dir)
+    elif args.what == "plan":
+        from .bench.plan import bench_plan_cli
+        bench_plan_cli(args)
     else:
         from .bench.train import bench_train
-        bench_train(steps=args.steps, nproc=args.nproc, n_embd=args.n_embd, n_layer=args.n_layer,
-                    block_size=args.block_size, rounds=args.rounds)
+        bench_train(steps=args.steps, nproc=args.nproc, n_embd=args.n_embd or 128, n_layer=args.n_layer or 4,
+                    block_size=args.block_size or 128, rounds=args.rounds)
     return 0
 
 
@@ -275,17 +278,27 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--seed", type=int, default=0)
 
     p = add("bench", "benchmarks: `bench ckpt` (saves/loads vs DCP, torch.save and the disk), `bench train` "
-                     "(vs plain PyTorch, pipeline bubbles, layouts)", _cmd_bench)
-    p.add_argument("what", choices=["ckpt", "train"])
+                     "(vs plain PyTorch, pipeline bubbles, layouts), `bench plan` (checkpoint write plan and "
+                     "manifest at thousands of ranks, no tensors)", _cmd_bench)
+    p.add_argument("what", choices=["ckpt", "train", "plan"])
     p.add_argument("--size-mb", type=float, default=1024, help="ckpt: model + optimizer bytes over all ranks")
     p.add_argument("--world", type=int, default=4, help="ckpt: gloo processes")
     p.add_argument("--repeats", type=int, default=3, help="ckpt: repetitions of each measurement")
     p.add_argument("--dir", default=None, help="ckpt: folder to write in (default: the temp folder)")
     p.add_argument("--steps", type=int, default=10, help="train: timed steps per measurement")
     p.add_argument("--nproc", type=int, default=4, help="train: processes for the layout table")
-    p.add_argument("--n-embd", type=int, default=128, help="train: model width")
-    p.add_argument("--n-layer", type=int, default=4, help="train: model depth")
-    p.add_argument("--block-size", type=int, default=128, help="train: sequence length")
+    p.add_argument("--n-embd", type=int, default=None, help="model width (train: 128, plan: 12288)")
+    p.add_argument("--n-layer", type=int, default=None, help="model depth (train: 4, plan: 96)")
+    p.add_argument("--block-size", type=int, default=None, help="sequence length (train: 128, plan: 2048)")
+    p.add_argument("--n-head", type=int, default=96, help="plan: attention heads")
+    p.add_argument("--vocab-size", type=int, default=50304, help="plan: vocabulary")
+    p.add_argument("--tp", type=int, default=8, help="plan: tensor-parallel size")
+    p.add_argument("--pp", type=int, default=16, help="plan: pipeline stages")
+    p.add_argument("--dp", default="8,32,128", help="plan: data-parallel sizes, comma-separated (one line each)")
+    p.add_argument("--vpp", type=int, default=1, help="plan: virtual (interleaved) stages per pipeline rank")
+    p.add_argument("--zero1", action="store_true", help="plan: ZeRO-1 optimizer-state shards")
+    p.add_argument("--reshard-to", default=None, metavar="TP,PP,DP",
+                   help="plan: what each rank of this layout reads to resume the last layout's checkpoint")
     p.add_argument("--rounds", type=int, default=2, help="train: alternating runs of megalite and plain PyTorch")
 
     p = add("verify", "check every file's size and checksum, every coordinate, and that slices tile each "

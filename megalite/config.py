@@ -59,6 +59,7 @@ class ParallelConfig:
     sp: bool = False  # sequence parallelism: LayerNorm/dropout regions hold seq/tp of the sequence
     vpp: int = 1  # virtual pipeline stages per rank (interleaved 1F1B when > 1)
     overlap_grad_reduce: bool = False  # all-reduce dp gradient buckets during backward, as they fill
+    timeout_s: float = 1800.0  # how long a collective waits for a silent peer (the process-group timeout)
 
 
 @dataclass
@@ -272,6 +273,8 @@ def validate(cfg: Config, world_size: int | None = None) -> Config:
     if not 0 <= t.seq_len <= m.block_size:
         raise ConfigError(f"train.seq_len = {t.seq_len}: expected 1..model.block_size = {m.block_size} "
                           f"(0 means model.block_size)")
+    if not par.timeout_s > 0:
+        raise ConfigError(f"parallel.timeout_s = {par.timeout_s}: must be a positive number of seconds")
     if not 0.0 <= m.dropout < 1.0:
         raise ConfigError(f"model.dropout = {m.dropout}: expected a value in [0, 1)")
     if not 0.0 < cfg.data.val_fraction < 1.0:
@@ -379,6 +382,7 @@ DOCS = {
     "parallel.sp": "sequence parallelism: LayerNorm/dropout regions hold seq/tp of the tokens (needs tp > 1)",
     "parallel.vpp": "virtual pipeline stages per rank (> 1: the interleaved 1F1B schedule)",
     "parallel.overlap_grad_reduce": "all-reduce dp gradient buckets during backward, as soon as each is full",
+    "parallel.timeout_s": "seconds a collective waits for a silent peer (a lost host) before the run fails",
     "train.steps": "optimizer steps in the run (the LR schedule spans them)",
     "train.seq_len": "tokens per training window, <= model.block_size (0: model.block_size)",
     "train.stop_at_step": "stop early, with a checkpoint, after this step (0: run to train.steps)",

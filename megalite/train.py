@@ -66,6 +66,8 @@ def _job_store(rank: int, world: int, timeout_s: float):
     agent_store = os.environ.get("TORCHELASTIC_USE_AGENT_STORE", "").lower() == "true"
     store = dist.TCPStore(host, port, world, is_master=rank == 0 and not agent_store,
                           timeout=timedelta(seconds=timeout_s), wait_for_workers=False)
+    if not agent_store:  # TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1: rank 0 hosts a new store every attempt
+        return store  # (restart counts differ between a restarted agent and a replaced one: pytorch#135712)
     attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
     return dist.PrefixStore(f"megalite/attempt-{attempt}", store)
 
@@ -253,8 +255,9 @@ def train(cfg: Config, log=print, force: bool = False) -> Trainer:
     holds every step's metrics). `force`: a fresh start (checkpoint.resume=none) may move an earlier run's
     checkpoints in checkpoint.dir aside instead of refusing."""
     validate(cfg, world_size_from_env())
-    device, backend = init_distributed()
-    grid = ParallelGrid.create(Layout(cfg.parallel.tp, cfg.parallel.pp, cfg.parallel.dp))
+    device, backend = init_distributed(cfg.parallel.timeout_s)
+    grid = ParallelGrid.create(Layout(cfg.parallel.tp, cfg.parallel.pp, cfg.parallel.dp),
+                               timeout=timedelta(seconds=cfg.parallel.timeout_s))
     tr, ckpt = _start(cfg, grid, device, log, force, backend)
     is_logger = grid.rank == 0
     metrics_file = metrics.open_for_run(Path(cfg.train.out_dir), tr.step, ckpt.resumed_event, log) \

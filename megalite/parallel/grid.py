@@ -129,8 +129,9 @@ class ParallelGrid:
         return cls(Layout(1, 1, 1), 0, one, one, one, one, one)
 
     @classmethod
-    def create(cls, layout: Layout) -> "ParallelGrid":
-        """Create every group of every axis (all ranks must call new_group for all groups, in order)."""
+    def create(cls, layout: Layout, timeout=None) -> "ParallelGrid":
+        """Create every group of every axis (all ranks must call new_group for all groups, in order).
+        `timeout` (a timedelta): how long their collectives wait for a silent peer (torch's default: 30 min)."""
         layout.validate()
         rank, world = dist.get_rank(), dist.get_world_size()
         if world != layout.world_size:
@@ -144,12 +145,12 @@ class ParallelGrid:
                 if members in seen:
                     continue
                 seen.append(members)
-                group = dist.new_group(members) if len(members) > 1 else None
+                group = dist.new_group(members, timeout=timeout) if len(members) > 1 else None
                 if rank in members:
                     axes[name] = Axis(len(members), members.index(rank), group)
         axes.setdefault("embed", Axis(1, 0))  # middle pipeline stages hold no embedding copy
-        cpu = dist.new_group(backend="gloo")
-        aux = dist.new_group(backend="gloo")
+        cpu = dist.new_group(backend="gloo", timeout=timeout)
+        aux = dist.new_group(backend="gloo", timeout=timeout)
         return cls(layout, rank, world=dist.group.WORLD, cpu=cpu, aux=aux, **axes)
 
     # Pipeline neighbours, as global ranks for point-to-point sends.

@@ -1,0 +1,321 @@
+"""`megalite bench plan`: the checkpoint's write plan, manifest and validation for a model and layout this
+machine could never run (GPT-3 175B at 16,384 ranks), with no tensors.
+
+Each pipeline stage's parameters come from the real model built on the meta device (so their partition
+tags are the ones training uses, not a copy of them); then, for every rank of the layout, the real write
+plan (`checkpoint.layout.plan_writes`) and the records a save produces (`checkpoint.save.add`), every
+rank's report as the commit gathers it to rank 0, the typed manifest (`checkpoint.manifest.build`), and
+what `manifest.write` does with it on rank 0: serialise it, parse it back with `Manifest.from_json` (the
+full validation every reader runs: every field, every slice's file, exact tiling), and the JSON text that
+would be written. Checksums are placeholders with the real count (one CRC32 per 1 MiB block of every
+slice); file sizes are the tensors' bytes.
+
+With `--reshard-to TP,PP,DP` it also plans the resume at another layout: for every destination rank, which
+source files it opens and how many bytes it reads, following `checkpoint.reshard.SliceReader.read`'s rules
+(a ZeRO-1 piece of a box stored at the same tp size reads only the overlapping ranges; a region of another
+box reads the intersection of whole slices, or every ZeRO-1 piece of that box).
+"""
+from __future__ import annotations
+
+import bisect
+import contextlib
+import json
+import math
+import pickle
+import statistics
+import time
+from collections import defaultdict
+from dataclasses import dataclass
+
+import torch
+
+from . import fmt_bytes, table
+
+
+@dataclass
+class PlanRow:
+    layout: str
+    ranks: int
+    files: int
+    slices: int
+    manifest_bytes: int
+    plan_s: float
+    rank_plan_s: float
+    manifest_s: float
+    write_max: int
+    write_mean: float
+    gather_bytes: int
+    gather_msgs: int
+    problems: int
+
+
+def stage_tensors(model: dict, tp: int, pp: int, vpp: int = 1) -> list[list]:
+    """[(global name, Partition)] per pipeline stage, read from the real model built on the meta device.
+
+    vpp > 1 (interleaved virtual stages): stage s holds the layer chunks s, s + pp, s + 2 pp, ... of
+    pp * vpp contiguous chunks (Megatron's placement)."""
+    from ..config import ModelConfig
+    from ..model import GPTStage
+    from ..parallel.grid import Axis, Coord, Layout, ParallelGrid
+    from ..parallel.pipeline import partition_layers
+    from ..parallel.tensor import partition_of
+    cfg = ModelConfig(**model)
+    layout = Layout(tp, pp, 1)
+    chunks = partition_layers(cfg.n_layer, pp * vpp)
+    out = []
+    for s in range(pp):
+        rank = layout.rank_of(Coord(0, s, 0))
+        one = Axis(1, 0)
+        grid = ParallelGrid(layout, rank, Axis(tp, 0), Axis(pp, s), one, one, one)
+        layers = [i for c in range(s, pp * vpp, pp) for i in chunks[c]]
+        with torch.device("meta"):
+            stage = GPTStage(cfg, grid, layers=layers)
+        out.append([(name, partition_of(p)) for name, p in stage.global_parameters()])
+    return out
+
+
+@contextlib.contextmanager
+def _writers_once_per_stage():
+    """On a cluster every rank plans its own writes; here one process plans all of them, so the writer
+    assignment of a stage (`layout.assign_writers`, a pure function of the stage's tensors and tp, dp) is
+    computed once per stage rather than once per rank. The per-rank cost is measured on its own."""
+    from ..checkpoint import layout as lay
+    real, cache = lay.assign_writers, {}
+
+    def once(tensors, tp, dp):
+        key = (tuple(tensors), tp, dp)
+        if key not in cache:
+            cache[key] = real(key[0], tp, dp)
+        return cache[key]
+
+    lay.assign_writers = once
+    try:
+        yield
+    finally:
+        lay.assign_writers = real
+
+
+def one_rank_plan_s(stages: list, layout, zero1: bool) -> float:
+    """Seconds one rank spends planning its writes at every save (the largest stage, uncached)."""
+    from ..checkpoint.layout import plan_writes
+    from ..parallel.grid import Coord
+    s = max(range(len(stages)), key=lambda i: len(stages[i]))
+    t0 = time.process_time()
+    plan_writes(stages[s], Coord(0, s, 0), layout, zero1)
+    return time.process_time() - t0
+
+
+def _reports(stages: list, layout, zero1: bool) -> tuple[list, list]:
+    """Every rank's report as `save.write_rank` returns it (placeholder checksums), and its bytes written."""
+    from ..checkpoint import manifest as mf
+    from ..checkpoint.layout import MODEL_FILE, OPTIM_FILE, STATE_FILE, coord_dir, plan_writes
+    from ..checkpoint.save import Payload, add
+    fp32 = torch.empty((), device="meta")
+    parts = [dict(s) for s in stages]
+    reports, written = [], []
+    for c in layout.coords():
+        items = plan_writes(stages[c.pp], c, layout, zero1)
+        pay = Payload(files={MODEL_FILE: {}, OPTIM_FILE: {}})
+        sizes = dict.fromkeys(pay.files, 0)
+        for it in items:
+            add(pay, it, parts[c.pp][it.name], fp32)
+        rel = coord_dir(c)
+        tensors = []
+        for proto, it in pay.records:
+            n = 4 * ((it.flat[1] - it.flat[0]) if it.flat else it.box.numel)
+            sizes[it.file] += n
+            crcs = ("00000000",) * mf.n_blocks(n, mf.BLOCK_BYTES)
+            tensors.append((proto, mf.SliceRef(f"{rel}/{it.file}", it.key, it.box, it.flat, crcs)))
+        files = {f"{rel}/{f}": mf.FileRecord(n, "00000000") for f, n in sizes.items()}
+        files[f"{rel}/{STATE_FILE}"] = mf.FileRecord(0, "00000000")
+        reports.append({"files": files, "tensors": tensors})
+        written.append(sum(sizes.values()))
+    return reports, written
+
+
+def validate(d: dict) -> list[str]:
+    """What every reader checks (`Manifest.from_json`): the first problem, or nothing."""
+    from ..checkpoint import manifest as mf
+    from ..checkpoint.layout import CheckpointError
+    try:
+        mf.Manifest.from_json(d, "bench plan")
+    except CheckpointError as e:
+        return [str(e)]
+    return []
+
+
+def plan_layout(model: dict, tp: int, pp: int, dp: int, vpp: int = 1, zero1: bool = False) -> tuple[PlanRow, object]:
+    from ..checkpoint import manifest as mf
+    from ..parallel.grid import Layout
+    layout = Layout(tp, pp, dp)
+    stages = stage_tensors(model, tp, pp, vpp)
+    rank_s = one_rank_plan_s(stages, layout, zero1)
+    t0 = time.process_time()
+    with _writers_once_per_stage():
+        reports, written = _reports(stages, layout, zero1)
+    t1 = time.process_time()
+    meta = {"step": 0, "layout": (tp, pp, dp), "zero1": zero1, "config": {"model": model}}
+    man = mf.build(meta, reports)
+    d = man.to_json()  # as manifest.write: serialise, parse back (the readers' validation), write the text
+    problems = validate(json.loads(json.dumps(d)))
+    text = json.dumps(d, indent=1)
+    t2 = time.process_time()
+    gathered = sum(len(pickle.dumps(r)) for r in reports[1:])  # what gather_object moves to rank 0
+    slices = sum(len(e.slices) for e in man.tensors())
+    row = PlanRow(f"{tp},{pp},{dp}" + (f" vpp{vpp}" if vpp > 1 else ""), layout.world_size, len(man.files),
+                  slices, len(text), t1 - t0, rank_s, t2 - t1, max(written), statistics.fmean(written), gathered,
+                  layout.world_size - 1, len(problems))
+    return row, man
+
+
+# ---------------------------------------------------------------- resharding: what each destination reads
+def _piece_index(entry) -> dict:
+    """Per stored box of a TensorEntry: its slices, ZeRO-1 pieces sorted by flat start (for range lookups)."""
+    by_box = defaultdict(list)
+    for sl in entry.slices:
+        by_box[sl.box].append(sl)
+    for sls in by_box.values():
+        sls.sort(key=lambda s: (s.flat or (0, 0))[0])
+    return by_box
+
+
+def reads_for(index: dict, box, flat) -> list[tuple[str, int]]:
+    """(file, bytes) a load reads for region `box` (elements flat[0]:flat[1] of it with ZeRO-1),
+    following SliceReader.read (fp32)."""
+    from ..checkpoint.layout import Box
+    box = Box(box)
+    same = index.get(box)
+    if flat is not None and same:  # _read_flat_same_box: only the overlapping ranges
+        a, b = flat
+        starts = [(s.flat or (0, 0))[0] for s in same]
+        out = []
+        for sl in same[max(0, bisect.bisect_right(starts, a) - 1):]:
+            pa, pb = sl.flat or (0, box.numel)
+            if pa >= b:
+                break
+            if min(b, pb) > max(a, pa):
+                out.append((sl.file, 4 * (min(b, pb) - max(a, pa))))
+        return out
+    if flat is None and same and same[0].flat is None:
+        return [(same[0].file, 4 * box.numel)]
+    out = []
+    for sbox, sls in index.items():
+        inter = sbox.intersect(box)
+        if inter is None:
+            continue
+        if sls[0].flat is not None:  # rebuild that whole box from its pieces, then cut
+            out += [(sl.file, 4 * sl.numel) for sl in sls]
+        else:
+            out.append((sls[0].file, 4 * inter.numel))
+    return out
+
+
+def plan_reshard(man: dict, model: dict, tp: int, pp: int, dp: int, vpp: int = 1, zero1: bool = False) -> dict:
+    """Per destination rank of layout (tp, pp, dp): source files opened and bytes read, as load_into does."""
+    from ..parallel.data import zero1_piece
+    from ..parallel.grid import Layout
+    from ..parallel.tensor import tp_box
+    layout = Layout(tp, pp, dp)
+    stages = stage_tensors(model, tp, pp, vpp)
+    index = {e.name: _piece_index(e) for e in man.tensors()}
+    t0 = time.process_time()
+    files, nbytes, needed = [], [], []
+    for c in layout.coords():
+        opened, total, need = set(), 0, 0
+        for name, part in stages[c.pp]:
+            box = tuple(tp_box(part, c.tp, tp))
+            reads = reads_for(index[name], box, None)
+            n = math.prod(b - a for a, b in box)
+            flat = zero1_piece(n, c.dp, dp) if zero1 else None
+            for moment in ("exp_avg", "exp_avg_sq"):
+                reads += reads_for(index[f"{name}.{moment}"], box, flat)
+            opened.update(f for f, _ in reads)
+            total += sum(b for _, b in reads)
+            need += 4 * n + 8 * ((flat[1] - flat[0]) if flat else n)  # its weights and its two moments
+        files.append(len(opened))
+        nbytes.append(total)
+        needed.append(need)
+    return {"layout": f"{tp},{pp},{dp}", "ranks": layout.world_size, "files_max": max(files),
+            "files_mean": statistics.fmean(files), "bytes_max": max(nbytes), "bytes_mean": statistics.fmean(nbytes),
+            "read_over_needed_max": max(b / n for b, n in zip(nbytes, needed)),
+            "seconds": time.process_time() - t0}
+
+
+def bench_plan(n_layer: int, n_embd: int, n_head: int, vocab_size: int, tp: int, pp: int, dp: list[int],
+               vpp: int = 1, zero1: bool = False, block_size: int = 2048, reshard_to=None, log=print) -> list:
+    """One table line per layout (one per value of dp); with reshard_to, the destination reads of the last."""
+    model = {"n_layer": n_layer, "n_head": n_head, "n_embd": n_embd, "block_size": block_size,
+             "vocab_size": vocab_size, "dropout": 0.0}
+    n_params = sum(math.prod(p.global_shape) for s in stage_tensors(model, 1, 1) for _, p in s if not p.tied_to)
+    log(f"bench plan: GPT n_layer={n_layer} n_embd={n_embd} n_head={n_head} vocab={vocab_size} "
+        f"block={block_size} ({n_params:,} parameters, fp32 weights + AdamW moments = "
+        f"{fmt_bytes(12 * n_params)}), zero1 {'on' if zero1 else 'off'}, vpp {vpp}; no tensors, one process")
+    rows, man = [], None
+    for d in dp:
+        row, man = plan_layout(model, tp, pp, d, vpp, zero1)
+        rows.append(row)
+    log(table(["tp,pp,dp", "ranks", "files", "slices", "manifest", "plan s", "1 rank s", "manifest+validate s",
+               "write/rank max", "mean", "max/mean", "gather to rank 0", "msgs", "problems"],
+              [[r.layout, f"{r.ranks:,}", f"{r.files:,}", f"{r.slices:,}", fmt_bytes(r.manifest_bytes),
+                f"{r.plan_s:.2f}", f"{r.rank_plan_s:.3f}", f"{r.manifest_s:.2f}", fmt_bytes(r.write_max), fmt_bytes(r.write_mean),
+                f"{r.write_max / r.write_mean:.2f}" if r.write_mean else "-", fmt_bytes(r.gather_bytes),
+                f"{r.gather_msgs:,}", r.problems] for r in rows]))
+    if len(rows) > 1:
+        a, b = rows[0], rows[-1]
+        grow = (b.plan_s + b.manifest_s) / (a.plan_s + a.manifest_s)
+        log(f"growth {a.ranks:,} -> {b.ranks:,} ranks ({b.ranks / a.ranks:.0f}x): plan+manifest+validate "
+            f"{grow:.1f}x, manifest bytes {b.manifest_bytes / a.manifest_bytes:.1f}x, "
+            f"gather bytes {b.gather_bytes / max(1, a.gather_bytes):.1f}x")
+    out = {"rows": rows}
+    if reshard_to:
+        t, p, d = reshard_to
+        r = plan_reshard(man, model, t, p, d, vpp=1, zero1=zero1)
+        src = rows[-1]
+        log(f"\nresume {src.layout} (zero1 {'on' if zero1 else 'off'}) at {r['layout']}: per destination rank "
+            f"({r['ranks']:,}), source files opened max {r['files_max']} / mean {r['files_mean']:.1f} "
+            f"(of {src.files:,}); bytes read max {fmt_bytes(r['bytes_max'])} / mean {fmt_bytes(r['bytes_mean'])}; "
+            f"read / the rank's own weights + moments: max {r['read_over_needed_max']:.2f}x "
+            f"({r['seconds']:.1f} s to plan)")
+        out["reshard"] = r
+    return out
+
+
+def _ints(text: str, flag: str, n: int | None = None) -> list[int]:
+    from ..config import ConfigError
+    try:
+        vals = [int(x) for x in str(text).split(",")]
+    except ValueError:
+        vals = []
+    if not vals or any(v < 1 for v in vals) or (n is not None and len(vals) != n):
+        want = f"{n} comma-separated positive integers" if n else "positive integers, comma-separated"
+        raise ConfigError(f"{flag} {text!r}: expected {want}")
+    return vals
+
+
+def check_shape(n_layer: int, n_embd: int, n_head: int, vocab_size: int, block_size: int, tp: int, pp: int,
+                vpp: int, prefix: str = "--") -> None:
+    """One-line errors naming the flag, before anything is planned."""
+    from ..config import ConfigError
+    for name, v in (("n-layer", n_layer), ("n-embd", n_embd), ("n-head", n_head), ("vocab-size", vocab_size),
+                    ("block-size", block_size), ("tp", tp), ("pp", pp), ("vpp", vpp)):
+        if v < 1:
+            raise ConfigError(f"{prefix}{name} {v}: must be a positive integer")
+    if n_embd % n_head:
+        raise ConfigError(f"{prefix}n-embd {n_embd} is not divisible by {prefix}n-head {n_head}")
+    if n_head % tp:
+        raise ConfigError(f"{prefix}tp {tp} does not divide {prefix}n-head {n_head}")
+    if pp * vpp > n_layer:
+        raise ConfigError(f"{prefix}pp {pp} x {prefix}vpp {vpp} is larger than {prefix}n-layer {n_layer} "
+                          f"(every virtual stage needs at least one layer)")
+
+
+def bench_plan_cli(args) -> dict:
+    n_layer, n_embd, block = args.n_layer or 96, args.n_embd or 12288, args.block_size or 2048
+    dps = _ints(args.dp, "--dp")
+    check_shape(n_layer, n_embd, args.n_head, args.vocab_size, block, args.tp, args.pp, args.vpp)
+    to = None
+    if args.reshard_to:
+        to = _ints(args.reshard_to, "--reshard-to", 3)
+        check_shape(n_layer, n_embd, args.n_head, args.vocab_size, block, to[0], to[1], 1, prefix="--reshard-to ")
+    return bench_plan(n_layer, n_embd, args.n_head, args.vocab_size, args.tp, args.pp, dps, vpp=args.vpp,
+                      zero1=args.zero1, block_size=block, reshard_to=to)

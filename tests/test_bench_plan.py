@@ -1,0 +1,98 @@
+"""`megalite bench plan` on a small shape: the numbers it prints are checked against hand counts (GPT-2's
+parameter formula, slices per tensor), a resume at another layout reads exactly each rank's own share, and
+the manifest checks it runs do catch a broken manifest."""
+import math
+
+import pytest
+
+import helpers as H
+from megalite.bench.plan import bench_plan, bench_plan_cli, plan_layout, stage_tensors, validate
+from megalite.cli import build_parser
+from megalite.config import ConfigError
+
+L, C, NH, V, T = 4, 64, 4, 256, 32
+MODEL = {"n_layer": L, "n_head": NH, "n_embd": C, "block_size": T, "vocab_size": V, "dropout": 0.0}
+# GPT-2: wte + wpe + per layer (qkv 3C^2+3C, proj C^2+C, fc 4C^2+4C, proj 4C^2+C, two LayerNorms 4C) + ln_f 2C
+N_PARAMS = V * C + T * C + L * (12 * C * C + 13 * C) + 2 * C
+
+
+def _quiet(**kw):
+    return bench_plan(L, C, NH, V, block_size=T, log=lambda *a: None, **kw)
+
+
+@pytest.mark.parametrize("zero1", [False, True])
+def test_counts_match_hand_computation(zero1):
+    rows = _quiet(tp=2, pp=2, dp=[1, 2, 4], zero1=zero1)["rows"]
+    assert [r.ranks for r in rows] == [4, 8, 16]
+    for r in rows:
+        assert r.problems == 0
+        assert r.files == 3 * r.ranks  # model, optimizer and state.json per coordinate
+        assert r.write_mean * r.ranks == pytest.approx(12 * N_PARAMS)  # fp32 weights + two AdamW moments, once
+        assert r.gather_msgs == r.ranks - 1
+    # slices: 25 tensors split over tp (wte + 6 per layer), 27 replicated (wpe, ln_f x2, 6 per layer)
+    split, repl = 1 + 6 * L, 3 + 6 * L
+    for r, dp in zip(rows, [1, 2, 4]):
+        moments = (2 * split + repl) * dp if zero1 else 2 * split + repl  # ZeRO-1: a piece per dp rank
+        # (a replicated tensor's moments are pieces too, one per dp rank; tp-split ones one per (tp, dp))
+        want = 2 * split + repl + 2 * moments
+        assert r.slices == want, (dp, r.slices, want)
+
+
+def test_resume_elsewhere_reads_only_its_share():
+    cases = [(False, (2, 2, 2), (1, 4, 2)), (False, (2, 2, 2), (4, 1, 2)),  # tp 2 -> 1 and 2 -> 4 (part slices)
+             (True, (2, 2, 2), (2, 1, 4)), (True, (2, 2, 4), (2, 4, 1))]  # ZeRO-1 pieces, same tp
+    for zero1, src, dst in cases:
+        out = _quiet(tp=src[0], pp=src[1], dp=[src[2]], zero1=zero1, reshard_to=dst)
+        r = out["reshard"]
+        assert r["ranks"] == math.prod(dst)
+        assert r["read_over_needed_max"] == 1.0, (zero1, src, dst, r)
+        assert 0 < r["files_max"] <= out["rows"][0].files
+
+
+def test_zero1_pieces_across_a_tp_change_are_read_whole():
+    # Known over-read (SliceReader.read): a ZeRO-1 piece of a tp-split tensor whose tp box changed is cut
+    # from the whole source boxes, so the rank reads all of that tensor's moments, not only its piece:
+    # 12 bytes per parameter instead of 4 + 8 / dp (the tied LM-head copy included). Replicated tensors
+    # keep their box and read only the piece (dp rank 0 holds the ceil-sized one).
+    r = _quiet(tp=2, pp=2, dp=[4], zero1=True, reshard_to=(1, 2, 2))["reshard"]
+    per_stage = [sum(12 * math.prod(p.global_shape) if p.dim is not None else
+                     4 * math.prod(p.global_shape) + 8 * math.ceil(math.prod(p.global_shape) / 2) for _, p in s)
+                 for s in stage_tensors(MODEL, 1, 2)]
+    assert r["bytes_max"] == max(per_stage)
+    assert 1.4 < r["read_over_needed_max"] < 12 / (4 + 8 / 2)
+
+
+def test_validation_names_a_broken_manifest():
+    from megalite.checkpoint import manifest as mf
+    row, man = plan_layout(MODEL, 2, 2, 2)
+    assert row.problems == 0
+    d = man.to_json()
+    assert validate(d) == []
+    sl = d["model"]["blocks.0.attn.qkv.weight"]["slices"]
+    sl[1]["box"] = sl[0]["box"]  # two slices of the same region, none of the other half
+    assert validate(d) and "was edited" in validate(d)[0]
+    assert any("overlap" in p for p in validate(mf.sign(d)))
+    del d["files"]["tp01-pp01-dp01/state.json"]
+    assert any("tp01-pp01-dp01 has no state.json" in p for p in validate(mf.sign(d)))
+
+
+def test_interleaved_stages_hold_every_pp_th_chunk():
+    stages = stage_tensors(MODEL, 1, 2, vpp=2)
+    layers = [sorted({int(p.placement.split(".")[1]) for _, p in s if p.placement.startswith("layer.")})
+              for s in stages]
+    assert layers == [[0, 2], [1, 3]]
+
+
+def test_cli_prints_the_table_and_refuses_bad_flags():  # errors: main() prints them as one line, exit 2
+    r = H.ok(H.cli("bench", "plan", "--n-layer", L, "--n-embd", C, "--n-head", NH, "--vocab-size", V,
+                   "--block-size", T, "--tp", 2, "--pp", 2, "--dp", "1,2", "--zero1", "--reshard-to", "2,1,4"))
+    lines = r.stdout.splitlines()
+    assert lines[0].startswith("bench plan:") and f"{N_PARAMS:,} parameters" in lines[0]
+    assert lines[1].split()[:5] == ["tp,pp,dp", "ranks", "files", "slices", "manifest"]
+    assert [ln.split()[0] for ln in lines[3:5]] == ["2,2,1", "2,2,2"]
+    assert "read / the rank's own weights + moments: max 1.00x" in r.stdout
+    for flags, match in ([["--n-head", "4", "--tp", "3"], "--tp 3 does not divide --n-head 4"],
+                         [["--reshard-to", "8,8"], "--reshard-to '8,8': expected 3"], [["--dp", "0"], "--dp '0'"],
+                         [["--pp", "64", "--vpp", "2"], "--pp 64 x --vpp 2 is larger than --n-layer 96"]):
+        with pytest.raises(ConfigError, match=match):
+            bench_plan_cli(build_parser().parse_args(["bench", "plan", *flags]))
