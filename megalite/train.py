@@ -255,10 +255,10 @@ def train(cfg: Config, log=print, force: bool = False) -> Trainer:
     holds every step's metrics). `force`: a fresh start (checkpoint.resume=none) may move an earlier run's
     checkpoints in checkpoint.dir aside instead of refusing."""
     validate(cfg, world_size_from_env())
-    device, backend = init_distributed(cfg.parallel.timeout_s)
+    device, _ = init_distributed(cfg.parallel.timeout_s)
     grid = ParallelGrid.create(Layout(cfg.parallel.tp, cfg.parallel.pp, cfg.parallel.dp),
                                timeout=timedelta(seconds=cfg.parallel.timeout_s))
-    tr, ckpt = _start(cfg, grid, device, log, force, backend)
+    tr, ckpt = _start(cfg, grid, device, log, force)
     is_logger = grid.rank == 0
     metrics_file = metrics.open_for_run(Path(cfg.train.out_dir), tr.step, ckpt.resumed_event, log) \
         if is_logger else None
@@ -308,7 +308,7 @@ def train(cfg: Config, log=print, force: bool = False) -> Trainer:
     return tr
 
 
-def _start(cfg: Config, grid: ParallelGrid, device, log, force: bool = False, backend: str = "") -> tuple:
+def _start(cfg: Config, grid: ParallelGrid, device, log, force: bool = False) -> tuple:
     """Data, model, the checkpoint folder's lock, resume: each phase agreed by all ranks (an error on any rank
     stops every rank there, before the next collective). A failure here leaves nothing behind."""
     def build_all():
@@ -320,9 +320,6 @@ def _start(cfg: Config, grid: ParallelGrid, device, log, force: bool = False, ba
     if explicit:  # only reads: done before anything is created or locked, so a bad PATH writes nothing
         agree(lambda: ckpt.resume(tr), grid)
     ckpt.check_writable(Path(cfg.train.out_dir))
-    if grid.rank == 0:  # start-up can take a while under torchrun: say what is happening
-        log(f"megalite: {grid.layout.world_size} process(es) joined ({backend}); model and data ready"
-            f"{'; looking for a checkpoint to resume' if ckpt.root and cfg.checkpoint.resume != 'none' else ''}")
     try:
         if not explicit:
             agree(lambda: ckpt.resume(tr), grid)  # resume=auto may finish an interrupted save: under the lock

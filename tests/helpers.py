@@ -367,3 +367,18 @@ def assert_still_at_step_1(root: Path) -> None:
     assert tmp_dirs(root) == []
     assert verify(root)[1] == []
     dist.barrier()
+
+
+# ---------------------------------------------------------------- crafted checkpoints
+def resign(step: Path, rel: str | None = None) -> None:
+    """Make an edit pass the checksums, as a careful adversary would (or a bug that writes consistent
+    nonsense): record `rel`'s new size and CRC32C in the manifest and re-sign the manifest, so what a test
+    then sees is the field's own validation, not the checksum in front of it (the checksums have their own
+    tests in test_checkpoint_integrity.py)."""
+    from megalite.checkpoint.manifest import FileRecord, crc32c_file, sign
+    man_path = Path(step) / "manifest.json"
+    man = json.loads(man_path.read_text())
+    if rel is not None:
+        path = Path(step) / rel
+        man["files"][rel] = FileRecord(path.stat().st_size, crc32c_file(path)).to_json(rel)
+    man_path.write_text(json.dumps(sign(man)))

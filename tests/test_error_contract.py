@@ -18,6 +18,7 @@ import pytest
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
+import helpers as H
 from helpers import CKPT, train_in_process
 from megalite.cli import main
 
@@ -64,19 +65,6 @@ def _other_run(w, case):
     (case / "ck" / "latest").write_text(f"../other/ckpt/{STEP}\n")
 
 
-def _resign(step: Path, rel: str | None = None) -> None:
-    """Make an edit pass the checksums, as a careful adversary would (or a bug that writes consistent
-    nonsense): record `rel`'s new size and CRC32 in the manifest and re-sign the manifest, so what is
-    tested is the field's own validation, not the checksum in front of it (the checksums have their own
-    tests in test_checkpoint_integrity.py)."""
-    from megalite.checkpoint.manifest import crc32_file, sign
-    man_path = step / "manifest.json"
-    man = json.loads(man_path.read_text())
-    if rel is not None:
-        man["files"][rel] = {"bytes": (step / rel).stat().st_size, "crc32": crc32_file(step / rel)}
-    man_path.write_text(json.dumps(sign(man)))
-
-
 def _edit_json(rel: str, edit):
     def make(w, case):
         _copy_ckpt(w, case)
@@ -84,14 +72,14 @@ def _edit_json(rel: str, edit):
         data = json.loads(path.read_text())
         edit(data)
         path.write_text(json.dumps(data))
-        _resign(case / "ck" / STEP, None if rel == "manifest.json" else rel)
+        H.resign(case / "ck" / STEP, None if rel == "manifest.json" else rel)
     return make
 
 
 def _state_not_object(w, case):
     _copy_ckpt(w, case)
     (case / "ck" / STEP / "tp00-pp00-dp00" / "state.json").write_text("[1, 2]")
-    _resign(case / "ck" / STEP, "tp00-pp00-dp00/state.json")
+    H.resign(case / "ck" / STEP, "tp00-pp00-dp00/state.json")
 
 
 def _lock_symlink(w, case):
