@@ -12,7 +12,6 @@ KILL_POINTS.
 """
 from __future__ import annotations
 
-import json
 import os
 import random
 import shutil
@@ -93,7 +92,8 @@ def _torchrun(work: Path, cfg: Path, out: str, extra: list[str], nproc: int = 4)
 
 
 def _losses(run_dir: Path) -> dict[int, float]:
-    return {r["step"]: r["loss"] for r in map(json.loads, (run_dir / "metrics.jsonl").read_text().splitlines())}
+    from .metrics import read
+    return {r["step"]: r["loss"] for r in read(run_dir)}
 
 
 def _workers(pid: int) -> list[int]:

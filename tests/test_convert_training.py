@@ -29,7 +29,7 @@ def test_stopped_run_matches_the_uninterrupted_one(run222_stop5, run222_full):
     assert [r["step"] for r in run222_stop5["metrics"]] == [1, 2, 3, 4, 5]
     assert_same_losses(run222_stop5["metrics"], run222_full[:5])
     man = mf.read(resolve(run222_stop5["ckpt"]))
-    assert man["step"] == 5 and man["layout"] == {"tp": 2, "pp": 2, "dp": 2, "zero1": True}
+    assert man.step == 5 and tuple(man.layout) == (2, 2, 2) and man.zero1
 
 
 def test_models_trained_at_different_layouts_convert_to_the_same_file(tmp_path, run111, run222_stop5):
@@ -59,9 +59,9 @@ def test_reshard_full_training_state_then_resume(tmp_path, convert_tokens, run22
     ck111 = reshard(src, tmp_path / "ck111", 1, 1, 1, zero1=False, quiet=True)
     for ck, lay in ((ck142, (1, 4, 2)), (ck111, (1, 1, 1))):
         man = mf.read(ck)
-        assert (man["layout"]["tp"], man["layout"]["pp"], man["layout"]["dp"]) == lay
-        assert man["step"] == 5 and man["data"] == {"batch_index": 5}
-        assert man["optimizer"]["step"] == 5 and man["optimizer_state"]
+        assert tuple(man.layout) == lay
+        assert man.step == 5 and man.data == {"batch_index": 5}
+        assert man.optimizer["step"] == 5 and man.optimizer_state
         assert verify(ck)[1] == []
     assert H.tree_digest(src) == before
     # (1,1,1) in this process

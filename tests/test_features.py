@@ -27,7 +27,7 @@ def test_new_fields_parse_and_validate():
     (["--parallel.vpp=2", "--parallel.pp=4", "--model.n_layer=8", "--train.global_batch_size=12",
       "--train.micro_batch_size=2"], 4, ["micro-batches per step (6)", "multiple of parallel.pp = 4"]),
     (["--parallel.sp=true", "--parallel.tp=4", "--model.block_size=30"], 4,
-     ["parallel.sp", "model.block_size = 30", "parallel.tp = 4"]),
+     ["parallel.sp", "model.block_size) = 30", "parallel.tp = 4"]),
 ])
 def test_bad_feature_values_are_one_line_errors(overrides, world, names):
     cfg = load_config(None, overrides)

@@ -130,6 +130,12 @@ def runs(tmp_path_factory, token_file):
     all 8-process runs in one launch and the pp = 3 run in another."""
     d = tmp_path_factory.mktemp("reference")
     assert max(TokenDataset(token_file, "train").tokens) < EDGE_MODEL["vocab_size"]  # every target is a real row
+    # the same tokens recorded as a 250-id vocabulary: megalite refuses data whose recorded vocab exceeds the
+    # model's, so the vocab-250 edge runs read a copy that says so
+    edge_tokens = d / "tokens250.bin"
+    shutil.copy(token_file, edge_tokens)
+    meta = json.loads(token_file.with_suffix(".json").read_text())
+    edge_tokens.with_suffix(".json").write_text(json.dumps({**meta, "vocab_size": EDGE_MODEL["vocab_size"]}))
     hf = _hf_folder(d / "hf")
     s111 = split(hf, d / "s111", 1, 1, 1, quiet=True)
     s222 = split(hf, d / "s222", 2, 2, 2, quiet=True)
@@ -139,7 +145,7 @@ def runs(tmp_path_factory, token_file):
         return _config(token_file, d / out, ref_model, RECIPE, **_layout(layout), **{"checkpoint.resume": str(ck)})
 
     def edge(out, layout, **kw):
-        return _config(token_file, d / out, EDGE_MODEL, EDGE_TRAIN, **_layout(layout), **kw)
+        return _config(edge_tokens, d / out, EDGE_MODEL, EDGE_TRAIN, **_layout(layout), **kw)
 
     jobs8 = [("ref222", ref("ref222", s222, (2, 2, 2))),
              ("edge421", edge("e421", (4, 2, 1), **{"checkpoint.dir": str(d / "ck421")})),
