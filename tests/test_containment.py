@@ -139,3 +139,28 @@ def test_disk_full_while_writing_latest_says_the_step_is_committed(tmp_path, tok
     assert "not saved" not in msg
     assert read_latest(root) == "step_00000001" and not os.path.lexists(root / ".latest.tmp")
     assert verify(root / "step_00000002")[1] == [] and verify(root)[1] == []
+
+
+def test_a_pruning_failure_is_reported_and_not_counted_as_deleted(tmp_path, monkeypatch, capsys):
+    """keep_last cannot delete an old step (EACCES, EBUSY on a network filesystem): the save stands, the
+    step is named in a warning, and prune does not report it as deleted."""
+    import errno
+
+    from megalite.checkpoint import layout, save
+    root = tmp_path / "ck"
+    for s in (1, 2, 3):  # committed-looking folders: pruning only needs the names and a manifest file
+        (root / layout.step_dir(s)).mkdir(parents=True)
+        (root / layout.step_dir(s) / layout.MANIFEST).write_text("{}")
+    layout.write_latest(root, layout.step_dir(3))
+    real = save.remove_tree
+
+    def stuck(path):
+        if path.name == layout.step_dir(1):
+            raise OSError(errno.EACCES, "Permission denied")
+        real(path)
+
+    monkeypatch.setattr(save, "remove_tree", stuck)
+    assert save.prune(root, keep_last=1, saved=3) == [2]
+    assert layout.committed_steps(root) == [1, 3]
+    err = capsys.readouterr().err
+    assert "could not delete" in err and layout.step_dir(1) in err and "Permission denied" in err

@@ -238,11 +238,18 @@ def prune(root: Path, keep_last: int, saved: Optional[int] = None, keep: Iterabl
     keep = set(keep)
     steps = sorted(s for s in committed_steps(root) if saved is None or s <= saved)
     doomed = [s for s in steps[:-keep_last] if step_dir(s) != latest and s not in keep]
+    deleted = []
     for i, s in enumerate(doomed):
-        remove_tree(root / step_dir(s))
+        try:
+            remove_tree(root / step_dir(s))
+        except OSError as e:  # reported, never counted as deleted; the save itself stands
+            print(f"WARNING: checkpoint.keep_last: could not delete {root / step_dir(s)} "
+                  f"({e.strerror or e}); it is left in place", file=sys.stderr, flush=True)
+            continue
+        deleted.append(s)
         if i == 0:
             kill_point("pruning")
-    return doomed
+    return deleted
 
 
 def commit_step(root: Path, step: int, man: dict, keep_last: int = 0, keep: Iterable[int] = ()) -> Path:
