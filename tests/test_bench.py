@@ -3,6 +3,8 @@ from __future__ import annotations
 
 import re
 
+import pytest
+
 from helpers import cli, ok
 
 
@@ -38,3 +40,18 @@ def test_bench_train_prints_its_tables(tmp_path):
     for rc in ("none", "selective", "full"):
         for sp in ("off", "on"):
             assert re.search(rf"\n2 +{rc} +{sp} .* 1\.000 ", out), (rc, sp)
+
+
+def test_stream_table_prints_each_row_when_it_is_measured():
+    """A long bench is not silent until the end: the header and each row reach the log as they come."""
+    from megalite.bench import StreamTable, table
+    lines = []
+    t = StreamTable(["operation", "bytes", "s"], [10, 8, 6], log=lines.append)
+    assert lines == []
+    t.row(["save", "1 MiB", 0.5])
+    assert len(lines) == 3 and lines[2].split() == ["save", "1", "MiB", "0.5"]
+    t.row(["load", "1 MiB", None])
+    assert len(lines) == 4 and lines[3].split() == ["load", "1", "MiB", "-"]
+    assert t.text() == table(["operation", "bytes", "s"], [["save", "1 MiB", 0.5], ["load", "1 MiB", None]])
+    with pytest.raises(ValueError, match="2 cells for 3 columns"):
+        t.row(["x", "y"])

@@ -185,6 +185,37 @@ def table(headers: list[str], rows: list[list]) -> str:
     return "\n".join([line(cells[0]), sep] + [line(r) for r in cells[1:]])
 
 
+class StreamTable:
+    """A table printed row by row as each row is measured (long benches are not silent until the end).
+
+    Column widths are fixed when the header is printed: each column is as wide as its header or its entry
+    in `widths` (a guess at the widest cell), whichever is larger; a longer cell widens only its own row.
+    `text()` renders every row again with `table()`, aligned to the widest cell, for a final copy.
+    """
+
+    def __init__(self, headers: list[str], widths: Optional[list[int]] = None, log=print):
+        self.headers, self.rows, self.log = [str(h) for h in headers], [], log
+        hint = list(widths or []) + [0] * (len(headers) - len(widths or []))
+        self.widths = [max(len(h), w) for h, w in zip(self.headers, hint)]
+        self._started = False
+
+    def _line(self, cells: list[str]) -> str:
+        return "  ".join(c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in enumerate(zip(cells, self.widths)))
+
+    def row(self, cells: list) -> None:
+        if len(cells) != len(self.headers):
+            raise ValueError(f"StreamTable.row: {len(cells)} cells for {len(self.headers)} columns")
+        if not self._started:
+            self.log(self._line(self.headers))
+            self.log("  ".join("-" * w for w in self.widths))
+            self._started = True
+        self.rows.append(list(cells))
+        self.log(self._line([("-" if c is None else str(c)) for c in cells]))
+
+    def text(self) -> str:
+        return table(self.headers, self.rows)
+
+
 # ---------------------------------------------------------------- instruments for gloo workers
 class _TimedWork:
     def __init__(self, work, acc):
