@@ -393,6 +393,7 @@ def test_resume_auto_falls_back_loudly_when_latest_names_a_missing_folder(tmp_pa
 
 
 # ---------------------------------------------------------------- 6. megalite stress ckpt
+@pytest.mark.slow  # three 4-process launches (~45 s); the protocol's every step is covered by test_kill_points
 def test_stress_ckpt_one_trial(tmp_path, token_file):
     work = tmp_path / "stress"
     work.mkdir()
