@@ -107,6 +107,7 @@ class CheckpointConfig:
     keep_last: int = 0  # 0: keep every checkpoint
     resume: str = "auto"  # "auto" (continue the run in checkpoint.dir, if any), "none" (fresh), or a path
     on_error: str = "stop"  # a failed save: "stop" (raise) or "continue" (warn, keep training)
+    signal_grace_s: float = 0.0  # seconds from SIGTERM/SIGINT to SIGKILL; 0: TORCH_ELASTIC_SHUTDOWN_TIMEOUT
 
 
 @dataclass
@@ -263,7 +264,8 @@ def validate(cfg: Config, world_size: int | None = None) -> Config:
     for name, value in [("train.lr", t.lr), ("train.min_lr", t.min_lr), ("train.weight_decay", t.weight_decay),
                         ("train.grad_clip", t.grad_clip), ("train.warmup_steps", t.warmup_steps),
                         ("checkpoint.interval", cfg.checkpoint.interval), ("train.stop_at_step", t.stop_at_step),
-                        ("checkpoint.keep_last", cfg.checkpoint.keep_last)]:
+                        ("checkpoint.keep_last", cfg.checkpoint.keep_last),
+                        ("checkpoint.signal_grace_s", cfg.checkpoint.signal_grace_s)]:
         if value < 0:
             raise ConfigError(f"{name} = {value}: must not be negative")
     if m.activation not in ACTIVATIONS:
@@ -412,6 +414,9 @@ DOCS = {
     "checkpoint.keep_last": "keep the newest N checkpoints (0: keep all)",
     "checkpoint.resume": "auto (continue from checkpoint.dir if it has a checkpoint), none (fresh start), or a path",
     "checkpoint.on_error": "a failed save: stop (raise) or continue (warn, keep training)",
+    "checkpoint.signal_grace_s": "seconds the launcher waits between SIGTERM/SIGINT and SIGKILL (0: read torchrun's "
+                                 "TORCH_ELASTIC_SHUTDOWN_TIMEOUT, 30 s if unset); a warning says when a step + save "
+                                 "is longer",
 }
 
 

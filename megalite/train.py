@@ -23,10 +23,11 @@ import torch
 import torch.distributed as dist
 
 from . import metrics
+from .checkpoint.layout import step_dir
 from .checkpoint.manager import CheckpointManager
 from .checkpoint.state import seed_everything
 from .config import DEFAULT_DATA_PATH, Config, num_microbatches, seq_len, validate
-from .faults import maybe_crash
+from .faults import maybe_crash, slow_step
 from .data import BatchSampler, DataError, TokenDataset, check_vocab, ensure_data, eval_batches
 from .model import GPTStage
 from .optim import grad_norm, lr_at
@@ -172,6 +173,7 @@ def train_step(tr: Trainer) -> dict:
     tr.grads.zero()
     tr.grads.arm(num_microbatches(cfg))  # overlap_grad_reduce: buckets reduce during the last backward
     loss = _run_pipeline(tr, x, y, train=True)
+    slow_step(tr.step + 1)  # fault injection for tests (a slow step); a no-op unless MEGALITE_SLOW_STEP_S is set
     tr.grads.finish()  # the dp mean of every gradient bucket
     # The tied embedding has two copies (first and last stage): add their gradients so both step alike.
     if grid.embed.active and cfg.model.tie_embeddings:
@@ -274,6 +276,7 @@ def train(cfg: Config, log=print, force: bool = False) -> Trainer:
     ckpt.install_signal_handlers()
     try:
         while tr.step < cfg.train.steps:
+            t_step = time.perf_counter()
             rec = train_step(tr)
             maybe_crash(tr.step, grid.rank)  # fault injection for tests; a no-op unless MEGALITE_CRASH_* is set
             if tr.step % cfg.train.eval_interval == 0 or tr.step == cfg.train.steps:
@@ -286,14 +289,15 @@ def train(cfg: Config, log=print, force: bool = False) -> Trainer:
                     t_first = time.perf_counter()  # the ETA is timed from the end of the first step
                 if tr.step % cfg.train.log_interval == 0 or tr.step == cfg.train.steps or tr.step == start + 1:
                     log(_log_line(rec, cfg.train.steps, time.perf_counter() - t_first, tr.step - start - 1))
+            ckpt.note_step(time.perf_counter() - t_step, first=tr.step == start + 1)
             ckpt.after_step(tr)
             signum = ckpt.stop_requested()
             if signum or tr.step == cfg.train.stop_at_step:
                 ckpt.finish(tr)
                 tr.stopped_by = signal.Signals(signum).name if signum else "train.stop_at_step"
-                log_rank0 = log if is_logger else (lambda *a: None)
-                where = f"; checkpoint {cfg.checkpoint.dir}" if cfg.checkpoint.dir else " (no checkpoint.dir set)"
-                log_rank0(f"megalite: stopped by {tr.stopped_by} at step {tr.step}/{cfg.train.steps}{where}")
+                if is_logger:
+                    log(f"megalite: stopped by {tr.stopped_by} at step {tr.step}/{cfg.train.steps}"
+                        f"{_resume_hint(cfg, tr, ckpt.last_saved)}")
                 break
         else:
             ckpt.finish(tr)
@@ -306,6 +310,19 @@ def train(cfg: Config, log=print, force: bool = False) -> Trainer:
         if metrics_file:
             metrics_file.close()
     return tr
+
+
+def _resume_hint(cfg: Config, tr: Trainer, saved: int) -> str:
+    """Where the stop left its checkpoint, and how to continue (rerunning the command resumes with the default
+    checkpoint.resume=auto; a resume=PATH or =none run needs =auto instead)."""
+    if not cfg.checkpoint.dir:
+        return " (checkpoints are off: checkpoint.dir is empty; nothing was saved)"
+    if saved <= 0:
+        return f"; no checkpoint was saved in {cfg.checkpoint.dir}"
+    again = ("run the same command again" if cfg.checkpoint.resume == "auto" else
+             f"run the same command with --checkpoint.resume=auto instead of '{cfg.checkpoint.resume}'")
+    more = " and a higher --train.stop_at_step (or none)" if tr.stopped_by == "train.stop_at_step" else ""
+    return f"; checkpoint {Path(cfg.checkpoint.dir) / step_dir(saved)}; to resume, {again}{more}"
 
 
 def _start(cfg: Config, grid: ParallelGrid, device, log, force: bool = False) -> tuple:
