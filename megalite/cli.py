@@ -10,6 +10,7 @@ traceback.
 from __future__ import annotations
 
 import argparse
+import functools
 import os
 import signal
 import sys
@@ -73,7 +74,7 @@ def _cmd_train(args, rest) -> int:
         e.same_on_every_rank = True
         raise
     try:
-        train(cfg, force=args.force)
+        train(cfg, log=functools.partial(print, flush=True), force=args.force)  # lines appear as they happen
     except BaseException:
         # The job is stopping with an error on every rank. torchrun SIGTERMs the workers still running as
         # soon as one has exited; ignoring that lets each rank finish with its own exit code (2).
@@ -172,8 +173,9 @@ def _cmd_generate(args, rest) -> int:
         args.prompt.encode("utf-8")
     except UnicodeEncodeError:
         raise ConfigError("--prompt: not valid UTF-8 text (the tokens are UTF-8 bytes)") from None
-    print(sample_text(args.model, args.prompt, max_new_tokens=args.max_new_tokens, temperature=args.temperature,
-                      top_k=args.top_k, seed=args.seed, as_ids=args.ids))
+    sample_text(args.model, args.prompt, max_new_tokens=args.max_new_tokens, temperature=args.temperature,
+                top_k=args.top_k, seed=args.seed, as_ids=args.ids, stream=sys.stdout)  # token by token
+    print()
     return 0
 
 

@@ -13,6 +13,7 @@ import math
 import os
 import traceback
 import signal
+import sys
 import time
 from dataclasses import dataclass, field
 from datetime import timedelta
@@ -257,9 +258,14 @@ def train(cfg: Config, log=print, force: bool = False) -> Trainer:
     holds every step's metrics). `force`: a fresh start (checkpoint.resume=none) may move an earlier run's
     checkpoints in checkpoint.dir aside instead of refusing."""
     validate(cfg, world_size_from_env())
+    par, t0 = cfg.parallel, time.perf_counter()
+    progress(f"starting {par.tp * par.pp * par.dp} rank(s) (tp {par.tp}, pp {par.pp}, dp {par.dp}); joining the "
+             f"process group...")
     device, _ = init_distributed(cfg.parallel.timeout_s)
     grid = ParallelGrid.create(Layout(cfg.parallel.tp, cfg.parallel.pp, cfg.parallel.dp),
                                timeout=timedelta(seconds=cfg.parallel.timeout_s))
+    progress(f"{grid.layout.world_size} rank(s) joined in {time.perf_counter() - t0:.1f} s; building the model and "
+             f"reading the data...")
     tr, ckpt = _start(cfg, grid, device, log, force)
     is_logger = grid.rank == 0
     metrics_file = metrics.open_for_run(Path(cfg.train.out_dir), tr.step, ckpt.resumed_event, log) \
@@ -273,6 +279,9 @@ def train(cfg: Config, log=print, force: bool = False) -> Trainer:
             f"nothing to train. To train further, raise --train.steps (the LR schedule then spans the new "
             f"total, see README), or start a new run with another --train.out_dir")
     start, t_first = tr.step, time.perf_counter()
+    if tr.step < cfg.train.steps:
+        progress(f"ready after {time.perf_counter() - t0:.1f} s; step {tr.step + 1} (the first step of a launch also "
+                 f"sets up the communicators)...")
     ckpt.install_signal_handlers()
     try:
         while tr.step < cfg.train.steps:
@@ -334,6 +343,8 @@ def _start(cfg: Config, grid: ParallelGrid, device, log, force: bool = False) ->
 
     tr, ckpt = agree(build_all, grid)
     explicit = cfg.checkpoint.resume not in ("", "none", "auto")
+    if ckpt.root is not None and cfg.checkpoint.resume != "none" or explicit:
+        progress(f"looking for a checkpoint to resume (checkpoint.resume={cfg.checkpoint.resume}) and loading it...")
     if explicit:  # only reads: done before anything is created or locked, so a bad PATH writes nothing
         agree(lambda: ckpt.resume(tr), grid)
     ckpt.check_writable(Path(cfg.train.out_dir))
@@ -345,6 +356,16 @@ def _start(cfg: Config, grid: ParallelGrid, device, log, force: bool = False) ->
         ckpt.abandon()
         raise
     return tr, ckpt
+
+
+def progress(msg: str) -> None:
+    """A start-up progress line from rank 0, on stderr: shown when stderr is a terminal (someone is watching a
+    torchrun start) or MEGALITE_PROGRESS=1; never with MEGALITE_PROGRESS=0. Off in pipes and logs by default,
+    so a start-up error stays the one line the error contract promises (README: "The error contract")."""
+    want = os.environ.get("MEGALITE_PROGRESS", "")
+    on = want == "1" if want in ("0", "1") else sys.stderr.isatty()
+    if on and int(os.environ.get("RANK", "0")) == 0:
+        print(f"megalite: {msg}", file=sys.stderr, flush=True)
 
 
 def agree(fn, grid: ParallelGrid):

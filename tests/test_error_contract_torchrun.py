@@ -83,7 +83,8 @@ def test_the_bad_input_matrix_under_a_2_process_torchrun(tmp_path, token_file):
 
 
 def test_sigterm_to_the_torchrun_agent_mid_slow_step_commits_a_checkpoint(tmp_path, token_file):
-    """launch/local.sh (torchrun) is sent SIGTERM in the middle of a slow step (3 s, injected from step 3:
+    """Start-up progress lines (MEGALITE_PROGRESS=1) come from rank 0 in order. Then
+    launch/local.sh (torchrun) is sent SIGTERM in the middle of a slow step (3 s, injected from step 3:
     megalite/faults.py slow_step). torchrun 2.13 forwards it to every worker and SIGKILLs them after its
     shutdown timeout, which local.sh raises from torch's 30 s to 120 s (TORCH_ELASTIC_SHUTDOWN_TIMEOUT); the
     workers finish the step, commit it, print one line with the resume command and exit 0; torchrun then
@@ -93,7 +94,7 @@ def test_sigterm_to_the_torchrun_agent_mid_slow_step_commits_a_checkpoint(tmp_pa
     toml = CKPT.toml(tmp_path / "tiny.toml", token_file, model={"n_layer": 2})
     root, out = tmp_path / "ck", tmp_path / "out"
     script = Path(__file__).resolve().parents[1] / "launch" / "local.sh"
-    extra = {"NPROC": "2", "MEGALITE_SLOW_STEP_S": "3", "MEGALITE_SLOW_FROM_STEP": "3"}
+    extra = {"NPROC": "2", "MEGALITE_SLOW_STEP_S": "3", "MEGALITE_SLOW_FROM_STEP": "3", "MEGALITE_PROGRESS": "1"}
     e = {k: v for k, v in env(extra).items() if k != "TORCH_ELASTIC_SHUTDOWN_TIMEOUT"}  # local.sh's default
     proc = subprocess.Popen(["bash", str(script), "--config", str(toml), "--parallel.dp=2", "--train.steps=400",
                              f"--checkpoint.dir={root}", f"--train.out_dir={out}"], env=e,
@@ -104,7 +105,14 @@ def test_sigterm_to_the_torchrun_agent_mid_slow_step_commits_a_checkpoint(tmp_pa
         text, _ = proc.communicate(timeout=150)
     finally:
         kill_tree(proc)
-    stops = [line for line in text.splitlines() if "stopped by" in line]
+    lines = text.splitlines()
+    # start-up progress (on a terminal, or MEGALITE_PROGRESS=1): from rank 0 only, before step 1's line
+    want = ["megalite: starting 2 rank(s) (tp 1, pp 1, dp 2); joining", "megalite: 2 rank(s) joined in ",
+            "megalite: looking for a checkpoint to resume", "megalite: ready after ", "step     1/400"]
+    at = [next((i for i, line in enumerate(lines) if line.startswith(w)), None) for w in want]
+    assert None not in at and at == sorted(at), (at, text[-3000:])
+    assert sum(line.startswith("megalite: starting") for line in lines) == 1, text[-3000:]
+    stops = [line for line in lines if "stopped by" in line]
     assert len(stops) == 1, text[-3000:]  # rank 0 only
     assert stops[0] == (f"megalite: stopped by SIGTERM at step 3/400; checkpoint {root / 'step_00000003'}; "
                         f"to resume, run the same command again"), text[-3000:]
