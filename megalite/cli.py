@@ -319,6 +319,34 @@ def _layout_flags(p) -> None:
 
 
 def main(argv=None) -> int:
+    """`megalite ...`; the exit code. A reader that closes stdout early (`megalite inspect CKPT | head -1`)
+    ends the command quietly with exit code 1, Python's own recipe (docs: "Note on SIGPIPE"), not a
+    BrokenPipeError traceback; a broken pipe anywhere else (a socket) is not hidden."""
+    try:
+        rc = _main(argv)
+        sys.stdout.flush()  # a reader that went away is found here, not at interpreter exit
+        return rc
+    except BrokenPipeError:
+        if not _stdout_reader_gone():
+            raise
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())  # the interpreter's last flush then has nowhere to fail
+        return 1
+
+
+def _stdout_reader_gone() -> bool:
+    """Whether stdout is a pipe whose reading end is closed (poll reports POLLERR on the writing end)."""
+    import select
+    try:
+        fd = sys.stdout.fileno()
+        poller = select.poll()
+        poller.register(fd, 0)
+        return any(ev & (select.POLLERR | select.POLLHUP) for _, ev in poller.poll(0))
+    except (OSError, ValueError, AttributeError):
+        return False
+
+
+def _main(argv=None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     ap = build_parser()
     args, rest = ap.parse_known_args(argv)
@@ -335,5 +363,7 @@ def main(argv=None) -> int:
     try:
         return args.fn(args, rest)
     except user_errors() as e:
+        if isinstance(e, BrokenPipeError):
+            raise  # main() decides: a reader that went away, or a real error
         _report(args.command, e)
         return 2

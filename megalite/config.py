@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import os
+import stat
 import sys
 import typing
 from dataclasses import dataclass, field
@@ -176,15 +178,34 @@ def _set(cfg: Config, dotted: str, value, source: str, from_text: bool = False) 
     setattr(sec, f.name, _coerce(value, typ, dotted, source, from_text))
 
 
+def path_kind(p: str | Path) -> str:
+    """What is at `p`, for an error message about a path that is not the regular file expected: 'a folder',
+    'a character device' (/dev/null), 'a named pipe', 'a broken symlink to X', 'missing (no such file)', ..."""
+    p = Path(p)
+    try:
+        st = p.stat()
+    except FileNotFoundError:
+        return f"a broken symlink to '{os.readlink(p)}'" if p.is_symlink() else "a path that does not exist"
+    except OSError as e:
+        return f"not readable ({e.strerror})"
+    for test, what in ((stat.S_ISREG, "a regular file"), (stat.S_ISDIR, "a folder"),
+                       (stat.S_ISCHR, "a character device"), (stat.S_ISBLK, "a block device"),
+                       (stat.S_ISFIFO, "a named pipe (FIFO)"), (stat.S_ISSOCK, "a socket")):
+        if test(st.st_mode):
+            return what
+    return "not a regular file"
+
+
 def load_config(path: str | Path | None = None, overrides: typing.Sequence[str] = ()) -> Config:
     """Read a TOML file (or the defaults when path is None), then apply `--section.key=value` overrides."""
     if path is None:
         cfg = Config()
     else:
         p = Path(path)
-        if not p.is_file():
-            raise ConfigError(f"--config: '{p}' is a folder, expected a TOML file" if p.is_dir()
-                              else f"--config: file '{p}' does not exist")
+        if not p.exists() and not p.is_symlink():
+            raise ConfigError(f"--config: file '{p}' does not exist")
+        if not p.is_file():  # /dev/null, a folder, a FIFO, a broken symlink: say what it is
+            raise ConfigError(f"--config: '{p}' is {path_kind(p)}, expected a TOML file")
         try:
             raw = tomllib.loads(p.read_text())
         except tomllib.TOMLDecodeError as e:
