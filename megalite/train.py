@@ -306,7 +306,7 @@ def train(cfg: Config, log=print, force: bool = False) -> Trainer:
                 tr.stopped_by = signal.Signals(signum).name if signum else "train.stop_at_step"
                 if is_logger:
                     log(f"megalite: stopped by {tr.stopped_by} at step {tr.step}/{cfg.train.steps}"
-                        f"{_resume_hint(cfg, tr, ckpt.last_saved)}")
+                        f"{_resume_hint(cfg, ckpt.last_saved)}")
                 break
         else:
             ckpt.finish(tr)
@@ -321,7 +321,7 @@ def train(cfg: Config, log=print, force: bool = False) -> Trainer:
     return tr
 
 
-def _resume_hint(cfg: Config, tr: Trainer, saved: int) -> str:
+def _resume_hint(cfg: Config, saved: int) -> str:
     """Where the stop left its checkpoint, and how to continue (rerunning the command resumes with the default
     checkpoint.resume=auto; a resume=PATH or =none run needs =auto instead)."""
     if not cfg.checkpoint.dir:
@@ -330,8 +330,8 @@ def _resume_hint(cfg: Config, tr: Trainer, saved: int) -> str:
         return f"; no checkpoint was saved in {cfg.checkpoint.dir}"
     again = ("run the same command again" if cfg.checkpoint.resume == "auto" else
              f"run the same command with --checkpoint.resume=auto instead of '{cfg.checkpoint.resume}'")
-    more = " and a higher --train.stop_at_step (or none)" if tr.stopped_by == "train.stop_at_step" else ""
-    return f"; checkpoint {Path(cfg.checkpoint.dir) / step_dir(saved)}; to resume, {again}{more}"
+    # (after train.stop_at_step too: a resumed run starts past that step and trains on to train.steps)
+    return f"; checkpoint {Path(cfg.checkpoint.dir) / step_dir(saved)}; to resume, {again}"
 
 
 def _start(cfg: Config, grid: ParallelGrid, device, log, force: bool = False) -> tuple:

@@ -91,3 +91,16 @@ def test_a_step_longer_than_the_grace_is_said_once_and_again_when_the_signal_com
     assert tr.stopped_by == "SIGTERM" and tr.step == 4 and read_latest(root) == "step_00000004"
     assert logs[-1] == (f"megalite: stopped by SIGTERM at step 4/8; checkpoint {root / 'step_00000004'}; to resume, "
                         f"run the same command again"), logs
+
+
+def test_the_stop_line_says_how_to_resume():
+    from megalite.train import _resume_hint
+    cfg = Config()
+    cfg.checkpoint.dir = "runs/x/ck"
+    assert _resume_hint(cfg, 7) == "; checkpoint runs/x/ck/step_00000007; to resume, run the same command again"
+    cfg.checkpoint.resume = "runs/other/ck"  # rerunning this would load the other checkpoint again
+    assert _resume_hint(cfg, 7).endswith("run the same command with --checkpoint.resume=auto instead of "
+                                         "'runs/other/ck'")
+    assert _resume_hint(cfg, 0) == "; no checkpoint was saved in runs/x/ck"
+    cfg.checkpoint.dir = ""
+    assert "checkpoints are off" in _resume_hint(cfg, 0)
