@@ -6,12 +6,18 @@
 #
 # With NVIDIA GPUs it starts one process per visible GPU; without, 8 CPU
 # processes (gloo) with one OpenMP thread each so they don't oversubscribe cores.
-# Overrides: NPROC=<processes>, OMP_NUM_THREADS=<threads per process>.
+# Overrides: NPROC=<processes>, OMP_NUM_THREADS=<threads per process>,
+# TORCH_ELASTIC_SHUTDOWN_TIMEOUT=<seconds from Ctrl-C/SIGTERM to SIGKILL> (default 120).
 # The repo root is put on PYTHONPATH so this works without `pip install -e .`.
 set -euo pipefail
 
 REPO_ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 export PYTHONPATH="${REPO_ROOT}${PYTHONPATH:+:${PYTHONPATH}}"
+# torchrun forwards SIGTERM/SIGINT (Ctrl-C, a preemption) to the workers, which checkpoint after the step in
+# progress, and SIGKILLs them after its shutdown timeout (torch's default: 30 s). A slow step + a save can
+# take longer, so give them 120 s unless you set TORCH_ELASTIC_SHUTDOWN_TIMEOUT yourself; the workers read the
+# same variable and warn (once) when a step + a save would not fit (README: "Stopping in time").
+export TORCH_ELASTIC_SHUTDOWN_TIMEOUT="${TORCH_ELASTIC_SHUTDOWN_TIMEOUT:-120}"
 
 GPUS=0
 if command -v nvidia-smi >/dev/null 2>&1; then

@@ -10,6 +10,7 @@ traceback.
 from __future__ import annotations
 
 import argparse
+import functools
 import os
 import signal
 import sys
@@ -73,7 +74,7 @@ def _cmd_train(args, rest) -> int:
         e.same_on_every_rank = True
         raise
     try:
-        train(cfg, force=args.force)
+        train(cfg, log=functools.partial(print, flush=True), force=args.force)  # lines appear as they happen
     except BaseException:
         # The job is stopping with an error on every rank. torchrun SIGTERMs the workers still running as
         # soon as one has exited; ignoring that lets each rank finish with its own exit code (2).
@@ -172,8 +173,9 @@ def _cmd_generate(args, rest) -> int:
         args.prompt.encode("utf-8")
     except UnicodeEncodeError:
         raise ConfigError("--prompt: not valid UTF-8 text (the tokens are UTF-8 bytes)") from None
-    print(sample_text(args.model, args.prompt, max_new_tokens=args.max_new_tokens, temperature=args.temperature,
-                      top_k=args.top_k, seed=args.seed, as_ids=args.ids))
+    sample_text(args.model, args.prompt, max_new_tokens=args.max_new_tokens, temperature=args.temperature,
+                top_k=args.top_k, seed=args.seed, as_ids=args.ids, stream=sys.stdout)  # token by token
+    print()
     return 0
 
 
@@ -317,6 +319,34 @@ def _layout_flags(p) -> None:
 
 
 def main(argv=None) -> int:
+    """`megalite ...`; the exit code. A reader that closes stdout early (`megalite inspect CKPT | head -1`)
+    ends the command quietly with exit code 1, Python's own recipe (docs: "Note on SIGPIPE"), not a
+    BrokenPipeError traceback; a broken pipe anywhere else (a socket) is not hidden."""
+    try:
+        rc = _main(argv)
+        sys.stdout.flush()  # a reader that went away is found here, not at interpreter exit
+        return rc
+    except BrokenPipeError:
+        if not _stdout_reader_gone():
+            raise
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())  # the interpreter's last flush then has nowhere to fail
+        return 1
+
+
+def _stdout_reader_gone() -> bool:
+    """Whether stdout is a pipe whose reading end is closed (poll reports POLLERR on the writing end)."""
+    import select
+    try:
+        fd = sys.stdout.fileno()
+        poller = select.poll()
+        poller.register(fd, 0)
+        return any(ev & (select.POLLERR | select.POLLHUP) for _, ev in poller.poll(0))
+    except (OSError, ValueError, AttributeError):
+        return False
+
+
+def _main(argv=None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     ap = build_parser()
     args, rest = ap.parse_known_args(argv)
@@ -333,5 +363,7 @@ def main(argv=None) -> int:
     try:
         return args.fn(args, rest)
     except user_errors() as e:
+        if isinstance(e, BrokenPipeError):
+            raise  # main() decides: a reader that went away, or a real error
         _report(args.command, e)
         return 2

@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import os
+import stat
 import sys
 import typing
 from dataclasses import dataclass, field
@@ -107,6 +109,7 @@ class CheckpointConfig:
     keep_last: int = 0  # 0: keep every checkpoint
     resume: str = "auto"  # "auto" (continue the run in checkpoint.dir, if any), "none" (fresh), or a path
     on_error: str = "stop"  # a failed save: "stop" (raise) or "continue" (warn, keep training)
+    signal_grace_s: float = 0.0  # seconds from SIGTERM/SIGINT to SIGKILL; 0: TORCH_ELASTIC_SHUTDOWN_TIMEOUT
 
 
 @dataclass
@@ -175,15 +178,34 @@ def _set(cfg: Config, dotted: str, value, source: str, from_text: bool = False) 
     setattr(sec, f.name, _coerce(value, typ, dotted, source, from_text))
 
 
+def path_kind(p: str | Path) -> str:
+    """What is at `p`, for an error message about a path that is not the regular file expected: 'a folder',
+    'a character device' (/dev/null), 'a named pipe', 'a broken symlink to X', 'missing (no such file)', ..."""
+    p = Path(p)
+    try:
+        st = p.stat()
+    except FileNotFoundError:
+        return f"a broken symlink to '{os.readlink(p)}'" if p.is_symlink() else "a path that does not exist"
+    except OSError as e:
+        return f"not readable ({e.strerror})"
+    for test, what in ((stat.S_ISREG, "a regular file"), (stat.S_ISDIR, "a folder"),
+                       (stat.S_ISCHR, "a character device"), (stat.S_ISBLK, "a block device"),
+                       (stat.S_ISFIFO, "a named pipe (FIFO)"), (stat.S_ISSOCK, "a socket")):
+        if test(st.st_mode):
+            return what
+    return "not a regular file"
+
+
 def load_config(path: str | Path | None = None, overrides: typing.Sequence[str] = ()) -> Config:
     """Read a TOML file (or the defaults when path is None), then apply `--section.key=value` overrides."""
     if path is None:
         cfg = Config()
     else:
         p = Path(path)
-        if not p.is_file():
-            raise ConfigError(f"--config: '{p}' is a folder, expected a TOML file" if p.is_dir()
-                              else f"--config: file '{p}' does not exist")
+        if not p.exists() and not p.is_symlink():
+            raise ConfigError(f"--config: file '{p}' does not exist")
+        if not p.is_file():  # /dev/null, a folder, a FIFO, a broken symlink: say what it is
+            raise ConfigError(f"--config: '{p}' is {path_kind(p)}, expected a TOML file")
         try:
             raw = tomllib.loads(p.read_text())
         except tomllib.TOMLDecodeError as e:
@@ -263,7 +285,8 @@ def validate(cfg: Config, world_size: int | None = None) -> Config:
     for name, value in [("train.lr", t.lr), ("train.min_lr", t.min_lr), ("train.weight_decay", t.weight_decay),
                         ("train.grad_clip", t.grad_clip), ("train.warmup_steps", t.warmup_steps),
                         ("checkpoint.interval", cfg.checkpoint.interval), ("train.stop_at_step", t.stop_at_step),
-                        ("checkpoint.keep_last", cfg.checkpoint.keep_last)]:
+                        ("checkpoint.keep_last", cfg.checkpoint.keep_last),
+                        ("checkpoint.signal_grace_s", cfg.checkpoint.signal_grace_s)]:
         if value < 0:
             raise ConfigError(f"{name} = {value}: must not be negative")
     if m.activation not in ACTIVATIONS:
@@ -412,6 +435,9 @@ DOCS = {
     "checkpoint.keep_last": "keep the newest N checkpoints (0: keep all)",
     "checkpoint.resume": "auto (continue from checkpoint.dir if it has a checkpoint), none (fresh start), or a path",
     "checkpoint.on_error": "a failed save: stop (raise) or continue (warn, keep training)",
+    "checkpoint.signal_grace_s": "seconds the launcher waits between SIGTERM/SIGINT and SIGKILL (0: read torchrun's "
+                                 "TORCH_ELASTIC_SHUTDOWN_TIMEOUT, 30 s if unset); a warning says when a step + save "
+                                 "is longer",
 }
 
 

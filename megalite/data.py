@@ -155,9 +155,13 @@ class TokenDataset:
         path = Path(path)
         if split not in ("train", "val"):
             raise DataError(f"TokenDataset: split must be 'train' or 'val', got '{split}'")
-        if not path.exists():
+        if not path.exists() and not path.is_symlink():
             raise DataError(f"data.path: token file '{path}' does not exist "
                             "(run `megalite prepare` or remove data.path to use the default corpus)")
+        if not path.is_file():
+            from .config import path_kind
+            raise DataError(f"data.path: '{path}' is {path_kind(path)}, expected a token file written by "
+                            f"`megalite prepare`")
         mpath = meta_path(path)
         if not mpath.exists():
             raise DataError(f"data.path: metadata '{mpath}' for token file '{path}' does not exist "

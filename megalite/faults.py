@@ -4,6 +4,11 @@
     MEGALITE_CRASH_AT_STEP=5 MEGALITE_CRASH_RANK=1 MEGALITE_CRASH_ONCE=/tmp/marker
 The marker file makes it happen once, so the restarted workers run through.
 
+`slow_step` makes every step from a chosen one on take S seconds longer (a sleep between the last backward
+and the optimizer update, on every rank), so that a test can land a stop signal in the middle of a step
+slower than the launcher's grace period:
+    MEGALITE_SLOW_STEP_S=3 MEGALITE_SLOW_FROM_STEP=3
+
 `kill_point` makes a process die hard (SIGKILL, no cleanup of any kind) at a named boundary of the
 checkpoint commit protocol, deterministically:
     MEGALITE_KILL_POINT=manifest_synced MEGALITE_KILL_RANK=0 MEGALITE_KILL_NTH=2
@@ -59,6 +64,14 @@ def maybe_crash(step: int, rank: int) -> None:
         Path(marker).write_text(f"crashed at step {step} on rank {rank}\n")
     print(f"megalite: injected crash at step {step} on rank {rank}", file=sys.stderr, flush=True)
     os._exit(13)
+
+
+def slow_step(step: int) -> None:
+    """Sleep MEGALITE_SLOW_STEP_S seconds in step `step` (1-based) if it is >= MEGALITE_SLOW_FROM_STEP (default 1).
+    A signal during the sleep runs its handler and the sleep goes on (PEP 475), as a long step would."""
+    seconds = float(os.environ.get("MEGALITE_SLOW_STEP_S", "0") or 0)
+    if seconds > 0 and step >= int(os.environ.get("MEGALITE_SLOW_FROM_STEP", "1")):
+        time.sleep(seconds)
 
 
 # ---------------------------------------------------------------- the stress harness

@@ -1,6 +1,7 @@
 """Sample from a single-file model in one plain process (no torch.distributed), proving the file is a model."""
 from __future__ import annotations
 
+import codecs
 import sys
 from pathlib import Path
 
@@ -34,8 +35,9 @@ def _warn(msg: str) -> None:
 
 @torch.no_grad()
 def generate(model: GPTStage, ids: list[int], max_new_tokens: int = 200, temperature: float = 0.8,
-             top_k: int = 0, seed: int = 0, warn=_warn) -> list[int]:
-    """Autoregressive sampling; temperature 0 means greedy.
+             top_k: int = 0, seed: int = 0, warn=_warn, on_token=None) -> list[int]:
+    """Autoregressive sampling; temperature 0 means greedy. `on_token(id)` is called with each new token as
+    soon as it is drawn (streaming).
 
     The model has block_size positions. A longer context is cropped to its last block_size tokens (a
     sliding window; transformers refuses instead), and `warn` says so once, before the first token."""
@@ -59,10 +61,29 @@ def generate(model: GPTStage, ids: list[int], max_new_tokens: int = 200, tempera
                 logits = logits.masked_fill(logits < kth, float("-inf"))
             nxt = torch.multinomial(torch.softmax(logits, -1), 1, generator=g)
         x = torch.cat([x, nxt], dim=1)
+        if on_token is not None:
+            on_token(int(nxt))
     return x[0].tolist()
 
 
-def sample_text(path: str | Path, prompt: str, as_ids: bool = False, **kw) -> str:
+def sample_text(path: str | Path, prompt: str, as_ids: bool = False, stream=None, **kw) -> str:
+    """The prompt and its continuation as text (or token ids with `as_ids`). With `stream` (a text file such
+    as sys.stdout) the same text is also written there as it is produced, flushed after every token: bytes
+    are decoded incrementally, so a multi-byte character appears once its last byte is drawn."""
     tok = ByteTokenizer()
-    out = generate(load_model(path), tok.encode(prompt) or [10], **kw)
+    ids = tok.encode(prompt) or [10]
+    model = load_model(path)
+    on_token = None
+    if stream is not None:
+        decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
+        stream.write(" ".join(map(str, ids)) if as_ids else decoder.decode(bytes(ids)))
+        stream.flush()
+
+        def on_token(i):
+            stream.write(f" {i}" if as_ids else decoder.decode(bytes([i])))
+            stream.flush()
+    out = generate(model, ids, on_token=on_token, **kw)
+    if stream is not None and not as_ids:
+        stream.write(decoder.decode(b"", final=True))  # a character cut by the end: U+FFFD, as in decode()
+        stream.flush()
     return " ".join(map(str, out)) if as_ids else tok.decode(out)

@@ -13,6 +13,7 @@ import math
 import os
 import traceback
 import signal
+import sys
 import time
 from dataclasses import dataclass, field
 from datetime import timedelta
@@ -23,10 +24,11 @@ import torch
 import torch.distributed as dist
 
 from . import metrics
+from .checkpoint.layout import step_dir
 from .checkpoint.manager import CheckpointManager
 from .checkpoint.state import seed_everything
 from .config import DEFAULT_DATA_PATH, Config, num_microbatches, seq_len, validate
-from .faults import maybe_crash
+from .faults import maybe_crash, slow_step
 from .data import BatchSampler, DataError, TokenDataset, check_vocab, ensure_data, eval_batches
 from .model import GPTStage
 from .optim import grad_norm, lr_at
@@ -172,6 +174,7 @@ def train_step(tr: Trainer) -> dict:
     tr.grads.zero()
     tr.grads.arm(num_microbatches(cfg))  # overlap_grad_reduce: buckets reduce during the last backward
     loss = _run_pipeline(tr, x, y, train=True)
+    slow_step(tr.step + 1)  # fault injection for tests (a slow step); a no-op unless MEGALITE_SLOW_STEP_S is set
     tr.grads.finish()  # the dp mean of every gradient bucket
     # The tied embedding has two copies (first and last stage): add their gradients so both step alike.
     if grid.embed.active and cfg.model.tie_embeddings:
@@ -255,9 +258,14 @@ def train(cfg: Config, log=print, force: bool = False) -> Trainer:
     holds every step's metrics). `force`: a fresh start (checkpoint.resume=none) may move an earlier run's
     checkpoints in checkpoint.dir aside instead of refusing."""
     validate(cfg, world_size_from_env())
+    par, t0 = cfg.parallel, time.perf_counter()
+    progress(f"starting {par.tp * par.pp * par.dp} rank(s) (tp {par.tp}, pp {par.pp}, dp {par.dp}); joining the "
+             f"process group...")
     device, _ = init_distributed(cfg.parallel.timeout_s)
     grid = ParallelGrid.create(Layout(cfg.parallel.tp, cfg.parallel.pp, cfg.parallel.dp),
                                timeout=timedelta(seconds=cfg.parallel.timeout_s))
+    progress(f"{grid.layout.world_size} rank(s) joined in {time.perf_counter() - t0:.1f} s; building the model and "
+             f"reading the data...")
     tr, ckpt = _start(cfg, grid, device, log, force)
     is_logger = grid.rank == 0
     metrics_file = metrics.open_for_run(Path(cfg.train.out_dir), tr.step, ckpt.resumed_event, log) \
@@ -271,9 +279,13 @@ def train(cfg: Config, log=print, force: bool = False) -> Trainer:
             f"nothing to train. To train further, raise --train.steps (the LR schedule then spans the new "
             f"total, see README), or start a new run with another --train.out_dir")
     start, t_first = tr.step, time.perf_counter()
+    if tr.step < cfg.train.steps:
+        progress(f"ready after {time.perf_counter() - t0:.1f} s; step {tr.step + 1} (the first step of a launch also "
+                 f"sets up the communicators)...")
     ckpt.install_signal_handlers()
     try:
         while tr.step < cfg.train.steps:
+            t_step = time.perf_counter()
             rec = train_step(tr)
             maybe_crash(tr.step, grid.rank)  # fault injection for tests; a no-op unless MEGALITE_CRASH_* is set
             if tr.step % cfg.train.eval_interval == 0 or tr.step == cfg.train.steps:
@@ -286,14 +298,15 @@ def train(cfg: Config, log=print, force: bool = False) -> Trainer:
                     t_first = time.perf_counter()  # the ETA is timed from the end of the first step
                 if tr.step % cfg.train.log_interval == 0 or tr.step == cfg.train.steps or tr.step == start + 1:
                     log(_log_line(rec, cfg.train.steps, time.perf_counter() - t_first, tr.step - start - 1))
+            ckpt.note_step(time.perf_counter() - t_step, first=tr.step == start + 1)
             ckpt.after_step(tr)
             signum = ckpt.stop_requested()
             if signum or tr.step == cfg.train.stop_at_step:
                 ckpt.finish(tr)
                 tr.stopped_by = signal.Signals(signum).name if signum else "train.stop_at_step"
-                log_rank0 = log if is_logger else (lambda *a: None)
-                where = f"; checkpoint {cfg.checkpoint.dir}" if cfg.checkpoint.dir else " (no checkpoint.dir set)"
-                log_rank0(f"megalite: stopped by {tr.stopped_by} at step {tr.step}/{cfg.train.steps}{where}")
+                if is_logger:
+                    log(f"megalite: stopped by {tr.stopped_by} at step {tr.step}/{cfg.train.steps}"
+                        f"{_resume_hint(cfg, ckpt.last_saved)}")
                 break
         else:
             ckpt.finish(tr)
@@ -308,6 +321,19 @@ def train(cfg: Config, log=print, force: bool = False) -> Trainer:
     return tr
 
 
+def _resume_hint(cfg: Config, saved: int) -> str:
+    """Where the stop left its checkpoint, and how to continue (rerunning the command resumes with the default
+    checkpoint.resume=auto; a resume=PATH or =none run needs =auto instead)."""
+    if not cfg.checkpoint.dir:
+        return " (checkpoints are off: checkpoint.dir is empty; nothing was saved)"
+    if saved <= 0:
+        return f"; no checkpoint was saved in {cfg.checkpoint.dir}"
+    again = ("run the same command again" if cfg.checkpoint.resume == "auto" else
+             f"run the same command with --checkpoint.resume=auto instead of '{cfg.checkpoint.resume}'")
+    # (after train.stop_at_step too: a resumed run starts past that step and trains on to train.steps)
+    return f"; checkpoint {Path(cfg.checkpoint.dir) / step_dir(saved)}; to resume, {again}"
+
+
 def _start(cfg: Config, grid: ParallelGrid, device, log, force: bool = False) -> tuple:
     """Data, model, the checkpoint folder's lock, resume: each phase agreed by all ranks (an error on any rank
     stops every rank there, before the next collective). A failure here leaves nothing behind."""
@@ -317,6 +343,8 @@ def _start(cfg: Config, grid: ParallelGrid, device, log, force: bool = False) ->
 
     tr, ckpt = agree(build_all, grid)
     explicit = cfg.checkpoint.resume not in ("", "none", "auto")
+    if ckpt.root is not None and cfg.checkpoint.resume != "none" or explicit:
+        progress(f"looking for a checkpoint to resume (checkpoint.resume={cfg.checkpoint.resume}) and loading it...")
     if explicit:  # only reads: done before anything is created or locked, so a bad PATH writes nothing
         agree(lambda: ckpt.resume(tr), grid)
     ckpt.check_writable(Path(cfg.train.out_dir))
@@ -328,6 +356,16 @@ def _start(cfg: Config, grid: ParallelGrid, device, log, force: bool = False) ->
         ckpt.abandon()
         raise
     return tr, ckpt
+
+
+def progress(msg: str) -> None:
+    """A start-up progress line from rank 0, on stderr: shown when stderr is a terminal (someone is watching a
+    torchrun start) or MEGALITE_PROGRESS=1; never with MEGALITE_PROGRESS=0. Off in pipes and logs by default,
+    so a start-up error stays the one line the error contract promises (README: "The error contract")."""
+    want = os.environ.get("MEGALITE_PROGRESS", "")
+    on = want == "1" if want in ("0", "1") else sys.stderr.isatty()
+    if on and int(os.environ.get("RANK", "0")) == 0:
+        print(f"megalite: {msg}", file=sys.stderr, flush=True)
 
 
 def agree(fn, grid: ParallelGrid):

@@ -10,7 +10,7 @@ import subprocess
 
 from pathlib import Path
 
-from helpers import (CKPT, TORCHRUN, resign, TORCHRUN_TIMEOUT, env, kill_tree, metrics, run, train_cmd, train_in_process,
+from helpers import (CKPT, TORCHRUN, resign, TORCHRUN_TIMEOUT, env, kill_tree, metrics, run, train_in_process,
                      wait_for)
 from megalite.checkpoint.layout import read_latest
 from megalite.checkpoint.verify import verify
@@ -82,25 +82,47 @@ def test_the_bad_input_matrix_under_a_2_process_torchrun(tmp_path, token_file):
     assert (tmp_path / "tiny.toml").read_text().startswith("[model]")  # the symlinked lock's target untouched
 
 
-def test_sigterm_to_the_torchrun_agent_commits_a_checkpoint(tmp_path, token_file):
-    """torchrun 2.13 forwards SIGTERM to every worker, waits for them (TORCH_ELASTIC_SHUTDOWN_TIMEOUT, 30 s),
-    then re-raises the signal as SignalException: the job exits 1 with torchrun's traceback. The workers
-    commit a checkpoint at the next step boundary and exit 0 before that; resuming from it is exact (as from
-    any checkpoint, tests/test_checkpoint_resume.py)."""
+def test_sigterm_to_the_torchrun_agent_mid_slow_step_commits_a_checkpoint(tmp_path, token_file):
+    """Start-up progress lines (MEGALITE_PROGRESS=1) come from rank 0 in order. Then
+    launch/local.sh (torchrun) is sent SIGTERM in the middle of a slow step (3 s, injected from step 3:
+    megalite/faults.py slow_step). torchrun 2.13 forwards it to every worker and SIGKILLs them after its
+    shutdown timeout, which local.sh raises from torch's 30 s to 120 s (TORCH_ELASTIC_SHUTDOWN_TIMEOUT); the
+    workers finish the step, commit it, print one line with the resume command and exit 0; torchrun then
+    re-raises the signal as SignalException (exit 1, its traceback: its code, not megalite's). The checkpoint
+    resumes (here at another layout, in this process). With a grace shorter than the step
+    (TORCH_ELASTIC_SHUTDOWN_TIMEOUT=1) no checkpoint would be committed: the workers are killed mid-step."""
     toml = CKPT.toml(tmp_path / "tiny.toml", token_file, model={"n_layer": 2})
     root, out = tmp_path / "ck", tmp_path / "out"
-    proc = subprocess.Popen(train_cmd(toml, "--parallel.dp=2", "--train.steps=400", f"--checkpoint.dir={root}",
-                                      f"--train.out_dir={out}", nproc=2), env=env(), stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT, text=True)
+    script = Path(__file__).resolve().parents[1] / "launch" / "local.sh"
+    extra = {"NPROC": "2", "MEGALITE_SLOW_STEP_S": "3", "MEGALITE_SLOW_FROM_STEP": "3", "MEGALITE_PROGRESS": "1"}
+    e = {k: v for k, v in env(extra).items() if k != "TORCH_ELASTIC_SHUTDOWN_TIMEOUT"}  # local.sh's default
+    proc = subprocess.Popen(["bash", str(script), "--config", str(toml), "--parallel.dp=2", "--train.steps=400",
+                             f"--checkpoint.dir={root}", f"--train.out_dir={out}"], env=e,
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     try:
         assert wait_for(lambda: (out / "metrics.jsonl").exists() and len(metrics(out)) >= 2, 150, 0.05)
-        proc.send_signal(signal.SIGTERM)  # the agent, not the workers
+        proc.send_signal(signal.SIGTERM)  # the agent (local.sh execs torchrun), while step 3 sleeps
         text, _ = proc.communicate(timeout=150)
     finally:
         kill_tree(proc)
-    m = re.search(r"stopped by SIGTERM at step (\d+)/400", text)
-    assert m, text[-3000:]
-    k = int(m[1])
-    assert read_latest(root) == f"step_{k:08d}" and verify(root)[1] == [], text[-3000:]
-    assert [r["step"] for r in metrics(out)][-1] == k
+    lines = text.splitlines()
+    # start-up progress (on a terminal, or MEGALITE_PROGRESS=1): from rank 0 only, before step 1's line
+    want = ["megalite: starting 2 rank(s) (tp 1, pp 1, dp 2); joining", "megalite: 2 rank(s) joined in ",
+            "megalite: looking for a checkpoint to resume", "megalite: ready after ", "step     1/400"]
+    at = [next((i for i, line in enumerate(lines) if line.startswith(w)), None) for w in want]
+    assert None not in at and at == sorted(at), (at, text[-3000:])
+    assert sum(line.startswith("megalite: starting") for line in lines) == 1, text[-3000:]
+    stops = [line for line in lines if "stopped by" in line]
+    assert len(stops) == 1, text[-3000:]  # rank 0 only
+    assert stops[0] == (f"megalite: stopped by SIGTERM at step 3/400; checkpoint {root / 'step_00000003'}; "
+                        f"to resume, run the same command again"), text[-3000:]
+    assert "WARNING" not in text and "will likely be lost" not in text, text[-3000:]  # 120 s is enough
+    assert read_latest(root) == "step_00000003" and verify(root)[1] == [], text[-3000:]
+    assert [r["step"] for r in metrics(out)][-1] == 3
     assert proc.returncode == 1 and "SignalException" in text, (proc.returncode, text[-3000:])
+    logs = []
+    cfg = CKPT.config(token_file, out, **{"model.n_layer": 2, "train.steps": 400, "train.stop_at_step": 4,
+                                          "checkpoint.dir": str(root)})
+    tr = train_in_process(cfg, log=logs.append)  # dp 2 -> 1: resharded on load
+    assert any(line.startswith(f"resumed from {root / 'step_00000003'} at step 3") for line in logs), logs
+    assert tr.step == 4 and read_latest(root) == "step_00000004"

@@ -9,6 +9,7 @@ instruments the gloo workers install (time inside torch.distributed, bytes saved
 """
 from __future__ import annotations
 
+import functools
 import os
 import shutil
 import statistics
@@ -193,7 +194,9 @@ class StreamTable:
     `text()` renders every row again with `table()`, aligned to the widest cell, for a final copy.
     """
 
-    def __init__(self, headers: list[str], widths: Optional[list[int]] = None, log=print):
+    def __init__(self, headers: list[str], widths: Optional[list[int]] = None, log=None):
+        # flushed: in a pipe (`megalite bench ... | tee`) print alone would hold the rows until the end
+        log = log or functools.partial(print, flush=True)
         self.headers, self.rows, self.log = [str(h) for h in headers], [], log
         hint = list(widths or []) + [0] * (len(headers) - len(widths or []))
         self.widths = [max(len(h), w) for h, w in zip(self.headers, hint)]

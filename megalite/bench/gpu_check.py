@@ -9,6 +9,7 @@ mismatch. `--dry-run` does the same on the CPU with a tiny model in seconds (it 
 from __future__ import annotations
 
 import argparse
+import functools
 import math
 import os
 import sys
@@ -52,7 +53,9 @@ def _same(live: dict, other: dict, what: str, dtype=None) -> list:
     return bad
 
 
-def run(dry_run: bool, config: str, window_s: float, out: Path, log=print) -> int:
+def run(dry_run: bool, config: str, window_s: float, out: Path, log=functools.partial(print, flush=True)) -> int:
+    """Each phase says what it measures before it starts (some take minutes) and its result when done; lines
+    are flushed, so `launch/gpu-check.sh | tee` shows them as they happen."""
     from ..checkpoint import AsyncSaver, load_checkpoint, save_checkpoint
     from ..checkpoint.verify import verify
     from ..config import load_config
@@ -67,6 +70,7 @@ def run(dry_run: bool, config: str, window_s: float, out: Path, log=print) -> in
         log("gpu-check: no CUDA device visible (use --dry-run for the CPU rehearsal)")
         return 2
     log(f"gpu-check: {'DRY RUN on the CPU with a tiny model' if dry_run else torch.cuda.get_device_name()}")
+    log(f"gpu-check: measuring the bf16 matmul rate ({0.5 if dry_run else 10.0:g} s)...")
     peak = matmul_tflops(device, torch.bfloat16, 256 if dry_run else 8192, 0.5 if dry_run else 10.0)
     log(f"1. bf16 matmul: {peak:.2f} TFLOP/s")
 
@@ -76,6 +80,7 @@ def run(dry_run: bool, config: str, window_s: float, out: Path, log=print) -> in
         over += ["--model.n_layer=2", "--model.n_head=2", "--model.n_embd=64", "--model.block_size=32",
                  "--train.global_batch_size=4", "--train.micro_batch_size=2"]
     cfg = load_config(config, over)
+    log("gpu-check: preparing the token file and building the model...")
     prepare(default_corpus_files(max_bytes=200_000 if dry_run else 2_000_000), out / "tokens.bin",
             log=lambda *a: None)
     import torch.distributed as dist
@@ -87,6 +92,7 @@ def run(dry_run: bool, config: str, window_s: float, out: Path, log=print) -> in
     train_step(tr)  # warm-up (allocations, kernels)
     sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
     sync()
+    log(f"gpu-check: measuring training throughput ({window_s:g} s window)...")
     steps, t0 = 0, time.perf_counter()
     while time.perf_counter() - t0 < window_s or steps < 2:
         rec = train_step(tr)
@@ -101,6 +107,7 @@ def run(dry_run: bool, config: str, window_s: float, out: Path, log=print) -> in
         log("gpu-check: FAIL: the loss is not finite")
         return 1
 
+    log("gpu-check: measuring sync and async saves, a load, two conversions; checking every tensor...")
     live = gather_full_model(tr.params, tr.grid)
     problems = []
     t0 = time.perf_counter()

@@ -22,6 +22,29 @@ from .state import seed_everything
 from .verify import verify
 
 
+DEFAULT_SHUTDOWN_TIMEOUT_S = 120  # what launch/*.sh export as TORCH_ELASTIC_SHUTDOWN_TIMEOUT (unless set)
+TORCHRUN_SHUTDOWN_TIMEOUT_S = 30  # torchrun's own default (torch/distributed/launcher/api.py)
+
+
+def signal_grace(cfg) -> tuple:
+    """(seconds, where that number comes from) between a stop signal and the SIGKILL that follows it, or
+    (None, why unknown). checkpoint.signal_grace_s when set; else, under torchrun (whose agent forwards
+    SIGTERM/SIGINT to the workers and SIGKILLs them after its shutdown timeout), the agent's
+    TORCH_ELASTIC_SHUTDOWN_TIMEOUT, which the workers inherit (30 s when unset). A `torchrun --shutdown-timeout`
+    flag is not visible to the workers: state it with checkpoint.signal_grace_s."""
+    if cfg.checkpoint.signal_grace_s > 0:
+        return float(cfg.checkpoint.signal_grace_s), "checkpoint.signal_grace_s"
+    if "TORCHELASTIC_RUN_ID" not in os.environ:
+        return None, "not under torchrun and checkpoint.signal_grace_s not set"
+    raw = os.environ.get("TORCH_ELASTIC_SHUTDOWN_TIMEOUT")
+    if raw is None:
+        return float(TORCHRUN_SHUTDOWN_TIMEOUT_S), "torchrun's default; TORCH_ELASTIC_SHUTDOWN_TIMEOUT is not set"
+    try:
+        return float(int(raw)), f"TORCH_ELASTIC_SHUTDOWN_TIMEOUT={raw}"
+    except ValueError:
+        return None, f"TORCH_ELASTIC_SHUTDOWN_TIMEOUT={raw!r} is not a number"
+
+
 class CheckpointManager:
     def __init__(self, cfg, grid, log=print, force: bool = False):
         from ..config import checkpoint_dir
@@ -38,6 +61,9 @@ class CheckpointManager:
         self._created: list = []  # what check_writable made (folders, the lock file): removed if start-up fails
         self.resumed_from = 0  # the step resumed from (0: fresh)
         self.keep: set = set()  # steps pruning must never delete (see _protect)
+        # How long a stop signal leaves us (see signal_grace) against what a step + a save measured take.
+        self.grace, self.grace_from = signal_grace(cfg)
+        self.step_s, self.save_s, self._save_t0, self._grace_warned = 0.0, None, None, False
 
     # ------------------------------------------------------------ start-up
     def check_writable(self, out_dir: Path) -> None:
@@ -255,6 +281,11 @@ class CheckpointManager:
     # ------------------------------------------------------------ signals
     def install_signal_handlers(self) -> None:
         def handler(signum, frame):
+            if not self._signal and self.grid.rank == 0 and self._too_slow():
+                # said at once (a raw write: safe inside a handler), since the SIGKILL may come before the save
+                os.write(2, (f"megalite: got {signal.Signals(signum).name}: the checkpoint after this step "
+                             f"needs ~{self._need():.0f} s, longer than the {self.grace:g} s before SIGKILL "
+                             f"({self.grace_from}); the work since the last checkpoint will likely be lost\n").encode())
             self._signal = signum
 
         for s in (signal.SIGTERM, signal.SIGINT):
@@ -275,12 +306,40 @@ class CheckpointManager:
             dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self.grid.cpu)
         return int(flag.item())
 
+    def _need(self) -> float:
+        """Seconds from a signal to a committed save, at worst: the rest of a step, then a save."""
+        return self.step_s + (self.save_s or 0.0)
+
+    def _too_slow(self) -> bool:
+        return self.grace is not None and self.root is not None and self.step_s > 0 and self._need() > self.grace
+
+    def note_step(self, seconds: float, first: bool) -> None:
+        """One loop iteration took `seconds` (the first of a launch is not representative: start-up). Once a
+        step (+ a save, once one was measured) is longer than the grace a stop signal leaves, say so once
+        (rank 0), naming the setting to raise."""
+        if not first:
+            self.step_s = max(self.step_s, seconds)
+        if self._grace_warned or not self._too_slow():
+            return
+        self._grace_warned = True
+        if self.grace_from == "checkpoint.signal_grace_s":
+            fix = ("raise the launcher's grace (torchrun --shutdown-timeout or TORCH_ELASTIC_SHUTDOWN_TIMEOUT; "
+                   "SLURM: KillWait, or sbatch --signal) and --checkpoint.signal_grace_s with it")
+        else:
+            fix = (f"raise TORCH_ELASTIC_SHUTDOWN_TIMEOUT before torchrun (launch/*.sh set "
+                   f"{DEFAULT_SHUTDOWN_TIMEOUT_S}; with torchrun --shutdown-timeout S pass --checkpoint.signal_grace_s=S)")
+        save = f" + a checkpoint {self.save_s:.1f} s" if self.save_s is not None else ""
+        self.log(f"WARNING: a step takes up to {self.step_s:.1f} s{save}, more than the {self.grace:g} s a stop "
+                 f"signal leaves before SIGKILL ({self.grace_from}): Ctrl-C or a preemption mid-step would lose "
+                 f"the work since the last checkpoint; {fix}")
+
     # ------------------------------------------------------------ saving
     def save(self, tr, wait: bool = False) -> None:
         if self.root is None or self.last_saved == tr.step:
             return
         if self.saver is not None:
             self._poll()
+        t0 = time.perf_counter()
         try:
             path = save_checkpoint(self.root, tr.step, tr.model, tr.optimizer, self.grid,
                                    config=self.cfg.to_dict(), tokens_seen=tr.tokens_seen,
@@ -290,6 +349,10 @@ class CheckpointManager:
             self._failed(e)
             return
         self.last_saved = tr.step
+        if self.saver is None:
+            self.save_s = time.perf_counter() - t0
+        else:  # in flight: timed when a poll or wait sees it done (an upper bound, to within a step)
+            self._save_t0 = t0
         if path is not None:
             self.log(f"checkpoint: saved {path}")
         if wait:
@@ -306,6 +369,8 @@ class CheckpointManager:
             self.saver.wait() if wait else self.saver.poll()
         except CheckpointError as e:
             self._failed(e)
+        if self._save_t0 is not None and self.saver.thread is None:
+            self.save_s, self._save_t0 = time.perf_counter() - self._save_t0, None
 
     def after_step(self, tr) -> None:
         if self.saver is not None:

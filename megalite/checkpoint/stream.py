@@ -55,7 +55,9 @@ class StreamingWriter:
         blob = json.dumps(header, separators=(",", ":")).encode()
         blob += b" " * (-len(blob) % 8)
         head = len(blob).to_bytes(8, "little") + blob
-        self.f = open(self.path, "wb")
+        # never through a symlink at `path` (it would overwrite whatever it points to): ELOOP instead
+        self.f = os.fdopen(os.open(self.path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | getattr(os, "O_NOFOLLOW", 0),
+                                   0o644), "wb")
         self.f.write(head)
         self.header_crc32c = crc32c(head)
         self.size = len(head) + offset

@@ -10,6 +10,7 @@ from typing import Optional
 import torch
 from einops import EinopsError, rearrange
 
+from ..checkpoint.layout import remove_tree
 from ..checkpoint.stream import StreamingWriter
 from ..config import ACTIVATIONS, ModelConfig, model_from
 from .common import ConvertError, Progress, _full_tensors, _replace, model_partitions
@@ -142,7 +143,7 @@ def hf_config(m: dict) -> dict:
 
 def export_hf(step: Path, man: dict, out: Path, dtype: torch.dtype, progress: Progress) -> Path:
     tmp = out.with_name(out.name + ".tmp-megalite")
-    shutil.rmtree(tmp, ignore_errors=True)
+    remove_tree(tmp)  # a stale folder, or a symlink planted there: unlinked, never followed
     tmp.mkdir(parents=True)
     specs = []
     for name, e in man.model.items():  # shapes only: transforms applied to meta tensors

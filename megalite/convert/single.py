@@ -9,9 +9,9 @@ import torch
 from safetensors import safe_open
 
 from ..checkpoint import manifest as mf
-from ..checkpoint.layout import resolve
+from ..checkpoint.layout import remove_tree, resolve
 from ..checkpoint.stream import StreamingWriter
-from ..config import model_from
+from ..config import model_from, path_kind
 from .common import (DTYPES, ConvertError, Progress, _check_out, _full_tensors, _replace,
                      check_manifest_tensors)
 
@@ -36,6 +36,7 @@ def convert(ckpt, out, dtype: str = "fp32", fmt: str = "megalite", force: bool =
         from .hf import export_hf
         return export_hf(step, man, out, DTYPES[dtype], progress)
     tmp = out.with_name(out.name + ".tmp-megalite")
+    remove_tree(tmp)  # a stale temp file, or a symlink planted there: unlinked, never followed (O_NOFOLLOW below)
     torch_dtype = DTYPES[dtype]
     specs = [(n, list(e.shape), torch_dtype) for n, e in man.model.items()]
     meta = {"format": "pt", "megalite.kind": "model", "megalite.model_config": json.dumps(man.model_config, sort_keys=True),
@@ -59,8 +60,10 @@ def read_model_file(path) -> tuple[dict, Callable[[str], torch.Tensor], list[str
     if p.is_dir():
         from .hf import read_hf_folder
         return read_hf_folder(p)
-    if not p.is_file():
+    if not p.exists() and not p.is_symlink():
         raise ConvertError(f"model '{p}' does not exist")
+    if not p.is_file():
+        raise ConvertError(f"model '{p}' is {path_kind(p)}, expected a safetensors file or an HF GPT-2 folder")
     f = _open_st(p)
     meta = f.metadata() or {}
     if "megalite.model_config" not in meta:
