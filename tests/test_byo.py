@@ -260,6 +260,11 @@ def test_wrong_optimizer_is_refused_and_weights_only_works(adamw_ckpt):
     with pytest.raises(CheckpointError, match=r"optimizer\.class is torch\.optim\.adamw\.AdamW, this optimizer is "
                                               r"torch\.optim\.sgd\.SGD; pass optimizer=None"):
         load_checkpoint(adamw_ckpt, net, torch.optim.SGD(net.parameters(), lr=0.1), grid)
+    from megalite.parallel.data import ShardedAdamW
+    ours = ShardedAdamW(list(net.named_parameters()), grid.tp, grid.dp, zero1=False)
+    with pytest.raises(CheckpointError, match=r"holds the state of a torch.optim optimizer \(torch\.optim\.adamw\."
+                                              r"AdamW\), not of megalite's AdamW; pass optimizer=None"):
+        load_checkpoint(adamw_ckpt, net, ours, grid)
     with torch.no_grad():
         net[0].weight.zero_()
     load_checkpoint(adamw_ckpt, net, None, grid)

@@ -11,6 +11,10 @@
       "checksum": {"algorithm": "crc32c", "block_bytes": 1048576},
       "model":     { "<global name>": TENSOR, ... },        e.g. "blocks.7.attn.qkv.weight"
       "optimizer_state": { "<global name>.exp_avg": TENSOR, "<global name>.exp_avg_sq": TENSOR, ... },
+        a torch.optim optimizer's instead (torch_optim.py): "optimizer": {"type": "torch.optim",
+          "class": "torch.optim.adamw.AdamW", "step": 200, "param_groups": [{"params": [<global names>], "lr": ...}],
+          "scalars": {"<global name>": {"step": {"dtype": "float32", "value": 200.0}}}},
+          "optimizer_state": {"<global name>.optim.<key>": TENSOR, ...}   (key: exp_avg, momentum_buffer, ...)
       "files": { "tp00-pp00-dp00/model.safetensors": {"bytes": 123, "header_crc32c": "89abcdef"},
                  "tp00-pp00-dp00/state.json": {"bytes": 456, "crc32c": "01234567"}, ... }
     }

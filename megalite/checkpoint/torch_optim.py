@@ -14,6 +14,8 @@ with a one-line error naming the parameter and the key.
 """
 from __future__ import annotations
 
+import math
+
 import torch
 import torch.distributed as dist
 
@@ -107,6 +109,7 @@ def describe(named, optimizer, grid) -> tuple[dict, dict]:
         raise CheckpointError(errors[0])
     first = everyone[0][1]
     groups = [{"params": [], **g["hyper"]} for g in first["groups"]]
+    listed = [set() for _ in groups]
     scalars = {}
     for r, (_, d) in enumerate(everyone):
         if d["class"] != first["class"] or len(d["groups"]) != len(groups):
@@ -118,10 +121,13 @@ def describe(named, optimizer, grid) -> tuple[dict, dict]:
                            if g["hyper"].get(key) != first["groups"][k]["hyper"].get(key))
                 raise CheckpointError(f"optimizer param_groups[{k}].{key} is {g['hyper'].get(key)!r} on rank {r} "
                                       f"but {first['groups'][k]['hyper'].get(key)!r} on rank 0")
-            groups[k]["params"] += [n for n in g["params"] if n not in groups[k]["params"]]
+            for n in g["params"]:  # in rank order, each name once (tp/dp replicas list it too)
+                if n not in listed[k]:
+                    listed[k].add(n)
+                    groups[k]["params"].append(n)
         for name, s in d["scalars"].items():
             scalars.setdefault(name, s)  # tp/dp replicas hold the same values
-    steps = [s["step"]["value"] for s in scalars.values() if "step" in s]
+    steps = [s["step"]["value"] for s in scalars.values() if "step" in s and math.isfinite(s["step"]["value"])]
     section = {"type": mf.TORCH_OPTIM, "class": first["class"], "step": int(max(steps, default=0)),
                "param_groups": groups, "scalars": scalars}
     return section, mine["tensors"]
