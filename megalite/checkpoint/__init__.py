@@ -5,6 +5,7 @@
     save.py      per-coordinate writes, atomic commit, keep_last, async saves
     load.py      checks and loads into a model/optimizer at any layout
     reshard.py   reads any region of a global tensor from whichever slices hold it
+    torch_optim.py  any torch.optim optimizer's state, saved and resharded like its parameters
     verify.py    `verify` and `inspect`
 
 The public API (the shape of DeepSpeed's save_checkpoint/load_checkpoint, but a missing checkpoint is an
@@ -12,6 +13,10 @@ error, never a silent None):
 
     save_checkpoint(root, step, model, optimizer, grid, client_state={"epoch": 3})
     info = load_checkpoint(root, model, optimizer, grid)    # info.client_state == {"epoch": 3}
+
+`model` is megalite's GPT stage or any torch.nn.Module (global names: `global_parameters()` if it has one, else
+`named_parameters()`; untagged parameters are replicated, `parallel.tensor.shard` splits one over tp);
+`optimizer` is megalite's ShardedAdamW, any torch.optim optimizer (see torch_optim.py) or None.
 """
 from __future__ import annotations
 
@@ -23,6 +28,7 @@ from .layout import CheckpointError, resolve
 from .load import Loaded, load_into
 from .save import AsyncSaver, collect, manifest_meta, save_collective
 from .state import capture_rng
+from . import torch_optim
 
 __all__ = ["CheckpointError", "save_checkpoint", "load_checkpoint", "resolve", "AsyncSaver", "Loaded"]
 
@@ -44,9 +50,16 @@ def save_checkpoint(root, step: int, model, optimizer, grid, *, scheduler=None, 
     data_state = data_state or {"batch_index": step}
     state = {"step": step, "tokens_seen": tokens_seen, "rng": capture_rng(), "data": data_state,
              "scheduler": scheduler.state_dict() if scheduler is not None else None}
-    pay = collect(_named(model), optimizer, grid, state)
-    meta = manifest_meta(config or {}, grid.layout, getattr(optimizer, "zero1", False), step, tokens_seen,
-                         optimizer, data_state, client_state)
+    if torch_optim.is_torch(optimizer):  # any torch.optim optimizer: its state follows its parameters
+        section, tensors = torch_optim.describe(_named(model), optimizer, grid)
+        pay = collect(_named(model), None, grid, state)
+        torch_optim.add_state(pay, tensors, grid)
+        meta = manifest_meta(config or {}, grid.layout, False, step, tokens_seen, None, data_state, client_state)
+        meta["optimizer"] = section
+    else:  # megalite's ShardedAdamW (ZeRO-1 pieces) or None
+        pay = collect(_named(model), optimizer, grid, state)
+        meta = manifest_meta(config or {}, grid.layout, getattr(optimizer, "zero1", False), step, tokens_seen,
+                             optimizer, data_state, client_state)
     meta["scheduler"] = state["scheduler"]
     if saver is not None:
         saver.submit(Path(root), step, pay, grid, meta, keep_last, keep)

@@ -16,6 +16,7 @@ import torch
 from ..config import model_architecture
 from ..parallel.tensor import partition_of, tp_box, valid_view
 from . import manifest as mf
+from . import torch_optim
 from .layout import STATE_FILE, CheckpointError, coord_dir, resolve
 from .reshard import SliceReader
 from .state import restore_rng
@@ -103,12 +104,20 @@ def load_into(path, params, optimizer, grid, model_cfg: Optional[dict] = None,
         part = partition_of(p)
         entry = entry_for(man.model, name, part.global_shape, step)
         plan.append((name, p, part, entry, tp_box(part, c.tp, L.tp)))
-    if optimizer is not None and not man.optimizer_state:
+    torch_opt = torch_optim.is_torch(optimizer)  # any torch.optim optimizer; else megalite's ShardedAdamW
+    if optimizer is not None and (man.optimizer is None if torch_opt else not man.optimizer_state):
         optimizer = None  # a weights-only checkpoint (from `megalite split`): the optimizer starts fresh
-        warnings.append(f"WARNING: {step} holds no optimizer state (weights only): AdamW moments start from "
-                        f"zero and the optimizer step count from 0")
-    moments = {}
-    if optimizer is not None:
+        warnings.append(f"WARNING: {step} holds no optimizer state (weights only): " + (
+            "the optimizer starts fresh" if torch_opt else "AdamW moments start from zero and the optimizer step "
+                                                            "count from 0"))
+    moments, todo = {}, None
+    if optimizer is not None and torch_opt:
+        todo = torch_optim.plan_load(man, step, plan, optimizer)
+    elif optimizer is not None:
+        if man.optimizer and man.optimizer.get("type") == mf.TORCH_OPTIM:
+            raise CheckpointError(f"{step.name} holds the state of a torch.optim optimizer "
+                                  f"({man.optimizer['class']}), not of megalite's AdamW; pass optimizer=None to "
+                                  f"load the weights only")
         for name, p, part, entry, box in plan:
             for moment in mf.MOMENTS:
                 moments[name, moment] = entry_for(man.optimizer_state, f"{name}.{moment}", part.global_shape, step)
@@ -116,7 +125,7 @@ def load_into(path, params, optimizer, grid, model_cfg: Optional[dict] = None,
     with torch.no_grad():
         for name, p, part, entry, box in plan:
             _fill(valid_view(p.data, part, c.tp, L.tp), lambda out: reader.read(entry, box, out=out))
-        if optimizer is not None:
+        if optimizer is not None and not torch_opt:
             for name, p, part, entry, box in plan:
                 a, b = optimizer.piece_of(name)
                 for moment, store in (("exp_avg", optimizer.exp_avg), ("exp_avg_sq", optimizer.exp_avg_sq)):
@@ -124,6 +133,8 @@ def load_into(path, params, optimizer, grid, model_cfg: Optional[dict] = None,
                     _fill(target, lambda out: reader.read(moments[name, moment], box,
                                                           flat=(a, b) if optimizer.zero1 else None, out=out))
             optimizer.step_count = int(man.optimizer["step"]) if man.optimizer else 0
+    if todo is not None:
+        torch_optim.load(reader, man, todo, optimizer, grid)
     rng = False
     if state is not None and state.get("rng") is not None:  # None after split/reshard: no per-rank stream
         try:

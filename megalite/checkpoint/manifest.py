@@ -11,6 +11,10 @@
       "checksum": {"algorithm": "crc32c", "block_bytes": 1048576},
       "model":     { "<global name>": TENSOR, ... },        e.g. "blocks.7.attn.qkv.weight"
       "optimizer_state": { "<global name>.exp_avg": TENSOR, "<global name>.exp_avg_sq": TENSOR, ... },
+        a torch.optim optimizer's instead (torch_optim.py): "optimizer": {"type": "torch.optim",
+          "class": "torch.optim.adamw.AdamW", "step": 200, "param_groups": [{"params": [<global names>], "lr": ...}],
+          "scalars": {"<global name>": {"step": {"dtype": "float32", "value": 200.0}}}},
+          "optimizer_state": {"<global name>.optim.<key>": TENSOR, ...}   (key: exp_avg, momentum_buffer, ...)
       "files": { "tp00-pp00-dp00/model.safetensors": {"bytes": 123, "header_crc32c": "89abcdef"},
                  "tp00-pp00-dp00/state.json": {"bytes": 456, "crc32c": "01234567"}, ... }
     }
@@ -51,6 +55,13 @@ BLOCK_BYTES = 1 << 20  # checksum granularity: a reader verifies exactly the blo
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 DTYPE_NAMES = {v: k for k, v in DTYPES.items()}
 MOMENTS = ("exp_avg", "exp_avg_sq")
+# A torch.optim optimizer (optimizer.type = TORCH_OPTIM; see torch_optim.py): its per-parameter state tensors are
+# "<name>.optim.<key>" (kind "optim.<key>"), its scalar state and param groups live in the optimizer section.
+TORCH_OPTIM = "torch.optim"
+STATE_KEY = re.compile(r"^[A-Za-z_][A-Za-z0-9_]{0,63}$")  # a torch.optim state or hyperparameter key
+SCALAR_DTYPES = {"float64": torch.float64, "float32": torch.float32, "bfloat16": torch.bfloat16,
+                 "float16": torch.float16, "int64": torch.int64, "int32": torch.int32}
+_CLASS = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z_][A-Za-z0-9_]*){0,15}$")
 _FILE_RE = re.compile(r"^(tp\d{2,}-pp\d{2,}-dp\d{2,})/(" + "|".join(
     re.escape(n) for n in (MODEL_FILE, OPTIM_FILE, STATE_FILE)) + r")$")
 _HEX8 = re.compile(r"^[0-9a-f]{8}$")
@@ -119,7 +130,8 @@ class SliceRef:
 
 @dataclass(frozen=True)
 class TensorEntry:
-    """One global tensor: its name, kind ("model" or an AdamW moment), real dtype, shape, partition, slices."""
+    """One global tensor: its name, kind ("model", an AdamW moment or "optim.<key>"), real dtype, shape,
+    partition, slices."""
     name: str
     kind: str
     dtype: str
@@ -288,13 +300,19 @@ class _Parser:
         model = {n: self.entry("model", n, e, files, block, n_layer, seen)
                  for n, e in self.dict_(self.get(d, "model", "model"), "model").items()}
         optim = {}
+        torch_optim = opt is not None and opt.get("type") == TORCH_OPTIM
+        if torch_optim:
+            self.torch_optimizer(opt, model)
         for n, e in self.dict_(self.get(d, "optimizer_state", "optimizer_state"), "optimizer_state").items():
-            base, _, moment = n.rpartition(".")
-            if moment not in MOMENTS or base not in model:
-                raise CheckpointError(f"{self.where}: optimizer_state entry '{n}' names no model tensor "
-                                      f"'{base}' (missing from 'model'; expected '<model tensor>."
-                                      f"{'|'.join(MOMENTS)}')")
-            entry = self.entry("optimizer_state", n, e, files, block, n_layer, seen, kind=moment)
+            base, kind = state_name(n, torch_optim)
+            expected = "optim.<key>" if torch_optim else "|".join(MOMENTS)
+            if kind is None:
+                raise CheckpointError(f"{self.where}: optimizer_state entry {_short(n)} is not '<model tensor>."
+                                      f"{expected}'" + (" (key: an identifier)" if torch_optim else ""))
+            if base not in model:
+                raise CheckpointError(f"{self.where}: optimizer_state entry {_short(n)} names no model tensor "
+                                      f"{_short(base)} (missing from 'model'; expected '<model tensor>.{expected}')")
+            entry = self.entry("optimizer_state", n, e, files, block, n_layer, seen, kind=kind)
             if entry.shape != model[base].shape:
                 self.fail(f"optimizer_state.{n}.shape", list(entry.shape), f"{list(model[base].shape)} (as '{base}')")
             optim[n] = entry
@@ -303,6 +321,43 @@ class _Parser:
                         self.dict_(d.get("client_state", {}), "client_state"),
                         self.dict_(d.get("scheduler"), "scheduler", optional=True),
                         model, optim, files, block, info)
+
+    def torch_optimizer(self, opt: dict, model: dict) -> None:
+        """The optimizer section of a torch.optim checkpoint (torch_optim.describe writes it):
+        class, param_groups [{"params": [names], <hyperparameter>: JSON value}], scalars {name: {key: {dtype?, value}}}."""
+        cls = opt.get("class")
+        if not isinstance(cls, str) or not _CLASS.match(cls):
+            self.fail("optimizer.class", cls, "a dotted Python class name")
+        groups, grouped = opt.get("param_groups"), set()
+        if not isinstance(groups, list) or not groups:
+            self.fail("optimizer.param_groups", groups, "a non-empty list")
+        for k, g in enumerate(groups):
+            at = f"optimizer.param_groups[{k}]"
+            self.dict_(g, at)
+            names = g.get("params")
+            for n in names if isinstance(names, list) else [None]:
+                if not isinstance(n, str) or n not in model or n in grouped:
+                    self.fail(f"{at}.params", names, "a list of model tensor names, each listed once")
+                grouped.add(n)
+            for key, v in g.items():
+                if not isinstance(key, str) or not STATE_KEY.match(key):
+                    self.fail(f"{at} key", key, "an identifier")
+                if key != "params" and not _hyper_ok(v):
+                    self.fail(f"{at}.{key}", v, "a number, string, boolean, null or a list of them")
+        scalars = self.dict_(opt.get("scalars"), "optimizer.scalars")
+        for name, state in scalars.items():
+            if name not in grouped:
+                self.fail("optimizer.scalars key", name, "a parameter of one of the param groups")
+            for key, rec in self.dict_(state, f"optimizer.scalars.{name}").items():
+                at = f"optimizer.scalars.{name}.{key}"
+                if not isinstance(key, str) or not STATE_KEY.match(key):
+                    self.fail(f"optimizer.scalars.{name} key", key, "an identifier")
+                self.dict_(rec, at)
+                v, dt = rec.get("value"), rec.get("dtype")
+                if isinstance(v, bool) or not isinstance(v, (int, float)) or set(rec) - {"value", "dtype"}:
+                    self.fail(at, rec, "{\"value\": a number} or {\"dtype\": ..., \"value\": a number}")
+                if dt is not None and (dt not in SCALAR_DTYPES or (isinstance(v, float) and "int" in dt)):
+                    self.fail(f"{at}.dtype", dt, f"one of {', '.join(SCALAR_DTYPES)} (a float value: not int)")
 
     def files(self, d: dict, layout: Layout) -> dict:
         coords = {coord_dir(c) for c in layout.coords()}
@@ -390,6 +445,24 @@ class _Parser:
             raise CheckpointError(f"{self.where}: {problems[0]}")
         partition = Partition.from_json(shape, part)
         return TensorEntry(name, kind, dtype, tuple(shape), partition, tuple(slices))
+
+
+def state_name(n: str, torch_optim: bool) -> tuple:
+    """(model tensor name, kind) of an optimizer_state entry name: '<name>.exp_avg' -> (name, 'exp_avg') for
+    megalite's AdamW; '<name>.optim.<key>' -> (name, 'optim.<key>') for torch.optim; (name, None) if neither."""
+    if not isinstance(n, str):
+        return n, None
+    if torch_optim:
+        base, sep, key = n.rpartition(".optim.")
+        return (base, f"optim.{key}") if sep and STATE_KEY.match(key) else (n, None)
+    base, _, moment = n.rpartition(".")
+    return (base, moment) if moment in MOMENTS else (base, None)
+
+
+def _hyper_ok(v, depth: int = 0) -> bool:
+    if v is None or isinstance(v, (bool, int, float)) or (isinstance(v, str) and len(v) <= 200):
+        return True
+    return depth == 0 and isinstance(v, list) and len(v) <= 64 and all(_hyper_ok(x, 1) for x in v)
 
 
 # ---------------------------------------------------------------- tiling

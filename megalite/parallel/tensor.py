@@ -123,10 +123,36 @@ def tag(param: nn.Parameter, partition: Partition) -> nn.Parameter:
 
 
 def partition_of(param: torch.Tensor) -> Partition:
+    """The parameter's tag. An untagged parameter (a plain torch.nn module's) is replicated: its global
+    shape is its local shape, every tp and dp rank holds all of it, and its stage is whichever rank holds it."""
     try:
         return param.partition
     except AttributeError:
-        raise TypeError(f"parameter of shape {tuple(param.shape)} carries no partition tag") from None
+        return Partition(tuple(param.shape))
+
+
+def shard(param: nn.Parameter, dim: int, tp: Axis) -> nn.Parameter:
+    """Split a parameter of your own module across tensor-parallel ranks: the one public way to tag one.
+
+    `param` holds the *whole* tensor (build the full module from the same seed on every rank); this keeps
+    tp rank r's chunk r of `dim` in place (param.data becomes that slice), tags it with its global shape and
+    split dim, and returns it. Do it before creating the optimizer. Checkpoints then store the parameter,
+    and every optimizer state tensor of its shape, as one global tensor that any tp size can load. Untagged
+    parameters are replicated. Your forward does the communication, e.g. copy_to_tp before and
+    gather_from_tp after a Linear split on its output dim (what ColumnParallelLinear does).
+    """
+    if not isinstance(dim, int) or isinstance(dim, bool) or not 0 <= dim < param.dim():
+        raise ValueError(f"shard: dim {dim!r} is not a dim of a parameter of shape {tuple(param.shape)}")
+    if hasattr(param, "partition"):
+        raise ValueError(f"shard: the parameter of shape {tuple(param.shape)} is already tagged "
+                         f"(split on dim {param.partition.dim} with global shape {param.partition.global_shape})")
+    n = param.shape[dim]
+    if n % tp.size:
+        raise ValueError(f"shard: dim {dim} of shape {tuple(param.shape)} ({n}) does not divide by tp = {tp.size}")
+    part = Partition(tuple(param.shape), dim=dim)
+    with torch.no_grad():
+        param.data = param.data[tp_box(part, tp.rank, tp.size).index].clone()
+    return tag(param, part)
 
 
 def valid_view(t: torch.Tensor, p: Partition, tp_rank: int, tp_size: int) -> torch.Tensor:
