@@ -317,7 +317,8 @@ def test_checked_partial_reads_return_the_right_values(base, which):
 def test_read_flat_lands_any_range_and_checks_every_block_it_touches(base, tmp_path):
     """Element ranges of wte (32 blocks of 1 KiB) with a partial block at the head, the tail, both, inside
     one block, or none: the whole blocks land straight in `out`, the partial ones go through the scratch
-    buffer; the values equal the saved tensor's, with and without `out`. A flipped bit in a touched block,
+    buffer; the values equal the saved tensor's, with and without `out`. Strided runs (a column range),
+    read a few blocks at a time, with runs cut by the chunks' edges, equal the tensor's too. A flipped bit in a touched block,
     even in bytes of it outside the range, is refused; one in an untouched block is not read."""
     from megalite.checkpoint.reshard import SliceReader
     want = base["model"].wte.weight.detach().reshape(-1)
@@ -332,6 +333,11 @@ def test_read_flat_lands_any_range_and_checks_every_block_it_touches(base, tmp_p
         got = reader.read_flat(entry, entry.slices[0], lo, hi, out)
         assert torch.equal(got, want[lo:hi]) and torch.equal(out, want[lo:hi]), (lo, hi)
         assert torch.equal(reader.read_flat(entry, entry.slices[0], lo, hi), want[lo:hi]), (lo, hi)
+    for first, stride, run in ((11, 37, 20), (0, 300, 300), (250, 1000, 999), (5, 8, 3)):  # runs cut by chunks
+        n = (want.numel() - first - run) // stride + 1
+        dest = torch.full((n, run), float("nan"))
+        reader._read_runs(entry, entry.slices[0], first, stride, run, n, dest)
+        assert torch.equal(dest, want[first:].as_strided((n, run), (stride, 1))), (first, stride, run)
     step = tmp_path / "src" / base["ck"].name
     shutil.copytree(base["ck"], step)
     flip_key(step, WTE, "wte.weight", 3 * BLOCK + 1)  # block 3, before element 3q+5: the head block's head
