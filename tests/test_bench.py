@@ -21,6 +21,13 @@ def test_bench_ckpt_prints_its_table(tmp_path):
                "megalite convert", "dcp_to_torch_save"):
         assert f"\n{op} " in out, op
     assert "page cache:" in out
+    # each measurement is printed as it is made, before the summary: one row per operation and repeat
+    live, summary = out.split("median s (min-max)")
+    for op in ("megalite save", "megalite async save: blocked", "megalite load, resharded", "DCP load"):
+        assert re.search(rf"\n{re.escape(op)} +1 +\d+\.\d{{3}} ", live), op
+    assert len(re.findall(r"\nmegalite load, resharded +1 ", live)) == 2, "same-layout and resharded loads: ABBA"
+    assert re.search(r"async blocked / sync save: [\d.]+% \(ratio of medians", summary)
+    assert re.search(r"resharded / same-layout load: [\d.]+x \(ratio of medians over 2 loads each", summary)
     assert list(tmp_path.iterdir()) == [], "the benchmark leaves nothing behind"
 
 

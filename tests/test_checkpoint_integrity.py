@@ -314,6 +314,41 @@ def test_checked_partial_reads_return_the_right_values(base, which):
                     assert torch.equal(opt.exp_avg_sq[name], full[a:b] if zero1 else full), (name, tp_rank, dp_rank)
 
 
+def test_read_flat_lands_any_range_and_checks_every_block_it_touches(base, tmp_path):
+    """Element ranges of wte (32 blocks of 1 KiB) with a partial block at the head, the tail, both, inside
+    one block, or none: the whole blocks land straight in `out`, the partial ones go through the scratch
+    buffer; the values equal the saved tensor's, with and without `out`. Strided runs (a column range),
+    read a few blocks at a time, with runs cut by the chunks' edges, equal the tensor's too. A flipped bit in a touched block,
+    even in bytes of it outside the range, is refused; one in an untouched block is not read."""
+    from megalite.checkpoint.reshard import SliceReader
+    want = base["model"].wte.weight.detach().reshape(-1)
+    man = mf.read(base["ck"])
+    entry = man.model["wte.weight"]
+    reader = SliceReader(base["ck"], man)
+    q = BLOCK // 4  # elements per block
+    ranges = [(0, 32 * q), (3 * q + 5, 9 * q + 7), (3 * q + 5, 9 * q), (3 * q, 9 * q + 7), (5, 40), (q - 3, q + 3),
+              (30 * q + 1, 32 * q), (0, 1), (7 * q, 8 * q)]
+    for lo, hi in ranges:
+        out = torch.full((hi - lo,), float("nan"))
+        got = reader.read_flat(entry, entry.slices[0], lo, hi, out)
+        assert torch.equal(got, want[lo:hi]) and torch.equal(out, want[lo:hi]), (lo, hi)
+        assert torch.equal(reader.read_flat(entry, entry.slices[0], lo, hi), want[lo:hi]), (lo, hi)
+    for first, stride, run in ((11, 37, 20), (0, 300, 300), (250, 1000, 999), (5, 8, 3)):  # runs cut by chunks
+        n = (want.numel() - first - run) // stride + 1
+        dest = torch.full((n, run), float("nan"))
+        reader._read_runs(entry, entry.slices[0], first, stride, run, n, dest)
+        assert torch.equal(dest, want[first:].as_strided((n, run), (stride, 1))), (first, stride, run)
+    step = tmp_path / "src" / base["ck"].name
+    shutil.copytree(base["ck"], step)
+    flip_key(step, WTE, "wte.weight", 3 * BLOCK + 1)  # block 3, before element 3q+5: the head block's head
+    flip_key(step, WTE, "wte.weight", 9 * BLOCK + 100)  # block 9, after element 9q+7: the tail block's tail
+    reader = SliceReader(step, man)
+    for lo, hi, block in ((3 * q + 5, 8 * q, 3), (4 * q, 9 * q + 7, 9)):
+        with pytest.raises(CheckpointError, match=rf"fails its checksum \(block {block},"):
+            reader.read_flat(entry, entry.slices[0], lo, hi, torch.empty(hi - lo))
+    assert torch.equal(reader.read_flat(entry, entry.slices[0], 4 * q, 9 * q, torch.empty(5 * q)), want[4 * q:9 * q])
+
+
 def test_partial_read_names_the_file_and_block(base, tmp_path):
     """The defect: one flipped bit in a (1,1,1) checkpoint loaded at tp=2 trained on (loss 1e36, exit 0), and
     `megalite reshard` rewrote the damage with fresh checksums. Now the tp rank that reads it refuses."""

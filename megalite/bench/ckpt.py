@@ -5,6 +5,11 @@ moments, sized so that model + moments are about `size_mb` across all ranks. The
 ones megalite's write plan gives each rank, under rank-unique keys) go through every method. Times
 are wall times between barriers (max over ranks); peak RSS is the highest per-rank VmHWM during the
 operation (reset before it), with the growth over the RSS before it in parentheses.
+
+Each measurement is printed as it is made (a table with one row per operation and repeat), then the
+summary table of medians. Pairs whose ratio is a target are measured next to each other in every repeat:
+the sync and the async save, and the same-layout and resharded loads (twice each, in the order ABBA, BAAB
+on the next repeat), so that a burst of load on a shared machine hits both sides of a ratio alike.
 """
 from __future__ import annotations
 
@@ -22,8 +27,8 @@ from typing import Optional
 from ..checkpoint.layout import resolve
 from ..checkpoint.manifest import read as read_manifest
 
-from . import (CACHE_HOW, drop_page_cache, du, fmt_bytes, peak_rss_mib, read_file, reset_peak_rss, resident_bytes,
-               rss_mib, spread, table, write_file)
+from . import (CACHE_HOW, StreamTable, drop_page_cache, du, fmt_bytes, peak_rss_mib, read_file, reset_peak_rss,
+               resident_bytes, rss_mib, spread, table, write_file)
 
 BLOCK, VOCAB = 1024, 256
 VS_DCP = {"megalite save": "DCP save", "gather + torch.save": "DCP save",
@@ -73,6 +78,22 @@ def _state(mcfg, layout, seed: int):
     return grid, model, opt
 
 
+LIVE = (["operation", "repeat", "s", "GB/s", "peak RSS MiB (+growth)"], [33, 6, 7, 6, 22])
+
+
+def live_table(log=print) -> StreamTable:
+    """The table each measurement is printed to as it is made (flushed: the bench is long)."""
+    def say(line):
+        log(line)
+        sys.stdout.flush()
+    return StreamTable(*LIVE, log=say)
+
+
+def live_row(t: StreamTable, repeat: int, op: str, r: dict, nbytes) -> None:
+    gbs = nbytes / r["s"] / 1e9 if nbytes and r["s"] and not op.endswith("blocked") else None
+    t.row([op, repeat, f"{r['s']:.3f}", None if gbs is None else f"{gbs:.3f}", f"{r['rss']:.0f} (+{r['extra']:.0f})"])
+
+
 def _worker(rank: int, world: int, tmp: str, o: dict) -> None:
     import torch
     import torch.distributed as dist
@@ -88,6 +109,7 @@ def _worker(rank: int, world: int, tmp: str, o: dict) -> None:
     pay = collect(_named(model), opt, grid, {})
     sd = {f"rank{rank}/{f}/{k}": t for f, ts in pay.files.items() for k, t in ts.items()}
     rec, nbytes, rss_after, how, resident = {}, {}, {}, ["none"], []
+    live, repeat = (live_table() if rank == 0 else None), [0]
 
     def reduce_max(values):
         t = torch.tensor(values, dtype=torch.float64)
@@ -129,12 +151,15 @@ def _worker(rank: int, world: int, tmp: str, o: dict) -> None:
             rec.setdefault(name, []).append({"s": secs, "rss": peak, "extra": extra})
             if rank == 0:
                 nbytes[name] = size() if callable(size) else size
+                live_row(live, repeat[0], name, rec[name][-1], nbytes[name])
 
     saver = AsyncSaver()
+    saver.stager.reserve(pay)  # as `megalite train` does at start-up: no save pays the allocation
     clear(root / "disk")
     if rank == 0:  # untimed: the first big write of a run is often much slower than the next ones
         write_file(root / "disk" / "warm-up.bin", total)
     for i in range(o["repeats"]):
+        repeat[0] = i + 1
         disk = root / "disk"
         clear(disk, root / "ml", root / "ml_async", root / "dcp", root / "dcp_async", root / "ts")
         timed("disk write, 1 stream", lambda: write_file(disk / "one.bin", total), total, only0=True)
@@ -146,15 +171,16 @@ def _worker(rank: int, world: int, tmp: str, o: dict) -> None:
         clear(disk)
         timed("megalite save", lambda: save_checkpoint(root / "ml", i + 1, model, opt, grid, config=cfgd),
               lambda: du(root / "ml"))
-        timed("megalite load", lambda: load_checkpoint(root / "ml", model, opt, grid, model_config=o["model"]),
-              lambda: du(root / "ml"), cold=root / "ml")
-        if other:
-            timed("megalite load, resharded", lambda: load_checkpoint(root / "ml", other[1], other[2], other[0],
-                                                                      model_config=o["model"]),
-                  lambda: du(root / "ml"), cold=root / "ml")
         timed("megalite async save", lambda: save_checkpoint(root / "ml_async", i + 1, model, opt, grid,
                                                              config=cfgd, saver=saver),
               lambda: du(root / "ml_async"), after=saver.wait, done="megalite async save: until commit")
+        loads = [("megalite load", lambda: load_checkpoint(root / "ml", model, opt, grid, model_config=o["model"]))]
+        if other:
+            loads.append(("megalite load, resharded", lambda: load_checkpoint(
+                root / "ml", other[1], other[2], other[0], model_config=o["model"])))
+            loads = loads + loads[::-1] if i % 2 == 0 else loads[::-1] + loads  # ABBA, then BAAB
+        for op, fn in loads:
+            timed(op, fn, lambda: du(root / "ml"), cold=root / "ml")
         timed("DCP save", lambda: dcp.save(sd, storage_writer=dcp.FileSystemWriter(str(root / "dcp"))),
               lambda: du(root / "dcp"))
         timed("DCP load", lambda: dcp.load(sd, storage_reader=dcp.FileSystemReader(str(root / "dcp"))),
@@ -212,7 +238,7 @@ print(json.dumps({"s": dt, "rss": peak_rss_mib(), "extra": peak_rss_mib() - base
 """
 
 
-def _convert(root: Path, repeats: int, rec: dict, nbytes: dict) -> None:
+def _convert(root: Path, repeats: int, rec: dict, nbytes: dict, live: StreamTable) -> None:
     """Each conversion in a fresh interpreter, cold cache, so its VmHWM is the conversion's own."""
     out = root / "conv"
     out.mkdir(exist_ok=True)
@@ -228,6 +254,7 @@ def _convert(root: Path, repeats: int, rec: dict, nbytes: dict) -> None:
                 raise RuntimeError(f"bench ckpt: {kind} failed:\n{r.stderr[-3000:]}")
             rec.setdefault(kind, []).append(json.loads(r.stdout.strip().splitlines()[-1]))
             nbytes[kind] = dst.stat().st_size
+            live_row(live, i + 1, kind, rec[kind][-1], nbytes[kind])
             dst.unlink()
 
 
@@ -260,6 +287,13 @@ def _rows(rec: dict, nbytes: dict) -> list[dict]:
     return sorted(rows.values(), key=lambda r: next(i for i, p in enumerate(order) if r["op"].startswith(p)))
 
 
+def paired(rec: dict, op: str, ref: str) -> tuple[float, float, float]:
+    """(median of op / median of ref, min and max of the ratios of the measurements made together)."""
+    a, b = [r["s"] for r in rec[op]], [r["s"] for r in rec[ref]]
+    pairs = [x / y for x, y in zip(a, b)]
+    return spread(a)[0] / spread(b)[0], min(pairs), max(pairs)
+
+
 def format_rows(rows: list[dict]) -> str:
     def f(x, spec):
         return None if x is None else format(x, spec)
@@ -282,13 +316,17 @@ def bench_ckpt(size_mb: float = 1024, world: int = 4, repeats: int = 3, dir: Opt
     if dir is not None:
         Path(dir).mkdir(parents=True, exist_ok=True)
     root = Path(tempfile.mkdtemp(prefix="megalite-bench-ckpt-", dir=dir))
+    log(f"bench ckpt: {world} gloo ranks, {repeats} repeat(s); each measurement as it is made (max over ranks), "
+        f"then the summary:")
+    sys.stdout.flush()
     try:
         opts = {"root": str(root), "model": mcfg, "save_layout": save_layout, "reshard_layout": reshard_layout,
                 "repeats": repeats}
         run_parallel(_worker, world, tmp_dir=root / "run", args=(opts,))
         res = json.loads((root / "run" / "result.json").read_text())
         rec, nbytes = res["rec"], res["bytes"]
-        _convert(root, repeats, rec, nbytes)
+        log("conversions to one file, each in a fresh interpreter:")
+        _convert(root, repeats, rec, nbytes, live_table(log))
         man = read_manifest(resolve(root / "ml"))
         largest = max(e.nbytes for e in man.model.values())
     finally:
@@ -309,12 +347,14 @@ def bench_ckpt(size_mb: float = 1024, world: int = 4, repeats: int = 3, dir: Opt
     for op, xs in res["rss_after"].items():
         log(f"RSS of the largest rank before -> after each of {repeats} '{op}' in a row: {xs[0]:.0f} -> "
             f"{', '.join(f'{x:.0f}' for x in xs[1:])} MiB")
-    blocked, sync = by.get("megalite async save: blocked"), by.get("megalite save")
-    if blocked and sync:
-        log(f"async blocked / sync save: {blocked['median_s'] / sync['median_s']:.1%}")
+    if "megalite async save: blocked" in by:
+        r, lo, hi = paired(rec, "megalite async save: blocked", "megalite save")
+        log(f"async blocked / sync save: {r:.1%} (ratio of medians; {lo:.1%}-{hi:.1%} in the pairs measured "
+            f"together)")
     if "megalite load, resharded" in by:
-        ratio = by["megalite load, resharded"]["median_s"] / by["megalite load"]["median_s"]
-        log(f"resharded / same-layout load: {ratio:.2f}x")
+        r, lo, hi = paired(rec, "megalite load, resharded", "megalite load")
+        log(f"resharded / same-layout load: {r:.2f}x (ratio of medians over {len(rec['megalite load'])} loads "
+            f"each, interleaved; {lo:.2f}-{hi:.2f}x in the pairs measured together)")
     for kind in ("megalite convert", "dcp_to_torch_save"):
         r = rec[kind][-1]
         log(f"{kind}: peak RSS {max(x['rss'] for x in rec[kind]):.0f} MiB = {r['base']:.0f} MiB after imports "

@@ -110,9 +110,13 @@ class SliceReader:
         want = [s.stop - s.start for s in region] if region is not None else shape
         if not lands_in(out, dtype, math.prod(want)):
             out = None
+
+        def one_run(lo: int, n: int) -> torch.Tensor:
+            got = self.read_flat(entry, sl, lo, lo + n, None if out is None else out.view(-1))
+            return out if out is not None and got.data_ptr() == out.data_ptr() else got.view(want)
+
         if region is None or list(want) == list(shape):
-            got = self.read_flat(entry, sl, 0, sl.numel, None if out is None else out.view(-1))
-            return out if out is not None and got.data_ptr() == out.data_ptr() else got.view(shape)
+            return one_run(0, sl.numel)
         st = _strides(shape)
         k = len(shape)  # dims k.. are whole: each index of dims < k-1 is one contiguous run
         while region[k - 1].start == 0 and region[k - 1].stop == shape[k - 1]:
@@ -130,23 +134,73 @@ class SliceReader:
                     part.copy_(got)
             return dest.view(want)
         lo = sum(s.start * k_ for s, k_ in zip(region, st))  # the first and last element the region touches
+        if not outer:  # one contiguous run (whole rows): straight into `out` when given
+            return one_run(lo, run)
+        if len(outer) == 1:  # many short runs (a column range of a matrix): chunk by chunk, while cached
+            dest = out if out is not None else torch.empty(want, dtype=dtype)
+            self._read_runs(entry, sl, lo, st[0], run, len(outer[0]), dest.view(len(outer[0]), run))
+            return dest
         hi = sum((s.stop - 1) * k_ for s, k_ in zip(region, st)) + 1
         return self.read_flat(entry, sl, lo, hi).as_strided(want, st)
 
     def read_flat(self, entry: TensorEntry, sl: SliceRef, lo: int, hi: int,
                   out: Optional[torch.Tensor] = None) -> torch.Tensor:
         """Elements [lo, hi) of the stored slice (row-major), reading and checking only the blocks they
-        touch. Lands in `out` (returned) when it is a contiguous CPU tensor of the dtype and size and the
-        range is block-aligned; else the result is a view of the scratch buffer (valid until the next read)."""
+        touch, each once. Lands in `out` (returned) when it is a contiguous CPU tensor of the dtype and size:
+        the whole blocks inside the range are read straight into it and checked there, the partial blocks
+        at either end through the scratch buffer. Without such an `out` the result is a view of the scratch
+        buffer (valid until the next read)."""
         header, start = self.header(sl.file)
         h = check_key(self.dir, header, entry, sl)
         isz, B, dtype = entry.itemsize, self.man.block_bytes, entry.torch_dtype
-        offset = start + h["data_offsets"][0]
-        blo, bhi = lo * isz // B * B, min(-(-hi * isz // B) * B, sl.numel * isz)
-        direct = lands_in(out, dtype, hi - lo) and (blo, bhi) == (lo * isz, hi * isz)
-        buf = out if direct else self._scratch(bhi - blo).view(dtype)
-        self._read(entry, sl, offset, blo, raw_bytes(buf))
-        return buf if direct else buf[lo - blo // isz:hi - blo // isz]
+        offset, end = start + h["data_offsets"][0], sl.numel * isz
+        a, b = lo * isz, hi * isz  # the bytes wanted; blocks are [kB, min((k+1)B, end))
+        ia = a if a % B == 0 else min(a // B * B + B, end)  # whole blocks inside [a, b): [ia, ib)
+        ib = b if b % B == 0 or b == end else b // B * B
+        into = lands_in(out, dtype, hi - lo)
+        if not into or ib <= ia:  # no whole block inside: all through the scratch buffer
+            blo, bhi = a // B * B, min(-(-b // B) * B, end)
+            buf = self._scratch(bhi - blo).view(dtype)
+            self._read(entry, sl, offset, blo, raw_bytes(buf))
+            got = buf[lo - blo // isz:hi - blo // isz]
+            return out.copy_(got) if into else got
+        dst = raw_bytes(out)
+        if a < ia:  # the head block: read whole, checked, its tail copied in
+            head = raw_bytes(self._scratch(ia - a // B * B))
+            self._read(entry, sl, offset, a // B * B, head)
+            dst[:ia - a] = head[a % B:]
+        self._read(entry, sl, offset, ia, dst[ia - a:ib - a])
+        if ib < b:  # the tail block
+            tail = raw_bytes(self._scratch(min(ib + B, end) - ib))
+            self._read(entry, sl, offset, ib, tail)
+            dst[ib - a:] = tail[:b - ib]
+        return out
+
+    def _read_runs(self, entry: TensorEntry, sl: SliceRef, first: int, stride: int, run: int, n: int,
+                   dest: torch.Tensor) -> None:
+        """Runs i < n of `run` elements starting at element first + i * stride of the stored slice, into the
+        rows of `dest` (n, run). The blocks they span are read and checked a few at a time (each once) into
+        the scratch buffer, and the runs' parts in each chunk copied out while it is in the CPU's cache."""
+        header, start = self.header(sl.file)
+        h = check_key(self.dir, header, entry, sl)
+        isz, B, dtype = entry.itemsize, self.man.block_bytes, entry.torch_dtype
+        offset, end = start + h["data_offsets"][0], sl.numel * isz
+        lo, hi = first * isz // B * B, min(-(-(first + (n - 1) * stride + run) * isz // B) * B, end)
+        chunk = max(4 * B, -(-run * isz // B) * B + B)  # a run spans at most two chunks
+        for ca in range(lo, hi, chunk):
+            cb = min(ca + chunk, hi)
+            buf = self._scratch(cb - ca).view(dtype)
+            self._read(entry, sl, offset, ca, raw_bytes(buf))
+            e0, e1 = ca // isz, cb // isz  # elements in this chunk
+            ia = max(0, (e0 - first - run) // stride + 1)  # runs [ia, ib) meet the chunk,
+            ib = min(n, (e1 - 1 - first) // stride + 1)
+            fa = max(ia, -(-(e0 - first) // stride))  # runs [fa, fb) lie inside it
+            fb = min(ib, (e1 - run - first) // stride + 1)
+            if fa < fb:
+                dest[fa:fb].copy_(buf[first + fa * stride - e0:].as_strided((fb - fa, run), (stride, 1)))
+            for i in [*range(ia, min(fa, ib)), *range(max(fb, ia, fa), ib)]:  # cut by the chunk's edges
+                a, b = max(first + i * stride, e0), min(first + i * stride + run, e1)
+                dest[i, a - first - i * stride:b - first - i * stride].copy_(buf[a - e0:b - e0])
 
     def _scratch(self, nbytes: int) -> torch.Tensor:
         """A reused staging buffer (fresh allocations of this size would page-fault on every read)."""

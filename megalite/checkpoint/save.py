@@ -373,7 +373,9 @@ def manifest_meta(cfg_dict: dict, layout, zero1: bool, step: int, tokens_seen: i
 
 
 class AsyncSaver:
-    """At most one save in flight: the caller blocks only for staging; writing and commit run in a thread.
+    """At most one save in flight: the caller blocks only for staging (one copy of each tensor into a reused
+    host buffer); everything else (the checksums, the writes, the commit) runs in a thread, on the bytes
+    of those buffers, which nothing touches until the next `submit` has waited for that thread.
 
     A failure in the thread is kept and raised by the next `poll()`/`wait()` in the training loop.
     """
@@ -390,6 +392,8 @@ class AsyncSaver:
 
         def run():
             try:
+                if grid.layout.world_size > 1:  # write once every rank has its copy: ranks sharing a host's
+                    dist.barrier(group=grid.aux)  # cores never slow another rank's staging with their writes
                 self.last = save_collective(root, step, staged, grid, meta, keep_last, keep)
             except BaseException as e:  # noqa: BLE001
                 self.error = e
