@@ -50,6 +50,9 @@ def test_chunks_follow_megatrons_assignment():
     assert chunk_layers(4, 2, 1) == [[range(0, 2)], [range(2, 4)]]  # vpp 1: today's contiguous stages
     # uneven: 5 layers in 4 groups -> the first group gets the extra layer
     assert chunk_layers(5, 2, 2) == [[range(0, 2), range(3, 4)], [range(2, 3), range(4, 5)]]
+    # too many chunks for the layers: Layout.validate's one-line error, naming both knobs
+    with pytest.raises(ValueError, match=r"^parallel.vpp \* parallel.pp = 8 is larger than model.n_layer = 6 "):
+        chunk_layers(6, 4, 2)
 
 
 @pytest.mark.parametrize("n_layer,pp,vpp", [(8, 2, 2), (8, 4, 2), (4, 2, 2), (12, 3, 2), (7, 2, 3), (6, 3, 1)])
