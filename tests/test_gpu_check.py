@@ -11,9 +11,10 @@ def test_gpu_check_dry_run_passes(tmp_path):
     p = run(["bash", SCRIPT, "--dry-run", "--window", "0.5", "--dir", tmp_path], timeout=240)
     assert p.returncode == 0, p.stdout + p.stderr
     out = p.stdout
-    for line in ("DRY RUN", "1. bf16 matmul:", "TFLOP/s", "2. train 2x64 bf16 (1,1,1)", "tokens/s", "MFU",
-                 "3. checkpoint from cpu memory: sync save", "async save stall", "verify ok",
-                 "4. gpu-check: all checks passed"):
+    for line in ("DRY RUN", "\ncheck  ", "\n1. bf16 matmul (256x256) ", " TFLOP/s\n",
+                 "\n2. train 2x64 bf16 (1,1,1), ", " tokens/s\n", "\n2. MFU ", "\n3. sync save from cpu memory ",
+                 "\n3. async save stall (pinned staging) ", " ms\n", "\n3. load (async checkpoint) ",
+                 "\n3. verify both; load, fp32 and bf16 files vs live ", " ok\n", "\ngpu-check: all checks passed"):
         assert line in out, (line, out)
 
 

@@ -67,8 +67,11 @@ def run(dry_run: bool, config: str, window_s: float, out: Path, log=print) -> in
         log("gpu-check: no CUDA device visible (use --dry-run for the CPU rehearsal)")
         return 2
     log(f"gpu-check: {'DRY RUN on the CPU with a tiny model' if dry_run else torch.cuda.get_device_name()}")
-    peak = matmul_tflops(device, torch.bfloat16, 256 if dry_run else 8192, 0.5 if dry_run else 10.0)
-    log(f"1. bf16 matmul: {peak:.2f} TFLOP/s")
+    from . import StreamTable
+    t = StreamTable(["check", "measured"], [48, 16], log=log)  # each row printed when measured
+    n = 256 if dry_run else 8192
+    peak = matmul_tflops(device, torch.bfloat16, n, 0.5 if dry_run else 10.0)
+    t.row([f"1. bf16 matmul ({n}x{n})", f"{peak:.2f} TFLOP/s"])
 
     over = [f"--train.out_dir={out / 'run'}", "--train.precision=bf16", "--parallel.tp=1", "--parallel.pp=1",
             "--parallel.dp=1", f"--data.path={out / 'tokens.bin'}"]
@@ -95,8 +98,10 @@ def run(dry_run: bool, config: str, window_s: float, out: Path, log=print) -> in
     dt = time.perf_counter() - t0
     tok_s = steps * cfg.train.global_batch_size * cfg.model.block_size / dt
     mfu = tok_s * flops_per_token(cfg.model) / (peak * 1e12)
-    log(f"2. train {cfg.model.n_layer}x{cfg.model.n_embd} bf16 (1,1,1): {steps} steps in {dt:.1f} s, "
-        f"{tok_s:,.0f} tokens/s, MFU {mfu:.1%} of the measured bf16 matmul rate, loss {rec['loss']:.3f}")
+    t.row([f"2. train {cfg.model.n_layer}x{cfg.model.n_embd} bf16 (1,1,1), {steps} steps in {dt:.1f} s",
+           f"{tok_s:,.0f} tokens/s"])
+    t.row(["2. MFU (6N + 12LhT flops/token vs step 1's rate)", f"{mfu:.1%}"])
+    t.row(["2. loss after the window", f"{rec['loss']:.3f}"])
     if not math.isfinite(rec["loss"]):
         log("gpu-check: FAIL: the loss is not finite")
         return 1
@@ -106,33 +111,37 @@ def run(dry_run: bool, config: str, window_s: float, out: Path, log=print) -> in
     t0 = time.perf_counter()
     save_checkpoint(out / "ckpt-sync", tr.step, tr.model, tr.optimizer, grid, config=cfg.to_dict())
     t_sync = time.perf_counter() - t0
+    t.row([f"3. sync save from {device.type} memory", f"{t_sync:.2f} s"])
     saver = AsyncSaver()
     t0 = time.perf_counter()
     save_checkpoint(out / "ckpt-async", tr.step, tr.model, tr.optimizer, grid, config=cfg.to_dict(), saver=saver)
     stall = time.perf_counter() - t0
     saver.wait()
     t_async = time.perf_counter() - t0
+    t.row(["3. async save stall (pinned staging)", f"{stall * 1000:.0f} ms"])
+    t.row(["3. async save until commit", f"{t_async:.2f} s"])
     fresh = build(cfg, grid, device)
     t0 = time.perf_counter()
     load_checkpoint(out / "ckpt-async", fresh.model, fresh.optimizer, grid)
     sync()
     t_load = time.perf_counter() - t0
+    t.row(["3. load (async checkpoint)", f"{t_load:.2f} s"])
     problems += _same(live, gather_full_model(fresh.params, fresh.grid), "load")
     for root in ("ckpt-sync", "ckpt-async"):
         problems += [f"verify {root}: {p}" for p in verify(out / root)[1]]
     t0 = time.perf_counter()
     f32 = convert(out / "ckpt-sync", out / "model-fp32.safetensors", quiet=True)
     t_conv = time.perf_counter() - t0
+    t.row(["3. convert to one fp32 file", f"{t_conv:.2f} s"])
     f16 = convert(out / "ckpt-async", out / "model-bf16.safetensors", dtype="bf16", quiet=True)
     problems += _same(live, load_file(f32), "convert fp32")
     problems += _same(live, load_file(f16), "convert bf16", dtype=torch.bfloat16)
-    log(f"3. checkpoint from {device.type} memory: sync save {t_sync:.2f} s; async save stall {stall * 1000:.0f} ms, "
-        f"until commit {t_async:.2f} s; load {t_load:.2f} s; convert (fp32) {t_conv:.2f} s; "
-        f"verify {'ok' if not any(p.startswith('verify') for p in problems) else 'FAILED'}")
+    t.row(["3. verify both; load, fp32 and bf16 files vs live",
+           "ok" if not problems else f"FAILED ({len(problems)})"])
     if problems:
         log("gpu-check: FAIL:\n  " + "\n  ".join(problems[:20]))
         return 1
-    log("4. gpu-check: all checks passed")
+    log("gpu-check: all checks passed")
     return 0
 
 
