@@ -41,7 +41,7 @@ def test_bench_train_prints_its_tables(tmp_path):
     for kind in ("wait", "model"):
         for vpp, m in ((1, 4), (1, 8), (2, 4), (2, 8)):
             assert re.search(rf"\n{kind} +2 +{vpp} +{m} ", out), (kind, vpp, m)
-    assert "t_f = 2.0 ms" in out and "below 1F1B" in out
+    assert "t_f = 2.0 ms at pp 2 per stage forward" in out and "below 1F1B" in out
     for rc in ("none", "selective", "full"):
         for sp in ("off", "on"):
             assert re.search(rf"\n2 +{rc} +{sp} .* 1\.000 ", out), (rc, sp)

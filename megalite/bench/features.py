@@ -177,12 +177,13 @@ def bench_features(o: dict, worlds: list, run_single, parts=("memory", "interlea
                        f"{r['idle'] - r['theory']:+.1%}", f"{r['plain_idle']:.1%}",
                        ("yes" if r["idle"] < r["plain_idle"] else "NO") if r["vpp"] > 1 else "-",
                        f"{r['idle_own']:.1%}", f"{r['step_ms']:.0f}", ideal and f"{ideal:.0f}"])
-        wait = [r for r in out["interleaved"] if r["kind"] == "wait"]
-        if wait:
+        t_f = {r["pp"]: r["t_f_ms"] for r in out["interleaved"] if r["kind"] == "wait"}
+        if t_f:
             how = ("set by --bubble-wait-ms" if o.get("wait_ms") is not None else
                    f"the model's busy time per micro-batch / 3, at least {bubble_mod.MIN_WAIT_S * 1000:.0f} ms")
-            log(f"wait rows: t_f = {wait[0]['t_f_ms']:.1f} ms per stage forward per micro-batch ({how}); ideal step "
-                f"= (V*m + pp-1) * 3 t_f / V; host load average {os.getloadavg()[0]:.1f} on {os.cpu_count()} cores")
+            log(f"wait rows: t_f = {', '.join(f'{v:.1f} ms at pp {k}' for k, v in t_f.items())} per stage forward "
+                f"per micro-batch ({how}); ideal step = (V*m + pp-1) * 3 t_f / V; host load average "
+                f"{os.getloadavg()[0]:.1f} on {os.cpu_count()} cores")
     if "overlap" in parts:
         log("\n6. exposed dp gradient reduction: time waiting in GradBuffer.finish() / step time (median step, "
             "slowest rank)")
