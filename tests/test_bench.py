@@ -33,7 +33,7 @@ def test_bench_ckpt_prints_its_table(tmp_path):
 
 def test_bench_train_prints_its_tables(tmp_path):
     out = _run("train", "--steps", "2", "--nproc", "2", "--n-embd", "32", "--block-size", "32", "--rounds", "1",
-               cwd=tmp_path)
+               "--bubble-wait-ms", "2", cwd=tmp_path)
     assert "megalite / plain tokens/s" in out
     for header in ("tokens/s", "idle measured", "theory", "saved activations", "tp,pp,dp", "comm"):
         assert header in out, header
@@ -44,6 +44,11 @@ def test_bench_train_prints_its_tables(tmp_path):
     for header in ("4. activation bytes", "measured/formula", "5. interleaved 1F1B", "6. exposed dp gradient",
                    "overlap_grad_reduce", "7. precision", "\nbf16 "):
         assert header in out, header
+    # table 5: the real schedule with sleeping chunks ("wait") and the real model, V = 1 and 2, m = 4 and 8
+    for kind in ("wait", "model"):
+        for vpp, m in ((1, 4), (1, 8), (2, 4), (2, 8)):
+            assert re.search(rf"\n{kind} +2 +{vpp} +{m} ", out), (kind, vpp, m)
+    assert "t_f = 2.0 ms at pp 2 per stage forward" in out and "below 1F1B" in out
     for rc in ("none", "selective", "full"):
         for sp in ("off", "on"):
             assert re.search(rf"\n2 +{rc} +{sp} .* 1\.000 ", out), (rc, sp)

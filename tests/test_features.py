@@ -50,6 +50,9 @@ def test_chunks_follow_megatrons_assignment():
     assert chunk_layers(4, 2, 1) == [[range(0, 2)], [range(2, 4)]]  # vpp 1: today's contiguous stages
     # uneven: 5 layers in 4 groups -> the first group gets the extra layer
     assert chunk_layers(5, 2, 2) == [[range(0, 2), range(3, 4)], [range(2, 3), range(4, 5)]]
+    # too many chunks for the layers: Layout.validate's one-line error, naming both knobs
+    with pytest.raises(ValueError, match=r"^parallel.vpp \* parallel.pp = 8 is larger than model.n_layer = 6 "):
+        chunk_layers(6, 4, 2)
 
 
 @pytest.mark.parametrize("n_layer,pp,vpp", [(8, 2, 2), (8, 4, 2), (4, 2, 2), (12, 3, 2), (7, 2, 3), (6, 3, 1)])
@@ -140,3 +143,22 @@ def test_inspect_names_an_interleaved_stages_layer_runs():
     from megalite.checkpoint.verify import _span
     rank0 = [i for chunk in chunk_layers(8, 2, 2)[0] for i in chunk]
     assert _span(rank0) == "0-1,4-5" and _span([2, 3]) == "2-3" and _span([]) == "-"
+
+
+def test_bubble_idle_counts_the_common_window_as_the_formula_does():
+    """megalite.bench.bubble.idle_of by hand: rank 0 runs 0..10 s with 2 s in torch.distributed, rank 1 runs
+    1..8 s with 3 s: the window is 10 s, busy 8 s and 4 s, idle (2 + 6) / 20 = 0.4; the older own-window measure
+    (2/10 + 3/7) / 2 misses rank 1's idle head and tail. The shortest step counts; plain 1F1B's idle sits beside V = 2."""
+    from megalite.bench.bubble import idle_of, summarise
+    step = [[(0.0, 10.0, 2.0)], [(1.0, 8.0, 3.0)]]
+    r = idle_of(step)
+    assert r["idle"] == pytest.approx(0.4) and r["step_ms"] == pytest.approx(10_000)
+    assert r["idle_own"] == pytest.approx((2 / 10 + 3 / 7) / 2)
+    # three steps: the one with the shortest window (9 s) is the one counted: busy 9 - 1 and 7 - 3 -> idle 1/3
+    three = idle_of([[(0.0, 10.0, 2.0), (0.0, 9.0, 1.0), (0.0, 12.0, 9.0)], [(1.0, 8.0, 3.0)] * 3])
+    assert three["idle"] == pytest.approx((1 / 9 + 5 / 9) / 2) and three["step_ms"] == pytest.approx(9000)
+    rows = [[{"kind": "wait", "pp": 2, "vpp": v, "m": 4, "t_f": 0.02, "steps": s[0]} for v, s in ((1, step), (2, step))],
+            [{"kind": "wait", "pp": 2, "vpp": v, "m": 4, "t_f": 0.02, "steps": s[1]} for v, s in ((1, step), (2, step))]]
+    out = summarise(rows)
+    assert [x["theory"] for x in out] == pytest.approx([1 / 5, 1 / 9])
+    assert out[1]["plain_idle"] == out[0]["idle"] and out[1]["t_f_ms"] == pytest.approx(20)

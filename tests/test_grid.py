@@ -122,10 +122,16 @@ def test_partition_layers():
             _check_partition(n_layer, pp, partition_layers(n_layer, pp))
 
 
-@pytest.mark.parametrize("n_layer,pp", [(2, 3), (4, 5), (1, 2), (4, 0)])
-def test_partition_layers_errors(n_layer, pp):
-    with pytest.raises(ValueError, match="pipeline stages"):
+@pytest.mark.parametrize("n_layer,pp,says", [(2, 3, "parallel.pp = 3 is larger than model.n_layer = 2"),
+                                             (4, 5, "parallel.pp = 5 is larger than model.n_layer = 4"),
+                                             (1, 2, "parallel.pp = 2 is larger than model.n_layer = 1"),
+                                             (4, 0, "parallel.pp = 0: must be a positive integer")])
+def test_partition_layers_errors(n_layer, pp, says):
+    """partition_layers asks Layout.validate (the one definition of a valid layout): its one-line error."""
+    from megalite.parallel.grid import LayoutError
+    with pytest.raises(LayoutError) as e:
         partition_layers(n_layer, pp)
+    assert str(e.value).startswith(says) and "\n" not in str(e.value), str(e.value)
 
 
 def test_num_warmup_microbatches():

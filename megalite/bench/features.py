@@ -4,8 +4,9 @@
    sequence parallelism off / on at tp = 2 and 4: measured with saved_tensors_hooks (distinct storages,
    parameters excluded) next to Korthikanti et al. (2022)'s per-layer count adapted to our kernels
    (`layer_activation_bytes`).
-5. Bubble of the interleaved 1F1B schedule (vpp = 2) against plain 1F1B at pp = 2 and 4, m = 4 and 8:
-   idle = time inside torch.distributed calls / schedule time, mean over stages, vs (pp-1)/(V*m + pp-1).
+5. Bubble of the interleaved 1F1B schedule (vpp = 2) against plain 1F1B at pp = 2 and 4, m = 4 and 8, measured
+   over the step's common window, on the real model and with each chunk's compute replaced by a calibrated
+   sleep (bubble.py), vs (pp-1)/(V*m + pp-1).
 6. Exposed data-parallel communication with and without overlap_grad_reduce: the time the step waits in
    GradBuffer.finish() (all of the reduction without overlap; what is left of it with) over the step time.
 7. bf16 autocast vs fp32 tokens/s at (1,1,1) on this machine's CPU.
@@ -19,7 +20,8 @@ import time
 
 import torch
 
-from . import SavedBytes, patch_dist, table
+from . import SavedBytes, StreamTable, patch_dist
+from . import bubble as bubble_mod
 
 
 # ---------------------------------------------------------------- 4. activation memory
@@ -71,57 +73,6 @@ def _cfg(o: dict, layout, micro: int, batch: int, **parallel):
                              "data": {"path": o["data"]}})
 
 
-class _Timed:
-    """Replace `holder[key]` (a dict entry or a module attribute) by a wrapper that adds each call's wall
-    time and its time inside torch.distributed (acc[0], see patch_dist) to .spent."""
-
-    def __init__(self, holder, key, acc):
-        self.holder, self.key, self.acc, self.spent = holder, key, acc, [0.0, 0.0]
-        get = holder.get if isinstance(holder, dict) else lambda k: getattr(holder, k)
-        self.inner = get(key)
-
-    def __call__(self, *a, **k):
-        c0, t0 = self.acc[0], time.perf_counter()
-        try:
-            return self.inner(*a, **k)
-        finally:
-            self.spent[0] += time.perf_counter() - t0
-            self.spent[1] += self.acc[0] - c0
-
-    def _put(self, value):
-        if isinstance(self.holder, dict):
-            self.holder[self.key] = value
-        else:
-            setattr(self.holder, self.key, value)
-
-    def __enter__(self):
-        self._put(self)
-        return self
-
-    def __exit__(self, *exc):
-        self._put(self.inner)
-
-
-def _bubble(o: dict, world: int, acc: list) -> list:
-    """Plain (vpp 1) and interleaved (vpp 2) 1F1B at pp = world: idle share of the schedule, per stage."""
-    from .. import train as train_mod
-    from ..parallel.grid import Layout, ParallelGrid
-    grid = ParallelGrid.create(Layout(1, world, 1))
-    model = {**o["model"], "n_layer": max(o["model"]["n_layer"], 2 * world)}  # every chunk needs a layer
-    rows = []
-    for vpp in (1, 2):
-        for m in [m for m in o["ms"] if m % world == 0 and m >= 4]:  # interleaving needs m % pp == 0
-            tr = train_mod.build(_cfg({**o, "model": model}, (1, world, 1), o["micro"], o["micro"] * m, vpp=vpp),
-                                 grid, torch.device("cpu"))
-            with (_Timed(train_mod, "interleaved", acc) if vpp > 1 else _Timed(train_mod.SCHEDULES, "1f1b", acc)) as t:
-                train_mod.train_step(tr)  # warm-up
-                t.spent[:] = [0.0, 0.0]
-                for _ in range(o["steps"]):
-                    train_mod.train_step(tr)
-            rows.append({"pp": world, "vpp": vpp, "m": m, "stage": grid.coord.pp, "idle": t.spent[1] / t.spent[0]})
-    return rows
-
-
 def _overlap(o: dict, layouts: list) -> list:
     from .. import train as train_mod
     from ..parallel.grid import Layout, ParallelGrid
@@ -150,98 +101,128 @@ def _overlap(o: dict, layouts: list) -> list:
     return rows
 
 
-def _worker(rank: int, world: int, tmp: str, o: dict) -> None:
+def _worker(rank: int, world: int, tmp: str, o: dict, part: str) -> None:
+    """One table's measurements on `world` gloo ranks; rank 0 writes every rank's rows to features-<part>-<world>.json."""
     import torch.distributed as dist
     from ..config import ModelConfig
     from ..parallel.grid import Layout, ParallelGrid
-    acc = [0.0]
-    out = {"memory": [], "bubble": [], "overlap": []}
-    grid = ParallelGrid.create(Layout(world, 1, 1))
-    mcfg = ModelConfig(**o["model"])
-    for recompute in ("none", "selective", "full"):
-        for sp in (False, True):
-            out["memory"].append({"tp": world, "recompute": recompute, "sp": sp,
-                                  "bytes": _measure_layer(grid, mcfg, o["micro"], sp, recompute)})
+    acc, out = [0.0], []
+    if part == "memory":
+        grid = ParallelGrid.create(Layout(world, 1, 1))
+        out = [{"tp": world, "recompute": rc, "sp": sp, "bytes": _measure_layer(grid, ModelConfig(**o["model"]),
+                                                                                 o["micro"], sp, rc)}
+               for rc in ("none", "selective", "full") for sp in (False, True)]
     patch_dist(acc)
-    out["bubble"] = _bubble(o, world, acc)
-    out["overlap"] = _overlap(o, o["overlap_layouts"].get(str(world), []))
+    if part == "bubble":
+        out = bubble_mod.measure(o, world, acc, _cfg)
+    elif part == "overlap":
+        out = _overlap(o, o["overlap_layouts"].get(str(world), []))
     everyone = [None] * world
     dist.all_gather_object(everyone, out)
     if rank == 0:
-        with open(os.path.join(tmp, f"features-{world}.json"), "w") as f:
+        with open(os.path.join(tmp, f"features-{part}-{world}.json"), "w") as f:
             json.dump(everyone, f)
 
 
 # ---------------------------------------------------------------- the driver
-def bench_features(o: dict, worlds: list, run_single, parts=("memory", "interleaved", "overlap", "precision")) -> dict:
-    """Tables 4-7 for the bench model in `o` (see bench_train); run_single(kind, raw, steps) times one process.
-    `parts` leaves out the gloo tables when only "precision" is asked for."""
+def _launch(o: dict, world: int, part: str) -> list:
     from ..testing import run_parallel
+    run_parallel(_worker, world, tmp_dir=o["work"], args=(o, part))
+    with open(os.path.join(o["work"], f"features-{part}-{world}.json")) as f:
+        return json.load(f)
+
+
+def bench_features(o: dict, worlds: list, run_single, parts=("memory", "interleaved", "overlap", "precision"),
+                   log=print) -> dict:
+    """Tables 4-7 for the bench model in `o` (see bench_train), each printed row by row as it is measured;
+    run_single(kind, raw, steps) times one process. `parts` picks the tables."""
     m = o["model"]
+    s, b, h, a = m["block_size"], o["micro"], m["n_embd"], m["n_head"]
     o = {**o, "overlap_layouts": {str(w): [lay for lay in ((1, 1, w), (2, 1, w // 2))
                                             if lay[2] > 1 and m["n_head"] % lay[0] == 0
                                             and o["batch"] % (o["micro"] * lay[2]) == 0] for w in worlds}}
-    results = {}
-    for w in (worlds if set(parts) - {"precision"} else []):
-        run_parallel(_worker, w, tmp_dir=o["work"], args=(o,))
-        with open(os.path.join(o["work"], f"features-{w}.json")) as f:
-            results[w] = json.load(f)
-    memory, bubble, overlap = [], [], []
-    s, b, h, a = m["block_size"], o["micro"], m["n_embd"], m["n_head"]
-    for w in results:
-        for r in results[w][0]["memory"]:  # every rank measures the same
-            want = layer_activation_bytes(r["recompute"], s, b, h, a, w, r["sp"])
-            memory.append({**r, "formula": want, "ratio": r["bytes"] / want})
-        per = [x for rank in results[w] for x in rank["bubble"]]
-        for vpp in (1, 2):
-            for mm in sorted({x["m"] for x in per}):
-                rows = [x for x in per if x["vpp"] == vpp and x["m"] == mm]
-                bubble.append({"pp": w, "vpp": vpp, "m": mm, "idle": statistics.mean(x["idle"] for x in rows),
-                               "theory": (w - 1) / (vpp * mm + w - 1)})
-        for i, lay in enumerate(o["overlap_layouts"][str(w)]):
-            for j, ov in enumerate((False, True)):
-                ranks = [rank["overlap"][2 * i + j] for rank in results[w]]
-                step = statistics.median(max(r["times"][k] for r in ranks) for k in range(o["steps"]))
-                wait = statistics.median(max(r["waits"][k] for r in ranks) for k in range(o["steps"]))
-                overlap.append({"layout": tuple(lay), "overlap": ov, "ms_per_step": step * 1000,
-                                "wait_ms": wait * 1000, "exposed": wait / step})
+    out = {"memory": [], "interleaved": [], "overlap": [], "precision": []}
+    if "memory" in parts:
+        log(f"\n4. activation bytes saved for backward by one layer (micro-batch {b}, seq {s}, hidden {h}, {a} heads, "
+            f"fp32, dropout 0): saved_tensors_hooks vs Korthikanti et al. adapted "
+            f"(megalite.bench.features.layer_activation_bytes)")
+        t = StreamTable(["tp", "recompute", "sp", "measured KiB", "formula KiB", "measured/formula", "vs sp off"],
+                        [2, 9, 3, 12, 11, 16, 9], log=log)
+        for w in worlds:
+            rows = _launch(o, w, "memory")[0]  # every rank measures the same
+            for r in rows:
+                want = layer_activation_bytes(r["recompute"], s, b, h, a, w, r["sp"])
+                off = next(x["bytes"] for x in rows if x["recompute"] == r["recompute"] and not x["sp"])
+                out["memory"].append({**r, "formula": want, "ratio": r["bytes"] / want})
+                t.row([w, r["recompute"], "on" if r["sp"] else "off", f"{r['bytes'] / 1024:.1f}",
+                       f"{want / 1024:.1f}", f"{r['bytes'] / want:.3f}", f"{r['bytes'] / off:.3f}"])
+    if "interleaved" in parts:
+        log("\n5. interleaved 1F1B bubble: idle = 1 - busy / window, window = first start to last end over the "
+            "stages (after a barrier), busy = schedule time outside torch.distributed; mean over stages, of "
+            "the step with the shortest window (megalite.bench.bubble). wait rows: the real schedule and gloo p2p with each chunk's "
+            "forward a sleep of t_f/V and backward 2t_f/V (the formula's assumptions: equal stages, no CPU "
+            "contention); model rows: the real GPT stages, p processes sharing this machine's cores. "
+            "'idle in dist/own' is the older measure (time in torch.distributed / the stage's own schedule time)")
+        t = StreamTable(["rows", "pp", "V", "m", "idle", "theory", "diff", "1F1B idle", "below 1F1B",
+                         "idle in dist/own", "step ms", "ideal step ms"], [5, 2, 1, 1, 6, 6, 6, 9, 10, 16, 7, 13],
+                        log=log)
+        for w in worlds:
+            if w < 2:
+                continue
+            rows = bubble_mod.summarise(_launch(o, w, "bubble"))
+            for r in sorted(rows, key=lambda r: r["kind"] != "wait"):
+                out["interleaved"].append(r)
+                ideal = (r["vpp"] * r["m"] + r["pp"] - 1) * 3 * r["t_f_ms"] / r["vpp"] if r["kind"] == "wait" else None
+                t.row([r["kind"], r["pp"], r["vpp"], r["m"], f"{r['idle']:.1%}", f"{r['theory']:.1%}",
+                       f"{r['idle'] - r['theory']:+.1%}", f"{r['plain_idle']:.1%}",
+                       ("yes" if r["idle"] < r["plain_idle"] else "NO") if r["vpp"] > 1 else "-",
+                       f"{r['idle_own']:.1%}", f"{r['step_ms']:.0f}", ideal and f"{ideal:.0f}"])
+        t_f = {r["pp"]: r["t_f_ms"] for r in out["interleaved"] if r["kind"] == "wait"}
+        if t_f:
+            how = ("set by --bubble-wait-ms" if o.get("wait_ms") is not None else
+                   f"the model's busy time per micro-batch / 3, at least {bubble_mod.MIN_WAIT_S * 1000:.0f} ms")
+            log(f"wait rows: t_f = {', '.join(f'{v:.1f} ms at pp {k}' for k, v in t_f.items())} per stage forward "
+                f"per micro-batch ({how}); ideal step = (V*m + pp-1) * 3 t_f / V; host load average "
+                f"{os.getloadavg()[0]:.1f} on {os.cpu_count()} cores")
+    if "overlap" in parts:
+        log("\n6. exposed dp gradient reduction: time waiting in GradBuffer.finish() / step time (median step, "
+            "slowest rank)")
+        t = StreamTable(["tp,pp,dp", "overlap_grad_reduce", "ms/step", "waiting ms", "exposed share"], [8], log=log)
+        for w in worlds:
+            if not o["overlap_layouts"][str(w)]:
+                continue
+            results = _launch(o, w, "overlap")
+            for i, lay in enumerate(o["overlap_layouts"][str(w)]):
+                for j, ov in enumerate((False, True)):
+                    ranks = [rank[2 * i + j] for rank in results]
+                    step = statistics.median(max(r["times"][k] for r in ranks) for k in range(o["steps"]))
+                    wait = statistics.median(max(r["waits"][k] for r in ranks) for k in range(o["steps"]))
+                    r = {"layout": tuple(lay), "overlap": ov, "ms_per_step": step * 1000, "wait_ms": wait * 1000,
+                         "exposed": wait / step}
+                    out["overlap"].append(r)
+                    t.row([",".join(map(str, lay)), "on" if ov else "off", f"{step * 1000:.1f}",
+                           f"{wait * 1000:.2f}", f"{wait / step:.1%}"])
+    if "precision" in parts:
+        out["precision"] = _precision(o, run_single, log)
+    return out
+
+
+def _precision(o: dict, run_single, log) -> list:
+    m = o["model"]
     raw = lambda prec: {"model": m, "parallel": {"tp": 1, "pp": 1, "dp": 1},  # noqa: E731
                         "train": {"global_batch_size": o["batch"], "micro_batch_size": o["micro"], "steps": 1000,
                                   "warmup_steps": 10, "eval_batches": 1, "out_dir": o["work"], "precision": prec},
                         "data": {"path": o["data"]}}
+    log("\n7. precision at (1,1,1) on this CPU (bf16 = autocast; fp32 master weights, grads and moments)")
+    t = StreamTable(["precision", "tokens/s", "ms/step", "vs fp32"], [9, 8, 7, 7], log=log)
     times = {"fp32": [], "bf16": []}
     for _ in range(o.get("rounds", 2)):  # alternate, pool the step times: drifts in machine speed hit both
         for prec in times:
             times[prec] += run_single("megalite", raw(prec), o["steps"])["times"]
-    precision = []
+    out = []
     for prec, ts in times.items():
         med = statistics.median(ts)
-        precision.append({"precision": prec, "tokens_per_s": o["batch"] * s / med, "ms_per_step": med * 1000})
-    return {"memory": memory, "interleaved": bubble, "overlap": overlap, "precision": precision}
-
-
-def format_feature_tables(out: dict, model: dict, micro: int) -> str:
-    s = ["\n", f"4. activation bytes saved for backward by one layer (micro-batch {micro}, seq {model['block_size']}, "
-             f"hidden {model['n_embd']}, {model['n_head']} heads, fp32, dropout 0): saved_tensors_hooks vs "
-             f"Korthikanti et al. adapted (megalite.bench.features.layer_activation_bytes)"]
-    s.append(table(["tp", "recompute", "sp", "measured KiB", "formula KiB", "measured/formula", "vs sp off"],
-                   [[r["tp"], r["recompute"], "on" if r["sp"] else "off", f"{r['bytes'] / 1024:.1f}",
-                     f"{r['formula'] / 1024:.1f}", f"{r['ratio']:.3f}",
-                     f"{r['bytes'] / next(x['bytes'] for x in out['memory'] if x['tp'] == r['tp'] and x['recompute'] == r['recompute'] and not x['sp']):.3f}"]
-                    for r in out["memory"]]))
-    s += ["", "5. interleaved 1F1B: idle = time in torch.distributed calls / schedule time (mean over stages) "
-              "vs (pp-1)/(vpp*m + pp-1)"]
-    s.append(table(["pp", "vpp", "m", "idle measured", "theory", "diff"],
-                   [[r["pp"], r["vpp"], r["m"], f"{r['idle']:.1%}", f"{r['theory']:.1%}",
-                     f"{r['idle'] - r['theory']:+.1%}"] for r in out["interleaved"]]))
-    s += ["", "6. exposed dp gradient reduction: time waiting in GradBuffer.finish() / step time (median step, "
-              "slowest rank)"]
-    s.append(table(["tp,pp,dp", "overlap_grad_reduce", "ms/step", "waiting ms", "exposed share"],
-                   [[",".join(map(str, r["layout"])), "on" if r["overlap"] else "off", f"{r['ms_per_step']:.1f}",
-                     f"{r['wait_ms']:.2f}", f"{r['exposed']:.1%}"] for r in out["overlap"]]))
-    s += ["", "7. precision at (1,1,1) on this CPU (bf16 = autocast; fp32 master weights, grads and moments)"]
-    p = out["precision"]
-    s.append(table(["precision", "tokens/s", "ms/step", "vs fp32"],
-                   [[r["precision"], f"{r['tokens_per_s']:,.0f}", f"{r['ms_per_step']:.1f}",
-                     f"{r['tokens_per_s'] / p[0]['tokens_per_s']:.2f}x"] for r in p]))
-    return "\n".join(s)
+        out.append({"precision": prec, "tokens_per_s": o["batch"] * m["block_size"] / med, "ms_per_step": med * 1000})
+        t.row([prec, f"{out[-1]['tokens_per_s']:,.0f}", f"{med * 1000:.1f}",
+               f"{out[-1]['tokens_per_s'] / out[0]['tokens_per_s']:.2f}x"])
+    return out

@@ -9,7 +9,6 @@ mismatch. `--dry-run` does the same on the CPU with a tiny model in seconds (it 
 from __future__ import annotations
 
 import argparse
-import functools
 import math
 import os
 import sys
@@ -53,9 +52,7 @@ def _same(live: dict, other: dict, what: str, dtype=None) -> list:
     return bad
 
 
-def run(dry_run: bool, config: str, window_s: float, out: Path, log=functools.partial(print, flush=True)) -> int:
-    """Each phase says what it measures before it starts (some take minutes) and its result when done; lines
-    are flushed, so `launch/gpu-check.sh | tee` shows them as they happen."""
+def run(dry_run: bool, config: str, window_s: float, out: Path, log=print) -> int:
     from ..checkpoint import AsyncSaver, load_checkpoint, save_checkpoint
     from ..checkpoint.verify import verify
     from ..config import load_config
@@ -70,9 +67,11 @@ def run(dry_run: bool, config: str, window_s: float, out: Path, log=functools.pa
         log("gpu-check: no CUDA device visible (use --dry-run for the CPU rehearsal)")
         return 2
     log(f"gpu-check: {'DRY RUN on the CPU with a tiny model' if dry_run else torch.cuda.get_device_name()}")
-    log(f"gpu-check: measuring the bf16 matmul rate ({0.5 if dry_run else 10.0:g} s)...")
-    peak = matmul_tflops(device, torch.bfloat16, 256 if dry_run else 8192, 0.5 if dry_run else 10.0)
-    log(f"1. bf16 matmul: {peak:.2f} TFLOP/s")
+    from . import StreamTable
+    t = StreamTable(["check", "measured"], [48, 16], log=log)  # each row printed when measured
+    n = 256 if dry_run else 8192
+    peak = matmul_tflops(device, torch.bfloat16, n, 0.5 if dry_run else 10.0)
+    t.row([f"1. bf16 matmul ({n}x{n})", f"{peak:.2f} TFLOP/s"])
 
     over = [f"--train.out_dir={out / 'run'}", "--train.precision=bf16", "--parallel.tp=1", "--parallel.pp=1",
             "--parallel.dp=1", f"--data.path={out / 'tokens.bin'}"]
@@ -80,7 +79,6 @@ def run(dry_run: bool, config: str, window_s: float, out: Path, log=functools.pa
         over += ["--model.n_layer=2", "--model.n_head=2", "--model.n_embd=64", "--model.block_size=32",
                  "--train.global_batch_size=4", "--train.micro_batch_size=2"]
     cfg = load_config(config, over)
-    log("gpu-check: preparing the token file and building the model...")
     prepare(default_corpus_files(max_bytes=200_000 if dry_run else 2_000_000), out / "tokens.bin",
             log=lambda *a: None)
     import torch.distributed as dist
@@ -92,7 +90,6 @@ def run(dry_run: bool, config: str, window_s: float, out: Path, log=functools.pa
     train_step(tr)  # warm-up (allocations, kernels)
     sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
     sync()
-    log(f"gpu-check: measuring training throughput ({window_s:g} s window)...")
     steps, t0 = 0, time.perf_counter()
     while time.perf_counter() - t0 < window_s or steps < 2:
         rec = train_step(tr)
@@ -101,45 +98,50 @@ def run(dry_run: bool, config: str, window_s: float, out: Path, log=functools.pa
     dt = time.perf_counter() - t0
     tok_s = steps * cfg.train.global_batch_size * cfg.model.block_size / dt
     mfu = tok_s * flops_per_token(cfg.model) / (peak * 1e12)
-    log(f"2. train {cfg.model.n_layer}x{cfg.model.n_embd} bf16 (1,1,1): {steps} steps in {dt:.1f} s, "
-        f"{tok_s:,.0f} tokens/s, MFU {mfu:.1%} of the measured bf16 matmul rate, loss {rec['loss']:.3f}")
+    t.row([f"2. train {cfg.model.n_layer}x{cfg.model.n_embd} bf16 (1,1,1), {steps} steps in {dt:.1f} s",
+           f"{tok_s:,.0f} tokens/s"])
+    t.row(["2. MFU (6N + 12LhT flops/token vs step 1's rate)", f"{mfu:.1%}"])
+    t.row(["2. loss after the window", f"{rec['loss']:.3f}"])
     if not math.isfinite(rec["loss"]):
         log("gpu-check: FAIL: the loss is not finite")
         return 1
 
-    log("gpu-check: measuring sync and async saves, a load, two conversions; checking every tensor...")
     live = gather_full_model(tr.params, tr.grid)
     problems = []
     t0 = time.perf_counter()
     save_checkpoint(out / "ckpt-sync", tr.step, tr.model, tr.optimizer, grid, config=cfg.to_dict())
     t_sync = time.perf_counter() - t0
+    t.row([f"3. sync save from {device.type} memory", f"{t_sync:.2f} s"])
     saver = AsyncSaver()
     t0 = time.perf_counter()
     save_checkpoint(out / "ckpt-async", tr.step, tr.model, tr.optimizer, grid, config=cfg.to_dict(), saver=saver)
     stall = time.perf_counter() - t0
     saver.wait()
     t_async = time.perf_counter() - t0
+    t.row(["3. async save stall (pinned staging)", f"{stall * 1000:.0f} ms"])
+    t.row(["3. async save until commit", f"{t_async:.2f} s"])
     fresh = build(cfg, grid, device)
     t0 = time.perf_counter()
     load_checkpoint(out / "ckpt-async", fresh.model, fresh.optimizer, grid)
     sync()
     t_load = time.perf_counter() - t0
+    t.row(["3. load (async checkpoint)", f"{t_load:.2f} s"])
     problems += _same(live, gather_full_model(fresh.params, fresh.grid), "load")
     for root in ("ckpt-sync", "ckpt-async"):
         problems += [f"verify {root}: {p}" for p in verify(out / root)[1]]
     t0 = time.perf_counter()
     f32 = convert(out / "ckpt-sync", out / "model-fp32.safetensors", quiet=True)
     t_conv = time.perf_counter() - t0
+    t.row(["3. convert to one fp32 file", f"{t_conv:.2f} s"])
     f16 = convert(out / "ckpt-async", out / "model-bf16.safetensors", dtype="bf16", quiet=True)
     problems += _same(live, load_file(f32), "convert fp32")
     problems += _same(live, load_file(f16), "convert bf16", dtype=torch.bfloat16)
-    log(f"3. checkpoint from {device.type} memory: sync save {t_sync:.2f} s; async save stall {stall * 1000:.0f} ms, "
-        f"until commit {t_async:.2f} s; load {t_load:.2f} s; convert (fp32) {t_conv:.2f} s; "
-        f"verify {'ok' if not any(p.startswith('verify') for p in problems) else 'FAILED'}")
+    t.row(["3. verify both; load, fp32 and bf16 files vs live",
+           "ok" if not problems else f"FAILED ({len(problems)})"])
     if problems:
         log("gpu-check: FAIL:\n  " + "\n  ".join(problems[:20]))
         return 1
-    log("4. gpu-check: all checks passed")
+    log("gpu-check: all checks passed")
     return 0
 
 

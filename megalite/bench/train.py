@@ -2,13 +2,15 @@
 
 1. megalite at tp=pp=dp=1 and `PlainGPT` below (the same GPT-2, written the nanoGPT way, with
    torch.optim.AdamW), each in a fresh interpreter: tokens/s (median step after warm-up), peak RSS.
-2. Pipeline bubble per schedule: the time a stage spends inside torch.distributed calls during the
-   schedule (blocked receives, send completion) over the schedule's time, averaged over stages, vs
-   (pp-1)/(m+pp-1); and the peak bytes saved for backward (a saved_tensors_hooks counter), per stage.
+2. Pipeline bubble per schedule: 1 - busy / window, the window running from the first stage's start to the
+   last stage's end (after a barrier), busy = a stage's schedule time outside torch.distributed calls, mean
+   over stages (megalite.bench.bubble.idle_of), vs (pp-1)/(m+pp-1); and the peak bytes saved for backward
+   (a saved_tensors_hooks counter), per stage.
 3. Every layout of `nproc` processes: tokens/s and the share of step time inside torch.distributed calls.
 4-7. Activation memory per recompute / sp setting, the interleaved schedule's bubble, exposed dp
    communication with and without overlap, bf16 vs fp32 (see features.py).
-All processes run one thread each (the gloo workers of megalite.testing do).
+All processes run one thread each (the gloo workers of megalite.testing do). Each table is printed row by row
+as its rows are measured (megalite.bench.StreamTable).
 """
 from __future__ import annotations
 
@@ -26,8 +28,9 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from . import SavedBytes, patch_dist, table
-from .features import bench_features, format_feature_tables
+from . import SavedBytes, StreamTable, patch_dist
+from .bubble import _Stamped, idle_of
+from .features import bench_features
 
 
 # ---------------------------------------------------------------- the plain PyTorch reference
@@ -140,30 +143,18 @@ def _worker(rank: int, world: int, tmp: str, o: dict) -> None:
             for m in o["ms"]:
                 tr = build(Config.from_dict(_raw(o, (1, world, 1), o["micro"], o["micro"] * m, sched)), grid,
                            torch.device("cpu"))
-                inner, spent = SCHEDULES[sched], [0.0, 0.0]
-
-                def timed(*a, _inner=inner, **k):
-                    c0, t0 = acc[0], time.perf_counter()
-                    r = _inner(*a, **k)
-                    spent[0] += time.perf_counter() - t0
-                    spent[1] += acc[0] - c0
-                    return r
-
-                SCHEDULES[sched] = timed
+                inner = SCHEDULES[sched]
+                SCHEDULES[sched] = stamped = _Stamped(inner, acc)
                 try:
-                    train_step(tr)  # warm-up
-                    spent[:] = [0.0, 0.0]
-                    for _ in range(o["steps"]):
+                    for _ in range(o["steps"] + 1):  # the first step warms up
                         train_step(tr)
-                    sched_s, idle_s = spent
                     mem = SavedBytes([p for _, p in tr.params])
                     with torch.autograd.graph.saved_tensors_hooks(mem.pack, mem.unpack):
                         train_step(tr)
                 finally:
                     SCHEDULES[sched] = inner
                 out["bubble"].append({"pp": world, "m": m, "schedule": sched, "stage": grid.coord.pp,
-                                      "idle": idle_s / sched_s, "sched_ms": sched_s / o["steps"] * 1000,
-                                      "act_peak": mem.peak})
+                                      "steps": stamped.steps[1:-1], "act_peak": mem.peak})
     for lay in o["layouts"]:
         grid = ParallelGrid.create(Layout(*lay))
         tr = build(Config.from_dict(_raw(o, lay, o["micro"], o["batch"])), grid, torch.device("cpu"))
@@ -205,80 +196,70 @@ def _run_single(kind, raw, steps) -> dict:
 
 def bench_train(steps: int = 10, nproc: int = 4, n_embd: int = 128, n_layer: int = 4, n_head: int = 4,
                 block_size: int = 128, batch: int = 16, micro: int = 4, ms=(2, 4, 8), rounds: int = 2,
-                workdir: Optional[str] = None, log=print) -> dict:
-    """Run the three benchmarks; print their tables (via `log`) and return them as lists of dicts."""
+                wait_ms: Optional[float] = None, workdir: Optional[str] = None, log=print) -> dict:
+    """Run the benchmarks; print each table (via `log`) row by row as it is measured; return them as lists
+    of dicts. wait_ms: t_f of the bubble table's wait rows (default: calibrated to the model)."""
     from ..data import default_corpus_files, prepare
     from ..testing import run_parallel
     work = tempfile.mkdtemp(prefix="megalite-bench-train-", dir=workdir)
+    model = dict(n_layer=n_layer, n_head=n_head, n_embd=n_embd, block_size=block_size, vocab_size=256, dropout=0.0)
+    tokens = batch * block_size
+    log(f"bench train: GPT {model}, global batch {batch} x {block_size} tokens, micro-batch {micro}, "
+        f"{steps} timed steps after warm-up, 1 thread per process on {os.cpu_count()} cores (load average "
+        f"{os.getloadavg()[0]:.1f} at the start)")
+    out = {"single": [], "bubble": [], "layouts": []}
     try:
         data = os.path.join(work, "tok.bin")
         prepare(default_corpus_files(max_bytes=300_000), data, log=lambda *a: None)
-        model = dict(n_layer=n_layer, n_head=n_head, n_embd=n_embd, block_size=block_size, vocab_size=256,
-                     dropout=0.0)
         o = {"model": model, "data": data, "work": work, "steps": steps, "micro": micro, "batch": batch,
-             "ms": list(ms), "bubble": True, "layouts": []}
-        runs = {"megalite": [], "plain": []}
+             "ms": list(ms), "bubble": True, "layouts": [], "wait_ms": wait_ms}
+        log("\n1. megalite (1,1,1) vs plain PyTorch (nanoGPT-style, torch.optim.AdamW), fresh process each")
+        runs = {"plain": [], "megalite": []}
         for _ in range(rounds):  # alternate the two, pool the step times: drifts in machine speed hit both
-            for kind in ("plain", "megalite"):
+            for kind in runs:
                 runs[kind].append(_run_single(kind, _raw(o, (1, 1, 1), micro, batch), steps))
+        t = StreamTable(["model", "tokens/s", "ms/step (median)", "peak RSS MiB"], [8, 8, 16, 12], log=log)
+        for kind in runs:
+            med = statistics.median(x for r in runs[kind] for x in r["times"])
+            out["single"].append({"model": kind, "tokens_per_s": tokens / med, "ms_per_step": med * 1000,
+                                  "peak_rss_mib": max(r["maxrss_mib"] for r in runs[kind])})
+            t.row([kind, f"{tokens / med:,.0f}", f"{med * 1000:.1f}", f"{out['single'][-1]['peak_rss_mib']:.0f}"])
+        out["single"][1]["vs_plain"] = out["single"][1]["tokens_per_s"] / out["single"][0]["tokens_per_s"]
+        log(f"megalite / plain tokens/s: {out['single'][1]['vs_plain']:.3f}")
+
+        log("\n2. pipeline bubble: idle = 1 - busy / window (window: first stage's start to last stage's end; "
+            "busy: schedule time outside torch.distributed), mean over stages, step with the shortest window; activations = peak bytes saved "
+            "for backward per stage (stage 0 first)")
+        t = StreamTable(["pp", "m", "schedule", "idle measured", "theory", "diff", "ms/step", "in flight (st.0)",
+                         "saved activations MiB per stage"], [2, 1, 8, 13, 6, 6, 7, 16, 31], log=log)
         pps = sorted({p for p in (2, 4) if p <= min(nproc, n_layer)} | ({nproc} if 2 < nproc <= n_layer else set()))
-        results = {}
         for w in sorted(set(pps) | {nproc}):
             lays = layouts_of(w, n_head, n_layer, batch, micro) if w == nproc else []
             run_parallel(_worker, w, tmp_dir=work, args=({**o, "bubble": w in pps, "layouts": lays},))
             with open(os.path.join(work, f"train-{w}.json")) as f:
-                results[w] = json.load(f)
+                result = json.load(f)
+            per = [x for rank in result for x in rank["bubble"]]
+            for sched in ("1f1b", "afab") if w in pps else ():
+                for m in ms:
+                    rows = sorted((x for x in per if x["schedule"] == sched and x["m"] == m), key=lambda x: x["stage"])
+                    r = {"pp": w, "m": m, "schedule": sched, **idle_of([x["steps"] for x in rows]),
+                         "theory": (w - 1) / (m + w - 1), "in_flight": min(w, m) if sched == "1f1b" else m,
+                         "act_peak_mib": [x["act_peak"] / 2**20 for x in rows]}
+                    out["bubble"].append(r)
+                    t.row([w, m, sched, f"{r['idle']:.1%}", f"{r['theory']:.1%}", f"{r['idle'] - r['theory']:+.1%}",
+                           f"{r['step_ms']:.1f}", r["in_flight"], " / ".join(f"{x:.1f}" for x in r["act_peak_mib"])])
+        log("\n3. layouts: comm = share of step time inside torch.distributed calls (mean over ranks)")
+        t = StreamTable(["tp,pp,dp", "micro-batches", "tokens/s", "ms/step", "comm", "compute+other"], [8], log=log)
+        for i, lay in enumerate(layouts_of(nproc, n_head, n_layer, batch, micro)):
+            ranks = [rank["layouts"][i] for rank in result]
+            step = statistics.median(max(r["times"][k] for r in ranks) for k in range(steps))
+            comm = statistics.mean(sum(r["comm"]) / sum(r["times"]) for r in ranks)
+            out["layouts"].append({"layout": tuple(lay), "micro_batches": batch // (micro * lay[2]),
+                                   "tokens_per_s": tokens / step, "ms_per_step": step * 1000, "comm_frac": comm})
+            t.row([",".join(map(str, lay)), batch // (micro * lay[2]), f"{tokens / step:,.0f}", f"{step * 1000:.1f}",
+                   f"{comm:.1%}", f"{1 - comm:.1%}"])
         worlds = [w for w in sorted({2, nproc}) if n_head % w == 0 and block_size % w == 0 and w <= n_layer]
-        features = bench_features({**o, "bucket_mb": 0.5, "rounds": rounds}, worlds, _run_single)
+        out.update(bench_features({**o, "bucket_mb": 0.5, "rounds": rounds}, worlds, _run_single, log=log))
     finally:
         shutil.rmtree(work, ignore_errors=True)
-    tokens = batch * block_size
-    single = []
-    for kind in ("plain", "megalite"):
-        med = statistics.median(t for r in runs[kind] for t in r["times"])
-        single.append({"model": kind, "tokens_per_s": tokens / med, "ms_per_step": med * 1000,
-                       "peak_rss_mib": max(r["maxrss_mib"] for r in runs[kind])})
-    single[1]["vs_plain"] = single[1]["tokens_per_s"] / single[0]["tokens_per_s"]
-    bubble = []
-    for w in pps:
-        per = [x for rank in results[w] for x in rank["bubble"]]
-        for sched in ("1f1b", "afab"):
-            for m in ms:
-                rows = sorted((x for x in per if x["schedule"] == sched and x["m"] == m), key=lambda x: x["stage"])
-                bubble.append({"pp": w, "m": m, "schedule": sched, "idle": statistics.mean(x["idle"] for x in rows),
-                               "theory": (w - 1) / (m + w - 1), "sched_ms": max(x["sched_ms"] for x in rows),
-                               "in_flight": min(w, m) if sched == "1f1b" else m,
-                               "act_peak_mib": [x["act_peak"] / 2**20 for x in rows]})
-    layouts = []
-    for i, lay in enumerate(layouts_of(nproc, n_head, n_layer, batch, micro)):
-        ranks = [rank["layouts"][i] for rank in results[nproc]]
-        step = statistics.median(max(r["times"][s] for r in ranks) for s in range(steps))
-        comm = statistics.mean(sum(r["comm"]) / sum(r["times"]) for r in ranks)
-        layouts.append({"layout": tuple(lay), "micro_batches": batch // (micro * lay[2]), "tokens_per_s": tokens / step,
-                        "ms_per_step": step * 1000, "comm_frac": comm})
-    out = {"single": single, "bubble": bubble, "layouts": layouts, **features}
-    log(format_tables(out, model, batch, micro, steps) + format_feature_tables(features, model, micro))
     return out
-
-
-def format_tables(out: dict, model: dict, batch: int, micro: int, steps: int) -> str:
-    s = [f"bench train: GPT {model}, global batch {batch} x {model['block_size']} tokens, micro-batch {micro}, "
-         f"{steps} timed steps after warm-up, 1 thread per process on {os.cpu_count()} cores", "",
-         "1. megalite (1,1,1) vs plain PyTorch (nanoGPT-style, torch.optim.AdamW), fresh process each"]
-    s.append(table(["model", "tokens/s", "ms/step (median)", "peak RSS MiB"],
-                   [[r["model"], f"{r['tokens_per_s']:,.0f}", f"{r['ms_per_step']:.1f}", f"{r['peak_rss_mib']:.0f}"]
-                    for r in out["single"]]))
-    s.append(f"megalite / plain tokens/s: {out['single'][1]['vs_plain']:.3f}")
-    s += ["", "2. pipeline bubble: idle = time in torch.distributed calls / schedule time, mean over stages; "
-              "activations = peak bytes saved for backward per stage (stage 0 first)"]
-    s.append(table(["pp", "m", "schedule", "idle measured", "theory", "diff", "ms/schedule", "in flight (st.0)",
-                    "saved activations MiB per stage"],
-                   [[r["pp"], r["m"], r["schedule"], f"{r['idle']:.1%}", f"{r['theory']:.1%}",
-                     f"{r['idle'] - r['theory']:+.1%}", f"{r['sched_ms']:.1f}", r["in_flight"],
-                     " / ".join(f"{x:.1f}" for x in r["act_peak_mib"])] for r in out["bubble"]]))
-    s += ["", "3. layouts: comm = share of step time inside torch.distributed calls (mean over ranks)"]
-    s.append(table(["tp,pp,dp", "micro-batches", "tokens/s", "ms/step", "comm", "compute+other"],
-                   [[",".join(map(str, r["layout"])), r["micro_batches"], f"{r['tokens_per_s']:,.0f}",
-                     f"{r['ms_per_step']:.1f}", f"{r['comm_frac']:.1%}", f"{1 - r['comm_frac']:.1%}"]
-                    for r in out["layouts"]]))
-    return "\n".join(s)

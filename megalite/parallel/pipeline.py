@@ -12,17 +12,17 @@ from typing import Callable, Optional, Sequence
 import torch
 import torch.distributed as dist
 
-from .grid import ParallelGrid
+from .grid import Layout, ParallelGrid
 
 
-def partition_layers(n_layer: int, pp: int) -> list[range]:
+def partition_layers(n_layer: int, pp: int, prefix: str = "parallel.") -> list[range]:
     """Contiguous layer ranges, one per stage; when uneven, the earlier stages get one layer more.
 
     (The last stage also carries the LM head and the loss; the first carries only the cheap embedding
-    lookups, so extra blocks go to the front.)
+    lookups, so extra blocks go to the front.) Whether pp stages fit n_layer layers is Layout.validate's
+    call (the one definition of a valid layout); `prefix` names the field in its one-line error.
     """
-    if not 1 <= pp <= n_layer:
-        raise ValueError(f"cannot split {n_layer} layers into {pp} pipeline stages")
+    Layout(1, pp, 1).validate({"n_layer": n_layer}, prefix=prefix)
     base, extra = divmod(n_layer, pp)
     out, start = [], 0
     for stage in range(pp):
@@ -34,7 +34,7 @@ def partition_layers(n_layer: int, pp: int) -> list[range]:
 
 def chunk_layers(n_layer: int, pp: int, vpp: int = 1) -> list[list[range]]:
     """[pp rank][chunk] -> the layers of that model chunk: group j * pp + r of pp * vpp contiguous groups."""
-    groups = partition_layers(n_layer, pp * vpp)
+    groups = partition_layers(n_layer, pp * vpp, prefix="parallel.vpp * parallel." if vpp != 1 else "parallel.")
     return [[groups[j * pp + r] for j in range(vpp)] for r in range(pp)]
 
 
