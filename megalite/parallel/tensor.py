@@ -71,16 +71,13 @@ class Box(tuple):
     def whole(cls, shape) -> "Box":
         return cls((0, n) for n in shape)
 
-    def __reduce__(self):  # pickle as the plain ranges, never the cached shape and numel below
-        return Box, (tuple(self),)
-
-    @functools.cached_property
+    @property
     def shape(self) -> tuple:
         return tuple(b - a for a, b in self)
 
-    @functools.cached_property
+    @property
     def numel(self) -> int:
-        return math.prod(self.shape)
+        return math.prod(b - a for a, b in self)
 
     def intersect(self, other) -> Optional["Box"]:
         """The common region, or None when it is empty."""
