@@ -24,42 +24,51 @@ def _quiet(**kw):
 def test_counts_match_hand_computation(zero1):
     rows = _quiet(tp=2, pp=2, dp=[1, 2, 4], zero1=zero1)["rows"]
     assert [r.ranks for r in rows] == [4, 8, 16]
-    for r in rows:
+    # slices: 25 tensors split over tp (wte + 6 per layer), 27 replicated (wpe, ln_f x2, 6 per layer); each
+    # written as a weight and two moments. dp cuts each (stage, tp rank)'s flat space in dp ranges: each of
+    # the dp - 1 cuts splits at most one tensor in two, so at most 3 (pp tp (dp - 1)) more slices, with or
+    # without ZeRO-1 (its moments are cut the same way), not dp times the tensors
+    base = 3 * (2 * (1 + 6 * L) + 3 + 6 * L)
+    for r, dp in zip(rows, [1, 2, 4]):
         assert r.problems == 0
         assert r.files == 3 * r.ranks  # model, optimizer and state.json per coordinate
         assert r.write_mean * r.ranks == pytest.approx(12 * N_PARAMS)  # fp32 weights + two AdamW moments, once
-        assert r.gather_msgs == r.ranks - 1
-    # slices: 25 tensors split over tp (wte + 6 per layer), 27 replicated (wpe, ln_f x2, 6 per layer)
-    split, repl = 1 + 6 * L, 3 + 6 * L
-    for r, dp in zip(rows, [1, 2, 4]):
-        moments = (2 * split + repl) * dp if zero1 else 2 * split + repl  # ZeRO-1: a piece per dp rank
-        # (a replicated tensor's moments are pieces too, one per dp rank; tp-split ones one per (tp, dp))
-        want = 2 * split + repl + 2 * moments
-        assert r.slices == want, (dp, r.slices, want)
+        assert r.gather_msgs == 2 * dp - 1 + 1  # rank 0: the other tp x dp ranks of stage 0, stage 1's leader
+        assert base <= r.slices <= base + 3 * 2 * 2 * (dp - 1), (dp, r.slices, base)
+    assert rows[0].slices == base
+
+
+def test_every_dp_rank_of_a_stage_writes_the_same_bytes():
+    # one stage (no pipeline imbalance): every rank writes 1/8 of the model and moments, but for the
+    # replicated tensors (3,712 of 218,496 parameters), written by one tp rank each, and the last range's rounding
+    row = _quiet(tp=2, pp=1, dp=[4])["rows"][0]
+    assert row.write_mean == pytest.approx(12 * N_PARAMS / 8)
+    assert row.write_max / row.write_mean < 1.02, (row.write_max, row.write_mean)
 
 
 def test_resume_elsewhere_reads_only_its_share():
-    cases = [(False, (2, 2, 2), (1, 4, 2)), (False, (2, 2, 2), (4, 1, 2)),  # tp 2 -> 1 and 2 -> 4 (part slices)
-             (True, (2, 2, 2), (2, 1, 4)), (True, (2, 2, 4), (2, 4, 1))]  # ZeRO-1 pieces, same tp
+    cases = [(False, (2, 2, 2), (1, 4, 2)),  # tp 2 -> 1: whole source slices
+             (True, (2, 2, 2), (2, 1, 4)), (True, (2, 2, 4), (2, 4, 1))]  # same tp: only the overlapping ranges
     for zero1, src, dst in cases:
         out = _quiet(tp=src[0], pp=src[1], dp=[src[2]], zero1=zero1, reshard_to=dst)
         r = out["reshard"]
         assert r["ranks"] == math.prod(dst)
         assert r["read_over_needed_max"] == 1.0, (zero1, src, dst, r)
         assert 0 < r["files_max"] <= out["rows"][0].files
+    # tp 2 -> 4: a column half of a row-parallel weight (attn.proj C x C, mlp.proj C x 4C, split on dim 1;
+    # 8 and 32 fp32 of a row) is read as the span of the source slice (read_ranges, as read_stored: rows are
+    # not read 32 bytes at a time), i.e. twice those tensors' bytes: 5 C^2 of a layer's 12 C^2 parameters
+    # read twice, 1 + 5/12 = 1.42 on the layers; more, but under 1.5, on the ranks that hold few other bytes
+    r = _quiet(tp=2, pp=2, dp=[2], reshard_to=(4, 1, 2))["reshard"]
+    assert 1.0 < r["read_over_needed_max"] < 1.5, r
 
 
-def test_zero1_pieces_across_a_tp_change_are_read_whole():
-    # Known over-read (SliceReader.read): a ZeRO-1 piece of a tp-split tensor whose tp box changed is cut
-    # from the whole source boxes, so the rank reads all of that tensor's moments, not only its piece:
-    # 12 bytes per parameter instead of 4 + 8 / dp (the tied LM-head copy included). Replicated tensors
-    # keep their box and read only the piece (dp rank 0 holds the ceil-sized one).
+def test_zero1_resume_across_a_tp_change_reads_only_the_rows_it_needs():
+    # Before: a ZeRO-1 piece of a tp-split tensor whose tp box changed was cut from the whole source boxes
+    # (12 bytes per parameter instead of 4 + 8 / dp: 1.5x here). Now each source piece is read only over
+    # the rows of the destination piece: at most a partial row more at each end of a piece.
     r = _quiet(tp=2, pp=2, dp=[4], zero1=True, reshard_to=(1, 2, 2))["reshard"]
-    per_stage = [sum(12 * math.prod(p.global_shape) if p.dim is not None else
-                     4 * math.prod(p.global_shape) + 8 * math.ceil(math.prod(p.global_shape) / 2) for _, p in s)
-                 for s in stage_tensors(MODEL, 1, 2)]
-    assert r["bytes_max"] == max(per_stage)
-    assert 1.4 < r["read_over_needed_max"] < 12 / (4 + 8 / 2)
+    assert 1.0 <= r["read_over_needed_max"] < 1.05, r
 
 
 def test_validation_names_a_broken_manifest():

@@ -152,7 +152,10 @@ def _assert_no_pickle(roots):
             seen += 1
             assert f.name == "latest" or f.suffix in (".json", ".safetensors"), f
             head = f.read_bytes()[:16]
-            assert not head.startswith(b"\x80") and not head.startswith(b"PK"), f  # pickle / torch.save zip
+            if f.suffix == ".safetensors":  # an 8-byte little-endian header length (0x80 = 128 is fine), then JSON
+                assert head[8:9] == b"{", f
+            else:
+                assert not head.startswith(b"\x80") and not head.startswith(b"PK"), f  # pickle / torch.save zip
             if f.suffix == ".json":
                 json.loads(f.read_text())
             elif f.suffix == ".safetensors":

@@ -117,48 +117,36 @@ def test_write_latest_is_atomic_when_the_rename_fails(tmp_path, monkeypatch):
     assert (tmp_path / L.LATEST).read_text() == "step_00000002\n"  # old pointer intact, never half-written
 
 
-# ---------------------------------------------------------------- who writes what
-def _loads(tensors, owners, tp, dp):
-    load = {(t, d): 0 for t in range(tp) for d in range(dp)}
-    for name, size, replicated in tensors:
-        t, d = owners[name]
-        if replicated:
-            load[(t, d)] += size
-        else:
-            assert t is None
-            for t in range(tp):
-                load[(t, d)] += size // tp
-    return load
+# ---------------------------------------------------------------- who writes what: one flat space cut over dp
+def test_dp_pieces_by_hand():
+    from megalite.parallel.data import dp_pieces
+    tensors = [("c", 4, False), ("a", 5, False), ("t", 10, True), ("b", 3, False)]  # space a|b|c = 12, t apart
+    got = [dp_pieces(tensors, r, 3) for r in range(3)]
+    assert got[0] == {"a": (0, 4), "b": (0, 0), "c": (0, 0), "t": (0, 4)}
+    assert got[1] == {"a": (4, 5), "b": (0, 3), "c": (0, 0), "t": (4, 8)}
+    assert got[2] == {"a": (0, 0), "b": (0, 0), "c": (0, 4), "t": (8, 10)}
+    assert dp_pieces(reversed(tensors), 1, 3) == got[1]  # a pure function of the set: no rank can disagree
 
 
-@pytest.mark.parametrize("tp,dp", [(1, 1), (2, 1), (1, 4), (2, 2), (4, 2), (2, 8)])
-def test_assign_writers_one_owner_each_deterministic_and_balanced(tp, dp):
-    rng = random.Random(tp * 100 + dp)
-    tensors = [(f"t{i}", rng.randint(1, 50_000) * tp, rng.random() < 0.4) for i in range(300)]
-    owners = L.assign_writers(tensors, tp, dp)
-    assert set(owners) == {n for n, _, _ in tensors}  # every tensor exactly one owner (a dict: no duplicates)
-    for name, size, replicated in tensors:
-        t, d = owners[name]
-        assert 0 <= d < dp
-        if replicated:
-            assert t is not None and 0 <= t < tp
-        else:
-            assert t is None  # split: every tp rank writes its own slice, at one dp index
-    shuffled = list(tensors)
-    rng.shuffle(shuffled)
-    assert L.assign_writers(shuffled, tp, dp) == owners  # a pure function: no rank can disagree
-    assert L.assign_writers(iter(tensors), tp, dp) == owners
-    load = _loads(tensors, owners, tp, dp)
-    mean = sum(load.values()) / len(load)
-    assert max(load.values()) <= 1.3 * mean, load
-    if tp * dp > 1:
-        assert min(load.values()) >= 0.7 * mean, load
-
-
-def test_assign_writers_spreads_equal_tensors_over_every_rank():
-    tensors = [(f"w{i}", 1000, True) for i in range(8)]
-    owners = L.assign_writers(tensors, 2, 4)
-    assert sorted(owners.values()) == [(t, d) for t in range(2) for d in range(4)]
+@pytest.mark.parametrize("dp", [1, 2, 3, 8, 64])
+def test_dp_pieces_tile_every_tensor_and_balance_the_ranks(dp):
+    from megalite.parallel.data import dp_pieces
+    from megalite.parallel.tensor import shard_range
+    rng = random.Random(dp)
+    tensors = [(f"t{i}", rng.randint(1, 5_000), i % 17 == 0) for i in range(120)]
+    pieces = [dp_pieces(tensors, r, dp) for r in range(dp)]
+    size, tied = {n: k for n, k, _ in tensors}, {n: t for n, _, t in tensors}
+    own_total = sum(k for n, k in size.items() if not tied[n])
+    for r, got in enumerate(pieces):
+        held = [(n, a, b) for n, (a, b) in got.items() if a < b and not tied[n]]
+        lo, hi = shard_range(own_total, r, dp)
+        assert sum(b - a for _, a, b in held) == hi - lo  # every rank holds ceil(total / dp) (the last less)
+        assert sum((a, b) != (0, size[n]) for n, a, b in held) <= 2  # whole tensors but the range's two ends
+    for name, k, tied in tensors:
+        ranges = sorted(p[name] for p in pieces if p[name][0] < p[name][1])
+        assert ranges[0][0] == 0 and ranges[-1][1] == k and all(x[1] == y[0] for x, y in zip(ranges, ranges[1:]))
+    slices = sum(1 for p in pieces for a, b in p.values() if a < b)
+    assert slices <= len(tensors) + (dp - 1) * (1 + sum(t for _, _, t in tensors))  # ~dp more, not dp x tensors
 
 
 # ---------------------------------------------------------------- tiling
@@ -255,21 +243,21 @@ def _stage_tensors(stage: int, pp: int):
     return first + layers[:half] if stage == 0 else layers[half:] + last
 
 
-@pytest.mark.parametrize("tp,pp,dp", [(1, 1, 1), (2, 1, 1), (1, 1, 2), (2, 2, 2), (4, 1, 2), (1, 2, 4), (2, 1, 3)])
-@pytest.mark.parametrize("zero1", [False, True])
-def test_plan_writes_of_all_coordinates_tile_every_tensor_once(tp, pp, dp, zero1):
+@pytest.mark.parametrize("tp,pp,dp", [(1, 1, 1), (2, 1, 1), (1, 1, 2), (2, 2, 2), (4, 1, 2), (1, 2, 4), (2, 1, 3),
+                                      (2, 2, 16)])
+def test_plan_writes_of_all_coordinates_tile_every_tensor_once(tp, pp, dp):
     from megalite.parallel.grid import Layout
     lay = Layout(tp, pp, dp)
     sections = {"model": {}, "optimizer_state": {}}
     written = {c: 0 for c in lay.coords()}
     for c in lay.coords():
         tensors = _stage_tensors(c.pp, pp)
-        items = L.plan_writes(tensors, c, lay, zero1)
-        assert set(items) == set(L.plan_writes(list(reversed(tensors)), c, lay, zero1))  # order-independent
+        items = L.plan_writes(tensors, c, lay)
+        assert items == L.plan_writes(list(reversed(tensors)), c, lay)  # order-independent
         shapes = dict(tensors)
         for it in items:
             assert not shapes[it.name].tied_to, "a tied copy must never be written"
-            assert zero1 or it.flat is None
+            assert dp > 1 or it.flat is None
             section = sections["model" if it.kind == "model" else "optimizer_state"]
             entry = section.setdefault(it.key, {"shape": list(shapes[it.name].global_shape), "slices": []})
             sl = {"file": f"{L.coord_dir(c)}/{it.file}", "key": it.key, "box": [list(r) for r in it.box]}
@@ -277,7 +265,7 @@ def test_plan_writes_of_all_coordinates_tile_every_tensor_once(tp, pp, dp, zero1
                 sl["flat"] = list(it.flat)
             entry["slices"].append(sl)
             if it.kind == "model":
-                written[c] += it.box.numel
+                written[c] += it.flat[1] - it.flat[0] if it.flat else it.box.numel
     expected = {n for s in range(pp) for n, p in _stage_tensors(s, pp) if not p.tied_to}
     assert set(sections["model"]) == expected
     assert set(sections["optimizer_state"]) == {f"{n}.{m}" for n in expected for m in ("exp_avg", "exp_avg_sq")}

@@ -67,6 +67,13 @@ def test_group_members_other_layouts():
     assert lay.pp_ranks(c) == [5]
     assert lay.dp_ranks(c) == [1, 3, 5, 7]
     assert lay.mp_ranks(c) == [4, 5]
+    assert lay.stage_ranks(c) == list(range(8)) and lay.leader_ranks() == [0]
+
+
+def test_stage_and_leader_ranks_for_the_commit_gather():
+    lay = Layout(tp=2, pp=3, dp=2)  # 4 ranks a stage, consecutive (tp fastest, then dp, then pp)
+    assert [lay.stage_ranks(lay.coord_of(r)) for r in (0, 5, 11)] == [[0, 1, 2, 3], [4, 5, 6, 7], [8, 9, 10, 11]]
+    assert lay.leader_ranks() == [0, 4, 8]  # each stage's first rank; rank 0 leads stage 0
 
 
 @pytest.mark.parametrize("layout", LAYOUTS, ids=str)

@@ -12,13 +12,13 @@ slice); file sizes are the tensors' bytes.
 
 With `--reshard-to TP,PP,DP` it also plans the resume at another layout: for every destination rank, which
 source files it opens and how many bytes it reads, following `checkpoint.reshard.SliceReader.read`'s rules
-(a ZeRO-1 piece of a box stored at the same tp size reads only the overlapping ranges; a region of another
-box reads the intersection of whole slices, or every ZeRO-1 piece of that box).
+(a region of a box stored at the same tp size reads only the overlapping ranges of its pieces; a region of
+another box reads, of each stored slice or piece, the ranges `reshard.read_ranges` says: the runs of the
+overlap, or its span; with ZeRO-1 only over the rows that hold the rank's flat range).
 """
 from __future__ import annotations
 
 import bisect
-import contextlib
 import json
 import math
 import pickle
@@ -29,7 +29,10 @@ from dataclasses import dataclass
 
 import torch
 
-from . import fmt_bytes, table
+from ..checkpoint.layout import Box
+from ..checkpoint.manifest import BLOCK_BYTES
+from ..checkpoint.reshard import read_ranges
+from . import StreamTable, fmt_bytes
 
 
 @dataclass
@@ -74,38 +77,17 @@ def stage_tensors(model: dict, tp: int, pp: int, vpp: int = 1) -> list[list]:
     return out
 
 
-@contextlib.contextmanager
-def _writers_once_per_stage():
-    """On a cluster every rank plans its own writes; here one process plans all of them, so the writer
-    assignment of a stage (`layout.assign_writers`, a pure function of the stage's tensors and tp, dp) is
-    computed once per stage rather than once per rank. The per-rank cost is measured on its own."""
-    from ..checkpoint import layout as lay
-    real, cache = lay.assign_writers, {}
-
-    def once(tensors, tp, dp):
-        key = (tuple(tensors), tp, dp)
-        if key not in cache:
-            cache[key] = real(key[0], tp, dp)
-        return cache[key]
-
-    lay.assign_writers = once
-    try:
-        yield
-    finally:
-        lay.assign_writers = real
-
-
-def one_rank_plan_s(stages: list, layout, zero1: bool) -> float:
+def one_rank_plan_s(stages: list, layout) -> float:
     """Seconds one rank spends planning its writes at every save (the largest stage, uncached)."""
     from ..checkpoint.layout import plan_writes
     from ..parallel.grid import Coord
     s = max(range(len(stages)), key=lambda i: len(stages[i]))
     t0 = time.process_time()
-    plan_writes(stages[s], Coord(0, s, 0), layout, zero1)
+    plan_writes(stages[s], Coord(0, s, 0), layout)
     return time.process_time() - t0
 
 
-def _reports(stages: list, layout, zero1: bool) -> tuple[list, list]:
+def _reports(stages: list, layout) -> tuple[list, list]:
     """Every rank's report as `save.write_rank` returns it (placeholder checksums), and its bytes written."""
     from ..checkpoint import manifest as mf
     from ..checkpoint.layout import MODEL_FILE, OPTIM_FILE, STATE_FILE, coord_dir, plan_writes
@@ -114,7 +96,7 @@ def _reports(stages: list, layout, zero1: bool) -> tuple[list, list]:
     parts = [dict(s) for s in stages]
     reports, written = [], []
     for c in layout.coords():
-        items = plan_writes(stages[c.pp], c, layout, zero1)
+        items = plan_writes(stages[c.pp], c, layout)
         pay = Payload(files={MODEL_FILE: {}, OPTIM_FILE: {}})
         sizes = dict.fromkeys(pay.files, 0)
         for it in items:
@@ -144,15 +126,24 @@ def validate(d: dict) -> list[str]:
     return []
 
 
+def gather_to_rank0(reports: list, layout) -> tuple[int, int]:
+    """(bytes, messages) rank 0 receives in the commit's two-level gather (`save._gather`): the pickled
+    reports of the other ranks of stage 0, then the merged part of every other stage from its leader."""
+    from ..checkpoint.save import merge_reports
+    n = layout.tp * layout.dp  # ranks of a stage: consecutive, the first is its leader
+    first = sum(len(pickle.dumps(r)) for r in reports[1:n])
+    parts = sum(len(pickle.dumps(merge_reports(reports[s * n:(s + 1) * n]))) for s in range(1, layout.pp))
+    return first + parts, n - 1 + layout.pp - 1
+
+
 def plan_layout(model: dict, tp: int, pp: int, dp: int, vpp: int = 1, zero1: bool = False) -> tuple[PlanRow, object]:
     from ..checkpoint import manifest as mf
     from ..parallel.grid import Layout
     layout = Layout(tp, pp, dp)
     stages = stage_tensors(model, tp, pp, vpp)
-    rank_s = one_rank_plan_s(stages, layout, zero1)
+    rank_s = one_rank_plan_s(stages, layout)
     t0 = time.process_time()
-    with _writers_once_per_stage():
-        reports, written = _reports(stages, layout, zero1)
+    reports, written = _reports(stages, layout)
     t1 = time.process_time()
     meta = {"step": 0, "layout": (tp, pp, dp), "zero1": zero1, "config": {"model": model}}
     man = mf.build(meta, reports)
@@ -160,11 +151,11 @@ def plan_layout(model: dict, tp: int, pp: int, dp: int, vpp: int = 1, zero1: boo
     problems = validate(json.loads(json.dumps(d)))
     text = json.dumps(d, indent=1)
     t2 = time.process_time()
-    gathered = sum(len(pickle.dumps(r)) for r in reports[1:])  # what gather_object moves to rank 0
+    gathered, msgs = gather_to_rank0(reports, layout)
     slices = sum(len(e.slices) for e in man.tensors())
     row = PlanRow(f"{tp},{pp},{dp}" + (f" vpp{vpp}" if vpp > 1 else ""), layout.world_size, len(man.files),
                   slices, len(text), t1 - t0, rank_s, t2 - t1, max(written), statistics.fmean(written), gathered,
-                  layout.world_size - 1, len(problems))
+                  msgs, len(problems))
     return row, man
 
 
@@ -182,37 +173,41 @@ def _piece_index(entry) -> dict:
 def reads_for(index: dict, box, flat) -> list[tuple[str, int]]:
     """(file, bytes) a load reads for region `box` (elements flat[0]:flat[1] of it with ZeRO-1),
     following SliceReader.read (fp32)."""
-    from ..checkpoint.layout import Box
     box = Box(box)
+    if flat is not None and flat[0] >= flat[1]:
+        return []
     same = index.get(box)
-    if flat is not None and same:  # _read_flat_same_box: only the overlapping ranges
-        a, b = flat
-        starts = [(s.flat or (0, 0))[0] for s in same]
-        out = []
-        for sl in same[max(0, bisect.bisect_right(starts, a) - 1):]:
-            pa, pb = sl.flat or (0, box.numel)
-            if pa >= b:
-                break
-            if min(b, pb) > max(a, pa):
-                out.append((sl.file, 4 * (min(b, pb) - max(a, pa))))
-        return out
-    if flat is None and same and same[0].flat is None:
+    if same and (flat is not None or same[0].flat is not None):  # _read_same_box: the overlapping ranges
+        return _overlaps(same, *(flat or (0, box.numel)), box.numel)
+    if same:
         return [(same[0].file, 4 * box.numel)]
+    need = box if flat is None else box.rows_holding(*flat)
     out = []
     for sbox, sls in index.items():
-        inter = sbox.intersect(box)
+        inter = sbox.intersect(need)
         if inter is None:
             continue
-        if sls[0].flat is not None:  # rebuild that whole box from its pieces, then cut
-            out += [(sl.file, 4 * sl.numel) for sl in sls]
-        else:
-            out.append((sls[0].file, 4 * inter.numel))
+        for lo, hi in read_ranges(inter, sbox, 4, BLOCK_BYTES):  # read_stored / _read_span: runs or the span
+            out += _overlaps(sls, lo, hi, sbox.numel)
+    return out
+
+
+def _overlaps(pieces: list, a: int, b: int, numel: int) -> list[tuple[str, int]]:
+    """(file, bytes) of elements [a, b) of a box stored as `pieces` (sorted by flat start)."""
+    starts = [(s.flat or (0, 0))[0] for s in pieces]
+    out = []
+    for sl in pieces[max(0, bisect.bisect_right(starts, a) - 1):]:
+        pa, pb = sl.flat or (0, numel)
+        if pa >= b:
+            break
+        if min(b, pb) > max(a, pa):
+            out.append((sl.file, 4 * (min(b, pb) - max(a, pa))))
     return out
 
 
 def plan_reshard(man: dict, model: dict, tp: int, pp: int, dp: int, vpp: int = 1, zero1: bool = False) -> dict:
     """Per destination rank of layout (tp, pp, dp): source files opened and bytes read, as load_into does."""
-    from ..parallel.data import zero1_piece
+    from ..parallel.data import dp_pieces
     from ..parallel.grid import Layout
     from ..parallel.tensor import tp_box
     layout = Layout(tp, pp, dp)
@@ -220,20 +215,24 @@ def plan_reshard(man: dict, model: dict, tp: int, pp: int, dp: int, vpp: int = 1
     index = {e.name: _piece_index(e) for e in man.tensors()}
     t0 = time.process_time()
     files, nbytes, needed = [], [], []
+    same_on_dp: dict = {}  # (tp, pp) -> reads that do not depend on the dp rank (weights; moments without zero1)
     for c in layout.coords():
-        opened, total, need = set(), 0, 0
-        for name, part in stages[c.pp]:
-            box = tuple(tp_box(part, c.tp, tp))
-            reads = reads_for(index[name], box, None)
-            n = math.prod(b - a for a, b in box)
-            flat = zero1_piece(n, c.dp, dp) if zero1 else None
-            for moment in ("exp_avg", "exp_avg_sq"):
-                reads += reads_for(index[f"{name}.{moment}"], box, flat)
-            opened.update(f for f, _ in reads)
-            total += sum(b for _, b in reads)
-            need += 4 * n + 8 * ((flat[1] - flat[0]) if flat else n)  # its weights and its two moments
-        files.append(len(opened))
-        nbytes.append(total)
+        tensors = stages[c.pp]
+        boxes = {name: tp_box(part, c.tp, tp) for name, part in tensors}
+        if (c.tp, c.pp) not in same_on_dp:
+            kinds = ("model",) if zero1 else ("model", "exp_avg", "exp_avg_sq")
+            same_on_dp[c.tp, c.pp] = [r for name, _ in tensors for k in kinds
+                                      for r in reads_for(index[name if k == "model" else f"{name}.{k}"], boxes[name], None)]
+        reads = list(same_on_dp[c.tp, c.pp])
+        need = sum(12 * b.numel for b in boxes.values())  # its weights and its two moments
+        if zero1:
+            pieces = dp_pieces([(n, boxes[n].numel, bool(p.tied_to)) for n, p in tensors], c.dp, dp)
+            need -= sum(8 * (b.numel - (pieces[n][1] - pieces[n][0])) for n, b in boxes.items())
+            for name, _ in tensors:
+                for moment in ("exp_avg", "exp_avg_sq"):
+                    reads += reads_for(index[f"{name}.{moment}"], boxes[name], pieces[name])
+        files.append(len({f for f, _ in reads}))
+        nbytes.append(sum(b for _, b in reads))
         needed.append(need)
     return {"layout": f"{tp},{pp},{dp}", "ranks": layout.world_size, "files_max": max(files),
             "files_mean": statistics.fmean(files), "bytes_max": max(nbytes), "bytes_mean": statistics.fmean(nbytes),
@@ -250,16 +249,17 @@ def bench_plan(n_layer: int, n_embd: int, n_head: int, vocab_size: int, tp: int,
     log(f"bench plan: GPT n_layer={n_layer} n_embd={n_embd} n_head={n_head} vocab={vocab_size} "
         f"block={block_size} ({n_params:,} parameters, fp32 weights + AdamW moments = "
         f"{fmt_bytes(12 * n_params)}), zero1 {'on' if zero1 else 'off'}, vpp {vpp}; no tensors, one process")
+    out = StreamTable(["tp,pp,dp", "ranks", "files", "slices", "manifest", "plan s", "1 rank s",
+                       "manifest+validate s", "write/rank max", "mean", "max/mean", "gather to rank 0", "msgs",
+                       "problems"], [8, 6, 6, 7, 10, 6, 8, 19, 14, 10, 8, 16, 6, 8], log=log)
     rows, man = [], None
     for d in dp:
         row, man = plan_layout(model, tp, pp, d, vpp, zero1)
         rows.append(row)
-    log(table(["tp,pp,dp", "ranks", "files", "slices", "manifest", "plan s", "1 rank s", "manifest+validate s",
-               "write/rank max", "mean", "max/mean", "gather to rank 0", "msgs", "problems"],
-              [[r.layout, f"{r.ranks:,}", f"{r.files:,}", f"{r.slices:,}", fmt_bytes(r.manifest_bytes),
-                f"{r.plan_s:.2f}", f"{r.rank_plan_s:.3f}", f"{r.manifest_s:.2f}", fmt_bytes(r.write_max), fmt_bytes(r.write_mean),
-                f"{r.write_max / r.write_mean:.2f}" if r.write_mean else "-", fmt_bytes(r.gather_bytes),
-                f"{r.gather_msgs:,}", r.problems] for r in rows]))
+        out.row([row.layout, f"{row.ranks:,}", f"{row.files:,}", f"{row.slices:,}", fmt_bytes(row.manifest_bytes),
+                 f"{row.plan_s:.2f}", f"{row.rank_plan_s:.3f}", f"{row.manifest_s:.2f}", fmt_bytes(row.write_max),
+                 fmt_bytes(row.write_mean), f"{row.write_max / row.write_mean:.2f}" if row.write_mean else "-",
+                 fmt_bytes(row.gather_bytes), f"{row.gather_msgs:,}", row.problems])
     if len(rows) > 1:
         a, b = rows[0], rows[-1]
         grow = (b.plan_s + b.manifest_s) / (a.plan_s + a.manifest_s)

@@ -5,8 +5,8 @@
       step_00000200/
         manifest.json               the whole picture (manifest.py)
         tp00-pp00-dp00/             written only by the rank at that coordinate
-          model.safetensors         its share of the (tp, pp) model slice
-          optimizer.safetensors     its share of the optimizer state (its ZeRO-1 piece with zero1)
+          model.safetensors         its share of the (tp, pp) model slice (range dp of its flat space)
+          optimizer.safetensors     its share of the optimizer state (the same share of its AdamW moments)
           state.json                RNG states, sampler position, step
       .tmp-step_00000200/           a save in progress (renamed into place on commit)
 
@@ -14,7 +14,6 @@ Every function here has its inverse next to it, and both are unit-tested.
 """
 from __future__ import annotations
 
-import math
 import os
 import re
 import shutil
@@ -23,7 +22,7 @@ from pathlib import Path
 from typing import Iterable, Optional
 
 from ..parallel.grid import Coord, Layout
-from ..parallel.data import zero1_piece
+from ..parallel.data import dp_pieces
 from ..parallel.tensor import Box, Partition, tp_box  # noqa: F401  (Box: re-exported)
 
 MANIFEST = "manifest.json"
@@ -191,30 +190,6 @@ def resolve(path: str | os.PathLike) -> Path:
     return target
 
 
-def assign_writers(tensors: Iterable[tuple[str, int, bool]], tp: int, dp: int) -> dict[str, tuple]:
-    """Who writes each tensor of one pipeline stage, so that no copy is written twice and every rank
-    writes a similar number of bytes.
-
-    `tensors` are (name, numel, replicated_over_tp). A tp-split tensor is written by every tp rank (its own
-    slice) at one chosen dp index: owner (None, d). A tp-replicated tensor is identical on all tp*dp ranks
-    of the stage and is written once, by owner (t, d). Greedy, largest first, ties by name: a pure
-    function of its inputs, so every rank computes the same answer without talking.
-    """
-    load = [[0] * dp for _ in range(tp)]
-    out = {}
-    for name, size, replicated in sorted(tensors, key=lambda x: (-x[1], x[0])):
-        if replicated:
-            t, d = min(((t, d) for t in range(tp) for d in range(dp)), key=lambda td: (load[td[0]][td[1]], td))
-            load[t][d] += size
-            out[name] = (t, d)
-        else:
-            d = min(range(dp), key=lambda d: (sum(load[t][d] for t in range(tp)), d))
-            for t in range(tp):
-                load[t][d] += size // tp
-            out[name] = (None, d)
-    return out
-
-
 @dataclass(frozen=True)
 class WriteItem:
     """One slice a coordinate writes: which tensor, which part of it, into which file under which key."""
@@ -222,42 +197,45 @@ class WriteItem:
     kind: str  # "model" | "exp_avg" | "exp_avg_sq"
     file: str  # MODEL_FILE or OPTIM_FILE
     box: Box  # the region of the global tensor
-    flat: Optional[tuple] = None  # ZeRO-1: elements [a, b) of the box, row-major
+    flat: Optional[tuple] = None  # a piece: elements [a, b) of the box, row-major (None: the whole box)
 
     @property
     def key(self) -> str:
         return self.name if self.kind == "model" else f"{self.name}.{self.kind}"
 
 
-def plan_writes(tensors: Iterable[tuple[str, Partition]], coord: Coord, layout: Layout, zero1: bool,
+def replicated_writer(tensors: Iterable[tuple[str, Partition]], tp: int) -> dict[str, int]:
+    """The tp rank that writes each tp-replicated tensor of a stage (identical on every tp rank): the i-th
+    by global name goes to tp rank i mod tp, so these small tensors spread over the tp ranks."""
+    names = sorted(n for n, p in tensors if p.dim is None and not p.tied_to)
+    return {n: i % tp for i, n in enumerate(names)}
+
+
+def plan_writes(tensors: Iterable[tuple[str, Partition]], coord: Coord, layout: Layout,
                 optimizer: bool = True) -> list[WriteItem]:
     """Everything the coordinate `coord` writes, given the (name, partition) of the tensors its pipeline
     stage holds. Live saves, `split` and `reshard` all ask this one function, so they agree on the tree.
 
-    Tied copies are never written (they load from their source). Without zero1 a moment follows its
-    parameter's writer; with zero1 every dp rank writes its own piece of each moment.
+    The stage's tp slice is cut over dp as the ZeRO-1 optimizer cuts it (`parallel.data.dp_pieces`: one
+    flat space of the tensors sorted by name, dp equal contiguous ranges): dp rank d writes range d, i.e.
+    the weights and both moments of the piece of each tensor that range overlaps (`flat`, or the whole box
+    when the range covers the tensor). So every dp rank of a stage writes the same bytes (± one element
+    per range), with or without ZeRO-1, and a ZeRO-1 rank writes its moments exactly as it holds them.
+    A tp-replicated tensor is written by one tp rank (`replicated_writer`); tied copies are never written
+    (they load from their source).
     """
-    own = [(n, p) for n, p in tensors if not p.tied_to]
-    owner = assign_writers([(n, math.prod(p.global_shape), p.dim is None) for n, p in own], layout.tp, layout.dp)
+    tensors = sorted(tensors)
+    boxes = {n: tp_box(p, coord.tp, layout.tp) for n, p in tensors}
+    pieces = dp_pieces([(n, boxes[n].numel, bool(p.tied_to)) for n, p in tensors], coord.dp, layout.dp)
+    writer = replicated_writer(tensors, layout.tp)
     items = []
-    for name, part in own:
-        box = tp_box(part, coord.tp, layout.tp)
-        t_owner, d_owner = owner[name]
-        if t_owner is not None and t_owner != coord.tp:
-            continue  # tp-replicated: another tp rank of this stage writes it
-        if d_owner == coord.dp:
-            items.append(WriteItem(name, "model", MODEL_FILE, box))
-        if not optimizer:
+    for name, part in tensors:
+        a, b = pieces[name]
+        if part.tied_to or a == b or writer.get(name, coord.tp) != coord.tp:
             continue
-        if zero1:
-            a, b = zero1_piece(box.numel, coord.dp, layout.dp)
-            flat = (a, b) if b > a else None
-            if flat is None:
-                continue
-        elif d_owner != coord.dp:
-            continue
-        else:
-            flat = None
-        for kind in ("exp_avg", "exp_avg_sq"):
-            items.append(WriteItem(name, kind, OPTIM_FILE, box, flat))
+        box = boxes[name]
+        flat = None if (a, b) == (0, box.numel) else (a, b)
+        items.append(WriteItem(name, "model", MODEL_FILE, box, flat))
+        if optimizer:
+            items += [WriteItem(name, kind, OPTIM_FILE, box, flat) for kind in ("exp_avg", "exp_avg_sq")]
     return items

@@ -76,6 +76,27 @@ def _strides(shape) -> list:
     return out[::-1]
 
 
+def read_ranges(inter: Box, sbox: Box, itemsize: int, block: int) -> list[tuple[int, int]]:
+    """The row-major element ranges of a stored box `sbox` that reading its region `inter` touches, as
+    `read_stored` reads them: one range per run when the region is a few long runs (each at least two
+    checksum blocks: the q, k, v parts of a fused QKV slice), else the one span from its first element
+    to its last (a column half of a matrix with short rows is read whole, rows are not read one by one)."""
+    shape, region = sbox.shape, inter.within(sbox)
+    k = len(shape)  # dims k.. are whole: each index of dims < k-1 is one contiguous run
+    while k and region[k - 1].start == 0 and region[k - 1].stop == shape[k - 1]:
+        k -= 1
+    if k == 0:
+        return [(0, sbox.numel)]
+    st = _strides(shape)
+    run = (region[k - 1].stop - region[k - 1].start) * st[k - 1]
+    outer = [range(s.start, s.stop) for s in region[:k - 1]]
+    if outer and run * itemsize >= 2 * block and math.prod(map(len, outer)) <= 4096:
+        first = region[k - 1].start * st[k - 1]
+        return [(lo, lo + run) for lo in (sum(i * st[d] for d, i in enumerate(idx)) + first
+                                         for idx in itertools.product(*outer))]
+    return [inter.span_within(sbox)]
+
+
 class SliceReader:
     """Reads slices from one step folder; each file is checked (check_file) when first used, and every
     checksum block is verified before its bytes are used."""
@@ -221,54 +242,70 @@ class SliceReader:
 
         With `out` (a CPU tensor of that shape) the data lands there when it can; use the returned tensor.
         The manifest's slices tile the tensor exactly (checked when it was read), so every element of the
-        box comes from exactly one slice."""
+        box comes from exactly one slice. Only what is needed is read: a piece of the same box reads the
+        overlapping ranges; another box reads, from each stored slice or piece it overlaps, the span of
+        that slice holding the overlap (with `flat`, of only the rows that hold elements flat[0]:flat[1])."""
         box = Box(box)
-        if flat is not None:
-            fast = self._read_flat_same_box(entry, box, flat, out)
-            if fast is not None:
-                return fast
+        if flat is not None and flat[0] >= flat[1]:
+            return torch.empty(0, dtype=entry.torch_dtype)
         by_box: dict = {}
         for sl in entry.slices:
             by_box.setdefault(sl.box, []).append(sl)
-        exact = by_box.get(box)
-        if flat is None and exact and exact[0].flat is None:  # same layout: one read, into place
+        same = by_box.get(box)
+        if same and (flat is not None or same[0].flat is not None):
+            return self._read_same_box(entry, box, same, flat, out)
+        if same:  # same layout: one read, into place
             ok = lands_in(out, entry.torch_dtype, box.numel)
-            return self.read_stored(entry, exact[0], None, out if ok else torch.empty(box.shape, dtype=entry.torch_dtype))
+            return self.read_stored(entry, same[0], None, out if ok else torch.empty(box.shape, dtype=entry.torch_dtype))
+        need = box if flat is None else box.rows_holding(*flat)
         usable = flat is None and out is not None and out.is_contiguous() and list(out.shape) == list(box.shape)
-        full = out if usable else torch.empty(box.shape, dtype=entry.torch_dtype)
+        full = out if usable else torch.empty(need.shape, dtype=entry.torch_dtype)
         for sbox, slices in by_box.items():
-            inter = sbox.intersect(box)
+            inter = sbox.intersect(need)
             if inter is None:
                 continue
-            region = full[inter.within(box)]
+            region = full[inter.within(need)]
             if slices[0].flat is None:
                 got = self.read_stored(entry, slices[0], inter.within(sbox), region if region.is_contiguous() else None)
                 if got.data_ptr() != region.data_ptr():
                     region.copy_(got)
-            else:  # ZeRO-1 pieces: rebuild that one box (one tp slice of one tensor), then cut
-                whole = torch.empty(sbox.numel, dtype=entry.torch_dtype)
-                for sl in slices:
-                    piece = whole[sl.flat[0]:sl.flat[1]]
-                    got = self.read_stored(entry, sl, None, piece)
-                    if got.data_ptr() != piece.data_ptr():
-                        piece.copy_(got)
-                region.copy_(whole.view(sbox.shape)[inter.within(sbox)])
-        return full if flat is None else full.view(-1)[flat[0]:flat[1]].clone()
+            else:
+                self._read_span(entry, sbox, slices, inter, region)
+        if flat is None:
+            return full
+        skip = flat[0] - (need[0][0] - box[0][0]) * math.prod(box.shape[1:])
+        return full.view(-1)[skip:skip + flat[1] - flat[0]].clone()
 
-    def _read_flat_same_box(self, entry, box, flat, out) -> Optional[torch.Tensor]:
-        """A ZeRO-1 piece of a box stored whole or in pieces (same tp size): read only the overlapping
-        ranges, so each rank reads and checks just the blocks of its own piece."""
-        pieces = [sl for sl in entry.slices if sl.box == box]
-        if not pieces:
-            return None
-        a, b = flat
-        dest = out if lands_in(out, entry.torch_dtype, b - a) else torch.empty(b - a, dtype=entry.torch_dtype)
-        for sl in pieces:
+    def _read_span(self, entry, sbox, pieces, inter, region) -> None:
+        """Fill `region` (the box `inter`) from the flat pieces of the stored box `sbox`, reading from the
+        pieces only the ranges of sbox that hold it (`read_ranges`)."""
+        ranges = read_ranges(inter, sbox, entry.itemsize, self.man.block_bytes)
+        buf = torch.empty(sum(b - a for a, b in ranges), dtype=entry.torch_dtype)
+        at = 0
+        for lo, hi in ranges:
+            for sl in pieces:
+                pa, pb = sl.flat
+                x, y = max(lo, pa), min(hi, pb)
+                if x < y:
+                    part = buf[at + x - lo:at + y - lo]
+                    got = self.read_flat(entry, sl, x - pa, y - pa, part)
+                    if got.data_ptr() != part.data_ptr():
+                        part.copy_(got)
+            at += hi - lo
+        # one range: the span, laid out as in sbox; several: the region's runs, in its row-major order
+        region.copy_(buf.as_strided(inter.shape, _strides(sbox.shape)) if len(ranges) == 1 else buf.view(inter.shape))
+
+    def _read_same_box(self, entry, box, stored, flat, out) -> torch.Tensor:
+        """Elements flat[0]:flat[1] (None: all, shaped as the box) of a box stored whole or in pieces:
+        read only the overlapping ranges, straight into `out` where it can land."""
+        a, b = flat or (0, box.numel)
+        dest = out.view(-1) if lands_in(out, entry.torch_dtype, b - a) else torch.empty(b - a, dtype=entry.torch_dtype)
+        for sl in stored:
             pa, pb = sl.flat or (0, box.numel)
             lo, hi = max(a, pa), min(b, pb)
             if lo < hi:
                 region = dest[lo - a:hi - a]
                 got = self.read_flat(entry, sl, lo - pa, hi - pa, region)
-                if got is not region:
+                if got.data_ptr() != region.data_ptr():
                     region.copy_(got)
-        return dest
+        return dest if flat is not None else dest.view(box.shape)

@@ -3,7 +3,7 @@
 Commit protocol (all coordination on the grid's `aux` gloo group, never shared with training):
   1. rank 0 finishes or undoes what a killed save left (`recover`) and creates `.tmp-step_N/`;
   2. every rank writes its own `tpXX-ppXX-dpXX/` folder (safetensors + JSON), fsyncs, and reports the
-     files with sizes and checksums (or its error) to rank 0;
+     files with sizes and checksums (or its error) to rank 0, through its stage's leader (`_gather`);
   3. rank 0, if all succeeded, runs `commit_step` (the one commit, shared with `split`/`reshard`): writes
      manifest.json, fsyncs, moves `.tmp-step_N` -> `step_N` (a re-saved step is swapped in atomically),
      and only then replaces `latest`; then prunes. On any failure it removes the temporary folder;
@@ -53,18 +53,19 @@ def collect(params, optimizer, grid, state: dict) -> Payload:
     to host buffers later if the save is asynchronous."""
     c, L = grid.coord, grid.layout
     live = dict(params)
-    items = plan_writes([(n, partition_of(p)) for n, p in params], c, L,
-                        zero1=bool(optimizer is not None and optimizer.zero1), optimizer=optimizer is not None)
+    items = plan_writes([(n, partition_of(p)) for n, p in params], c, L, optimizer=optimizer is not None)
     pay = Payload(files={MODEL_FILE: {}, OPTIM_FILE: {}}, state=state)
     for it in items:
         p = live[it.name]
         part = partition_of(p)
+        a, b = it.flat or (0, it.box.numel)
         if it.kind == "model":
-            t = valid_view(p.detach(), part, c.tp, L.tp)
-        else:
+            t = valid_view(p.detach(), part, c.tp, L.tp).reshape(-1)[a:b]
+        else:  # the moments this rank holds start at piece_of's start (ZeRO-1: exactly the planned piece)
             store = optimizer.exp_avg if it.kind == "exp_avg" else optimizer.exp_avg_sq
-            t = store[it.name] if it.flat else store[it.name].view(it.box.shape)
-        add(pay, it, part, t)
+            start = optimizer.piece_of(it.name)[0]
+            t = store[it.name][a - start:b - start]
+        add(pay, it, part, t if it.flat else t.view(it.box.shape))
     return pay
 
 
@@ -159,12 +160,38 @@ def bcast_object(obj, grid, group=None):
     return box[0]
 
 
-def _gather(obj, grid) -> Optional[list]:
-    if grid.layout.world_size == 1:
-        return [obj]
-    out = [None] * grid.layout.world_size if grid.rank == 0 else None
-    dist.gather_object(obj, out, dst=0, group=grid.aux)
+def merge_reports(reports: list) -> dict:
+    """One report holding several ranks' (a stage leader's part): their files and slices, and their errors."""
+    out = {"files": {}, "tensors": [], "errors": []}
+    for r in reports:
+        if "error" in r:
+            out["errors"].append(r["error"])
+        else:
+            out["files"].update(r["files"])
+            out["tensors"] += r["tensors"]
+            out["errors"] += r.get("errors", [])
     return out
+
+
+def _gather_object(obj, axis) -> Optional[list]:
+    """Every member's `obj` on the axis' rank 0 (None elsewhere)."""
+    if not axis.active:
+        return [obj]
+    out = [None] * axis.size if axis.rank == 0 else None
+    dist.gather_object(obj, out, group=axis.group, group_dst=0)
+    return out
+
+
+def _gather(report: dict, grid) -> Optional[list]:
+    """Every rank's report on rank 0, in two levels so that no rank receives a message per rank: the
+    ranks of each pipeline stage send theirs to the stage's leader (its first rank), which merges them;
+    rank 0 (the leader of stage 0) then gathers the pp merged parts. Rank 0 receives tp*dp - 1 + pp - 1
+    messages instead of world - 1, and the stages gather in parallel. None on every other rank."""
+    part = _gather_object(report, grid.aux_stage)
+    if part is None:
+        return None
+    merged = merge_reports(part)
+    return _gather_object(merged, grid.aux_leaders)
 
 
 OLD_PREFIX = TMP_PREFIX + "old-"  # a step being replaced, kept until its replacement is in place
@@ -340,7 +367,7 @@ def save_collective(root: Path, step: int, pay: Payload, grid, meta: dict, keep_
     reports = _gather(report, grid)
     outcome = None
     if grid.rank == 0:
-        failures = [r["error"] for r in reports if "error" in r]
+        failures = [e for r in reports for e in r["errors"]]
         try:
             if failures:
                 remove_tree(tmp)

@@ -144,7 +144,9 @@ def add_state(pay, tensors: dict, grid) -> None:
         part = proto.partition
         for key in sorted(keys.get(it.name, ())):
             t = valid_view(tensors[it.name, key].detach(), part, c.tp, L.tp)
-            add(pay, WriteItem(it.name, f"optim.{key}", OPTIM_FILE, it.box), part, t)
+            if it.flat:  # the planned piece of the box (the write plan cuts a stage's slice over dp)
+                t = t.reshape(-1)[it.flat[0]:it.flat[1]]
+            add(pay, WriteItem(it.name, f"optim.{key}", OPTIM_FILE, it.box, it.flat), part, t)
 
 
 def plan_load(man: mf.Manifest, step, plan: list, optimizer) -> list:

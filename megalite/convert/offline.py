@@ -20,7 +20,7 @@ from .common import ConvertError, Progress, _check_out, _replace, check_layout, 
 from .single import read_model_file
 
 
-def write_offline(out: Path, step: int, layout: Layout, zero1: bool, tensors: dict[str, Partition],
+def write_offline(out: Path, step: int, layout: Layout, tensors: dict[str, Partition],
                   n_layer: int, read: Callable, meta: dict, with_optimizer: bool, what: str, quiet: bool,
                   coord_state: Callable, itemsize: Callable) -> Path:
     """Write every coordinate of `layout` in this one process into a temporary root next to `out`, commit it
@@ -35,7 +35,7 @@ def write_offline(out: Path, step: int, layout: Layout, zero1: bool, tensors: di
     plans = []
     for c in layout.coords():
         stage = [(n, p) for n, p in tensors.items() if stage_of(p.placement, n_layer, layout.pp) == c.pp]
-        plans.append((c, plan_writes(stage, c, layout, zero1, optimizer=with_optimizer)))
+        plans.append((c, plan_writes(stage, c, layout, optimizer=with_optimizer)))
     items = [it for _, plan in plans for it in plan]
 
     def nbytes(it):
@@ -79,11 +79,12 @@ def split(model, out, tp: int, pp: int, dp: int, zero1: bool = False, step: int 
                 raise ConvertError(f"{model}: tensor '{it.name}' has shape {list(full.shape)}, "
                                    f"expected {list(parts[it.name].global_shape)}")
             cache[it.name] = full
-        return cache[it.name][it.box.index].clone()
+        t = cache[it.name][it.box.index]
+        return t.reshape(-1)[it.flat[0]:it.flat[1]].clone() if it.flat else t.clone()
 
     cfg = Config.from_dict({"model": m, "parallel": {"tp": tp, "pp": pp, "dp": dp, "zero1": zero1}}).to_dict()
     meta = manifest_meta(cfg, layout, zero1, step, 0, None, {"batch_index": step}, None)
-    return write_offline(out, step, layout, zero1, parts, m["n_layer"], read, meta, False, "split", quiet,
+    return write_offline(out, step, layout, parts, m["n_layer"], read, meta, False, "split", quiet,
                          lambda c: {"step": step, "tokens_seen": 0, "rng": None, "data": {"batch_index": step}},
                          lambda it: 4)
 
@@ -128,6 +129,6 @@ def reshard(ckpt, out, tp: int, pp: int, dp: int, zero1: Optional[bool] = None, 
             "resharded_from": {"layout": {"tp": man.layout.tp, "pp": man.layout.pp, "dp": man.layout.dp,
                                           "zero1": man.zero1}, "path": str(src)}}
     parts = {n: e.partition for n, e in man.model.items()}
-    return write_offline(out, man.step, layout, zero1, parts, m["n_layer"], read, meta, with_opt, "reshard", quiet,
+    return write_offline(out, man.step, layout, parts, m["n_layer"], read, meta, with_opt, "reshard", quiet,
                          lambda c: {"step": man.step, "tokens_seen": man.tokens_seen, "rng": None, "data": man.data},
                          lambda it: entry(it).itemsize)

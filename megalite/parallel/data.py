@@ -1,20 +1,26 @@
 """Data parallelism: bucketed gradient all-reduce over dp, and AdamW with optional ZeRO-1 state sharding.
 
 Gradients live in a few flat buckets (each parameter's .grad is a view into one), so the dp all-reduce
-is one collective per bucket, not one per parameter. With zero1, each parameter's flattened local
-tensor is cut into dp ceil-sized pieces; dp rank r keeps the AdamW moments of piece r of every
-parameter, updates only those elements, and the updated pieces are all-gathered back.
+is one collective per bucket, not one per parameter. With zero1 the cut is Megatron's distributed
+optimizer's: the stage's local tensors (this tp rank's slices, sorted by global name) are viewed as one
+concatenated flat space, cut into dp equal contiguous ranges (`dp_pieces`); dp rank r keeps the AdamW
+moments of range r (a piece of the few tensors it overlaps, empty for the rest), updates only those
+elements, and the updated ranges are all-gathered back. The checkpoint's write plan asks the same
+function, so a rank writes its moments exactly as it holds them and every rank writes ~1/dp of its stage.
 
 With overlap_grad_reduce each bucket's all-reduce starts, asynchronously, inside backward as soon as every
 parameter in it has accumulated its last micro-batch's gradient (post-accumulate-grad hooks count them);
 `finish()` waits for them before the optimizer step. ZeRO-1 keeps the all-reduce: its grad-norm clipping
-needs every gradient and its pieces are cut per parameter, not per bucket, so a reduce-scatter would not
-hand each rank its piece.
+needs every gradient, and the gradient buckets follow backward's order, not the name order of the flat
+space its ranges are cut in, so a reduce-scatter of a bucket would not hand each rank its range.
 """
 from __future__ import annotations
 
+import bisect
+import itertools
 import math
 from dataclasses import dataclass
+from typing import Iterable
 
 import torch
 import torch.distributed as dist
@@ -23,11 +29,34 @@ from .grid import Axis
 from .tensor import partition_of, shard_range, tp_box
 
 
-def zero1_piece(numel: int, dp_rank: int, dp_size: int) -> tuple[int, int]:
-    """[start, end) of a parameter's flattened valid elements whose AdamW moments dp rank keeps (ZeRO-1).
+def flat_spaces(tensors: Iterable[tuple[str, int, bool]]) -> list[list[tuple[str, int]]]:
+    """The flat spaces a pipeline stage's tp slice is cut in over dp: [(name, numel)] in order.
 
-    The optimizer and the checkpoint write plan both ask this one function."""
-    return shard_range(numel, dp_rank, dp_size)
+    `tensors` are (global name, valid elements of this tp rank's slice, is a tied copy). The stage's own
+    tensors, sorted by global name, form one concatenated space; a tied copy (the last stage's LM head
+    tied to wte) is never written and is cut on its own, so the written tensors' cut is the same whether
+    or not a stage holds a copy (an offline `split` sees no copies)."""
+    tensors = list(tensors)
+    own = sorted((n, k) for n, k, tied in tensors if not tied)
+    return [own] + [[(n, k)] for n, k, tied in sorted(tensors) if tied]
+
+
+def dp_pieces(tensors: Iterable[tuple[str, int, bool]], dp_rank: int, dp_size: int) -> dict[str, tuple[int, int]]:
+    """{name: [start, end) of the tensor's flattened valid elements that dp rank `dp_rank` owns}.
+
+    Each flat space (`flat_spaces`) is cut into dp ceil-sized contiguous ranges; rank r owns range r, so it
+    holds a piece of the few tensors that range overlaps ((0, 0) for the others: nothing). The ZeRO-1
+    optimizer (which moments a rank keeps) and the checkpoint write plan (which bytes a rank writes) both
+    ask this one function: slices then grow by about dp per stage and tp rank, not dp per tensor."""
+    out = {}
+    for space in flat_spaces(tensors):
+        lo, hi = shard_range(sum(k for _, k in space), dp_rank, dp_size)
+        off = 0
+        for name, k in space:
+            a, b = min(max(lo - off, 0), k), min(max(hi - off, 0), k)
+            out[name] = (a, b) if a < b else (0, 0)
+            off += k
+    return out
 
 
 def _buckets(params: list, bucket_bytes: float) -> list[list]:
@@ -137,9 +166,9 @@ class _Entry:
 class ShardedAdamW:
     """AdamW (decoupled weight decay, bias-corrected moments) over flat pieces of parameters.
 
-    Without zero1 every rank keeps moments for whole parameters. With zero1 dp rank r keeps piece r.
-    The arithmetic is elementwise, so both give the same result; only memory and traffic differ.
-    State is keyed by global parameter name, never by position.
+    Without zero1 every rank keeps moments for whole parameters. With zero1 dp rank r keeps the moments of
+    range r of its stage's flat space (`dp_pieces`). The arithmetic is elementwise, so both give the same
+    result; only memory and traffic differ. State is keyed by global parameter name, never by position.
     """
 
     def __init__(self, named_params: list, tp: Axis, dp: Axis, zero1: bool, betas=(0.9, 0.95), eps: float = 1e-8,
@@ -150,18 +179,21 @@ class ShardedAdamW:
         self.entries: list[_Entry] = []
         self.exp_avg: dict[str, torch.Tensor] = {}
         self.exp_avg_sq: dict[str, torch.Tensor] = {}
+        sizes = [(name, self.valid_numel(p), bool(partition_of(p).tied_to)) for name, p in named_params]
+        pieces = dp_pieces(sizes, dp.rank, dp.size) if self.zero1 else {n: (0, k) for n, k, _ in sizes}
         for name, p in named_params:
-            n = self.valid_numel(p)
-            a, b = self.piece(n, dp.rank) if self.zero1 else (0, n)
+            a, b = pieces[name]
             # The layer that made the parameter decided (its tag): no decay on biases and LayerNorms.
             self.entries.append(_Entry(name, p, a, b, decay=partition_of(p).decay))
             self.exp_avg[name] = torch.zeros(b - a, dtype=torch.float32, device=p.device)
             self.exp_avg_sq[name] = torch.zeros(b - a, dtype=torch.float32, device=p.device)
         self._by_name = {e.name: e for e in self.entries}
-        self._gather_buckets = _buckets([e.param for e in self.entries], bucket_mb * 2**20) if self.zero1 else []
-
-    def piece(self, numel: int, dp_rank: int) -> tuple[int, int]:
-        return zero1_piece(numel, dp_rank, self.dp.size)
+        self._spaces = []  # zero1: per flat space, its parameters and their start offsets (for the all-gather)
+        if self.zero1:
+            for space in flat_spaces(sizes):
+                starts = list(itertools.accumulate([k for _, k in space], initial=0))
+                self._spaces.append(([self._by_name[n].param for n, _ in space], starts))
+        self._gather_elems = max(1, int(bucket_mb * 2**20 / 4 / dp.size))  # per rank per all-gather
 
     def valid_numel(self, p) -> int:
         """Elements of the local tensor that belong to the global one: vocab padding rows sit at the end
@@ -174,6 +206,8 @@ class ShardedAdamW:
         b1, b2 = self.betas
         bc1, bc2 = 1 - b1 ** self.step_count, 1 - b2 ** self.step_count
         for e in self.entries:
+            if e.end == e.start:
+                continue  # zero1: this rank owns none of it
             w = e.param.data.view(-1)[e.start:e.end]
             g = e.param.grad.view(-1)[e.start:e.end]
             if grad_scale != 1.0:
@@ -188,28 +222,41 @@ class ShardedAdamW:
         if self.zero1:
             self._all_gather()
 
+    @staticmethod
+    def _views(space, lo: int, hi: int):
+        """(flat view of a parameter, offset from lo) for the elements [lo, hi) of a flat space."""
+        params, starts = space
+        i = max(0, bisect.bisect_right(starts, lo) - 1)
+        while i < len(params) and starts[i] < hi:
+            a, b = max(lo, starts[i]), min(hi, starts[i + 1])
+            if a < b:
+                yield params[i].data.view(-1)[a - starts[i]:b - starts[i]], a - lo
+            i += 1
+
     def _all_gather(self) -> None:
-        """Every dp rank sends its updated pieces; each parameter is rebuilt from all dp pieces."""
+        """Every dp rank sends its updated range of each flat space, a window of it per collective (ranges
+        are contiguous in the space, so a window of rank r's range is one run); all ranks copy every
+        rank's window back into the parameters."""
         n = self.dp.size
-        for bucket in self._gather_buckets:
-            sizes = [self.valid_numel(p) for p in bucket]
-            chunks = [math.ceil(k / n) for k in sizes]
-            mine = torch.zeros(sum(chunks), dtype=torch.float32, device=bucket[0].device)
-            off = 0
-            for p, k, c in zip(bucket, sizes, chunks):
-                a, b = self.piece(k, self.dp.rank)
-                mine[off:off + b - a] = p.data.view(-1)[a:b]
-                off += c
-            gathered = [torch.empty_like(mine) for _ in range(n)]
-            dist.all_gather(gathered, mine, group=self.dp.group)
-            for r, buf in enumerate(gathered):
-                off = 0
-                for p, k, c in zip(bucket, sizes, chunks):
-                    a, b = self.piece(k, r)
-                    p.data.view(-1)[a:b] = buf[off:off + b - a]
-                    off += c
+        for space in self._spaces:
+            total = space[1][-1]
+            ranges = [shard_range(total, r, n) for r in range(n)]
+            chunk = max(b - a for a, b in ranges)
+            for w in range(0, chunk, self._gather_elems):
+                size = min(self._gather_elems, chunk - w)
+                spans = [(min(a + w, b), min(a + w + size, b)) for a, b in ranges]
+                lo, hi = spans[self.dp.rank]
+                mine = torch.zeros(size, dtype=torch.float32, device=space[0][0].device)
+                for view, at in self._views(space, lo, hi):
+                    mine[at:at + view.numel()] = view
+                gathered = [torch.empty_like(mine) for _ in range(n)]
+                dist.all_gather(gathered, mine, group=self.dp.group)
+                for r, (lo, hi) in enumerate(spans):
+                    for view, at in self._views(space, lo, hi):
+                        view.copy_(gathered[r][at:at + view.numel()])
 
     def piece_of(self, name: str) -> tuple[int, int]:
-        """The [start, end) of parameter `name`'s flattened valid elements whose moments this rank keeps."""
+        """The [start, end) of parameter `name`'s flattened valid elements whose moments this rank keeps
+        ((0, 0) when it keeps none of them, with zero1)."""
         e = self._by_name[name]
         return e.start, e.end

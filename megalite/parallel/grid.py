@@ -75,6 +75,14 @@ class Layout(NamedTuple):
         """Model-parallel group: all tp and pp ranks of one dp replica (one whole copy of the model)."""
         return sorted(self.rank_of(Coord(t, p, c.dp)) for t in range(self.tp) for p in range(self.pp))
 
+    def stage_ranks(self, c: Coord) -> list[int]:
+        """Every rank of c's pipeline stage (all its tp and dp ranks); the first is the stage's leader."""
+        return sorted(self.rank_of(Coord(t, c.pp, d)) for t in range(self.tp) for d in range(self.dp))
+
+    def leader_ranks(self) -> list[int]:
+        """The first rank of every pipeline stage (rank 0 leads stage 0)."""
+        return [self.rank_of(Coord(0, p, 0)) for p in range(self.pp)]
+
     def embed_ranks(self, c: Coord) -> list[int]:
         """First and last pipeline stage: they hold the two copies of the tied token embedding."""
         return sorted({self.rank_of(Coord(c.tp, 0, c.dp)), self.rank_of(Coord(c.tp, self.pp - 1, c.dp))})
@@ -115,13 +123,18 @@ class ParallelGrid:
     """
 
     def __init__(self, layout: Layout, rank: int, tp: Axis, pp: Axis, dp: Axis, mp: Axis, embed: Axis,
-                 world: Optional[object] = None, cpu: Optional[object] = None, aux: Optional[object] = None):
+                 world: Optional[object] = None, cpu: Optional[object] = None, aux: Optional[object] = None,
+                 aux_stage: Optional[Axis] = None, aux_leaders: Optional[Axis] = None):
         self.layout, self.rank = layout, rank
         self.coord = layout.coord_of(rank)
         self.tp, self.pp, self.dp, self.mp, self.embed = tp, pp, dp, mp, embed
         self.world = world  # the default group; None for single()
         self.cpu = cpu  # a gloo group over all ranks for small host-side values (loss, stop flag)
         self.aux = aux  # another gloo group, used only by background work (async checkpoint commits)
+        # Background-only gloo groups for the commit's two-level gather: this rank's pipeline stage (rank 0 of
+        # the Axis is the stage's leader), and the stage leaders (size 1 on every other rank).
+        self.aux_stage = aux_stage or Axis(1, 0)
+        self.aux_leaders = aux_leaders or Axis(1, 0)
 
     @classmethod
     def single(cls) -> "ParallelGrid":
@@ -151,6 +164,13 @@ class ParallelGrid:
         axes.setdefault("embed", Axis(1, 0))  # middle pipeline stages hold no embedding copy
         cpu = dist.new_group(backend="gloo", timeout=timeout)
         aux = dist.new_group(backend="gloo", timeout=timeout)
+        for name, groups in [("aux_stage", [layout.stage_ranks(layout.coord_of(r)) for r in layout.leader_ranks()]),
+                             ("aux_leaders", [layout.leader_ranks()])]:
+            for members in groups:
+                if len(members) > 1:
+                    group = dist.new_group(members, backend="gloo", timeout=timeout)
+                    if rank in members:
+                        axes[name] = Axis(len(members), members.index(rank), group)
         return cls(layout, rank, world=dist.group.WORLD, cpu=cpu, aux=aux, **axes)
 
     # Pipeline neighbours, as global ranks for point-to-point sends.

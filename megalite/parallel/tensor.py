@@ -7,7 +7,10 @@ the converter all read the tag; nothing infers a split from a parameter's name.
 from __future__ import annotations
 
 import dataclasses
+import functools
+import itertools
 import math
+import operator
 import zlib
 from dataclasses import dataclass
 from typing import Optional
@@ -74,7 +77,7 @@ class Box(tuple):
 
     @property
     def numel(self) -> int:
-        return math.prod(self.shape)
+        return math.prod(b - a for a, b in self)
 
     def intersect(self, other) -> Optional["Box"]:
         """The common region, or None when it is empty."""
@@ -84,6 +87,18 @@ class Box(tuple):
     def within(self, outer: "Box") -> tuple:
         """This box as an index (slices) into a tensor holding `outer`."""
         return tuple(slice(a - o, b - o) for (a, b), (o, _) in zip(self, outer))
+
+    def rows_holding(self, a: int, b: int) -> "Box":
+        """The whole dim-0 rows of this box that hold its row-major elements [a, b) (a < b)."""
+        row = math.prod(self.shape[1:])
+        (s, _), rest = self[0], self[1:]
+        return Box(((s + a // row, s + -(-b // row)), *rest))
+
+    def span_within(self, outer: "Box") -> tuple[int, int]:
+        """[first, last + 1) of the row-major elements of a tensor holding `outer` that this box touches."""
+        st = list(itertools.accumulate(reversed(outer.shape[1:]), operator.mul, initial=1))[::-1]
+        lo = sum((a - o) * k for (a, _), (o, _), k in zip(self, outer, st))
+        return lo, sum((b - 1 - o) * k for (_, b), (o, _), k in zip(self, outer, st)) + 1
 
     @property
     def index(self) -> tuple:
@@ -109,8 +124,10 @@ def local_shape(p: Partition, tp_size: int) -> tuple:
     return tuple(shape)
 
 
+@functools.lru_cache(maxsize=1 << 16)
 def tp_box(p: Partition, tp_rank: int, tp_size: int) -> Box:
-    """The region of the global tensor that a tp rank holds (its valid part)."""
+    """The region of the global tensor that a tp rank holds (its valid part). Cached: planning a save
+    asks it for every tensor of a stage, and a Box is immutable."""
     box = [(0, n) for n in p.global_shape]
     if p.dim is not None:
         box[p.dim] = shard_range(p.global_shape[p.dim], tp_rank, tp_size)
