@@ -412,7 +412,7 @@ def test_resume_auto_falls_back_past_a_checkpoint_only_the_loader_would_refuse(b
     shutil.copytree(base["ck"], root / "step_00000008")
     (root / "latest").write_text("step_00000008\n")
     offsets(lambda o: [o[0] + 10**6, o[1] + 10**6])(root / "step_00000008")
-    cfg = SimpleNamespace(checkpoint=SimpleNamespace(dir=str(root), async_=False, resume="auto"),
+    cfg = SimpleNamespace(checkpoint=SimpleNamespace(dir=str(root), async_=False, resume="auto", signal_grace_s=0),
                           train=SimpleNamespace(out_dir=str(tmp_path)))
     path, warnings, _failed = CheckpointManager(cfg, ParallelGrid.single())._choose_auto()
     assert path == str(root / "step_00000007") and "step_00000008" in warnings[0], (path, warnings)
