@@ -39,6 +39,11 @@ def raw_bytes(t: torch.Tensor) -> memoryview:
     return memoryview(t.contiguous().view(torch.uint8).numpy()).cast("B") if t.numel() else memoryview(b"")
 
 
+def _no_follow(path, flags: int) -> int:
+    """open()'s opener that refuses to go through a symlink (ELOOP)."""
+    return os.open(path, flags | getattr(os, "O_NOFOLLOW", 0), 0o644)
+
+
 class StreamingWriter:
     """Write tensors in the order of `specs` [(name, shape, dtype)]. With `checksum`, `header_crc32c` covers
     the header (8-byte length + JSON) and `write` returns the CRC32C of each `block`-byte chunk of the
@@ -56,8 +61,7 @@ class StreamingWriter:
         blob += b" " * (-len(blob) % 8)
         head = len(blob).to_bytes(8, "little") + blob
         # never through a symlink at `path` (it would overwrite whatever it points to): ELOOP instead
-        self.f = os.fdopen(os.open(self.path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | getattr(os, "O_NOFOLLOW", 0),
-                                   0o644), "wb")
+        self.f = open(self.path, "wb", opener=_no_follow)
         self.f.write(head)
         self.header_crc32c = crc32c(head)
         self.size = len(head) + offset
