@@ -148,8 +148,8 @@ def plan_layout(model: dict, tp: int, pp: int, dp: int, vpp: int = 1, zero1: boo
     meta = {"step": 0, "layout": (tp, pp, dp), "zero1": zero1, "config": {"model": model}}
     man = mf.build(meta, reports)
     d = man.to_json()  # as manifest.write: serialise, parse back (the readers' validation), write the text
-    problems = validate(json.loads(json.dumps(d)))
-    text = json.dumps(d, indent=1)
+    text = mf.dumps(d)
+    problems = validate(json.loads(text))
     t2 = time.process_time()
     gathered, msgs = gather_to_rank0(reports, layout)
     slices = sum(len(e.slices) for e in man.tensors())

@@ -571,21 +571,39 @@ def read(step_dir: Path) -> Manifest:
     return Manifest.from_json(read_json(step_dir), str(Path(step_dir) / MANIFEST))
 
 
-def write_json(step_dir: Path, d: dict) -> None:
-    """Write `d` as manifest.json, fsynced (`d` must already be signed; see `sign`)."""
+def dumps(d: dict) -> str:
+    """The manifest's text: compact JSON from the C encoder (an indented dump goes through json's pure-Python
+    encoder, the largest cost of a 16,384-rank manifest), still one line per top-level field and one line
+    per entry of a section (a file, a tensor) so that it reads and greps well."""
+    def one(v) -> str:
+        return json.dumps(v, separators=(",", ":"))
+
+    lines = []
+    for k, v in d.items():
+        if isinstance(v, dict) and v:
+            inner = ",\n".join(f"  {one(k2)}: {one(v2)}" for k2, v2 in v.items())
+            lines.append(f" {one(k)}: {{\n{inner}\n }}")
+        else:
+            lines.append(f" {one(k)}: {one(v)}")
+    return "{\n" + ",\n".join(lines) + "\n}\n"
+
+
+def write_json(step_dir: Path, d: dict, text: Optional[str] = None) -> None:
+    """Write `d` (or its text, already made by `dumps`) as manifest.json, fsynced (`d` must already be signed;
+    see `sign`)."""
     path = Path(step_dir) / MANIFEST
     with open(path, "w") as f:
-        json.dump(d, f, indent=1)
-        f.write("\n")
+        f.write(dumps(d) if text is None else text)
         f.flush()
         os.fsync(f.fileno())
 
 
 def write(step_dir: Path, man: Manifest) -> None:
-    """Write the manifest after parsing it back: a writer never commits what its readers would refuse."""
+    """Write the manifest after parsing its text back: a writer never commits what its readers would refuse."""
     d = man.to_json()
-    Manifest.from_json(json.loads(json.dumps(d)), f"{Path(step_dir) / MANIFEST} (being written)")
-    write_json(step_dir, d)
+    text = dumps(d)
+    Manifest.from_json(json.loads(text), f"{Path(step_dir) / MANIFEST} (being written)")
+    write_json(step_dir, d, text)
 
 
 def model_config_diff(saved: dict, current: dict) -> list[str]:
