@@ -303,7 +303,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="plan: what each rank of this layout reads to resume the last layout's checkpoint")
     p.add_argument("--rounds", type=int, default=2, help="train: alternating runs of megalite and plain PyTorch")
     p.add_argument("--bubble-wait-ms", type=float, default=None,
-                   help="train: t_f of the bubble table's wait rows (default: the model's, at least 20 ms)")
+                   help="train: t_f of the bubble table's wait rows (default: the model's, at least 40 ms)")
 
     p = add("verify", "check every file's size and checksum, every coordinate, and that slices tile each "
                       "tensor; one line per problem, exit 1 if any", _cmd_verify)

@@ -130,10 +130,11 @@ def gather_to_rank0(reports: list, layout) -> tuple[int, int]:
     """(bytes, messages) rank 0 receives in the commit's two-level gather (`save._gather`): the pickled
     reports of the other ranks of stage 0, then the merged part of every other stage from its leader."""
     from ..checkpoint.save import merge_reports
-    n = layout.tp * layout.dp  # ranks of a stage: consecutive, the first is its leader
-    first = sum(len(pickle.dumps(r)) for r in reports[1:n])
-    parts = sum(len(pickle.dumps(merge_reports(reports[s * n:(s + 1) * n]))) for s in range(1, layout.pp))
-    return first + parts, n - 1 + layout.pp - 1
+    leaders = layout.leader_ranks()  # reports are in rank order (layout.coords())
+    stages = [layout.stage_ranks(layout.coord_of(r)) for r in leaders]
+    first = sum(len(pickle.dumps(reports[r])) for r in stages[0][1:])
+    parts = sum(len(pickle.dumps(merge_reports([reports[r] for r in members]))) for members in stages[1:])
+    return first + parts, len(stages[0]) - 1 + len(leaders) - 1
 
 
 def plan_layout(model: dict, tp: int, pp: int, dp: int, vpp: int = 1, zero1: bool = False) -> tuple[PlanRow, object]:

@@ -76,24 +76,36 @@ def _strides(shape) -> list:
     return out[::-1]
 
 
-def read_ranges(inter: Box, sbox: Box, itemsize: int, block: int) -> list[tuple[int, int]]:
-    """The row-major element ranges of a stored box `sbox` that reading its region `inter` touches, as
-    `read_stored` reads them: one range per run when the region is a few long runs (each at least two
-    checksum blocks: the q, k, v parts of a fused QKV slice), else the one span from its first element
-    to its last (a column half of a matrix with short rows is read whole, rows are not read one by one)."""
-    shape, region = sbox.shape, inter.within(sbox)
-    k = len(shape)  # dims k.. are whole: each index of dims < k-1 is one contiguous run
-    while k and region[k - 1].start == 0 and region[k - 1].stop == shape[k - 1]:
-        k -= 1
-    if k == 0:
-        return [(0, sbox.numel)]
+def _runs(shape, region, itemsize: int, block: int):
+    """How a region (slices into a stored tensor of `shape`, not all of it) is read, row-major.
+
+    Returns (starts, run, outer, strides): `run` elements per contiguous run, `outer` the index ranges of the
+    dims before the run's, and `starts` each run's first element when the region is a few long runs (each
+    at least two checksum blocks: the q, k, v parts of a fused QKV slice), read run by run; else None: the
+    region is one run, or many short ones (a column range of a matrix) read over their span."""
     st = _strides(shape)
+    k = len(shape)  # dims k.. are whole: each index of dims < k-1 is one contiguous run
+    while region[k - 1].start == 0 and region[k - 1].stop == shape[k - 1]:
+        k -= 1
     run = (region[k - 1].stop - region[k - 1].start) * st[k - 1]
     outer = [range(s.start, s.stop) for s in region[:k - 1]]
+    starts = None
     if outer and run * itemsize >= 2 * block and math.prod(map(len, outer)) <= 4096:
         first = region[k - 1].start * st[k - 1]
-        return [(lo, lo + run) for lo in (sum(i * st[d] for d, i in enumerate(idx)) + first
-                                         for idx in itertools.product(*outer))]
+        starts = [sum(i * st[d] for d, i in enumerate(idx)) + first for idx in itertools.product(*outer)]
+    return starts, run, outer, st
+
+
+def read_ranges(inter: Box, sbox: Box, itemsize: int, block: int) -> list[tuple[int, int]]:
+    """The row-major element ranges of a stored box `sbox` that reading its region `inter` touches, as
+    `read_stored` reads them (`_runs`): one range per run for a few long runs, else the one span from the
+    region's first element to its last (rows of a column half are not read one by one)."""
+    region = inter.within(sbox)
+    if all(s.start == 0 and s.stop == n for s, n in zip(region, sbox.shape)):
+        return [(0, sbox.numel)]
+    starts, run, _, _ = _runs(sbox.shape, region, itemsize, block)
+    if starts is not None:
+        return [(lo, lo + run) for lo in starts]
     return [inter.span_within(sbox)]
 
 
@@ -138,17 +150,11 @@ class SliceReader:
 
         if region is None or list(want) == list(shape):
             return one_run(0, sl.numel)
-        st = _strides(shape)
-        k = len(shape)  # dims k.. are whole: each index of dims < k-1 is one contiguous run
-        while region[k - 1].start == 0 and region[k - 1].stop == shape[k - 1]:
-            k -= 1
-        run = (region[k - 1].stop - region[k - 1].start) * st[k - 1]
-        outer = [range(s.start, s.stop) for s in region[:k - 1]]
-        if outer and run * entry.itemsize >= 2 * self.man.block_bytes and math.prod(map(len, outer)) <= 4096:
+        starts, run, outer, st = _runs(shape, region, entry.itemsize, self.man.block_bytes)
+        if starts is not None:
             # a few long runs (the q, k, v parts of a fused QKV slice): read and check only their blocks
             dest = out if out is not None else torch.empty(want, dtype=dtype)
-            for idx in itertools.product(*outer):
-                lo = sum(i * st[d] for d, i in enumerate(idx)) + region[k - 1].start * st[k - 1]
+            for lo, idx in zip(starts, itertools.product(*outer)):
                 part = dest[tuple(i - s.start for i, s in zip(idx, region))].view(-1)
                 got = self.read_flat(entry, sl, lo, lo + run, part)
                 if got.data_ptr() != part.data_ptr():
