@@ -18,6 +18,8 @@ def test_bench_ckpt_prints_its_table(tmp_path):
     for op in ("disk write, 1 stream", "disk read, 2 streams", "megalite save", "megalite load",
                "megalite load, resharded", "megalite async save: blocked", "megalite async save: until commit",
                "DCP save", "DCP load", "DCP async_save: blocked", "gather + torch.save", "torch.load (rank 0)",
+               "megalite async save, copied: blocked", "megalite async save, copied: until commit",
+               "AdamW step, in place", "AdamW step, out of place (after async save)",
                "megalite convert", "dcp_to_torch_save"):
         assert f"\n{op} " in out, op
     assert "page cache:" in out
@@ -27,6 +29,9 @@ def test_bench_ckpt_prints_its_table(tmp_path):
         assert re.search(rf"\n{re.escape(op)} +1 +\d+\.\d{{3}} ", live), op
     assert len(re.findall(r"\nmegalite load, resharded +1 ", live)) == 2, "same-layout and resharded loads: ABBA"
     assert re.search(r"async blocked / sync save: [\d.]+% \(ratio of medians", summary)
+    assert re.search(r"async blocked with a staging copy / sync save: [\d.]+% \(ratio of medians", summary)
+    assert re.search(r"what an async save costs the training loop: blocked [\d.]+ s \+ the next step's extra "
+                     r"-?[\d.]+ s = [\d.]+ s = [\d.]+% of the sync save", summary)
     assert re.search(r"resharded / same-layout load: [\d.]+x \(ratio of medians over 2 loads each", summary)
     assert list(tmp_path.iterdir()) == [], "the benchmark leaves nothing behind"
 

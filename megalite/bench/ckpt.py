@@ -34,6 +34,8 @@ BLOCK, VOCAB = 1024, 256
 VS_DCP = {"megalite save": "DCP save", "gather + torch.save": "DCP save",
           "megalite async save: blocked": "DCP async_save: blocked",
           "megalite async save: until commit": "DCP async_save: until done",
+          "megalite async save, copied: blocked": "DCP async_save: blocked",
+          "megalite async save, copied: until commit": "DCP async_save: until done",
           "megalite load": "DCP load", "megalite load, resharded": "DCP load", "torch.load (rank 0)": "DCP load",
           "megalite convert": "dcp_to_torch_save"}
 
@@ -153,15 +155,18 @@ def _worker(rank: int, world: int, tmp: str, o: dict) -> None:
                 nbytes[name] = size() if callable(size) else size
                 live_row(live, repeat[0], name, rec[name][-1], nbytes[name])
 
-    saver = AsyncSaver()
-    saver.stager.reserve(pay)  # as `megalite train` does at start-up: no save pays the allocation
+    saver, copier = AsyncSaver(), AsyncSaver(zero_copy=False)  # copier: the path of device/torch.optim tensors
+    saver.reserve(pay, opt)  # as `megalite train` does at start-up: no save and no step pays the allocation
+    copier.reserve(pay)
+    for _, p in model.global_parameters():  # gradients for the optimizer-step rows
+        p.grad = torch.full_like(p, 1e-3)
     clear(root / "disk")
     if rank == 0:  # untimed: the first big write of a run is often much slower than the next ones
         write_file(root / "disk" / "warm-up.bin", total)
     for i in range(o["repeats"]):
         repeat[0] = i + 1
         disk = root / "disk"
-        clear(disk, root / "ml", root / "ml_async", root / "dcp", root / "dcp_async", root / "ts")
+        clear(disk, root / "ml", root / "ml_async", root / "ml_copy", root / "dcp", root / "dcp_async", root / "ts")
         timed("disk write, 1 stream", lambda: write_file(disk / "one.bin", total), total, only0=True)
         if world > 1:
             timed(f"disk write, {world} streams", lambda: write_file(disk / f"par{rank}.bin", total // world), total)
@@ -174,6 +179,17 @@ def _worker(rank: int, world: int, tmp: str, o: dict) -> None:
         timed("megalite async save", lambda: save_checkpoint(root / "ml_async", i + 1, model, opt, grid,
                                                              config=cfgd, saver=saver),
               lambda: du(root / "ml_async"), after=saver.wait, done="megalite async save: until commit")
+        timed("megalite async save, copied", lambda: save_checkpoint(
+            root / "ml_copy", i + 1, model, opt, grid, config=cfgd, saver=copier),
+              lambda: du(root / "ml_copy"), after=copier.wait, done="megalite async save, copied: until commit")
+        # What the zero-copy snapshot moves into the training loop: the first step after a held save writes
+        # out of place (into the spare set) instead of in place. Measured next to each other.
+        for held in ((False, True) if i % 2 == 0 else (True, False)):
+            if held:  # what an async save at this point holds (the same tensors `saver` held above)
+                snap = collect(_named(model), opt, grid, {})
+                opt.hold([k for ts in snap.files.values() for k in map(opt.holdable, ts.values()) if k])
+            timed("AdamW step, out of place (after async save)" if held else "AdamW step, in place",
+                  lambda: opt.step(1e-6))
         loads = [("megalite load", lambda: load_checkpoint(root / "ml", model, opt, grid, model_config=o["model"]))]
         if other:
             loads.append(("megalite load, resharded", lambda: load_checkpoint(
@@ -260,7 +276,7 @@ def _convert(root: Path, repeats: int, rec: dict, nbytes: dict, live: StreamTabl
 
 def _io_kind(op: str) -> Optional[str]:
     """Which disk bandwidth an operation is held against (conversions both read and write: neither)."""
-    if op in ("megalite convert", "dcp_to_torch_save") or op.endswith("blocked"):
+    if op in ("megalite convert", "dcp_to_torch_save") or op.endswith("blocked") or op.startswith("AdamW"):
         return None
     if "load" in op or op.startswith("disk read"):
         return "read"
@@ -283,7 +299,7 @@ def _rows(rec: dict, nbytes: dict) -> list[dict]:
         kind = _io_kind(op)
         r["of_disk"] = r["gb_s"] / best[kind] if kind and r["gb_s"] and best[kind] else None
     order = ["disk", "megalite save", "DCP save", "gather", "megalite async", "DCP async", "megalite load",
-             "DCP load", "torch.load", "megalite convert", "dcp_to"]
+             "DCP load", "torch.load", "AdamW", "megalite convert", "dcp_to"]
     return sorted(rows.values(), key=lambda r: next(i for i, p in enumerate(order) if r["op"].startswith(p)))
 
 
@@ -347,10 +363,22 @@ def bench_ckpt(size_mb: float = 1024, world: int = 4, repeats: int = 3, dir: Opt
     for op, xs in res["rss_after"].items():
         log(f"RSS of the largest rank before -> after each of {repeats} '{op}' in a row: {xs[0]:.0f} -> "
             f"{', '.join(f'{x:.0f}' for x in xs[1:])} MiB")
-    if "megalite async save: blocked" in by:
-        r, lo, hi = paired(rec, "megalite async save: blocked", "megalite save")
-        log(f"async blocked / sync save: {r:.1%} (ratio of medians; {lo:.1%}-{hi:.1%} in the pairs measured "
-            f"together)")
+    for op, what in (("megalite async save: blocked", "async blocked / sync save"),
+                     ("megalite async save, copied: blocked", "async blocked with a staging copy / sync save")):
+        if op in by:
+            r, lo, hi = paired(rec, op, "megalite save")
+            log(f"{what}: {r:.1%} (ratio of medians; {lo:.1%}-{hi:.1%} in the pairs measured together)")
+    if "AdamW step, in place" in by and "megalite async save: blocked" in by:
+        r, lo, hi = paired(rec, "AdamW step, out of place (after async save)", "AdamW step, in place")
+        log(f"the step after an async save (out of place) / an in-place step: {r:.2f}x (ratio of medians; "
+            f"{lo:.2f}-{hi:.2f}x in the pairs measured together)")
+        med = {op: by[op]["median_s"] for op in ("megalite async save: blocked", "AdamW step, in place",
+                                                 "AdamW step, out of place (after async save)", "megalite save")}
+        extra = med["AdamW step, out of place (after async save)"] - med["AdamW step, in place"]
+        cost = med["megalite async save: blocked"] + max(0.0, extra)
+        log(f"what an async save costs the training loop: blocked {med['megalite async save: blocked']:.3f} s + "
+            f"the next step's extra {extra:.3f} s = {cost:.3f} s = {cost / med['megalite save']:.1%} of the sync "
+            f"save (medians)")
     if "megalite load, resharded" in by:
         r, lo, hi = paired(rec, "megalite load, resharded", "megalite load")
         log(f"resharded / same-layout load: {r:.2f}x (ratio of medians over {len(rec['megalite load'])} loads "

@@ -43,7 +43,9 @@ def save_checkpoint(root, step: int, model, optimizer, grid, *, scheduler=None, 
                     config: Optional[dict] = None, tokens_seen: int = 0, data_state: Optional[dict] = None,
                     keep_last: int = 0, saver: Optional[AsyncSaver] = None, keep=()) -> Optional[Path]:
     """Save this rank's slice under root/step_NNNNNNNN (all ranks call it). Returns the committed folder,
-    or None when `saver` is given (async: the commit happens in the background; call saver.wait()).
+    or None when `saver` is given (async: the commit happens in the background; call saver.wait()). With
+    megalite's optimizer the async snapshot is the live host tensors themselves (no copy): let only
+    `optimizer.step` change them until saver.wait() (load_checkpoint with that optimizer waits by itself).
     keep_last prunes older steps (never the one `latest` names, one newer than `step`, or one in `keep`)."""
     if config is None and hasattr(model, "cfg"):  # enough for `megalite train` and the converter to use it
         config = {"model": dataclasses.asdict(model.cfg)}
@@ -62,7 +64,7 @@ def save_checkpoint(root, step: int, model, optimizer, grid, *, scheduler=None, 
                              optimizer, data_state, client_state)
     meta["scheduler"] = state["scheduler"]
     if saver is not None:
-        saver.submit(Path(root), step, pay, grid, meta, keep_last, keep)
+        saver.submit(Path(root), step, pay, grid, meta, keep_last, keep, optimizer)
         return None
     return save_collective(Path(root), step, pay, grid, meta, keep_last, keep)
 

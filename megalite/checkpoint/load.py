@@ -105,6 +105,8 @@ def load_into(path, params, optimizer, grid, model_cfg: Optional[dict] = None,
         entry = entry_for(man.model, name, part.global_shape, step)
         plan.append((name, p, part, entry, tp_box(part, c.tp, L.tp)))
     torch_opt = torch_optim.is_torch(optimizer)  # any torch.optim optimizer; else megalite's ShardedAdamW
+    if hasattr(optimizer, "settle"):  # an async save still writing from these tensors finishes first
+        optimizer.settle()
     if optimizer is not None and (man.optimizer is None if torch_opt else not man.optimizer_state):
         optimizer = None  # a weights-only checkpoint (from `megalite split`): the optimizer starts fresh
         warnings.append(f"WARNING: {step} holds no optimizer state (weights only): " + (

@@ -274,9 +274,9 @@ class CheckpointManager:
                  f"(the saved run's schedule gave {before:.3g})")
 
     def reserve(self, tr) -> None:
-        """Async saves: allocate the host staging buffers before training starts."""
+        """Async saves: allocate the optimizer's spare set (or host staging buffers) before training starts."""
         if self.saver is not None and self.root is not None:
-            self.saver.stager.reserve(collect(tr.params, tr.optimizer, self.grid, {}))
+            self.saver.reserve(collect(tr.params, tr.optimizer, self.grid, {}), tr.optimizer)
 
     # ------------------------------------------------------------ signals
     def install_signal_handlers(self) -> None:

@@ -12,6 +12,9 @@ Commit protocol (all coordination on the grid's `aux` gloo group, never shared w
 At every instant `latest` names a committed folder that verifies: a process killed at any point of the
 protocol leaves at worst a `.tmp-*` folder that the next start finishes or removes (`recover`). The kill
 points of megalite.faults (`kill_point`) sit at each boundary, and tests kill a rank at each in turn.
+
+An async save (AsyncSaver) runs steps 1-4 in a background thread, on a snapshot taken without a copy where
+the optimizer can hold its tensors (double buffering: its next step writes out of place).
 """
 from __future__ import annotations
 
@@ -49,8 +52,8 @@ class Payload:
 
 
 def collect(params, optimizer, grid, state: dict) -> Payload:
-    """This coordinate's share of the live state (plan_writes decides which); tensors are views, staged
-    to host buffers later if the save is asynchronous."""
+    """This coordinate's share of the live state (plan_writes decides which); tensors are views (an async
+    save holds them or copies them to host buffers, see AsyncSaver)."""
     c, L = grid.coord, grid.layout
     live = dict(params)
     items = plan_writes([(n, partition_of(p)) for n, p in params], c, L, optimizer=optimizer is not None)
@@ -77,7 +80,10 @@ def add(pay: Payload, it, part, tensor) -> None:
 
 
 class Stager:
-    """Host copies of a payload in buffers reused from one save to the next (async saves)."""
+    """Host copies of a payload in buffers reused from one save to the next (async saves).
+
+    A tensor `keep` accepts is passed through uncopied: a host parameter or moment of an optimizer that
+    `hold`s it (megalite's ShardedAdamW: its next step writes out of place, see AsyncSaver)."""
 
     def __init__(self):
         self.buffers: dict = {}
@@ -90,23 +96,28 @@ class Stager:
             self.buffers[(fname, key)] = buf
         return buf
 
-    def reserve(self, pay: Payload) -> None:
+    def reserve(self, pay: Payload, keep=lambda t: False) -> None:
         """Allocate every buffer up front (at start-up), so even the first async save only copies."""
         for fname, tensors in pay.files.items():
             for key, t in tensors.items():
-                self._buffer(fname, key, t)
+                if not keep(t):
+                    self._buffer(fname, key, t)
 
-    def stage(self, pay: Payload) -> Payload:
-        out = Payload(files={}, records=pay.records, state=pay.state)
+    def stage(self, pay: Payload, keep=lambda t: False) -> tuple[Payload, int]:
+        """(the payload with every tensor `keep` refuses copied to its host buffer, how many were kept)."""
+        out, kept = Payload(files={}, records=pay.records, state=pay.state), 0
         for fname, tensors in pay.files.items():
             out.files[fname] = {}
             for key, t in tensors.items():
+                if keep(t):
+                    out.files[fname][key], kept = t, kept + 1
+                    continue
                 buf = self._buffer(fname, key, t)
                 buf.copy_(t, non_blocking=True)
                 out.files[fname][key] = buf
         if torch.cuda.is_available():
             torch.cuda.synchronize()
-        return out
+        return out, kept
 
 
 def _write_file(path: Path, data: bytes) -> None:
@@ -400,27 +411,51 @@ def manifest_meta(cfg_dict: dict, layout, zero1: bool, step: int, tokens_seen: i
 
 
 class AsyncSaver:
-    """At most one save in flight: the caller blocks only for staging (one copy of each tensor into a reused
-    host buffer); everything else (the checksums, the writes, the commit) runs in a thread, on the bytes
-    of those buffers, which nothing touches until the next `submit` has waited for that thread.
+    """At most one save in flight; everything but taking the snapshot (the checksums, the writes, the
+    commit) runs in a thread, and a failure there is kept and raised by the next `poll()`/`wait()` in the
+    training loop.
 
-    A failure in the thread is kept and raised by the next `poll()`/`wait()` in the training loop.
+    The snapshot costs the caller no copy where the optimizer can `hold` the tensors (megalite's
+    ShardedAdamW, host tensors): the thread writes the live parameters and moments themselves, and the
+    optimizer's next step computes its update out of place into a spare set, so the bytes being written
+    never change (double buffering; the step does the same arithmetic and memory traffic as in place).
+    Anything else (device tensors, a torch.optim optimizer's state, parameters no optimizer holds) is
+    copied first into host buffers reused from one save to the next, as DCP's async_save does.
     """
 
-    def __init__(self):
+    def __init__(self, zero_copy: bool = True):
         self.stager = Stager()
+        self.zero_copy = zero_copy  # False: copy every tensor (what `megalite bench ckpt` compares against)
         self.thread: Optional[threading.Thread] = None
         self.error: Optional[BaseException] = None
         self.last: Optional[Path] = None
 
-    def submit(self, root, step, pay, grid, meta, keep_last, keep=()) -> None:
-        self.wait()
-        staged = self.stager.stage(pay)
+    def _holdable(self, optimizer):
+        """t -> the optimizer's key for t if it can hold t uncopied (a whole host tensor it writes), else None."""
+        if not self.zero_copy or not hasattr(optimizer, "hold"):
+            return lambda t: None
+        return optimizer.holdable
+
+    def reserve(self, pay: Payload, optimizer=None) -> None:
+        """At start-up: the optimizer's spare buffers, and host buffers for whatever it cannot hold."""
+        which = self._holdable(optimizer)
+        keys = [k for ts in pay.files.values() for k in map(which, ts.values()) if k is not None]
+        if keys:
+            optimizer.reserve_spare(keys)
+        self.stager.reserve(pay, lambda t: which(t) is not None)
+
+    def submit(self, root, step, pay, grid, meta, keep_last, keep=(), optimizer=None) -> None:
+        self.wait()  # the previous save's tensors are free again (a held tensor's old buffer becomes its spare)
+        which = self._holdable(optimizer)
+        staged, held = self.stager.stage(pay, lambda t: which(t) is not None)
+        if held:
+            optimizer.hold([k for ts in pay.files.values() for k in map(which, ts.values()) if k is not None],
+                           self.wait)
 
         def run():
             try:
-                if grid.layout.world_size > 1:  # write once every rank has its copy: ranks sharing a host's
-                    dist.barrier(group=grid.aux)  # cores never slow another rank's staging with their writes
+                if grid.layout.world_size > 1:  # write once every rank has its snapshot: ranks sharing a
+                    dist.barrier(group=grid.aux)  # host's cores never slow another's copy with their writes
                 self.last = save_collective(root, step, staged, grid, meta, keep_last, keep)
             except BaseException as e:  # noqa: BLE001
                 self.error = e

@@ -194,6 +194,9 @@ class ShardedAdamW:
                 starts = list(itertools.accumulate([k for _, k in space], initial=0))
                 self._spaces.append(([self._by_name[n].param for n, _ in space], starts))
         self._gather_elems = max(1, int(bucket_mb * 2**20 / 4 / dp.size))  # per rank per all-gather
+        self._spare: dict[tuple[str, int], torch.Tensor] = {}  # zero-copy snapshots: see `hold`
+        self.held: set[tuple[str, int]] = set()
+        self._writer_wait, self._index = None, None
 
     def valid_numel(self, p) -> int:
         """Elements of the local tensor that belong to the global one: vocab padding rows sit at the end
@@ -205,22 +208,80 @@ class ShardedAdamW:
         self.step_count += 1
         b1, b2 = self.betas
         bc1, bc2 = 1 - b1 ** self.step_count, 1 - b2 ** self.step_count
+        held, self.held, self._writer_wait = self.held, set(), None
         for e in self.entries:
+            w, m, v = (self._live(e.name, i) for i in range(3))
+            w_new, m_new, v_new = (self._spare_swap(e.name, i) if (e.name, i) in held else x
+                                   for i, x in enumerate((w, m, v)))
             if e.end == e.start:
                 continue  # zero1: this rank owns none of it
-            w = e.param.data.view(-1)[e.start:e.end]
+            w, out = w.view(-1)[e.start:e.end], w_new.view(-1)[e.start:e.end]
             g = e.param.grad.view(-1)[e.start:e.end]
             if grad_scale != 1.0:
                 g = g * grad_scale
-            m, v = self.exp_avg[e.name], self.exp_avg_sq[e.name]
+            # The same elementwise kernels in place (out is the input) or out of place (after a hold).
             if e.decay and self.weight_decay:
-                w.mul_(1 - lr * self.weight_decay)
-            m.lerp_(g, 1 - b1)
-            v.mul_(b2).addcmul_(g, g, value=1 - b2)
-            denom = (v.sqrt() / math.sqrt(bc2)).add_(self.eps)
-            w.addcdiv_(m, denom, value=-lr / bc1)
+                w = torch.mul(w, 1 - lr * self.weight_decay, out=out)
+            torch.lerp(m, g, 1 - b1, out=m_new)
+            torch.mul(v, b2, out=v_new).addcmul_(g, g, value=1 - b2)
+            denom = (v_new.sqrt() / math.sqrt(bc2)).add_(self.eps)
+            torch.addcdiv(w, m_new, denom, value=-lr / bc1, out=out)
         if self.zero1:
             self._all_gather()
+
+    # ------------------------------------------------------------ zero-copy snapshots (async checkpoints)
+    # A tensor is (name, i): i = 0 the parameter, 1 its exp_avg, 2 its exp_avg_sq.
+    def _live(self, name: str, i: int) -> torch.Tensor:
+        return (self._by_name[name].param.data, self.exp_avg[name], self.exp_avg_sq[name])[i]
+
+    def _spare_swap(self, name: str, i: int) -> torch.Tensor:
+        """Make tensor (name, i)'s spare buffer the live one and keep the old one as the spare; return the
+        new live buffer (its elements this step does not write are written by the all-gather: zero1)."""
+        old, new = self._live(name, i), self._spare.pop((name, i), None)
+        if new is None:  # not reserved at start-up
+            new = torch.empty_like(old)
+        self._spare[name, i], self._index = old, None
+        if i == 0:
+            self._by_name[name].param.data = new
+        else:
+            (self.exp_avg, self.exp_avg_sq)[i - 1][name] = new
+        return new
+
+    def holdable(self, t: torch.Tensor):
+        """The tensor (name, i) that `t` is the whole of, if it is a host parameter or moment this
+        optimizer writes; else None (a part of one, or device memory: a checkpoint copies those)."""
+        if t.device.type != "cpu":
+            return None
+        if self._index is None:
+            self._index = {}
+            for e in self.entries:
+                for i in range(3):
+                    x = self._live(e.name, i)
+                    self._index[x.data_ptr(), x.numel()] = (e.name, i)
+        return self._index.get((t.data_ptr(), t.numel()))
+
+    def reserve_spare(self, keys) -> None:
+        """Allocate (and touch) the spare buffers of tensors `keys` now, at start-up, so that neither an
+        async checkpoint nor the step after it pays for the allocation."""
+        for key in keys:
+            if key not in self._spare:
+                self._spare[key] = torch.zeros_like(self._live(*key))
+
+    def hold(self, keys, writer_wait=None) -> None:
+        """A checkpoint is being written, in the background, straight from the live tensors `keys` (no
+        copy). Nothing changes them in place from here: the next `step` computes the same update out of
+        place, into their spare buffers, and makes those the live ones (`param.data` is swapped). The
+        tensors it read stay the checkpoint's, and become the spares the step after the *next* hold writes
+        into; the caller (AsyncSaver) waits for this checkpoint's writer before that next hold. Memory:
+        one spare per held tensor, allocated once (`reserve_spare`), as a host staging buffer would be."""
+        self.held |= set(keys)
+        self._writer_wait = writer_wait
+
+    def settle(self) -> None:
+        """Before anything but `step` writes the parameters or moments in place (a load): if a checkpoint
+        is still being written from them, wait for it."""
+        if self.held and self._writer_wait is not None:
+            self._writer_wait()
 
     @staticmethod
     def _views(space, lo: int, hi: int):
