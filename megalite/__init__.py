@@ -3,6 +3,7 @@
 The Python API for your own model and optimizer (README, "Bring your own model"), importable from here:
 
     init_distributed()                     join the torchrun job (or make a world of one)
+    leave_distributed(error=None)          leave it before exit: every process group destroyed, threads joined
     Layout(tp, pp, dp), ParallelGrid       the layout and this rank's place in it: ParallelGrid.create(layout)
     shard(param, dim, grid.tp)             split one parameter over tp (untagged parameters are replicated)
     save_checkpoint(...), load_checkpoint(...), CheckpointError
@@ -14,6 +15,7 @@ __version__ = "0.1.0"
 
 _EXPORTS = {
     "init_distributed": "megalite.train",
+    "leave_distributed": "megalite.train",
     "Layout": "megalite.parallel.grid",
     "ParallelGrid": "megalite.parallel.grid",
     "shard": "megalite.parallel.tensor",

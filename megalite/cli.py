@@ -67,7 +67,7 @@ class _Parser(argparse.ArgumentParser):
 
 def _cmd_train(args, rest) -> int:
     from .config import ConfigError, load_config
-    from .train import train
+    from .train import leave_distributed, train
     try:
         cfg = load_config(args.config, rest)
     except ConfigError as e:
@@ -75,13 +75,14 @@ def _cmd_train(args, rest) -> int:
         raise
     try:
         train(cfg, log=functools.partial(print, flush=True), force=args.force)  # lines appear as they happen
-    except BaseException:
+    except BaseException as e:
         # The job is stopping with an error on every rank. torchrun SIGTERMs the workers still running as
         # soon as one has exited; ignoring that lets each rank finish with its own exit code (2).
         if int(os.environ.get("WORLD_SIZE", "1")) > 1:
             signal.signal(signal.SIGTERM, signal.SIG_IGN)
-        raise  # at once, without the barrier below: it could wait the whole timeout on a peer that is gone
-    _shutdown_distributed()
+        leave_distributed(error=e)  # at once, without a barrier: it could wait the whole timeout on a gone peer
+        raise
+    leave_distributed()
     return 0
 
 
@@ -90,16 +91,6 @@ def _cmd_config(args, rest) -> int:
     cfg = validate(load_config(args.config, rest), int(os.environ.get("WORLD_SIZE", "0")) or None)
     print(to_toml(cfg), end="")
     return 0
-
-
-def _shutdown_distributed() -> None:
-    """Leave the job together: a rank that exits while peers still talk to it can abort them."""
-    import torch.distributed as dist
-    if dist.is_initialized():
-        try:
-            dist.barrier()
-        finally:
-            dist.destroy_process_group()
 
 
 def _cmd_prepare(args, rest) -> int:

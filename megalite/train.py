@@ -8,6 +8,7 @@
 from __future__ import annotations
 
 import contextlib
+import gc
 import json
 import math
 import os
@@ -55,6 +56,30 @@ def init_distributed(timeout_s: float = 1800) -> tuple[torch.device, str]:
             dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1,
                                     timeout=timedelta(seconds=timeout_s))
     return device, backend
+
+
+def leave_distributed(error: Optional[BaseException] = None) -> None:
+    """End this process's part in the job while the interpreter is still whole: destroy every process group
+    (the grid's groups, newest first, then the default one) and free them now (all that nothing else still
+    holds), so that their gloo worker threads are joined here. Left to interpreter exit, a worker thread that is still releasing its last
+    collective's tensors (an all_gather_object's, say) needs the GIL after finalization began; Python ends such
+    a thread with pthread_exit, whose unwinding through C++ aborts the process ("terminate called without an
+    active exception", exit -6 instead of 2). After an `error`: no barrier first (a peer may be gone), and the
+    locals of the error's finished frames (the grid, the Trainer) are dropped so the groups can be freed; the
+    traceback itself stays printable."""
+    if not dist.is_initialized():
+        return
+    try:
+        if error is None:
+            dist.barrier()  # leave together: a rank that exits while peers still talk to it can abort them
+    finally:
+        dist.destroy_process_group()  # every group torch knows, newest first
+        e, seen = error, set()
+        while e is not None and id(e) not in seen:  # the error, what it came from, and so on
+            seen.add(id(e))
+            traceback.clear_frames(e.__traceback__)
+            e = e.__cause__ or e.__context__
+        gc.collect()  # the grid's groups sit in reference cycles (an exception's frames): freed and joined here
 
 
 def _job_store(rank: int, world: int, timeout_s: float):

@@ -53,7 +53,7 @@ def _matrix(tmp_path, token_file) -> list:
 def test_the_bad_input_matrix_under_a_2_process_torchrun(tmp_path, token_file):
     """One launch, six bad inputs on both ranks (a config number, data vs model, a missing resume path, a
     symlinked lock, a NaN loss mid-run, a resume error only rank 1 sees): each is one line from rank 0,
-    nothing from rank 1, no traceback, exit 2 on both ranks, nothing left behind."""
+    nothing from rank 1, no traceback, exit 2 on both ranks, nothing left behind, no thread left running."""
     cases = _matrix(tmp_path, token_file)
     (tmp_path / "cases.json").write_text(json.dumps([argv for argv, _, _ in cases]))
     res, logs = tmp_path / "results", tmp_path / "logs"
@@ -65,8 +65,8 @@ def test_the_bad_input_matrix_under_a_2_process_torchrun(tmp_path, token_file):
     stdout = {int(f.parent.name): f.read_text() for f in logs.rglob("stdout.log")}
     shown = f"exit {p.returncode}\n{p.stderr[-3000:]}\n{last}\n{stdout}"
     assert sorted(last) == [0, 1] and (res / "rank0.json").exists() and (res / "rank1.json").exists(), shown
-    ranks = [json.loads((res / f"rank{r}.json").read_text()) + [{"rc": 2, "stderr": last[r], "stdout": stdout[r]}]
-             for r in (0, 1)]
+    ranks = [json.loads((res / f"rank{r}.json").read_text())
+             + [{"rc": 2, "stderr": last[r], "stdout": stdout[r], "threads": None}] for r in (0, 1)]
     for (argv, leftovers, fragments), r0, r1 in zip(cases, *ranks):
         case = f"{argv[4:]}: rank 0 {r0}, rank 1 {r1}"
         assert r0["rc"] == 2 and r1["rc"] == 2, case
@@ -76,6 +76,11 @@ def test_the_bad_input_matrix_under_a_2_process_torchrun(tmp_path, token_file):
         assert all(f in lines[0] for f in fragments), (fragments, case)
         assert r1["stderr"] == "", case
         assert not any(Path(x).exists() for x in leftovers), (leftovers, case)
+        # the command left the job whole: every process group destroyed and its gloo threads joined before
+        # main() returned (left to interpreter exit, one can abort the rank: "terminate called without an
+        # active exception", exit -6). The last case runs as the process itself: its exit code says it.
+        if argv is not cases[-1][0]:
+            assert r0["threads"][1] <= r0["threads"][0] and r1["threads"][1] <= r1["threads"][0], case
     # the last case ended the workers: torchrun saw exit code 2 from both, then exits 1 (its ChildFailedError)
     assert sorted(map(int, re.findall(r"rank\s*: (\d) \(local_rank", p.stderr))) == [0, 1], shown
     assert p.stderr.count("exitcode  : 2") == 2 and p.returncode == 1, shown

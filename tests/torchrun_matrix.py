@@ -1,7 +1,8 @@
 """A torchrun worker for test_error_contract_torchrun.py: runs several `megalite` commands, one after the other,
 through megalite.cli.main on every rank of a real torchrun job (so each case costs no launch of its own),
-and records per rank each case's exit code, stdout and stderr. The last case is run as the process itself
-(`raise SystemExit(main(...))`), so torchrun reports its real exit code per worker.
+and records per rank each case's exit code, stdout, stderr and the process's OS thread count before the first
+case and after this one. The last case is run as the process itself (`raise SystemExit(main(...))`), so
+torchrun reports its real exit code per worker.
 
     torchrun --nproc-per-node 2 tests/torchrun_matrix.py CASES.json RESULTS_DIR
 """
@@ -18,6 +19,8 @@ from megalite.cli import main
 cases, results = json.loads(Path(sys.argv[1]).read_text()), Path(sys.argv[2])
 rank = int(os.environ["RANK"])
 got = []
+threads = lambda: len(os.listdir("/proc/self/task"))  # noqa: E731 - this process's OS threads (gloo's too)
+base = threads()  # before any case: each case's (base, threads after it) is recorded
 for i, argv in enumerate(cases[:-1]):
     # each case joins a fresh process group: a store namespace of its own (train.py keys it by this variable)
     os.environ["TORCHELASTIC_RESTART_COUNT"] = f"matrix-{i}"
@@ -28,7 +31,8 @@ for i, argv in enumerate(cases[:-1]):
         except BaseException:  # noqa: BLE001 - a bug: recorded with its traceback, the test fails on it
             rc = "uncaught"
             err.write(traceback.format_exc())
-    got.append({"argv": argv, "rc": rc, "stdout": out.getvalue(), "stderr": err.getvalue()})
+    got.append({"argv": argv, "rc": rc, "stdout": out.getvalue(), "stderr": err.getvalue(),
+                "threads": (base, threads())})
 (results / f"rank{rank}.json").write_text(json.dumps(got))
 os.environ["TORCHELASTIC_RESTART_COUNT"] = f"matrix-{len(cases) - 1}"
 raise SystemExit(main(cases[-1]))
