@@ -61,12 +61,12 @@ def init_distributed(timeout_s: float = 1800) -> tuple[torch.device, str]:
 def leave_distributed(error: Optional[BaseException] = None) -> None:
     """End this process's part in the job while the interpreter is still whole: destroy every process group
     (the grid's groups, newest first, then the default one) and free them now (all that nothing else still
-    holds), so that their gloo worker threads are joined here. Left to interpreter exit, a worker thread that is still releasing its last
-    collective's tensors (an all_gather_object's, say) needs the GIL after finalization began; Python ends such
-    a thread with pthread_exit, whose unwinding through C++ aborts the process ("terminate called without an
-    active exception", exit -6 instead of 2). After an `error`: no barrier first (a peer may be gone), and the
-    locals of the error's finished frames (the grid, the Trainer) are dropped so the groups can be freed; the
-    traceback itself stays printable."""
+    holds), so that their gloo worker threads are joined here. Left to interpreter exit, a worker thread
+    still releasing its last collective's tensors (an all_gather_object's, say) needs the GIL after
+    finalization began; Python ends such a thread with pthread_exit, whose unwinding through C++ aborts the
+    process ("terminate called without an active exception", exit -6 instead of 2). After an `error`: no
+    barrier first (a peer may be gone), and the locals of the error's finished frames (the grid, the
+    Trainer) are dropped so the groups can be freed; the traceback itself stays printable."""
     if not dist.is_initialized():
         return
     try:
