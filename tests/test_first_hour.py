@@ -1,4 +1,6 @@
 """What a new user meets first: --help with examples, --version, progress, plot, and the README walkthrough."""
+import contextlib
+import io
 import re
 import runpy
 import shlex
@@ -8,9 +10,10 @@ from pathlib import Path
 
 import pytest
 
-from helpers import MEGALITE, TORCHRUN, cli, run
+from helpers import TORCHRUN, cli, run
 from megalite import __version__
 from megalite.cli import build_parser
+from megalite.cli import main as megalite_main
 from megalite.convert import Progress
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -77,8 +80,10 @@ def _walkthrough_commands() -> list[str]:
     return [line[2:] for line in block.splitlines() if line.startswith("$ ")]
 
 
-def test_readme_walkthrough_runs(tmp_path):
-    """Run the README's walkthrough commands as written, in a copy of configs/ with a smaller tiny-cpu.toml."""
+def test_readme_walkthrough_runs(tmp_path, monkeypatch):
+    """Run the README's walkthrough commands as written, in a copy of configs/ with a smaller tiny-cpu.toml.
+    torchrun (and `ls`) are real launches; `megalite ...` runs in this process, through the CLI's main() with
+    the same argv (as test_reference's fine-tune walkthrough: no interpreter start-up and `import torch` each)."""
     cmds = _walkthrough_commands()
     assert len(cmds) >= 7 and any("megalite convert" in c for c in cmds) and any("--tree" in c for c in cmds)
     shutil.copytree(ROOT / "configs", tmp_path / "configs")
@@ -98,10 +103,13 @@ def test_readme_walkthrough_runs(tmp_path):
         argv = shlex.split(cmd.replace("$(cat runs/walk/ckpt/latest)",
                                        (tmp_path / "runs/walk/ckpt/latest").read_text().strip()
                                        if (tmp_path / "runs/walk/ckpt/latest").exists() else ""))
+        if argv[0] == "megalite":
+            monkeypatch.chdir(tmp_path)
+            with contextlib.redirect_stdout(io.StringIO()):
+                assert megalite_main(argv[1:]) == 0, f"`{cmd}` failed"
+            continue
         if argv[0] == "torchrun":
             argv = [*TORCHRUN, "--standalone", *argv[1:]]
-        elif argv[0] == "megalite":
-            argv = [*MEGALITE, *argv[1:]]
         r = run(argv, cwd=tmp_path, timeout=600)
         assert r.returncode == 0, f"`{cmd}` failed:\n{r.stdout[-2000:]}\n{r.stderr[-3000:]}"
     assert (tmp_path / "runs/walk/model.safetensors").is_file()
