@@ -77,16 +77,25 @@ ZERO1_222 = {"parallel.tp": 2, "parallel.pp": 2, "parallel.dp": 2, "parallel.zer
 
 
 @pytest.fixture(scope="session")
-def run222_stop5(tmp_path_factory, convert_tokens) -> dict:
-    """(2,2,2) zero1 under torchrun (8 procs), steps=10, stopped after step 5 with a checkpoint."""
-    d = tmp_path_factory.mktemp("convert_run_222_stop5")
+def run222(tmp_path_factory, convert_tokens) -> dict:
+    """(2,2,2) zero1 under torchrun (8 procs), 10 steps, saving step 5 while it trains on (checkpoint.interval=5):
+    one launch gives both the uninterrupted reference and the step-5 checkpoint that resumed runs must continue
+    from (a stopped run, train.stop_at_step under torchrun, is test_checkpoint_faults' and test_checkpoint_resume's)."""
+    d = tmp_path_factory.mktemp("convert_run_222")
     toml = H.CONVERT.toml(d / "tiny.toml", convert_tokens)
-    recs = H.torchrun_train(8, toml, d / "run", **ZERO1_222, **{"train.stop_at_step": 5, "checkpoint.dir": d / "ckpt"})
+    recs = H.torchrun_train(8, toml, d / "run", **ZERO1_222,
+                            **{"checkpoint.dir": d / "ckpt-all", "checkpoint.interval": 5})
+    H.copy_step(d / "ckpt-all" / "step_00000005", d / "ckpt")  # a root whose `latest` is step 5
     return {"ckpt": d / "ckpt", "toml": toml, "metrics": recs, "dir": d}
 
 
 @pytest.fixture(scope="session")
-def run222_full(tmp_path_factory, convert_tokens) -> list[dict]:
-    """The uninterrupted 10-step (2,2,2) zero1 run (the reference for resumed runs)."""
-    d = tmp_path_factory.mktemp("convert_run_222_full")
-    return H.torchrun_train(8, H.CONVERT.toml(d / "tiny.toml", convert_tokens), d / "run", **ZERO1_222)
+def run222_stop5(run222) -> dict:
+    """The (2,2,2) run's step-5 checkpoint (a root whose latest is step 5) and its first 5 steps' metrics."""
+    return {**run222, "metrics": run222["metrics"][:5]}
+
+
+@pytest.fixture(scope="session")
+def run222_full(run222) -> list[dict]:
+    """The uninterrupted 10-step (2,2,2) zero1 run's metrics (the reference for resumed runs)."""
+    return run222["metrics"]

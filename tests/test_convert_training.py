@@ -2,8 +2,8 @@
 the same file, and a resharded checkpoint (or an on-the-fly load at another layout) continues the run
 exactly as if it had never stopped.
 
-    (2,2,2)+zero1, 10 steps uninterrupted           -> reference losses of steps 6..10
-    (2,2,2)+zero1, stopped after 5 (checkpoint)     -> reshard to (1,4,2) / (1,1,1), resume; resume at (2,1,2)
+    (2,2,2)+zero1, 10 steps uninterrupted, saving step 5 on the way (one launch)
+        -> reference losses of steps 6..10; step 5 resharded to (1,4,2) / (1,1,1) and resumed; resumed at (2,1,2)
 """
 from __future__ import annotations
 
@@ -24,12 +24,11 @@ def assert_same_losses(got: list[dict], want: list[dict]) -> None:
         assert abs(g["loss"] - w["loss"]) <= TOL * abs(w["loss"]), (g["step"], g["loss"], w["loss"])
 
 
-def test_stopped_run_matches_the_uninterrupted_one(run222_stop5, run222_full):
+def test_the_run_saved_step_5_on_the_way(run222_stop5, run222_full):
     assert [r["step"] for r in run222_full] == list(range(1, 11))
-    assert [r["step"] for r in run222_stop5["metrics"]] == [1, 2, 3, 4, 5]
-    assert_same_losses(run222_stop5["metrics"], run222_full[:5])
     man = mf.read(resolve(run222_stop5["ckpt"]))
     assert man.step == 5 and tuple(man.layout) == (2, 2, 2) and man.zero1
+    assert verify(run222_stop5["ckpt"])[1] == []
 
 
 def test_models_trained_at_different_layouts_convert_to_the_same_file(tmp_path, run111, run222_stop5):

@@ -1,27 +1,38 @@
 """What a new user meets first: --help with examples, --version, progress, plot, and the README walkthrough."""
+import contextlib
+import io
 import re
+import runpy
 import shlex
 import shutil
+import sys
 from pathlib import Path
 
 import pytest
 
-from helpers import MEGALITE, TORCHRUN, cli, run
+from helpers import TORCHRUN, cli, run
 from megalite import __version__
 from megalite.cli import build_parser
+from megalite.cli import main as megalite_main
 from megalite.convert import Progress
 
 ROOT = Path(__file__).resolve().parents[1]
 SUBCOMMANDS = sorted(build_parser()._subparsers._group_actions[0].choices)
 
 
-def test_every_subcommand_has_help_with_an_example():
+def test_every_subcommand_has_help_with_an_example(monkeypatch, capsys):
+    """`megalite CMD --help` for every CMD, each run as `python -m megalite CMD --help` runs it (the package's
+    __main__ with that argv), all in this process: a subprocess apiece cost ~2 s of `import torch` each. The
+    subprocess entry point itself is covered by test_version and test_settings' `megalite train --help`."""
     assert {"train", "prepare", "inspect", "verify", "convert", "split", "reshard", "generate", "plot",
             "stress"} <= set(SUBCOMMANDS)
     for cmd in SUBCOMMANDS:
-        r = cli(cmd, "--help", cwd=ROOT)
-        assert r.returncode == 0, (cmd, r.stderr)
-        assert re.search(r"examples?:\n\s+(megalite|torchrun) ", r.stdout), f"`megalite {cmd} --help` has no example"
+        monkeypatch.setattr(sys, "argv", ["megalite", cmd, "--help"])
+        with pytest.raises(SystemExit) as done:
+            runpy.run_module("megalite", run_name="__main__", alter_sys=True)
+        out, err = capsys.readouterr()
+        assert done.value.code == 0, (cmd, err)
+        assert re.search(r"examples?:\n\s+(megalite|torchrun) ", out), f"`megalite {cmd} --help` has no example"
 
 
 def test_version():
@@ -69,8 +80,10 @@ def _walkthrough_commands() -> list[str]:
     return [line[2:] for line in block.splitlines() if line.startswith("$ ")]
 
 
-def test_readme_walkthrough_runs(tmp_path):
-    """Run the README's walkthrough commands as written, in a copy of configs/ with a smaller tiny-cpu.toml."""
+def test_readme_walkthrough_runs(tmp_path, monkeypatch):
+    """Run the README's walkthrough commands as written, in a copy of configs/ with a smaller tiny-cpu.toml.
+    torchrun (and `ls`) are real launches; `megalite ...` runs in this process, through the CLI's main() with
+    the same argv (as test_reference's fine-tune walkthrough: no interpreter start-up and `import torch` each)."""
     cmds = _walkthrough_commands()
     assert len(cmds) >= 7 and any("megalite convert" in c for c in cmds) and any("--tree" in c for c in cmds)
     shutil.copytree(ROOT / "configs", tmp_path / "configs")
@@ -90,10 +103,13 @@ def test_readme_walkthrough_runs(tmp_path):
         argv = shlex.split(cmd.replace("$(cat runs/walk/ckpt/latest)",
                                        (tmp_path / "runs/walk/ckpt/latest").read_text().strip()
                                        if (tmp_path / "runs/walk/ckpt/latest").exists() else ""))
+        if argv[0] == "megalite":
+            monkeypatch.chdir(tmp_path)
+            with contextlib.redirect_stdout(io.StringIO()):
+                assert megalite_main(argv[1:]) == 0, f"`{cmd}` failed"
+            continue
         if argv[0] == "torchrun":
             argv = [*TORCHRUN, "--standalone", *argv[1:]]
-        elif argv[0] == "megalite":
-            argv = [*MEGALITE, *argv[1:]]
         r = run(argv, cwd=tmp_path, timeout=600)
         assert r.returncode == 0, f"`{cmd}` failed:\n{r.stdout[-2000:]}\n{r.stderr[-3000:]}"
     assert (tmp_path / "runs/walk/model.safetensors").is_file()
