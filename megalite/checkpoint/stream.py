@@ -70,9 +70,10 @@ class _DirectSink:
     """A file's bytes written with O_DIRECT: copied into two page-aligned (mmap) bounce buffers and written
     in whole ALIGN-multiple chunks by one writer thread, so copying the next chunk overlaps writing this one
     (the write releases the GIL). O_DIRECT skips the page cache: no dirty-page writeback throttling the
-    writer, and no file-sized copy in the cache evicting what other jobs use. The last chunk is zero-padded to ALIGN and the file then cut
-    to its exact size. A file system that takes the flag at open but refuses the first write (EINVAL) loses
-    the flag (fcntl) and the same chunks are written through the page cache: the bytes are the same."""
+    writer, and no file-sized copy in the cache evicting what other jobs use. The last chunk is zero-padded
+    to ALIGN and the file then cut to its exact size. A file system that takes the flag at open but refuses
+    the first write (EINVAL) loses the flag (fcntl) and the same chunks go through the page cache: the bytes
+    are the same."""
 
     def __init__(self, f, path: Path):
         self.f, self.path = f, path
