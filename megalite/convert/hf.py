@@ -150,7 +150,7 @@ def export_hf(step: Path, man: dict, out: Path, dtype: torch.dtype, progress: Pr
         for hf_name, t in _to_hf(name, torch.empty(e.shape, device="meta")):
             specs.append((hf_name, list(t.shape), dtype))
     order = {n: i for i, (n, _, _) in enumerate(specs)}
-    w = StreamingWriter(tmp / "model.safetensors", specs, {"format": "pt"}, checksum=False)
+    w = StreamingWriter(tmp / "model.safetensors", specs, {"format": "pt"}, checksum=False, direct=True)
     try:
         for name, t in _full_tensors(step, man, progress):
             for hf_name, ht in _to_hf(name, t):

@@ -42,7 +42,7 @@ def convert(ckpt, out, dtype: str = "fp32", fmt: str = "megalite", force: bool =
     meta = {"format": "pt", "megalite.kind": "model", "megalite.model_config": json.dumps(man.model_config, sort_keys=True),
             "megalite.partitions": json.dumps({n: e.partition.to_json() for n, e in man.model.items()},
                                               sort_keys=True)}
-    w = StreamingWriter(tmp, specs, meta, checksum=False)
+    w = StreamingWriter(tmp, specs, meta, checksum=False, direct=True)
     try:
         for name, t in _full_tensors(step, man, progress):
             w.write(name, t.to(torch_dtype))
