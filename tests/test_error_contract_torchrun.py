@@ -124,7 +124,12 @@ def test_sigterm_to_the_torchrun_agent_mid_slow_step_commits_a_checkpoint(tmp_pa
     assert "WARNING" not in text and "will likely be lost" not in text, text[-3000:]  # 120 s is enough
     assert read_latest(root) == "step_00000003" and verify(root)[1] == [], text[-3000:]
     assert [r["step"] for r in metrics(out)][-1] == 3
-    assert proc.returncode == 1 and "SignalException" in text, (proc.returncode, text[-3000:])
+    # torchrun's own exit (its code, not megalite's): SignalException, exit 1. Once in a fresh-clone CI run
+    # (0 of 15 reruns, under load or not) the agent instead aborted in its own interpreter finalization
+    # after its workers had committed and exited ("Fatal Python error", exit -6); the workers' side, checked
+    # above, was the same.
+    agent_aborted = proc.returncode == -signal.SIGABRT and "Fatal Python error" in text
+    assert (proc.returncode == 1 and "SignalException" in text) or agent_aborted, (proc.returncode, text[-3000:])
     logs = []
     cfg = CKPT.config(token_file, out, **{"model.n_layer": 2, "train.steps": 400, "train.stop_at_step": 4,
                                           "checkpoint.dir": str(root)})
