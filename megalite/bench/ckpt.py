@@ -186,8 +186,7 @@ def _worker(rank: int, world: int, tmp: str, o: dict) -> None:
         # out of place (into the spare set) instead of in place. Measured next to each other.
         for held in ((False, True) if i % 2 == 0 else (True, False)):
             if held:  # what an async save at this point holds (the same tensors `saver` held above)
-                snap = collect(_named(model), opt, grid, {})
-                opt.hold([k for ts in snap.files.values() for k in map(opt.holdable, ts.values()) if k])
+                opt.hold(saver.held_keys(collect(_named(model), opt, grid, {}), opt))
             timed("AdamW step, out of place (after async save)" if held else "AdamW step, in place",
                   lambda: opt.step(1e-6))
         loads = [("megalite load", lambda: load_checkpoint(root / "ml", model, opt, grid, model_config=o["model"]))]

@@ -79,10 +79,11 @@ def run(dry_run: bool, config: str, window_s: float, out: Path, log=print) -> in
         return _checks(cfg, device, window_s, peak, out, t, log)
     dist.init_process_group("nccl" if device.type == "cuda" else "gloo", store=dist.HashStore(), rank=0,
                             world_size=1)
+    from ..train import leave_distributed
     try:
         return _checks(cfg, device, window_s, peak, out, t, log)
     finally:
-        dist.destroy_process_group()
+        leave_distributed()
 
 
 def _checks(cfg, device: torch.device, window_s: float, peak: float, out: Path, t, log) -> int:

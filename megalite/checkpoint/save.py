@@ -103,21 +103,21 @@ class Stager:
                 if not keep(t):
                     self._buffer(fname, key, t)
 
-    def stage(self, pay: Payload, keep=lambda t: False) -> tuple[Payload, int]:
-        """(the payload with every tensor `keep` refuses copied to its host buffer, how many were kept)."""
-        out, kept = Payload(files={}, records=pay.records, state=pay.state), 0
+    def stage(self, pay: Payload, keep=lambda t: False) -> Payload:
+        """The payload with every tensor `keep` refuses copied to its host buffer (the rest passed as is)."""
+        out = Payload(files={}, records=pay.records, state=pay.state)
         for fname, tensors in pay.files.items():
             out.files[fname] = {}
             for key, t in tensors.items():
                 if keep(t):
-                    out.files[fname][key], kept = t, kept + 1
+                    out.files[fname][key] = t
                     continue
                 buf = self._buffer(fname, key, t)
                 buf.copy_(t, non_blocking=True)
                 out.files[fname][key] = buf
         if torch.cuda.is_available():
             torch.cuda.synchronize()
-        return out, kept
+        return out
 
 
 def _write_file(path: Path, data: bytes) -> None:
@@ -418,7 +418,7 @@ class AsyncSaver:
     The snapshot costs the caller no copy where the optimizer can `hold` the tensors (megalite's
     ShardedAdamW, host tensors): the thread writes the live parameters and moments themselves, and the
     optimizer's next step computes its update out of place into a spare set, so the bytes being written
-    never change (double buffering; the step does the same arithmetic and memory traffic as in place).
+    never change (double buffering; the step does the same arithmetic as in place).
     Anything else (device tensors, a torch.optim optimizer's state, parameters no optimizer holds) is
     copied first into host buffers reused from one save to the next, as DCP's async_save does.
     """
@@ -430,27 +430,25 @@ class AsyncSaver:
         self.error: Optional[BaseException] = None
         self.last: Optional[Path] = None
 
-    def _holdable(self, optimizer):
-        """t -> the optimizer's key for t if it can hold t uncopied (a whole host tensor it writes), else None."""
+    def held_keys(self, pay: Payload, optimizer) -> list:
+        """The optimizer's keys of the payload tensors it can hold uncopied (whole host tensors it writes)."""
         if not self.zero_copy or not hasattr(optimizer, "hold"):
-            return lambda t: None
-        return optimizer.holdable
+            return []
+        return [k for ts in pay.files.values() for k in map(optimizer.holdable, ts.values()) if k is not None]
 
     def reserve(self, pay: Payload, optimizer=None) -> None:
         """At start-up: the optimizer's spare buffers, and host buffers for whatever it cannot hold."""
-        which = self._holdable(optimizer)
-        keys = [k for ts in pay.files.values() for k in map(which, ts.values()) if k is not None]
+        keys = self.held_keys(pay, optimizer)
         if keys:
             optimizer.reserve_spare(keys)
-        self.stager.reserve(pay, lambda t: which(t) is not None)
+        self.stager.reserve(pay, lambda t: bool(keys) and optimizer.holdable(t) is not None)
 
     def submit(self, root, step, pay, grid, meta, keep_last, keep=(), optimizer=None) -> None:
         self.wait()  # the previous save's tensors are free again (a held tensor's old buffer becomes its spare)
-        which = self._holdable(optimizer)
-        staged, held = self.stager.stage(pay, lambda t: which(t) is not None)
-        if held:
-            optimizer.hold([k for ts in pay.files.values() for k in map(which, ts.values()) if k is not None],
-                           self.wait)
+        keys = self.held_keys(pay, optimizer)
+        staged = self.stager.stage(pay, lambda t: bool(keys) and optimizer.holdable(t) is not None)
+        if keys:
+            optimizer.hold(keys, self.wait)
 
         def run():
             try:
