@@ -17,6 +17,7 @@ import sys
 import traceback
 
 from . import __version__
+from .errors import USER_ERRORS, is_shared, one_line
 
 EPILOGS = {
     "train": "example:\n  torchrun --nproc-per-node 8 -m megalite train --config configs/tiny-cpu.toml "
@@ -38,26 +39,13 @@ EPILOGS = {
     "generate": "example:\n  megalite generate --model runs/demo/model.safetensors --prompt 'def ' --max-new-tokens 100",
 }
 
-def user_errors() -> tuple:
-    """The errors a user can fix (one line, exit 2); anything else is a bug and keeps its traceback."""
-    from .checkpoint import CheckpointError
-    from .config import ConfigError
-    from .data import DataError
-    from .train import NonFiniteError, StartupError
-    return (ConfigError, DataError, CheckpointError, OSError, NonFiniteError, StartupError)
-
-
 def _report(command: str, e: BaseException) -> None:
     """One line on stderr (rank 0 only for an error every rank shares); the traceback too with MEGALITE_DEBUG=1."""
-    from .config import ConfigError
-    shared = getattr(e, "same_on_every_rank", isinstance(e, ConfigError))
-    if int(os.environ.get("RANK", "0")) != 0 and shared:
+    if int(os.environ.get("RANK", "0")) != 0 and is_shared(e):
         return
     if os.environ.get("MEGALITE_DEBUG", "") not in ("", "0"):
         traceback.print_exception(e)
-    text = " ".join(str(e).split()) if not isinstance(e, OSError) or not e.strerror else \
-        f"{e.strerror}: '{e.filename}'" if e.filename else e.strerror
-    print(f"megalite {command}: error: {text}", file=sys.stderr, flush=True)
+    print(f"megalite {command}: error: {one_line(e)}", file=sys.stderr, flush=True)
 
 
 class _Parser(argparse.ArgumentParser):
@@ -66,13 +54,9 @@ class _Parser(argparse.ArgumentParser):
 
 
 def _cmd_train(args, rest) -> int:
-    from .config import ConfigError, load_config
+    from .config import load_config
     from .train import leave_distributed, train
-    try:
-        cfg = load_config(args.config, rest)
-    except ConfigError as e:
-        e.same_on_every_rank = True
-        raise
+    cfg = load_config(args.config, rest)  # a ConfigError is shared: every rank parsed the same flags
     try:
         train(cfg, log=functools.partial(print, flush=True), force=args.force)  # lines appear as they happen
     except BaseException as e:
@@ -355,7 +339,7 @@ def _main(argv=None) -> int:
                      f"--section.key=value)")
     try:
         return args.fn(args, rest)
-    except user_errors() as e:
+    except USER_ERRORS as e:
         if isinstance(e, BrokenPipeError):
             raise  # main() decides: a reader that went away, or a real error
         _report(args.command, e)

@@ -14,16 +14,13 @@ import typing
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from .parallel.grid import Layout, LayoutError
+from .errors import ConfigError, LayoutError
+from .parallel.grid import Layout
 
 if sys.version_info >= (3, 11):
     import tomllib
 else:  # pragma: no cover
     import tomli as tomllib
-
-
-class ConfigError(ValueError):
-    """A bad configuration value. The message is one line naming the field."""
 
 
 @dataclass

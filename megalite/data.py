@@ -21,14 +21,12 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from .errors import DataError
+
 FORMAT = "megalite-tokens"
 VERSION = 1
 TEXT_SUFFIXES = (".py", ".txt", ".md", ".rst", ".json", ".toml", ".c", ".h")
 _SKIP_STDLIB_DIRS = {"site-packages", "test", "tests", "idlelib", "lib2to3"}
-
-
-class DataError(ValueError):
-    """A data problem the user can fix; the message is one line naming the cause."""
 
 
 class ByteTokenizer:
@@ -253,8 +251,7 @@ def _draw(dataset, block_size, batch_size, dp_rank, dp_size, rng):
             err = DataError(f"data.path: token file '{dataset.path}' holds token id {int(every.max())} "
                             f"(at token {int(starts[row]) + col} of the {dataset.split} split), expected ids "
                             f"below model.vocab_size = {dataset.limit}; the file is corrupt")
-            err.same_on_every_rank = True
-            raise err
+            raise err.everywhere()
     per_rank = batch_size // dp_size
     mine = starts[dp_rank * per_rank:(dp_rank + 1) * per_rank]
     rows = np.asarray(dataset.tokens[mine[:, None] + np.arange(block_size + 1)], dtype=np.int64)

@@ -12,11 +12,9 @@ import os
 import time
 from pathlib import Path
 
+from .errors import MetricsError
+
 NAME = "metrics.jsonl"
-
-
-class MetricsError(ValueError):
-    """A metrics file that is not one JSON object per line; the message names the file and the line."""
 
 
 def open_for_run(out_dir: Path, resumed_step: int, event: dict | None = None, log=print):

@@ -30,7 +30,8 @@ from .checkpoint.manager import CheckpointManager
 from .checkpoint.state import seed_everything
 from .config import DEFAULT_DATA_PATH, Config, num_microbatches, seq_len, validate
 from .faults import maybe_crash, slow_step
-from .data import BatchSampler, DataError, TokenDataset, check_vocab, ensure_data, eval_batches
+from .errors import USER_ERRORS, MegaliteError, one_line, DataError, NonFiniteError, StartupError  # noqa: F401 (re-exported)
+from .data import BatchSampler, TokenDataset, check_vocab, ensure_data, eval_batches
 from .model import GPTStage
 from .optim import grad_norm, lr_at
 from .parallel.data import GradBuffer, ShardedAdamW
@@ -222,12 +223,6 @@ def train_step(tr: Trainer) -> dict:
             "ms_per_step": dt * 1000, "tokens_seen": tr.tokens_seen, **({"skipped": True} if skipped else {})}
 
 
-class NonFiniteError(RuntimeError):
-    """The loss or gradient norm of a step is NaN or inf (train.on_nonfinite = "stop"); one line naming the step.
-    Every rank raises it alike: loss and norm are global numbers every rank holds."""
-    same_on_every_rank = True
-
-
 def _nonfinite(tr: Trainer, loss: float, norm: float) -> bool:
     """train.on_nonfinite: "skip" drops this step's update (the data moves on; said on rank 0) and returns
     True; "stop" raises NonFiniteError before the update, so no NaN ever reaches the weights or a checkpoint."""
@@ -395,13 +390,12 @@ def progress(msg: str) -> None:
 
 def agree(fn, grid: ParallelGrid):
     """Run fn() on every rank; if a user error happens on any rank, every rank raises the lowest failing
-    rank's error (marked same_on_every_rank, so only rank 0 prints it), instead of ranks dying one by one
+    rank's error (marked shared, so only rank 0 prints it), instead of ranks dying one by one
     in different places. Anything else (a bug) keeps its own traceback."""
-    from .cli import user_errors
     result, err = None, None
     try:
         result = fn()
-    except user_errors() as e:
+    except USER_ERRORS as e:
         err = e
     if grid.layout.world_size > 1:
         msgs = [None] * grid.layout.world_size
@@ -410,13 +404,12 @@ def agree(fn, grid: ParallelGrid):
         if first is not None and err is None:
             err = StartupError(first[1])
     if err is not None:
-        err.same_on_every_rank = True
+        if isinstance(err, MegaliteError):
+            err.everywhere()
+        else:  # an OSError: say that every rank raises it
+            err = StartupError(one_line(err))
         raise err
     return result
-
-
-class StartupError(RuntimeError):
-    """Another rank's start-up error, raised here too so that every rank stops alike."""
 
 
 def log_traceback(out_dir: Path, rank: int) -> None:

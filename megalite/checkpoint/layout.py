@@ -21,6 +21,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterable, Optional
 
+from ..errors import CheckpointError  # noqa: F401  (re-exported: megalite.checkpoint.CheckpointError)
 from ..parallel.grid import Coord, Layout
 from ..parallel.data import dp_pieces
 from ..parallel.tensor import Box, Partition, tp_box  # noqa: F401  (Box: re-exported)
@@ -36,10 +37,6 @@ TMP_PREFIX = ".tmp-"
 
 _COORD_RE = re.compile(r"^tp(\d{2,})-pp(\d{2,})-dp(\d{2,})$")
 _STEP_RE = re.compile(r"^step_(\d{8,})$")
-
-
-class CheckpointError(RuntimeError):
-    """A checkpoint problem: the message is one line naming the file or field and what was expected."""
 
 
 def coord_dir(c: Coord) -> str:

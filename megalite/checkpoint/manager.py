@@ -97,9 +97,7 @@ class CheckpointManager:
                 self.abandon()
         err = bcast_object(err, self.grid, self.grid.cpu)
         if err:
-            e = CheckpointError(err)
-            e.same_on_every_rank = True  # rank 0 found it, every rank raises it: printed once
-            raise e
+            raise CheckpointError(err, shared=True)  # rank 0 found it, every rank raises it: printed once
 
     def abandon(self) -> None:
         """Start-up failed (a bad resume, say): release the lock and remove what check_writable made, so a

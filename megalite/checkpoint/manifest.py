@@ -44,7 +44,8 @@ from typing import Optional
 import numpy as np
 import torch
 
-from ..parallel.grid import Layout, LayoutError
+from ..errors import LayoutError
+from ..parallel.grid import Layout
 from ..parallel.tensor import Partition
 from .layout import MANIFEST, MODEL_FILE, OPTIM_FILE, STATE_FILE, Box, CheckpointError, coord_dir
 from .stream import crc32c

@@ -368,7 +368,7 @@ def save_collective(root: Path, step: int, pay: Payload, grid, meta: dict, keep_
             err = f"checkpoint step {step}: cannot create {tmp} ({e.strerror or e})"
     err = bcast_object(err, grid)
     if err:
-        raise _everywhere(CheckpointError(err))
+        raise CheckpointError(err, shared=True)
     rel = coord_dir(grid.coord)
     try:
         report = write_rank(tmp / rel, pay, rel)
@@ -389,13 +389,8 @@ def save_collective(root: Path, step: int, pay: Payload, grid, meta: dict, keep_
             outcome = str(e)
     outcome = bcast_object(outcome, grid)
     if outcome:
-        raise _everywhere(CheckpointError(outcome))
+        raise CheckpointError(outcome, shared=True)
     return root / step_dir(step)
-
-
-def _everywhere(e: CheckpointError) -> CheckpointError:
-    e.same_on_every_rank = True  # every rank raises it: the CLI prints it once, on rank 0
-    return e
 
 
 def manifest_meta(cfg_dict: dict, layout, zero1: bool, step: int, tokens_seen: int, optimizer,

@@ -12,19 +12,16 @@ from typing import Iterable
 
 import torch
 
-from ..checkpoint.layout import LOCK, Box, CheckpointError, remove_tree
+from ..checkpoint.layout import LOCK, Box, remove_tree
 from ..checkpoint.load import entry_for
 from ..checkpoint.manifest import Manifest
 from ..checkpoint.reshard import SliceReader
 from ..config import ModelConfig
-from ..parallel.grid import Layout, LayoutError
+from ..errors import CheckpointError, ConvertError, LayoutError
+from ..parallel.grid import Layout
 from ..parallel.tensor import Partition
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
-
-
-class ConvertError(CheckpointError):
-    """Bad converter input: one line naming the path or flag and what was expected."""
 
 
 # ---------------------------------------------------------------- progress

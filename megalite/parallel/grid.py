@@ -18,6 +18,8 @@ from typing import NamedTuple, Optional
 
 import torch.distributed as dist
 
+from ..errors import LayoutError
+
 
 class Coord(NamedTuple):
     tp: int
@@ -109,10 +111,6 @@ class Layout(NamedTuple):
 
     def __str__(self) -> str:
         return f"tp={self.tp} pp={self.pp} dp={self.dp}"
-
-
-class LayoutError(ValueError):
-    """An invalid layout; the message is one line naming the field."""
 
 
 class ParallelGrid:
