@@ -18,7 +18,7 @@ _EXPORTS = {
     "leave_distributed": "megalite.train",
     "Layout": "megalite.parallel.grid",
     "ParallelGrid": "megalite.parallel.grid",
-    "shard": "megalite.parallel.tensor",
+    "shard": "megalite.parallel.partition",
     "save_checkpoint": "megalite.checkpoint",
     "load_checkpoint": "megalite.checkpoint",
     "CheckpointError": "megalite.checkpoint",

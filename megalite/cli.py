@@ -155,20 +155,20 @@ def _cmd_generate(args, rest) -> int:
 
 
 def _cmd_stress(args, rest) -> int:
-    from .faults import stress_ckpt
+    from .tools.stress import stress_ckpt
     r = stress_ckpt(trials=args.trials, steps=args.steps, width=args.width, workdir=args.workdir, seed=args.seed)
     return 0 if r["valid_latest"] == r["trials"] == r["resumed_exactly"] else 1
 
 
 def _cmd_bench(args, rest) -> int:
     if args.what == "ckpt":
-        from .bench.ckpt import bench_ckpt
+        from .tools.bench.ckpt import bench_ckpt
         bench_ckpt(size_mb=args.size_mb, world=args.world, repeats=args.repeats, dir=args.dir)
     elif args.what == "plan":
-        from .bench.plan import bench_plan_cli
+        from .tools.bench.plan import bench_plan_cli
         bench_plan_cli(args)
     else:
-        from .bench.train import bench_train
+        from .tools.bench.train import bench_train
         bench_train(steps=args.steps, nproc=args.nproc, n_embd=args.n_embd or 128, n_layer=args.n_layer or 4,
                     block_size=args.block_size or 128, rounds=args.rounds, wait_ms=args.bubble_wait_ms)
     return 0

@@ -27,9 +27,9 @@ from torch.utils.checkpoint import checkpoint
 from .config import ModelConfig
 from .parallel.grid import Axis, ParallelGrid
 from .parallel.pipeline import chunk_layers
-from .parallel.tensor import (ColumnParallelLinear, Partition, RowParallelLinear, VocabParallelEmbedding,
-                              copy_to_tp, gather_from_sp, init_local, local_shape, partition_of, seq_chunk, tag,
-                              vocab_parallel_cross_entropy)
+from .parallel.partition import Partition, init_local, local_shape, partition_of, tag
+from .parallel.tensor import (ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding, copy_to_tp,
+                              gather_from_sp, seq_chunk, vocab_parallel_cross_entropy)
 
 
 def _place(module: nn.Module, placement: str) -> None:

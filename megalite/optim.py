@@ -8,7 +8,7 @@ import torch.distributed as dist
 
 from .config import TrainConfig
 from .parallel.grid import ParallelGrid
-from .parallel.tensor import partition_of
+from .parallel.partition import partition_of
 
 
 def lr_at(step: int, t: TrainConfig) -> float:

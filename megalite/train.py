@@ -25,8 +25,8 @@ import torch
 import torch.distributed as dist
 
 from . import metrics
-from .checkpoint.layout import step_dir
-from .checkpoint.manager import CheckpointManager
+from .checkpoint.tree import step_dir
+from .checkpointing import CheckpointManager
 from .checkpoint.state import seed_everything
 from .config import DEFAULT_DATA_PATH, Config, num_microbatches, seq_len, validate
 from .faults import maybe_crash, slow_step
@@ -37,7 +37,8 @@ from .optim import grad_norm, lr_at
 from .parallel.data import GradBuffer, ShardedAdamW
 from .parallel.grid import Layout, ParallelGrid
 from .parallel.pipeline import P2P, SCHEDULES, forward_only, interleaved, interleaved_forward_only
-from .parallel.tensor import partition_of, sync_sequence_parallel_grads
+from .parallel.partition import partition_of
+from .parallel.tensor import sync_sequence_parallel_grads
 
 
 # ---------------------------------------------------------------- process group

@@ -359,7 +359,7 @@ def assert_still_at_step_1(root: Path) -> None:
     """After a failed save of step 2 (on every rank): `latest` still names step 1, which is whole and the
     only step, and the failed save left nothing behind."""
     import torch.distributed as dist
-    from megalite.checkpoint.layout import committed_steps, read_latest
+    from megalite.checkpoint.tree import committed_steps, read_latest
     from megalite.checkpoint.verify import verify
     dist.barrier()
     assert read_latest(root) == "step_00000001"

@@ -6,7 +6,7 @@ import math
 import pytest
 
 import helpers as H
-from megalite.bench.plan import bench_plan, bench_plan_cli, plan_layout, stage_tensors, validate
+from megalite.tools.bench.plan import bench_plan, bench_plan_cli, plan_layout, stage_tensors, validate
 from megalite.cli import build_parser
 from megalite.config import ConfigError
 

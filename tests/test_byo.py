@@ -78,7 +78,7 @@ def reference(vocab, width, n_layer) -> dict:
 def _gather_full(net, opt, grid) -> dict:
     """Every parameter and optimizer state tensor as a whole global tensor, on every rank (any layout)."""
     import torch.distributed as dist
-    from megalite.parallel.tensor import partition_of
+    from megalite.parallel.partition import partition_of
     mine = {}
     for name, p in net.named_parameters():
         for key, t in [("param", p.detach())] + sorted(opt.state[p].items()):
@@ -217,7 +217,7 @@ def test_unsupported_state_is_refused_naming_parameter_and_key(tmp_path):
     assert not (tmp_path / "ck").exists() or not any((tmp_path / "ck").iterdir())  # nothing was written
     with pytest.raises(ValueError, match=r"dim 0 of shape \(12, 6\) \(12\) does not divide by tp = 5"):
         from megalite.parallel.grid import Axis
-        from megalite.parallel.tensor import shard
+        from megalite.parallel.partition import shard
         shard(net[0].weight, 0, Axis(5, 0))
 
 

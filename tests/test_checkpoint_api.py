@@ -25,7 +25,7 @@ def _grid_and_trainer(tokens, tp, dp, zero1=False):
 def _full_moments(tr, grid) -> dict:
     """{name.exp_avg / name.exp_avg_sq: the whole global tensor} on every rank, from any layout."""
     import torch.distributed as dist
-    from megalite.parallel.tensor import partition_of, tp_box
+    from megalite.parallel.partition import partition_of, tp_box
     opt = tr.optimizer
     named = []
     for name, p in tr.params:

@@ -15,7 +15,7 @@ import pytest
 
 from helpers import (CKPT, assert_still_at_step_1, children, cli, copy_step, kill_tree, losses, metrics, ok,
                      one_line_error, popen_train, same_on_every_rank, step_names, tmp_dirs, train, verify_cli, wait_for)
-from megalite.checkpoint.layout import committed_steps, read_latest
+from megalite.checkpoint.tree import committed_steps, read_latest
 from megalite.checkpoint.manifest import FORMAT_VERSION
 from megalite.testing import run_parallel
 

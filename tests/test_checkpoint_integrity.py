@@ -24,7 +24,7 @@ from safetensors import safe_open
 import helpers as H
 from megalite.checkpoint import CheckpointError, load_checkpoint, save_checkpoint
 from megalite.checkpoint import manifest as mf
-from megalite.checkpoint.layout import resolve
+from megalite.checkpoint.tree import resolve
 from megalite.checkpoint.stream import read_header
 from megalite.checkpoint.verify import verify
 from megalite.config import ModelConfig
@@ -299,7 +299,7 @@ def test_intact_checkpoints_pass_verify_and_every_loader(base, tmp_path, which):
 def test_checked_partial_reads_return_the_right_values(base, which):
     """Every tp=2 rank's parameters and moments (block-aligned runs of the fused QKV, strided column halves,
     row ranges) and every ZeRO-1 piece equal the saved tensors' regions, read from either layout."""
-    from megalite.parallel.tensor import partition_of, tp_box
+    from megalite.parallel.partition import partition_of, tp_box
     saved = dict(base["model"].global_parameters())
     for tp, dp, zero1 in ((2, 1, False), (1, 2, True), (2, 2, True)):
         for tp_rank in range(tp):
@@ -322,7 +322,7 @@ def test_read_flat_lands_any_range_and_checks_every_block_it_touches(base, tmp_p
     buffer; the values equal the saved tensor's, with and without `out`. Strided runs (a column range),
     read a few blocks at a time, with runs cut by the chunks' edges, equal the tensor's too. A flipped bit in a touched block,
     even in bytes of it outside the range, is refused; one in an untouched block is not read."""
-    from megalite.checkpoint.reshard import SliceReader
+    from megalite.checkpoint.read import SliceReader
     want = base["model"].wte.weight.detach().reshape(-1)
     man = mf.read(base["ck"])
     entry = man.model["wte.weight"]
@@ -356,7 +356,7 @@ def test_zero1_resume_across_a_tp_change_reads_its_rows_not_whole_slices(base, t
     each rank reads its weights and, of the source pieces, only the rows that hold its moment range (a range
     of 1/8 of the flat space cuts through the big tensors; the old reader rebuilt every source box a range
     touches from all its pieces); the values are the saved ones."""
-    from megalite.checkpoint import reshard as rs
+    from megalite.checkpoint import read as rs
     src = reshard(base["ck"], tmp_path / "z", 2, 1, 2, zero1=True, quiet=True)
     got, real = [], rs.read_bytes
     monkeypatch.setattr(rs, "read_bytes", lambda path, at, out: (got.append(memoryview(out).nbytes), real(path, at, out)))
@@ -406,7 +406,7 @@ def test_verify_cli_reports_a_crafted_header(base, tmp_path):
 def test_resume_auto_falls_back_past_a_checkpoint_only_the_loader_would_refuse(base, tmp_path):
     """resume=auto trusts verify: a newest step whose header offsets point past the end (which the old verify
     passed) must be skipped for the older intact one, not chosen and then fail to load."""
-    from megalite.checkpoint.manager import CheckpointManager
+    from megalite.checkpointing import CheckpointManager
     root = tmp_path / "root"
     shutil.copytree(base["ck"], root / "step_00000007")
     shutil.copytree(base["ck"], root / "step_00000008")

@@ -7,9 +7,9 @@ import random
 import pytest
 import torch
 
-from megalite.checkpoint import layout as L
+from megalite.checkpoint import tree as L
 from megalite.checkpoint import manifest as mf
-from megalite.checkpoint.layout import CheckpointError
+from megalite.checkpoint.tree import CheckpointError
 from megalite.checkpoint.save import prune
 from megalite.parallel.grid import Coord
 
@@ -131,7 +131,7 @@ def test_dp_pieces_by_hand():
 @pytest.mark.parametrize("dp", [1, 2, 3, 8, 64])
 def test_dp_pieces_tile_every_tensor_and_balance_the_ranks(dp):
     from megalite.parallel.data import dp_pieces
-    from megalite.parallel.tensor import shard_range
+    from megalite.parallel.partition import shard_range
     rng = random.Random(dp)
     tensors = [(f"t{i}", rng.randint(1, 5_000), i % 17 == 0) for i in range(120)]
     pieces = [dp_pieces(tensors, r, dp) for r in range(dp)]
@@ -229,7 +229,7 @@ def test_prune_never_deletes_what_latest_names_or_anything_newer(tmp_path):
 
 # ---------------------------------------------------------------- the write plan of a whole grid
 def _stage_tensors(stage: int, pp: int):
-    from megalite.parallel.tensor import Partition as P
+    from megalite.parallel.partition import Partition as P
     first = [("wte.weight", P((257, 32), 0)), ("wpe", P((16, 32), None))]  # 257 rows: a short last tp slice
     layers = []
     for i in range(2):

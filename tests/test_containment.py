@@ -8,7 +8,7 @@ import shutil
 import pytest
 
 from helpers import CKPT, step_names, tmp_dirs, train_in_process
-from megalite.checkpoint.layout import read_latest
+from megalite.checkpoint.tree import read_latest
 from megalite.checkpoint.verify import verify
 from megalite.train import NonFiniteError
 
@@ -99,7 +99,7 @@ def test_nan_loss_stops_before_the_update_and_latest_stays_good(tmp_path, token_
 
 def test_write_latest_never_follows_a_planted_temp_file(tmp_path):
     """write_latest itself (not only the start-up tidy-up) replaces a symlink or a stale file at .latest.tmp."""
-    from megalite.checkpoint.layout import write_latest
+    from megalite.checkpoint.tree import write_latest
     victim = tmp_path / "victim.txt"
     victim.write_text("must not change\n")
     (tmp_path / ".latest.tmp").symlink_to(victim)
@@ -117,7 +117,7 @@ def test_disk_full_while_writing_latest_says_the_step_is_committed(tmp_path, tok
     import os
 
     from megalite.checkpoint import CheckpointError
-    from megalite.checkpoint import layout
+    from megalite.checkpoint import tree as layout
     real, calls = os.write, []
 
     def full(fd, data):
@@ -146,7 +146,7 @@ def test_a_pruning_failure_is_reported_and_not_counted_as_deleted(tmp_path, monk
     step is named in a warning, and prune does not report it as deleted."""
     import errno
 
-    from megalite.checkpoint import layout, save
+    from megalite.checkpoint import save, tree as layout
     root = tmp_path / "ck"
     for s in (1, 2, 3):  # committed-looking folders: pruning only needs the names and a manifest file
         (root / layout.step_dir(s)).mkdir(parents=True)

@@ -13,7 +13,7 @@ import helpers as H
 from megalite.checkpoint import CheckpointError
 from megalite.checkpoint import manifest as mf
 from megalite.checkpoint.stream import read_header
-from megalite.checkpoint.layout import resolve
+from megalite.checkpoint.tree import resolve
 from megalite.convert import ConvertError, convert, reshard, split
 
 

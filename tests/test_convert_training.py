@@ -11,7 +11,7 @@ from safetensors.torch import load_file
 
 import helpers as H
 from megalite.checkpoint import manifest as mf
-from megalite.checkpoint.layout import resolve
+from megalite.checkpoint.tree import resolve
 from megalite.checkpoint.verify import verify
 from megalite.convert import convert, reshard
 

@@ -12,7 +12,7 @@ from pathlib import Path
 
 from helpers import (CKPT, TORCHRUN, resign, TORCHRUN_TIMEOUT, env, kill_tree, metrics, run, train_in_process,
                      wait_for)
-from megalite.checkpoint.layout import read_latest
+from megalite.checkpoint.tree import read_latest
 from megalite.checkpoint.verify import verify
 
 

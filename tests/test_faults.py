@@ -18,7 +18,7 @@ import pytest
 from helpers import (CKPT, MEGALITE, TIMEOUT, assert_still_at_step_1, env, metrics, metrics_lines, ok, one_line_error,
                      same_on_every_rank, step_names, tmp_dirs, torchrun_cmd, train, train_cmd, train_in_process,
                      verify_cli, wait_for)
-from megalite.checkpoint.layout import committed_steps, read_latest
+from megalite.checkpoint.tree import committed_steps, read_latest
 from megalite.testing import run_parallel
 
 SMALL = {"n_layer": 2, "dropout": 0.1}  # dropout: a resume must restore the RNG streams to be exact
@@ -144,7 +144,7 @@ def _full_disk_worker(rank, world_size, tmp_dir, tokens):
     import torch
     import torch.distributed as dist
     from megalite.checkpoint import CheckpointError, save_checkpoint
-    from megalite.checkpoint.manager import CheckpointManager
+    from megalite.checkpointing import CheckpointManager
     from megalite.checkpoint.verify import verify
     from megalite.parallel.grid import Layout, ParallelGrid
     from megalite.train import build, train_step

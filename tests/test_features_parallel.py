@@ -205,9 +205,9 @@ def test_bf16_checkpoint_resumes_bit_exactly_and_converts(tmp_path, token_file):
 
 def _memory_check(rank, world_size, tmp):
     """Saved-tensor hooks count the bytes one layer keeps for backward; they equal the adapted Korthikanti
-    formula (megalite.bench.features.layer_activation_bytes) at tp = world_size, for every recompute x sp
+    formula (megalite.tools.bench.features.layer_activation_bytes) at tp = world_size, for every recompute x sp
     setting (run by the 4-process launch above, at tp = 4)."""
-    from megalite.bench.features import _measure_layer, layer_activation_bytes
+    from megalite.tools.bench.features import _measure_layer, layer_activation_bytes
     from megalite.config import ModelConfig
     from megalite.parallel.grid import Layout, ParallelGrid
     grid = ParallelGrid.create(Layout(world_size, 1, 1))

@@ -30,7 +30,7 @@ def test_gpu_check_exits_1_on_a_mismatch(tmp_path, monkeypatch):
     """A load that returns other weights than were saved must fail the check (exit code 1, named tensor)."""
     import torch
     import megalite.checkpoint as ckpt
-    from megalite.bench import gpu_check
+    from megalite.tools.bench import gpu_check
     real = ckpt.load_checkpoint
 
     def corrupting(path, model, optimizer, grid, **kw):

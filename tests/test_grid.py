@@ -5,7 +5,7 @@ import pytest
 
 from megalite.parallel.grid import Axis, Coord, Layout, ParallelGrid
 from megalite.parallel.pipeline import num_warmup_microbatches, partition_layers
-from megalite.parallel.tensor import Partition, local_shape, shard_range, tp_box
+from megalite.parallel.partition import Partition, local_shape, shard_range, tp_box
 
 LAYOUTS = [Layout(tp, pp, dp) for tp, pp, dp in itertools.product([1, 2, 3, 4], [1, 2, 3], [1, 2, 4])]
 

@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from megalite.convert import convert
-from megalite.convert.tokenizer import build_byte_tokenizer
+from megalite.tokenizer import build_byte_tokenizer
 from megalite.data import ByteTokenizer
 
 TEXTS = ["def f(x):\n\treturn x  # two  spaces", "héllo ☃ — ünïcode", "\x00\x01 control \x7f bytes", ""]

@@ -11,7 +11,7 @@ import signal
 import pytest
 
 from helpers import CKPT, step_names, tmp_dirs, train_in_process
-from megalite.checkpoint.layout import read_latest
+from megalite.checkpoint.tree import read_latest
 from megalite.checkpoint.verify import verify
 from megalite.faults import KILL_POINTS
 

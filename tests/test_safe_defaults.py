@@ -5,7 +5,7 @@ import torch
 
 import helpers as H
 from helpers import cli, metrics, metrics_lines, one_line_error, tree_digest
-from megalite.checkpoint.layout import committed_steps, read_latest
+from megalite.checkpoint.tree import committed_steps, read_latest
 from megalite.config import Config, validate
 from megalite.train import train
 

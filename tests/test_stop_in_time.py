@@ -12,8 +12,8 @@ from pathlib import Path
 import pytest
 
 from helpers import CKPT, train_in_process
-from megalite.checkpoint.layout import read_latest
-from megalite.checkpoint.manager import DEFAULT_SHUTDOWN_TIMEOUT_S, signal_grace
+from megalite.checkpoint.tree import read_latest
+from megalite.checkpointing import DEFAULT_SHUTDOWN_TIMEOUT_S, signal_grace
 from megalite.config import Config
 
 REPO = Path(__file__).resolve().parents[1]

@@ -10,8 +10,8 @@ import torch.nn.functional as F
 from torch.testing import assert_close
 
 from megalite.parallel.grid import Axis
+from megalite.parallel.partition import init_local, partition_of, shard_range, tp_box
 from megalite.parallel.tensor import (ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding,
-                                      init_local, partition_of, shard_range, tp_box,
                                       vocab_parallel_cross_entropy)
 from megalite.testing import run_parallel
 

@@ -1,10 +1,10 @@
 """Rank-coded sharded checkpoints: every (tp, pp, dp) coordinate saves its own slice; one manifest describes all.
 
-    layout.py    the tree: coordinate <-> folder, step folders, `latest`
+    tree.py      the tree: coordinate <-> folder, step folders, `latest`
     manifest.py  the global description (names, shapes, partitions, slices, checksums)
     save.py      per-coordinate writes, atomic commit, keep_last, async saves
     load.py      checks and loads into a model/optimizer at any layout
-    reshard.py   reads any region of a global tensor from whichever slices hold it
+    read.py      reads any region of a global tensor from whichever slices hold it
     torch_optim.py  any torch.optim optimizer's state, saved and resharded like its parameters
     verify.py    `verify` and `inspect`
 
@@ -15,7 +15,7 @@ error, never a silent None):
     info = load_checkpoint(root, model, optimizer, grid)    # info.client_state == {"epoch": 3}
 
 `model` is megalite's GPT stage or any torch.nn.Module (global names: `global_parameters()` if it has one, else
-`named_parameters()`; untagged parameters are replicated, `parallel.tensor.shard` splits one over tp);
+`named_parameters()`; untagged parameters are replicated, `parallel.partition.shard` splits one over tp);
 `optimizer` is megalite's ShardedAdamW, any torch.optim optimizer (see torch_optim.py) or None.
 """
 from __future__ import annotations
@@ -24,7 +24,7 @@ import dataclasses
 from pathlib import Path
 from typing import Optional
 
-from .layout import CheckpointError, resolve
+from .tree import CheckpointError, resolve
 from .load import Loaded, load_into
 from .save import AsyncSaver, collect, manifest_meta, save_collective
 from .state import capture_rng

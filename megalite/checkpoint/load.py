@@ -14,11 +14,11 @@ from typing import Optional
 import torch
 
 from ..config import model_architecture
-from ..parallel.tensor import partition_of, tp_box, valid_view
+from ..parallel.partition import partition_of, tp_box, valid_view
 from . import manifest as mf
 from . import torch_optim
-from .layout import STATE_FILE, CheckpointError, coord_dir, resolve
-from .reshard import SliceReader
+from .tree import STATE_FILE, CheckpointError, coord_dir, resolve
+from .read import SliceReader
 from .state import restore_rng
 from .stream import crc32c
 

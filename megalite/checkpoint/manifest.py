@@ -46,8 +46,8 @@ import torch
 
 from ..errors import LayoutError
 from ..parallel.grid import Layout
-from ..parallel.tensor import Partition
-from .layout import MANIFEST, MODEL_FILE, OPTIM_FILE, STATE_FILE, Box, CheckpointError, coord_dir
+from ..parallel.partition import Partition
+from .tree import MANIFEST, MODEL_FILE, OPTIM_FILE, STATE_FILE, Box, CheckpointError, coord_dir
 from .stream import crc32c
 
 FORMAT = "megalite-checkpoint"

@@ -34,9 +34,9 @@ import torch.distributed as dist
 
 from .. import __version__
 from ..faults import kill_point
-from ..parallel.tensor import partition_of, valid_view
+from ..parallel.partition import partition_of, valid_view
 from . import manifest as mf
-from .layout import (LATEST, LATEST_TMP, MODEL_FILE, OPTIM_FILE, STATE_FILE, TMP_PREFIX, CheckpointError,
+from .tree import (LATEST, LATEST_TMP, MODEL_FILE, OPTIM_FILE, STATE_FILE, TMP_PREFIX, CheckpointError,
                      committed_steps, coord_dir, fsync_dir, parse_step_dir, plan_writes, read_latest, remove_tree,
                      step_dir, tmp_dir, unlink_quietly, write_latest)
 from .state import dumps_json

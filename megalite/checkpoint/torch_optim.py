@@ -19,9 +19,9 @@ import math
 import torch
 import torch.distributed as dist
 
-from ..parallel.tensor import local_shape, partition_of, valid_view
+from ..parallel.partition import local_shape, partition_of, valid_view
 from . import manifest as mf
-from .layout import OPTIM_FILE, CheckpointError, WriteItem
+from .tree import OPTIM_FILE, CheckpointError, WriteItem
 from .save import add
 
 

@@ -14,9 +14,9 @@ from pathlib import Path
 from ..parallel.grid import Coord
 from . import manifest as mf
 from ..parallel.pipeline import stage_of
-from .layout import MODEL_FILE, OPTIM_FILE, CheckpointError, coord_dir, parse_coord_dir, resolve
+from .tree import MODEL_FILE, OPTIM_FILE, CheckpointError, coord_dir, parse_coord_dir, resolve
 from .load import read_state
-from .reshard import SliceReader, check_key
+from .read import SliceReader, check_key
 
 
 def verify(path) -> tuple[Path, list[str]]:

@@ -6,10 +6,10 @@ the slices. Only `split` (whose input has no manifest) asks the model code for t
     common.py    errors, progress, output safety, partition tags, full tensors from a checkpoint
     single.py    `megalite convert`: one safetensors file; reading one model file back
     hf.py        Hugging Face GPT-2 names, config.json, export and import
-    offline.py   `megalite split` and `megalite reshard`: a whole checkpoint written in one process
+    resharding.py `megalite split` and `megalite reshard`: a whole checkpoint written in one process
 """
 from .common import DTYPES, ConvertError, Progress, check_layout, check_manifest_tensors, model_partitions
-from .offline import reshard, split
+from .resharding import reshard, split
 from .single import FORMATS, convert, read_model_file
 
 __all__ = ["DTYPES", "FORMATS", "ConvertError", "Progress", "check_layout", "check_manifest_tensors",

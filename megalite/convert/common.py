@@ -12,14 +12,14 @@ from typing import Iterable
 
 import torch
 
-from ..checkpoint.layout import LOCK, Box, remove_tree
+from ..checkpoint.tree import LOCK, Box, remove_tree
 from ..checkpoint.load import entry_for
 from ..checkpoint.manifest import Manifest
-from ..checkpoint.reshard import SliceReader
+from ..checkpoint.read import SliceReader
 from ..config import ModelConfig
 from ..errors import CheckpointError, ConvertError, LayoutError
 from ..parallel.grid import Layout
-from ..parallel.tensor import Partition
+from ..parallel.partition import Partition
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 

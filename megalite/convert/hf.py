@@ -10,11 +10,11 @@ from typing import Optional
 import torch
 from einops import EinopsError, rearrange
 
-from ..checkpoint.layout import remove_tree
+from ..checkpoint.tree import remove_tree
 from ..checkpoint.stream import StreamingWriter
 from ..config import ACTIVATIONS, ModelConfig, model_from
 from .common import ConvertError, Progress, _full_tensors, _replace, model_partitions
-from .tokenizer import write_byte_tokenizer
+from ..tokenizer import write_byte_tokenizer
 
 
 def _to_hf(name: str, t: torch.Tensor) -> list[tuple[str, torch.Tensor]]:

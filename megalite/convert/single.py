@@ -9,7 +9,7 @@ import torch
 from safetensors import safe_open
 
 from ..checkpoint import manifest as mf
-from ..checkpoint.layout import remove_tree, resolve
+from ..checkpoint.tree import remove_tree, resolve
 from ..checkpoint.stream import StreamingWriter
 from ..config import model_from, path_kind
 from .common import (DTYPES, ConvertError, Progress, _check_out, _full_tensors, _replace,

@@ -26,7 +26,7 @@ import torch
 import torch.distributed as dist
 
 from .grid import Axis
-from .tensor import partition_of, shard_range, tp_box
+from .partition import partition_of, shard_range, tp_box
 
 
 def flat_spaces(tensors: Iterable[tuple[str, int, bool]]) -> list[list[tuple[str, int]]]:

@@ -16,7 +16,7 @@ from typing import Optional
 
 import torch
 
-from .layout import Box, CheckpointError
+from .tree import Box, CheckpointError
 from .manifest import Manifest, SliceRef, TensorEntry
 from .stream import check_header, crc32c, raw_bytes, read_bytes, read_header, st_dtype
 

@@ -8,13 +8,13 @@ from pathlib import Path
 from typing import Callable, Optional
 
 from ..checkpoint import manifest as mf
-from ..checkpoint.layout import coord_dir, plan_writes, remove_tree, resolve, step_dir, tmp_dir
-from ..checkpoint.reshard import SliceReader
+from ..checkpoint.tree import coord_dir, plan_writes, remove_tree, resolve, step_dir, tmp_dir
+from ..checkpoint.read import SliceReader
 from ..checkpoint.save import Payload, add, commit_step, manifest_meta, write_rank
 from ..config import Config
 from ..parallel.grid import Layout
 from ..parallel.pipeline import stage_of
-from ..parallel.tensor import Partition
+from ..parallel.partition import Partition
 from .common import ConvertError, Progress, _check_out, _replace, check_layout, check_manifest_tensors, \
     model_partitions
 from .single import read_model_file

@@ -24,7 +24,7 @@ from typing import Iterable, Optional
 from ..errors import CheckpointError  # noqa: F401  (re-exported: megalite.checkpoint.CheckpointError)
 from ..parallel.grid import Coord, Layout
 from ..parallel.data import dp_pieces
-from ..parallel.tensor import Box, Partition, tp_box  # noqa: F401  (Box: re-exported)
+from ..parallel.partition import Box, Partition, tp_box  # noqa: F401  (Box: re-exported)
 
 MANIFEST = "manifest.json"
 MODEL_FILE = "model.safetensors"

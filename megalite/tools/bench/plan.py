@@ -3,7 +3,7 @@ machine could never run (GPT-3 175B at 16,384 ranks), with no tensors.
 
 Each pipeline stage's parameters come from the real model built on the meta device (so their partition
 tags are the ones training uses, not a copy of them); then, for every rank of the layout, the real write
-plan (`checkpoint.layout.plan_writes`) and the records a save produces (`checkpoint.save.add`), every
+plan (`checkpoint.tree.plan_writes`) and the records a save produces (`checkpoint.save.add`), every
 rank's report as the commit gathers it to rank 0, the typed manifest (`checkpoint.manifest.build`), and
 what `manifest.write` does with it on rank 0: serialise it, parse it back with `Manifest.from_json` (the
 full validation every reader runs: every field, every slice's file, exact tiling), and the JSON text that
@@ -11,7 +11,7 @@ would be written. Checksums are placeholders with the real count (one CRC32 per 
 slice); file sizes are the tensors' bytes.
 
 With `--reshard-to TP,PP,DP` it also plans the resume at another layout: for every destination rank, which
-source files it opens and how many bytes it reads, following `checkpoint.reshard.SliceReader.read`'s rules
+source files it opens and how many bytes it reads, following `checkpoint.read.SliceReader.read`'s rules
 (a region of a box stored at the same tp size reads only the overlapping ranges of its pieces; a region of
 another box reads, of each stored slice or piece, the ranges `reshard.read_ranges` says: the runs of the
 overlap, or its span; with ZeRO-1 only over the rows that hold the rank's flat range).
@@ -29,9 +29,9 @@ from dataclasses import dataclass
 
 import torch
 
-from ..checkpoint.layout import Box
-from ..checkpoint.manifest import BLOCK_BYTES
-from ..checkpoint.reshard import read_ranges
+from ...checkpoint.tree import Box
+from ...checkpoint.manifest import BLOCK_BYTES
+from ...checkpoint.read import read_ranges
 from . import StreamTable, fmt_bytes
 
 
@@ -57,11 +57,11 @@ def stage_tensors(model: dict, tp: int, pp: int, vpp: int = 1) -> list[list]:
 
     vpp > 1 (interleaved virtual stages): stage s holds the layer chunks s, s + pp, s + 2 pp, ... of
     pp * vpp contiguous chunks (Megatron's placement)."""
-    from ..config import ModelConfig
-    from ..model import GPTStage
-    from ..parallel.grid import Axis, Coord, Layout, ParallelGrid
-    from ..parallel.pipeline import partition_layers
-    from ..parallel.tensor import partition_of
+    from ...config import ModelConfig
+    from ...model import GPTStage
+    from ...parallel.grid import Axis, Coord, Layout, ParallelGrid
+    from ...parallel.pipeline import partition_layers
+    from ...parallel.partition import partition_of
     cfg = ModelConfig(**model)
     layout = Layout(tp, pp, 1)
     chunks = partition_layers(cfg.n_layer, pp * vpp)
@@ -79,8 +79,8 @@ def stage_tensors(model: dict, tp: int, pp: int, vpp: int = 1) -> list[list]:
 
 def one_rank_plan_s(stages: list, layout) -> float:
     """Seconds one rank spends planning its writes at every save (the largest stage, uncached)."""
-    from ..checkpoint.layout import plan_writes
-    from ..parallel.grid import Coord
+    from ...checkpoint.tree import plan_writes
+    from ...parallel.grid import Coord
     s = max(range(len(stages)), key=lambda i: len(stages[i]))
     t0 = time.process_time()
     plan_writes(stages[s], Coord(0, s, 0), layout)
@@ -89,9 +89,9 @@ def one_rank_plan_s(stages: list, layout) -> float:
 
 def _reports(stages: list, layout) -> tuple[list, list]:
     """Every rank's report as `save.write_rank` returns it (placeholder checksums), and its bytes written."""
-    from ..checkpoint import manifest as mf
-    from ..checkpoint.layout import MODEL_FILE, OPTIM_FILE, STATE_FILE, coord_dir, plan_writes
-    from ..checkpoint.save import Payload, add
+    from ...checkpoint import manifest as mf
+    from ...checkpoint.tree import MODEL_FILE, OPTIM_FILE, STATE_FILE, coord_dir, plan_writes
+    from ...checkpoint.save import Payload, add
     fp32 = torch.empty((), device="meta")
     parts = [dict(s) for s in stages]
     reports, written = [], []
@@ -117,8 +117,8 @@ def _reports(stages: list, layout) -> tuple[list, list]:
 
 def validate(d: dict) -> list[str]:
     """What every reader checks (`Manifest.from_json`): the first problem, or nothing."""
-    from ..checkpoint import manifest as mf
-    from ..checkpoint.layout import CheckpointError
+    from ...checkpoint import manifest as mf
+    from ...checkpoint.tree import CheckpointError
     try:
         mf.Manifest.from_json(d, "bench plan")
     except CheckpointError as e:
@@ -129,7 +129,7 @@ def validate(d: dict) -> list[str]:
 def gather_to_rank0(reports: list, layout) -> tuple[int, int]:
     """(bytes, messages) rank 0 receives in the commit's two-level gather (`save._gather`): the pickled
     reports of the other ranks of stage 0, then the merged part of every other stage from its leader."""
-    from ..checkpoint.save import merge_reports
+    from ...checkpoint.save import merge_reports
     leaders = layout.leader_ranks()  # reports are in rank order (layout.coords())
     stages = [layout.stage_ranks(layout.coord_of(r)) for r in leaders]
     first = sum(len(pickle.dumps(reports[r])) for r in stages[0][1:])
@@ -138,8 +138,8 @@ def gather_to_rank0(reports: list, layout) -> tuple[int, int]:
 
 
 def plan_layout(model: dict, tp: int, pp: int, dp: int, vpp: int = 1, zero1: bool = False) -> tuple[PlanRow, object]:
-    from ..checkpoint import manifest as mf
-    from ..parallel.grid import Layout
+    from ...checkpoint import manifest as mf
+    from ...parallel.grid import Layout
     layout = Layout(tp, pp, dp)
     stages = stage_tensors(model, tp, pp, vpp)
     rank_s = one_rank_plan_s(stages, layout)
@@ -208,9 +208,9 @@ def _overlaps(pieces: list, a: int, b: int, numel: int) -> list[tuple[str, int]]
 
 def plan_reshard(man: dict, model: dict, tp: int, pp: int, dp: int, vpp: int = 1, zero1: bool = False) -> dict:
     """Per destination rank of layout (tp, pp, dp): source files opened and bytes read, as load_into does."""
-    from ..parallel.data import dp_pieces
-    from ..parallel.grid import Layout
-    from ..parallel.tensor import tp_box
+    from ...parallel.data import dp_pieces
+    from ...parallel.grid import Layout
+    from ...parallel.partition import tp_box
     layout = Layout(tp, pp, dp)
     stages = stage_tensors(model, tp, pp, vpp)
     index = {e.name: _piece_index(e) for e in man.tensors()}
@@ -282,7 +282,7 @@ def bench_plan(n_layer: int, n_embd: int, n_head: int, vocab_size: int, tp: int,
 
 
 def _ints(text: str, flag: str, n: int | None = None) -> list[int]:
-    from ..config import ConfigError
+    from ...config import ConfigError
     try:
         vals = [int(x) for x in str(text).split(",")]
     except ValueError:
@@ -296,7 +296,7 @@ def _ints(text: str, flag: str, n: int | None = None) -> list[int]:
 def check_shape(n_layer: int, n_embd: int, n_head: int, vocab_size: int, block_size: int, tp: int, pp: int,
                 vpp: int, prefix: str = "--") -> None:
     """One-line errors naming the flag, before anything is planned."""
-    from ..config import ConfigError
+    from ...config import ConfigError
     for name, v in (("n-layer", n_layer), ("n-embd", n_embd), ("n-head", n_head), ("vocab-size", vocab_size),
                     ("block-size", block_size), ("tp", tp), ("pp", pp), ("vpp", vpp)):
         if v < 1:

@@ -14,12 +14,12 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from . import load_checkpoint, save_checkpoint
-from .layout import (LATEST, LOCK, CheckpointError, committed_steps, parse_step_dir, read_latest, step_dir,
+from .checkpoint import load_checkpoint, save_checkpoint
+from .checkpoint.tree import (LATEST, LOCK, CheckpointError, committed_steps, parse_step_dir, read_latest, step_dir,
                      unlink_quietly, write_new_file)
-from .save import AsyncSaver, bcast_object, collect, recover
-from .state import seed_everything
-from .verify import verify
+from .checkpoint.save import AsyncSaver, bcast_object, collect, recover
+from .checkpoint.state import seed_everything
+from .checkpoint.verify import verify
 
 
 DEFAULT_SHUTDOWN_TIMEOUT_S = 120  # what launch/*.sh export as TORCH_ELASTIC_SHUTDOWN_TIMEOUT (unless set)
@@ -47,7 +47,7 @@ def signal_grace(cfg) -> tuple:
 
 class CheckpointManager:
     def __init__(self, cfg, grid, log=print, force: bool = False):
-        from ..config import checkpoint_dir
+        from .config import checkpoint_dir
         self.cfg, self.grid, self.c = cfg, grid, cfg.checkpoint
         self.root = Path(checkpoint_dir(cfg)) if self.c.dir else None
         self.force = force  # a fresh start may move an earlier run's checkpoints aside (never deletes them)
@@ -257,7 +257,7 @@ class CheckpointManager:
     def _schedule_note(self, saved: dict, step: int) -> None:
         """The LR schedule is a function of (step, train.steps, warmup, lr, min_lr): changing train.steps on
         resume re-shapes it from here on. That is deliberate (the new total is the run's length); say so."""
-        from ..optim import lr_at
+        from .optim import lr_at
         t = self.cfg.train
         if not isinstance(saved.get("steps"), int) or saved["steps"] == t.steps or step >= t.steps:
             return

@@ -53,8 +53,8 @@ def _same(live: dict, other: dict, what: str, dtype=None) -> list:
 
 
 def run(dry_run: bool, config: str, window_s: float, out: Path, log=print) -> int:
-    from ..config import load_config
-    from ..data import default_corpus_files, prepare
+    from ...config import load_config
+    from ...data import default_corpus_files, prepare
     device = torch.device("cuda") if torch.cuda.is_available() and not dry_run else torch.device("cpu")
     if not dry_run and device.type != "cuda":
         log("gpu-check: no CUDA device visible (use --dry-run for the CPU rehearsal)")
@@ -79,7 +79,7 @@ def run(dry_run: bool, config: str, window_s: float, out: Path, log=print) -> in
         return _checks(cfg, device, window_s, peak, out, t, log)
     dist.init_process_group("nccl" if device.type == "cuda" else "gloo", store=dist.HashStore(), rank=0,
                             world_size=1)
-    from ..train import leave_distributed
+    from ...train import leave_distributed
     try:
         return _checks(cfg, device, window_s, peak, out, t, log)
     finally:
@@ -88,13 +88,13 @@ def run(dry_run: bool, config: str, window_s: float, out: Path, log=print) -> in
 
 def _checks(cfg, device: torch.device, window_s: float, peak: float, out: Path, t, log) -> int:
     """Steps 2 and 3 in a world of one (the process group is the caller's)."""
-    from ..checkpoint import AsyncSaver, load_checkpoint, save_checkpoint
-    from ..checkpoint.save import collect
-    from ..checkpoint.verify import verify
-    from ..convert import convert
-    from ..parallel.grid import Layout, ParallelGrid
-    from ..testing import gather_full_model
-    from ..train import build, train_step
+    from ...checkpoint import AsyncSaver, load_checkpoint, save_checkpoint
+    from ...checkpoint.save import collect
+    from ...checkpoint.verify import verify
+    from ...convert import convert
+    from ...parallel.grid import Layout, ParallelGrid
+    from ...testing import gather_full_model
+    from ...train import build, train_step
     from safetensors.torch import load_file
     grid = ParallelGrid.create(Layout(1, 1, 1))
     tr = build(cfg, grid, device)
