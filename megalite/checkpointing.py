@@ -20,6 +20,9 @@ from .checkpoint.tree import (LATEST, LOCK, CheckpointError, committed_steps, pa
 from .checkpoint.save import AsyncSaver, bcast_object, collect, recover
 from .checkpoint.state import seed_everything
 from .checkpoint.verify import verify
+from .checkpoint.load import read_tokenizer
+from .checkpoint.tree import TOKENIZER_REL
+from .tokenizer import from_json
 
 
 DEFAULT_SHUTDOWN_TIMEOUT_S = 120  # what launch/*.sh export as TORCH_ELASTIC_SHUTDOWN_TIMEOUT (unless set)
@@ -239,6 +242,7 @@ class CheckpointManager:
         else:
             path = Path(want)
         info = load_checkpoint(path, tr.model, tr.optimizer, self.grid, model_config=self.cfg.to_dict()["model"])
+        self._check_tokenizer(info, tr)
         tr.step, tr.tokens_seen = info.step, info.tokens_seen
         tr.sampler.load_state_dict(info.data)
         self.last_saved = self.resumed_from = info.step
@@ -253,6 +257,21 @@ class CheckpointManager:
         self.resumed_path = str(info.path)
         self.resumed_event = {"layout": str(self.grid.layout), "from": str(info.path)}
         self._schedule_note((info.manifest.config or {}).get("train") or {}, info.step)
+
+    def _check_tokenizer(self, info, tr) -> None:
+        """The token file must come from the checkpoint's tokenizer (compared as re-serialized by this
+        tokenizers library, so a library upgrade alone changes nothing); a checkpoint without one (older, or
+        saved by the API) is not checked."""
+        saved = read_tokenizer(info.path, info.manifest)
+        if saved is None or tr.tokenizer is None:
+            return
+        theirs = from_json(saved.decode("utf-8", errors="replace"), f"{info.path.name}/{TOKENIZER_REL}")
+        if theirs.sha256 != tr.tokenizer.sha256:
+            raise CheckpointError(
+                f"checkpoint.resume: {info.path / TOKENIZER_REL} ({theirs.kind}, vocab {theirs.vocab_size}, sha256 "
+                f"{theirs.sha256[:12]}) is not the tokenizer of data.path '{self.cfg.data.path}' ({tr.tokenizer.kind}, "
+                f"vocab {tr.tokenizer.vocab_size}, sha256 {tr.tokenizer.sha256[:12]}); prepare the data with the "
+                f"checkpoint's tokenizer: megalite prepare FILES --tokenizer {info.path / TOKENIZER_REL} --out X.bin")
 
     def _schedule_note(self, saved: dict, step: int) -> None:
         """The LR schedule is a function of (step, train.steps, warmup, lr, min_lr): changing train.steps on
@@ -342,7 +361,7 @@ class CheckpointManager:
             path = save_checkpoint(self.root, tr.step, tr.model, tr.optimizer, self.grid,
                                    config=self.cfg.to_dict(), tokens_seen=tr.tokens_seen,
                                    data_state=tr.sampler.state_dict(), keep_last=self.c.keep_last, saver=self.saver,
-                                   keep=self.keep)
+                                   keep=self.keep, tokenizer=tr.tokenizer.json.encode() if tr.tokenizer else None)
         except CheckpointError as e:
             self._failed(e)
             return

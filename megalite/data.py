@@ -1,9 +1,10 @@
-"""Byte-level token data: prepare a corpus, read it back, and draw batches.
+"""Token data: prepare a corpus with a tokenizer, read it back, and draw batches.
 
-Tokens are raw UTF-8 bytes (vocab 256) so there is no tokenizer to download or
-train, and the default corpus is the Python standard library's own sources, so
-a first run needs no network.  On disk a corpus is a flat ``uint16`` ``.bin``
-file plus a ``.json`` file with the same stem that says how to read it.
+The default tokenizer is UTF-8 bytes (vocab 256: nothing to download or train) and the default corpus is the
+Python standard library's own sources, so a first run needs no network; `--tokenizer` takes a BPE (a
+tokenizer.json, an HF tokenizer folder, GPT-2's vocab.json + merges.txt). On disk a corpus is a flat
+``uint16`` (``uint32`` for a vocabulary above 65,536) ``.bin`` file plus a ``.json`` with the same stem that
+says how to read it and which tokenizer made it (docs/tokenizers.md has the format).
 
 Batches are a pure function of ``(seed, batch_index)``: every data-parallel
 rank draws the same global batch and keeps only its own rows.  That makes a run
@@ -13,16 +14,22 @@ a matter of restoring one integer.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
+import sys
 import sysconfig
+import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import numpy as np
 import torch
 
 from .errors import DataError
+from .tokenizer import BYTE, Tokenizer, byte_tokenizer, from_json, load as load_tokenizer, read_text_pieces
 
+TOKEN_DTYPES = {"uint16": np.uint16, "uint32": np.uint32}
 FORMAT = "megalite-tokens"
 VERSION = 1
 TEXT_SUFFIXES = (".py", ".txt", ".md", ".rst", ".json", ".toml", ".c", ".h")
@@ -95,10 +102,76 @@ def _atomic_write(path: Path, data: bytes) -> None:
     os.replace(tmp, path)
 
 
-def prepare(sources: list[str | Path], out: str | Path, val_fraction: float = 0.1, log=print) -> dict:
-    """Byte-encode text files into ``out`` (.bin) and its ``.json``; return the meta dict.
+def token_dtype(vocab_size: int):
+    """uint16 while every id fits (vocab <= 65,536), else uint32."""
+    return np.uint16 if vocab_size <= 1 << 16 else np.uint32
 
-    The last ``val_fraction`` of tokens is the validation split.  The json is
+
+def tokenizer_path(out: Path) -> Path:
+    """Where prepare keeps a copy of the tokenizer beside a token file (none for the byte tokenizer)."""
+    return out.with_name(out.stem + ".tokenizer.json")
+
+
+class _Progress:
+    """`prepare: 1.20/3.40 GB (35%), 4.1 MB/s, 1,234,567 tokens, ETA 0m32s` on stderr, about once a second
+    (a line rewritten in place on a terminal)."""
+
+    def __init__(self, total: int, on: bool):
+        self.total, self.on, self.t0 = total, on, time.monotonic()
+        self.last, self.tty = self.t0, on and sys.stderr.isatty()
+
+    def show(self, done: int, tokens: int, final: bool = False) -> None:
+        now = time.monotonic()
+        if not self.on or (now - self.last < 1.0 and not final):
+            return
+        self.last = now
+        rate = done / max(now - self.t0, 1e-9)
+        eta = (self.total - done) / rate if rate > 0 else 0.0
+        line = (f"prepare: {done / 1e9:.2f}/{self.total / 1e9:.2f} GB ({100 * done / max(self.total, 1):.0f}%), "
+                f"{rate / 1e6:.1f} MB/s, {tokens:,} tokens, ETA {int(eta) // 60}m{int(eta) % 60:02d}s")
+        print(f"\r{line}" if self.tty else line, end="\n" if final or not self.tty else "", file=sys.stderr,
+              flush=True)
+
+
+def _pieces(files: list[Path], piece_chars: int):
+    """(document index, text piece) for every file in order: each file is one document."""
+    for doc, path in enumerate(files):
+        for piece in read_text_pieces(path, piece_chars):
+            yield doc, piece, len(piece)
+        yield doc, "", 0  # marks the document even when the file is empty
+
+
+def _batches(pieces, batch_chars: int):
+    batch, size = [], 0
+    for item in pieces:
+        batch.append(item)
+        size += item[2]
+        if size >= batch_chars:
+            yield batch
+            batch, size = [], 0
+    if batch:
+        yield batch
+
+
+def _encode(tok: Tokenizer, texts: list[str], dtype) -> list[np.ndarray]:
+    """Each text's ids as an array: bytes straight from UTF-8 for the byte tokenizer, else the tokenizers
+    library's encode_batch (its threads, without the GIL)."""
+    if tok.is_byte:
+        return [np.frombuffer(t.encode("utf-8"), dtype=np.uint8).astype(dtype) for t in texts]
+    return [np.array(e.ids, dtype=dtype) for e in tok.backend.encode_batch(texts)]
+
+
+def prepare(sources: list[str | Path], out: str | Path, val_fraction: float = 0.1, log=print,
+            tokenizer="byte", progress: bool = False, piece_chars: int = 1 << 18, batch_chars: int = 1 << 21) -> dict:
+    """Tokenize text files into ``out`` (.bin) and its ``.json``; return the meta dict.
+
+    Each file is a document; documents are separated by the tokenizer's end-of-text token (two newlines for
+    the byte tokenizer, which has none). `tokenizer`: "byte", a tokenizer.json, an HF tokenizer folder,
+    GPT-2's vocab.json, or a megalite.tokenizer.Tokenizer. Streams: files are read in pieces of
+    ~`piece_chars` characters (cut where the tokenizer gives the ids of the whole text; a tokenizer that
+    cannot be cut reads each file whole), ~`batch_chars` at a time encoded in parallel by the tokenizers
+    library's threads while the next batch is read, ids written as they come. The last ``val_fraction`` of
+    tokens is the validation split. A token file replaces an old one only once complete: the json is
     written last, so a token file with a json beside it is always complete.
     """
     out = Path(out)
@@ -106,30 +179,74 @@ def prepare(sources: list[str | Path], out: str | Path, val_fraction: float = 0.
         raise DataError(f"prepare: output '{out}' must end with .bin")
     if not 0.0 <= val_fraction < 1.0:
         raise DataError(f"prepare: val_fraction must be in [0, 1), got {val_fraction}")
+    tok = tokenizer if isinstance(tokenizer, Tokenizer) else load_tokenizer(tokenizer)
     files = _expand_sources(list(sources))
-    texts = [f.read_bytes().decode("utf-8", errors="replace") for f in files]
-    text = "\n\n".join(texts)
-    if not text:
+    if not files:
         raise DataError(f"prepare: no text found in sources {[str(s) for s in sources]} "
                         f"(folders are searched for {' '.join(TEXT_SUFFIXES)})")
-    tokens = np.frombuffer(text.encode("utf-8"), dtype=np.uint8).astype(np.uint16)
-    num_tokens = int(tokens.size)
-    meta = {
-        "format": FORMAT,
-        "version": VERSION,
-        "tokenizer": "byte",
-        "vocab_size": ByteTokenizer.vocab_size,
-        "max_token": int(tokens.max()),  # checked against model.vocab_size when a run opens the file
-        "dtype": "uint16",
-        "num_tokens": num_tokens,
-        "val_start": num_tokens - int(num_tokens * val_fraction),
-        "sources": [str(s) for s in sources],
-    }
+    dtype = token_dtype(tok.vocab_size)
+    sep = np.array([tok.eot_id] if tok.eot_id is not None else tok.encode("\n\n"), dtype=dtype)
+    if not tok.streams_by_words():
+        piece_chars = 1 << 62  # each file whole: a cut could change its ids
     out.parent.mkdir(parents=True, exist_ok=True)
-    _atomic_write(out, tokens.tobytes())
+    tmp = out.with_name(f".{out.name}.tmp-{os.getpid()}")
+    bar = _Progress(sum(f.stat().st_size for f in files), progress)
+    num_tokens, top, chars, done_bytes, last_doc = 0, -1, 0, 0, -1
+    try:
+        with open(tmp, "wb") as f, ThreadPoolExecutor(max_workers=1) as pool:
+            def write(batch, arrays):
+                nonlocal num_tokens, top, chars, last_doc
+                for (doc, _, n), arr in zip(batch, arrays):
+                    if doc != last_doc and doc > 0:
+                        f.write(sep.tobytes())
+                        num_tokens, top = num_tokens + sep.size, max(top, int(sep.max(initial=0)))
+                    last_doc, chars = doc, chars + n
+                    if arr.size:
+                        top = max(top, int(arr.max()))
+                        f.write(arr.tobytes())
+                        num_tokens += arr.size
+
+            pending = None  # (batch, future): encoded in a tokenizers thread while the next batch is read
+            for batch in _batches(_pieces(files, piece_chars), batch_chars):
+                nxt = (batch, pool.submit(_encode, tok, [text for _, text, _ in batch], dtype))
+                if pending is not None:
+                    write(pending[0], pending[1].result())
+                    done_bytes += sum(len(t.encode("utf-8")) for _, t, _ in pending[0])
+                    bar.show(done_bytes, num_tokens)
+                pending = nxt
+            if pending is not None:
+                write(pending[0], pending[1].result())
+            f.flush()
+            os.fsync(f.fileno())
+        bar.show(bar.total, num_tokens, final=True)
+        if chars == 0 and len(files) == 1:
+            raise DataError(f"prepare: no text found in sources {[str(s) for s in sources]} "
+                            f"(the file is empty)")
+        meta = {
+            "format": FORMAT,
+            "version": VERSION,
+            "tokenizer": tok.kind,
+            "tokenizer_sha256": tok.sha256,
+            "vocab_size": tok.vocab_size,
+            "eot_id": tok.eot_id,
+            "max_token": top,  # checked against model.vocab_size when a run opens the file
+            "dtype": np.dtype(dtype).name,
+            "num_tokens": num_tokens,
+            "val_start": num_tokens - int(num_tokens * val_fraction),
+            "documents": len(files),
+            "sources": [str(s) for s in sources],
+        }
+        if not tok.is_byte:
+            meta["tokenizer_file"] = tokenizer_path(out).name  # relative to this json's folder
+            _atomic_write(tokenizer_path(out), tok.json.encode("utf-8"))
+        os.replace(tmp, out)
+    except BaseException:
+        if os.path.lexists(tmp):
+            os.unlink(tmp)
+        raise
     _atomic_write(meta_path(out), (json.dumps(meta, indent=2) + "\n").encode("utf-8"))
-    log(f"prepare: wrote {num_tokens:,} tokens from {len(files)} files to {out} "
-        f"(val from token {meta['val_start']:,})")
+    log(f"prepare: wrote {num_tokens:,} tokens ({tok.kind} tokenizer, vocab {tok.vocab_size:,}, "
+        f"{meta['dtype']}) from {len(files)} files to {out} (val from token {meta['val_start']:,})")
     return meta
 
 
@@ -170,15 +287,17 @@ class TokenDataset:
             raise DataError(f"data.path: metadata '{mpath}' is not valid JSON ({e})") from None
         if not isinstance(meta, dict) or meta.get("format") != FORMAT or meta.get("version") != VERSION:
             raise DataError(f"data.path: metadata '{mpath}' is not format '{FORMAT}' version {VERSION}")
-        if meta.get("dtype") != "uint16":
-            raise DataError(f"data.path: metadata '{mpath}' has dtype {meta.get('dtype')!r}, expected 'uint16'")
+        if meta.get("dtype") not in TOKEN_DTYPES:
+            raise DataError(f"data.path: metadata '{mpath}' has dtype {meta.get('dtype')!r}, expected 'uint16' "
+                            f"or 'uint32'")
+        dtype = TOKEN_DTYPES[meta["dtype"]]
         num_tokens, val_start = meta.get("num_tokens"), meta.get("val_start")
         if not (isinstance(num_tokens, int) and isinstance(val_start, int) and 0 <= val_start <= num_tokens):
             raise DataError(f"data.path: metadata '{mpath}' needs integers 0 <= val_start <= num_tokens")
-        size = path.stat().st_size
-        if size != 2 * num_tokens:
+        size, itemsize = path.stat().st_size, np.dtype(dtype).itemsize
+        if size != itemsize * num_tokens:
             raise DataError(f"data.path: token file '{path}' has {size} bytes, expected "
-                            f"{2 * num_tokens} for num_tokens={num_tokens} in '{mpath.name}'")
+                            f"{itemsize * num_tokens} for num_tokens={num_tokens} ({meta['dtype']}) in '{mpath.name}'")
         lo, hi = (0, val_start) if split == "train" else (val_start, num_tokens)
         if hi <= lo:
             raise DataError(f"data.path: the {split} split of '{path}' is empty "
@@ -189,10 +308,42 @@ class TokenDataset:
             raise DataError(f"data.path: metadata '{mpath}' has vocab_size {vocab!r}, expected a positive integer")
         self.vocab_size = vocab
         self.limit = None  # the model's vocab size once check_vocab has run: every batch drawn is checked
-        self.tokens = np.memmap(path, dtype=np.uint16, mode="r", shape=(num_tokens,))[lo:hi]
+        self.tokens = np.memmap(path, dtype=dtype, mode="r", shape=(num_tokens,))[lo:hi]
 
     def __len__(self) -> int:
         return int(self.tokens.shape[0])
+
+
+def tokenizer_of(dataset: TokenDataset) -> Tokenizer:
+    """The tokenizer that made a token file: the `tokenizer_file` its json names (its bytes checked against
+    the recorded `tokenizer_sha256`), or the byte tokenizer for a file that names none and records at most
+    256 ids (every token file written before tokenizers were recorded is one)."""
+    meta, mpath = dataset.meta, meta_path(dataset.path)
+    name = meta.get("tokenizer_file")
+    if name is None:
+        if meta.get("tokenizer", BYTE) != BYTE or dataset.vocab_size > 256:
+            raise DataError(f"data.path: '{mpath}' records vocab_size {dataset.vocab_size} (tokenizer "
+                            f"{meta.get('tokenizer', BYTE)!r}) but names no tokenizer_file; add \"tokenizer_file\": "
+                            f"the path of the tokenizer.json that made it (docs/tokenizers.md)")
+        return byte_tokenizer()
+    if not isinstance(name, str) or not name:
+        raise DataError(f"data.path: '{mpath}' has tokenizer_file {name!r}, expected the path of a tokenizer.json")
+    tpath = mpath.parent / name
+    if not tpath.is_file():
+        from .config import path_kind
+        raise DataError(f"data.path: tokenizer_file '{tpath}' named by '{mpath.name}' is {path_kind(tpath)}, "
+                        f"expected the tokenizer.json that made the token file")
+    raw = tpath.read_bytes()
+    sha = meta.get("tokenizer_sha256")
+    if sha is not None and sha != hashlib.sha256(raw).hexdigest():
+        raise DataError(f"data.path: tokenizer_file '{tpath}' has sha256 {hashlib.sha256(raw).hexdigest()[:16]}..., "
+                        f"not the tokenizer_sha256 {str(sha)[:16]}... recorded in '{mpath.name}' (the tokenizer was "
+                        f"changed after `megalite prepare`; prepare the data again)")
+    tok = from_json(raw.decode("utf-8", errors="replace"), f"data.path: tokenizer_file '{tpath}'")
+    if dataset.vocab_size > tok.vocab_size:
+        raise DataError(f"data.path: '{mpath}' records vocab_size {dataset.vocab_size} but its tokenizer "
+                        f"'{tpath}' has {tok.vocab_size} ids")
+    return tok
 
 
 SAMPLE_TOKENS = 1 << 20  # tokens read at start-up to check a recorded max_token (a strided sample)
@@ -311,3 +462,17 @@ def eval_batches(dataset: TokenDataset, block_size: int, batch_size: int, dp_ran
         rng = np.random.Generator(np.random.PCG64([seed, 2**32 - 1 - i]))
         out.append(_draw(dataset, block_size, batch_size, dp_rank, dp_size, rng))
     return out
+
+
+def eval_tokens_per_byte(dataset: TokenDataset, block_size: int, batch_size: int, num_batches: int, seed: int,
+                         tok: Tokenizer):
+    """Tokens per byte of text over exactly the targets `eval_batches` draws (every dp rank's rows), or None
+    when they hold no text: a validation loss in nats per token is then loss * tokens / bytes / ln 2 bits
+    per byte, one scale for a byte model and a BPE model."""
+    nbytes = np.asarray(tok.token_bytes(), dtype=np.int64)
+    tokens = total = 0
+    for _, y in eval_batches(dataset, block_size, batch_size, 0, 1, num_batches, seed):
+        ids = y.numpy().reshape(-1)
+        tokens += ids.size
+        total += int(nbytes[np.minimum(ids, nbytes.size - 1)].sum())
+    return tokens / total if total else None

@@ -139,9 +139,11 @@ class Block(nn.Module):
 
 class GPTStage(nn.Module):
     def __init__(self, cfg: ModelConfig, grid: ParallelGrid, layers: Optional[range] = None, vpp: int = 1,
-                 sp: bool = False, recompute: str = "none"):
+                 sp: bool = False, recompute: str = "none", real_vocab: Optional[int] = None):
         super().__init__()
         self.cfg, self.tp = cfg, grid.tp
+        # ids from real_vocab (the tokenizer's size) up to vocab_size are padding: never in the loss
+        self.real_vocab = min(cfg.vocab_size, real_vocab or cfg.vocab_size)
         self.sp, self.full_recompute = sp and grid.tp.active, recompute == "full"
         self.first, self.last = grid.is_first_stage, grid.is_last_stage
         self.chunks = [layers] if layers is not None else chunk_layers(cfg.n_layer, grid.layout.pp, vpp)[grid.coord.pp]
@@ -212,5 +214,5 @@ class GPTStage(nn.Module):
         logits = F.linear(x, head)  # (B, T, V/tp)
         if targets is None:
             return logits
-        return vocab_parallel_cross_entropy(logits, targets, self.cfg.vocab_size, self.tp).mean()
+        return vocab_parallel_cross_entropy(logits, targets, self.cfg.vocab_size, self.tp, self.real_vocab).mean()
 

@@ -31,7 +31,7 @@ from .checkpoint.state import seed_everything
 from .config import DEFAULT_DATA_PATH, Config, num_microbatches, seq_len, validate
 from .faults import maybe_crash, slow_step
 from .errors import USER_ERRORS, MegaliteError, one_line, DataError, NonFiniteError, StartupError  # noqa: F401 (re-exported)
-from .data import BatchSampler, TokenDataset, check_vocab, ensure_data, eval_batches
+from .data import BatchSampler, TokenDataset, check_vocab, ensure_data, eval_batches, eval_tokens_per_byte, tokenizer_of
 from .model import GPTStage
 from .optim import grad_norm, lr_at
 from .parallel.data import GradBuffer, ShardedAdamW
@@ -39,6 +39,7 @@ from .parallel.grid import Layout, ParallelGrid
 from .parallel.pipeline import P2P, SCHEDULES, forward_only, interleaved, interleaved_forward_only
 from .parallel.partition import partition_of
 from .parallel.tensor import sync_sequence_parallel_grads
+from .tokenizer import Tokenizer
 
 
 # ---------------------------------------------------------------- process group
@@ -122,6 +123,8 @@ class Trainer:
     tokens_seen: int = 0
     history: list = field(default_factory=list)
     stopped_by: Optional[str] = None
+    tokenizer: Optional[Tokenizer] = None  # the token file's, copied into every checkpoint
+    val_tokens_per_byte: Optional[float] = None  # of the validation targets: val loss -> bits per byte
 
     @property
     def precision(self) -> str:
@@ -137,21 +140,25 @@ class Trainer:
 def build(cfg: Config, grid: ParallelGrid, device: torch.device) -> Trainer:
     t = cfg.train
     par = cfg.parallel
-    model = GPTStage(cfg.model, grid, vpp=par.vpp, sp=par.sp, recompute=t.recompute).to(device)
+    train_ds, val_ds = TokenDataset(cfg.data.path, "train"), TokenDataset(cfg.data.path, "val")
+    check_vocab(train_ds, cfg.model.vocab_size)
+    check_vocab(val_ds, cfg.model.vocab_size)
+    tok = tokenizer_of(train_ds)  # carried by every checkpoint; rows past its vocab are never predicted
+    model = GPTStage(cfg.model, grid, vpp=par.vpp, sp=par.sp, recompute=t.recompute,
+                     real_vocab=tok.vocab_size).to(device)
     model.init_weights(t.seed)
     params = sorted(model.global_parameters(), key=lambda np_: np_[0])
     grads = GradBuffer([p for _, p in params], grid.dp, par.bucket_mb, overlap=par.overlap_grad_reduce)
     opt = ShardedAdamW(params, grid.tp, grid.dp, cfg.parallel.zero1, betas=(t.beta1, t.beta2),
                        weight_decay=t.weight_decay, bucket_mb=cfg.parallel.bucket_mb)
-    train_ds, val_ds = TokenDataset(cfg.data.path, "train"), TokenDataset(cfg.data.path, "val")
-    check_vocab(train_ds, cfg.model.vocab_size)
-    check_vocab(val_ds, cfg.model.vocab_size)
     c = grid.coord
     sampler = BatchSampler(train_ds, seq_len(cfg), t.global_batch_size, c.dp, grid.layout.dp, t.seed)
     val = eval_batches(val_ds, seq_len(cfg), t.global_batch_size, c.dp, grid.layout.dp,
                        t.eval_batches, t.seed)
     seed_everything(t.seed, grid)
-    return Trainer(cfg, grid, device, model, params, grads, opt, sampler, val)
+    per_byte = eval_tokens_per_byte(val_ds, seq_len(cfg), t.global_batch_size, t.eval_batches, t.seed, tok)
+    return Trainer(cfg, grid, device, model, params, grads, opt, sampler, val, tokenizer=tok,
+                   val_tokens_per_byte=per_byte)
 
 
 # ---------------------------------------------------------------- one step
@@ -247,6 +254,7 @@ def _log_line(rec: dict, total: int, elapsed: float, done_steps: int) -> str:
     allocations, the first communicator set-up) is not representative, so no ETA is guessed from it."""
     eta = f"ETA {_fmt_time(elapsed / done_steps * (total - rec['step']))}" if done_steps > 0 else "ETA after step 2"
     val = f" | val {rec['val_loss']:.4f}" if "val_loss" in rec else ""
+    val += f" ({rec['val_bpb']:.3f} bits/byte)" if "val_bpb" in rec else ""
     return (f"step {rec['step']:>5}/{total} | loss {rec['loss']:.4f}{val} | lr {rec['lr']:.2e} | "
             f"grad-norm {rec['grad_norm']:.3f} | {rec['tokens_per_s']:,.0f} tok/s | "
             f"{rec['ms_per_step']:.0f} ms/step | {eta}")
@@ -311,6 +319,8 @@ def train(cfg: Config, log=print, force: bool = False) -> Trainer:
             maybe_crash(tr.step, grid.rank)  # fault injection for tests; a no-op unless MEGALITE_CRASH_* is set
             if tr.step % cfg.train.eval_interval == 0 or tr.step == cfg.train.steps:
                 rec["val_loss"] = evaluate(tr)
+                if tr.val_tokens_per_byte:  # nats/token * tokens/byte / ln 2: one scale for every tokenizer
+                    rec["val_bpb"] = rec["val_loss"] * tr.val_tokens_per_byte / math.log(2)
             tr.history.append(rec)
             if is_logger:
                 metrics_file.write(json.dumps(rec) + "\n")

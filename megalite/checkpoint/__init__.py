@@ -24,7 +24,7 @@ import dataclasses
 from pathlib import Path
 from typing import Optional
 
-from .tree import CheckpointError, resolve
+from .tree import TOKENIZER_FILE, CheckpointError, resolve
 from .load import Loaded, load_into
 from .save import AsyncSaver, collect, manifest_meta, save_collective
 from .state import capture_rng
@@ -41,12 +41,14 @@ def _named(model) -> list:
 
 def save_checkpoint(root, step: int, model, optimizer, grid, *, scheduler=None, client_state: Optional[dict] = None,
                     config: Optional[dict] = None, tokens_seen: int = 0, data_state: Optional[dict] = None,
-                    keep_last: int = 0, saver: Optional[AsyncSaver] = None, keep=()) -> Optional[Path]:
+                    keep_last: int = 0, saver: Optional[AsyncSaver] = None, keep=(),
+                    tokenizer: Optional[bytes] = None) -> Optional[Path]:
     """Save this rank's slice under root/step_NNNNNNNN (all ranks call it). Returns the committed folder,
     or None when `saver` is given (async: the commit happens in the background; call saver.wait()). With
     megalite's optimizer the async snapshot is the live host tensors themselves (no copy): let only
     `optimizer.step` change them until saver.wait() (load_checkpoint with that optimizer waits by itself).
-    keep_last prunes older steps (never the one `latest` names, one newer than `step`, or one in `keep`)."""
+    keep_last prunes older steps (never the one `latest` names, one newer than `step`, or one in `keep`).
+    `tokenizer`: the run's tokenizer.json, which rank 0 writes into its folder (tp00-pp00-dp00)."""
     if config is None and hasattr(model, "cfg"):  # enough for `megalite train` and the converter to use it
         config = {"model": dataclasses.asdict(model.cfg)}
     data_state = data_state or {"batch_index": step}
@@ -63,6 +65,8 @@ def save_checkpoint(root, step: int, model, optimizer, grid, *, scheduler=None, 
         meta = manifest_meta(config or {}, grid.layout, getattr(optimizer, "zero1", False), step, tokens_seen,
                              optimizer, data_state, client_state)
     meta["scheduler"] = state["scheduler"]
+    if tokenizer is not None and grid.rank == 0:
+        pay.extra[TOKENIZER_FILE] = bytes(tokenizer)
     if saver is not None:
         saver.submit(Path(root), step, pay, grid, meta, keep_last, keep, optimizer)
         return None

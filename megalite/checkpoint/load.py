@@ -17,7 +17,7 @@ from ..config import model_architecture
 from ..parallel.partition import partition_of, tp_box, valid_view
 from . import manifest as mf
 from . import torch_optim
-from .tree import STATE_FILE, CheckpointError, coord_dir, resolve
+from .tree import STATE_FILE, TOKENIZER_REL, CheckpointError, coord_dir, resolve
 from .read import SliceReader
 from .state import restore_rng
 from .stream import crc32c
@@ -58,9 +58,8 @@ def entry_for(section: dict, name: str, shape, step: Path) -> mf.TensorEntry:
     return entry
 
 
-def read_state(step: Path, man: mf.Manifest, coord) -> dict:
-    """One coordinate's state.json, checked against the size and CRC32C the manifest records for it."""
-    rel = f"{coord_dir(coord)}/{STATE_FILE}"
+def _read_listed(step: Path, man: mf.Manifest, rel: str) -> bytes:
+    """A JSON file the manifest lists, checked against the size and CRC32C it records."""
     path, rec = step / rel, man.files[rel]
     if path.is_symlink() or path.parent.is_symlink():
         raise CheckpointError(f"{step.name}: {rel} is a symbolic link (refused: files must live in the step folder)")
@@ -71,6 +70,18 @@ def read_state(step: Path, man: mf.Manifest, coord) -> dict:
     if len(data) != rec.bytes or f"{crc32c(data):08x}" != rec.crc32c:
         raise CheckpointError(f"{step.name}: {rel} fails its checksum ({len(data)} bytes, crc32c "
                               f"{crc32c(data):08x}; the manifest says {rec.bytes} bytes, crc32c {rec.crc32c})")
+    return data
+
+
+def read_tokenizer(step: Path, man: mf.Manifest) -> Optional[bytes]:
+    """The run's tokenizer.json, checked; None for a checkpoint saved without one (older, or the API's)."""
+    return _read_listed(step, man, TOKENIZER_REL) if TOKENIZER_REL in man.files else None
+
+
+def read_state(step: Path, man: mf.Manifest, coord) -> dict:
+    """One coordinate's state.json, checked against the size and CRC32C the manifest records for it."""
+    rel = f"{coord_dir(coord)}/{STATE_FILE}"
+    data = _read_listed(step, man, rel)
     try:
         state = json.loads(data)
     except (json.JSONDecodeError, UnicodeDecodeError) as e:

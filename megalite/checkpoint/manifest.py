@@ -16,7 +16,8 @@
           "scalars": {"<global name>": {"step": {"dtype": "float32", "value": 200.0}}}},
           "optimizer_state": {"<global name>.optim.<key>": TENSOR, ...}   (key: exp_avg, momentum_buffer, ...)
       "files": { "tp00-pp00-dp00/model.safetensors": {"bytes": 123, "header_crc32c": "89abcdef"},
-                 "tp00-pp00-dp00/state.json": {"bytes": 456, "crc32c": "01234567"}, ... }
+                 "tp00-pp00-dp00/state.json": {"bytes": 456, "crc32c": "01234567"},
+                 "tp00-pp00-dp00/tokenizer.json": {"bytes": 789, "crc32c": ...}  the run's tokenizer, if any, ... }
     }
     TENSOR = {"dtype": "float32" | "bfloat16" | "float16", "shape": [global shape],
               "partition": {"dim": split dim over tp or null, "tied_to": null,
@@ -47,7 +48,7 @@ import torch
 from ..errors import LayoutError
 from ..parallel.grid import Layout
 from ..parallel.partition import Partition
-from .tree import MANIFEST, MODEL_FILE, OPTIM_FILE, STATE_FILE, Box, CheckpointError, coord_dir
+from .tree import MANIFEST, MODEL_FILE, OPTIM_FILE, STATE_FILE, TOKENIZER_FILE, Box, CheckpointError, coord_dir
 from .stream import crc32c
 
 FORMAT = "megalite-checkpoint"
@@ -64,7 +65,7 @@ SCALAR_DTYPES = {"float64": torch.float64, "float32": torch.float32, "bfloat16":
                  "float16": torch.float16, "int64": torch.int64, "int32": torch.int32}
 _CLASS = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z_][A-Za-z0-9_]*){0,15}$")
 _FILE_RE = re.compile(r"^(tp\d{2,}-pp\d{2,}-dp\d{2,})/(" + "|".join(
-    re.escape(n) for n in (MODEL_FILE, OPTIM_FILE, STATE_FILE)) + r")$")
+    re.escape(n) for n in (MODEL_FILE, OPTIM_FILE, STATE_FILE, TOKENIZER_FILE)) + r")$")
 _HEX8 = re.compile(r"^[0-9a-f]{8}$")
 _PLACEMENT = re.compile(r"^(first|last|layer\.(\d+))$")
 
@@ -367,7 +368,7 @@ class _Parser:
             m = _FILE_RE.match(rel) if isinstance(rel, str) else None
             if m is None:
                 raise CheckpointError(f"{self.where}: file name {_short(rel)} in 'files' is not "
-                                      f"'tpNN-ppNN-dpNN/<{MODEL_FILE}|{OPTIM_FILE}|{STATE_FILE}>' (a plain name "
+                                      f"'tpNN-ppNN-dpNN/<{MODEL_FILE}|{OPTIM_FILE}|{STATE_FILE}|{TOKENIZER_FILE}>' (a plain name "
                                       f"inside the step folder)")
             if m[1] not in coords:
                 raise CheckpointError(f"{self.where}: file {rel} in 'files' belongs to no coordinate of layout "

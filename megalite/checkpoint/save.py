@@ -49,6 +49,7 @@ class Payload:
     files: dict = field(default_factory=dict)  # file name -> {key: tensor}
     records: list = field(default_factory=list)  # (TensorEntry without slices, WriteItem) per slice
     state: dict = field(default_factory=dict)
+    extra: dict = field(default_factory=dict)  # other files of the folder, name -> bytes (rank 0: tokenizer.json)
 
 
 def collect(params, optimizer, grid, state: dict) -> Payload:
@@ -105,7 +106,7 @@ class Stager:
 
     def stage(self, pay: Payload, keep=lambda t: False) -> Payload:
         """The payload with every tensor `keep` refuses copied to its host buffer (the rest passed as is)."""
-        out = Payload(files={}, records=pay.records, state=pay.state)
+        out = Payload(files={}, records=pay.records, state=pay.state, extra=pay.extra)
         for fname, tensors in pay.files.items():
             out.files[fname] = {}
             for key, t in tensors.items():
@@ -154,6 +155,9 @@ def write_rank(folder: Path, pay: Payload, rel: str) -> dict:
     data = dumps_json(pay.state).encode()
     _write_file(folder / STATE_FILE, data)
     report["files"][f"{rel}/{STATE_FILE}"] = mf.FileRecord(len(data), f"{crc32c(data):08x}")
+    for name, data in pay.extra.items():
+        _write_file(folder / name, data)
+        report["files"][f"{rel}/{name}"] = mf.FileRecord(len(data), f"{crc32c(data):08x}")
     for proto, it in pay.records:
         sl = mf.SliceRef(f"{rel}/{it.file}", it.key, it.box, it.flat, crcs[it.file][it.key])
         report["tensors"].append((proto, sl))

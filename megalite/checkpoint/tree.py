@@ -8,6 +8,7 @@
           model.safetensors         its share of the (tp, pp) model slice (range dp of its flat space)
           optimizer.safetensors     its share of the optimizer state (the same share of its AdamW moments)
           state.json                RNG states, sampler position, step
+          tokenizer.json            the run's tokenizer (tp00-pp00-dp00 only: rank 0 writes it)
       .tmp-step_00000200/           a save in progress (renamed into place on commit)
 
 Every function here has its inverse next to it, and both are unit-tested.
@@ -30,6 +31,8 @@ MANIFEST = "manifest.json"
 MODEL_FILE = "model.safetensors"
 OPTIM_FILE = "optimizer.safetensors"
 STATE_FILE = "state.json"
+TOKENIZER_FILE = "tokenizer.json"  # in tp00-pp00-dp00/ only (see TOKENIZER_REL)
+TOKENIZER_REL = f"tp00-pp00-dp00/{TOKENIZER_FILE}"  # coord_dir(Coord(0, 0, 0)): a folder every layout has
 LATEST = "latest"
 LATEST_TMP = ".latest.tmp"
 LOCK = "lock"

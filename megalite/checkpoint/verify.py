@@ -15,7 +15,7 @@ from ..parallel.grid import Coord
 from . import manifest as mf
 from ..parallel.pipeline import stage_of
 from .tree import MODEL_FILE, OPTIM_FILE, CheckpointError, coord_dir, parse_coord_dir, resolve
-from .load import read_state
+from .load import read_state, read_tokenizer
 from .read import SliceReader, check_key
 
 
@@ -36,6 +36,10 @@ def verify(path) -> tuple[Path, list[str]]:
             read_state(step, man, c)
         except CheckpointError as e:
             problems.append(str(e))
+    try:
+        read_tokenizer(step, man)
+    except CheckpointError as e:
+        problems.append(str(e))
     reader = SliceReader(step, man)
     bad_files = set()
     for rel in man.files:

@@ -14,7 +14,7 @@ from ..checkpoint.tree import remove_tree
 from ..checkpoint.stream import StreamingWriter
 from ..config import ACTIVATIONS, ModelConfig, model_from
 from .common import ConvertError, Progress, _full_tensors, _replace, model_partitions
-from ..tokenizer import write_byte_tokenizer
+from ..tokenizer import TOKENIZER_JSON, Tokenizer, byte_tokenizer, load as load_tokenizer, write_hf_folder
 
 
 def _to_hf(name: str, t: torch.Tensor) -> list[tuple[str, torch.Tensor]]:
@@ -83,7 +83,7 @@ IGNORED = {  # training, generation and bookkeeping settings: no effect on the i
     "initializer_range",  # only used to initialise a fresh model
     "summary_type", "summary_use_proj", "summary_activation", "summary_proj_to_labels", "summary_first_dropout",
     # ^ GPT2DoubleHeadsModel's classification head, which the LM model does not have
-    "bos_token_id", "eos_token_id", "pad_token_id",  # the byte tokenizer has no special tokens
+    "bos_token_id", "eos_token_id", "pad_token_id",  # generation settings; the tokenizer's own are its files'
     "use_cache", "output_past", "n_ctx", "predict_special_tokens", "task_specific_params", "chunk_size_feed_forward",
     "architectures", "dtype", "torch_dtype", "transformers_version", "_name_or_path", "output_hidden_states",
     "output_attentions", "return_dict", "id2label", "label2id", "problem_type", "_num_labels",
@@ -127,8 +127,9 @@ def model_from_hf_config(hf: dict, where: str) -> dict:
     return dataclasses.asdict(cfg)
 
 
-def hf_config(m: dict) -> dict:
-    """config.json for a megalite [model] dict: plain GPT-2 plus the options megalite has, no special tokens."""
+def hf_config(m: dict, eot_id: Optional[int] = None) -> dict:
+    """config.json for a megalite [model] dict: plain GPT-2 plus the options megalite has; bos/eos are the
+    tokenizer's end-of-text id (as GPT-2's 50256), null for the byte tokenizer (it has none)."""
     m = {**dataclasses.asdict(ModelConfig()), **m}
     return {"architectures": ["GPT2LMHeadModel"], "model_type": "gpt2", "vocab_size": m["vocab_size"],
             "n_positions": m["block_size"], "n_embd": m["n_embd"],
@@ -137,36 +138,57 @@ def hf_config(m: dict) -> dict:
             "resid_pdrop": m["dropout"], "embd_pdrop": m["dropout"], "attn_pdrop": m["dropout"],
             "initializer_range": 0.02, "scale_attn_weights": True, "scale_attn_by_inverse_layer_idx": False,
             "reorder_and_upcast_attn": False, "tie_word_embeddings": m["tie_embeddings"],
-            "bos_token_id": None, "eos_token_id": None, "pad_token_id": None,
+            "bos_token_id": eot_id, "eos_token_id": eot_id, "pad_token_id": None,
             "torch_dtype": "float32", "use_cache": True}
 
 
-def export_hf(step: Path, man: dict, out: Path, dtype: torch.dtype, progress: Progress) -> Path:
+VOCAB_ROWS = ("wte.weight", "lm_head.weight")  # the tensors with one row per token id
+
+
+def export_hf(step: Path, man: dict, out: Path, dtype: torch.dtype, progress: Progress,
+              tok: Optional[Tokenizer] = None) -> Path:
+    """The model and its run's tokenizer (`tok`; the byte tokenizer when the run carried none) as an HF
+    folder. Padding rows (model.vocab_size above the tokenizer's) are never predicted by megalite; they are
+    left out, so transformers' softmax is over the tokenizer's ids only, as megalite's is."""
+    tok = tok or byte_tokenizer()
+    rows = min(tok.vocab_size, man.model_config["vocab_size"])
+
+    def trim(name, t):
+        return t[:rows] if name in VOCAB_ROWS else t
+
     tmp = out.with_name(out.name + ".tmp-megalite")
     remove_tree(tmp)  # a stale folder, or a symlink planted there: unlinked, never followed
     tmp.mkdir(parents=True)
     specs = []
     for name, e in man.model.items():  # shapes only: transforms applied to meta tensors
-        for hf_name, t in _to_hf(name, torch.empty(e.shape, device="meta")):
+        for hf_name, t in _to_hf(name, trim(name, torch.empty(e.shape, device="meta"))):
             specs.append((hf_name, list(t.shape), dtype))
     order = {n: i for i, (n, _, _) in enumerate(specs)}
     w = StreamingWriter(tmp / "model.safetensors", specs, {"format": "pt"}, checksum=False, direct=True)
     try:
         for name, t in _full_tensors(step, man, progress):
-            for hf_name, ht in _to_hf(name, t):
+            for hf_name, ht in _to_hf(name, trim(name, t)):
                 assert order[hf_name] == w.next
                 w.write(hf_name, ht.to(dtype))
         w.close()
-        cfg = hf_config(man.model_config)
+        eot = tok.eot_id if tok.eot_id is not None and tok.eot_id < rows else None
+        cfg = hf_config({**man.model_config, "vocab_size": rows}, eot)
         cfg["torch_dtype"] = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}[dtype]
         (tmp / "config.json").write_text(json.dumps(cfg, indent=2) + "\n")
-        write_byte_tokenizer(tmp, cfg["n_positions"])  # so AutoTokenizer / pipeline work on the folder as is
+        write_hf_folder(tok, tmp, cfg["n_positions"])  # so AutoTokenizer / pipeline work on the folder as is
     except BaseException:
         w.abort()
         shutil.rmtree(tmp, ignore_errors=True)
         raise
     _replace(tmp, out)
     return out
+
+
+def folder_tokenizer(p: Path) -> Optional[Tokenizer]:
+    """An HF folder's tokenizer (tokenizer.json, else GPT-2's vocab.json + merges.txt), None if it has none."""
+    if (p / TOKENIZER_JSON).exists() or (p / "vocab.json").exists():
+        return load_tokenizer(p, "model folder")
+    return None
 
 
 def read_hf_folder(p: Path):

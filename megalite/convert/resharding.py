@@ -8,7 +8,8 @@ from pathlib import Path
 from typing import Callable, Optional
 
 from ..checkpoint import manifest as mf
-from ..checkpoint.tree import coord_dir, plan_writes, remove_tree, resolve, step_dir, tmp_dir
+from ..checkpoint.load import read_tokenizer
+from ..checkpoint.tree import TOKENIZER_FILE, coord_dir, plan_writes, remove_tree, resolve, step_dir, tmp_dir
 from ..checkpoint.read import SliceReader
 from ..checkpoint.save import Payload, add, commit_step, manifest_meta, write_rank
 from ..config import Config
@@ -17,17 +18,17 @@ from ..parallel.pipeline import stage_of
 from ..parallel.partition import Partition
 from .common import ConvertError, Progress, _check_out, _replace, check_layout, check_manifest_tensors, \
     model_partitions
-from .single import read_model_file
+from .single import model_tokenizer, read_model_file
 
 
 def write_offline(out: Path, step: int, layout: Layout, tensors: dict[str, Partition],
                   n_layer: int, read: Callable, meta: dict, with_optimizer: bool, what: str, quiet: bool,
-                  coord_state: Callable, itemsize: Callable) -> Path:
+                  coord_state: Callable, itemsize: Callable, tokenizer: Optional[bytes] = None) -> Path:
     """Write every coordinate of `layout` in this one process into a temporary root next to `out`, commit it
     as a live save does (commit_step), then move it into place; on any failure nothing is left behind.
 
     read(item) -> the tensor of one planned slice (checked by the reader); itemsize(item) -> its bytes per
-    element (progress only)."""
+    element (progress only); tokenizer: the tokenizer.json the checkpoint carries (written with coordinate 0)."""
     root = out.with_name(out.name + ".tmp-megalite")
     remove_tree(root)
     tmp = root / tmp_dir(step)
@@ -46,6 +47,8 @@ def write_offline(out: Path, step: int, layout: Layout, tensors: dict[str, Parti
         reports = []
         for c, plan in plans:
             pay = Payload(files={}, state=coord_state(c))
+            if tokenizer is not None and not reports:
+                pay.extra[TOKENIZER_FILE] = tokenizer
             for it in plan:
                 add(pay, it, tensors[it.name], read(it))
                 progress.step(nbytes(it))
@@ -84,9 +87,10 @@ def split(model, out, tp: int, pp: int, dp: int, zero1: bool = False, step: int 
 
     cfg = Config.from_dict({"model": m, "parallel": {"tp": tp, "pp": pp, "dp": dp, "zero1": zero1}}).to_dict()
     meta = manifest_meta(cfg, layout, zero1, step, 0, None, {"batch_index": step}, None)
+    tok = model_tokenizer(model)  # an HF folder's own (GPT-2's vocab.json + merges.txt too), or a file's
     return write_offline(out, step, layout, parts, m["n_layer"], read, meta, False, "split", quiet,
                          lambda c: {"step": step, "tokens_seen": 0, "rng": None, "data": {"batch_index": step}},
-                         lambda it: 4)
+                         lambda it: 4, None if tok is None else tok.json.encode())
 
 
 def reshard(ckpt, out, tp: int, pp: int, dp: int, zero1: Optional[bool] = None, force: bool = False,
@@ -131,4 +135,4 @@ def reshard(ckpt, out, tp: int, pp: int, dp: int, zero1: Optional[bool] = None, 
     parts = {n: e.partition for n, e in man.model.items()}
     return write_offline(out, man.step, layout, parts, m["n_layer"], read, meta, with_opt, "reshard", quiet,
                          lambda c: {"step": man.step, "tokens_seen": man.tokens_seen, "rng": None, "data": man.data},
-                         lambda it: entry(it).itemsize)
+                         lambda it: entry(it).itemsize, read_tokenizer(src, man))

@@ -319,10 +319,13 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
         return grad * g.unsqueeze(-1), None, None, None, None
 
 
-def vocab_parallel_cross_entropy(logits: torch.Tensor, target: torch.Tensor, vocab_size: int, tp: Axis):
-    """Per-token loss from logits (..., V_local) split over tp; vocab padding is never counted."""
+def vocab_parallel_cross_entropy(logits: torch.Tensor, target: torch.Tensor, vocab_size: int, tp: Axis,
+                                 real_vocab: int | None = None):
+    """Per-token loss from logits (..., V_local) split over tp; vocab padding is never counted: neither tp's
+    ceil-chunk padding nor the rows from `real_vocab` (the tokenizer's size) up to vocab_size."""
     start, end = shard_range(vocab_size, tp.rank, tp.size)
+    end = min(end, vocab_size if real_vocab is None else real_vocab)
     shape = target.shape
     loss = _VocabParallelCrossEntropy.apply(logits.float().reshape(-1, logits.shape[-1]), target.reshape(-1),
-                                            start, end - start, tp)
+                                            start, max(0, end - start), tp)
     return loss.reshape(shape)
