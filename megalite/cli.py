@@ -24,7 +24,11 @@ EPILOGS = {
              "--parallel.tp=2 --parallel.pp=2    # dp = 8 / (tp * pp) = 2",
     "config": "examples:\n  megalite config show --config configs/tiny-cpu.toml --parallel.tp=2\n"
               "  megalite config show > my.toml   # every field with its default, ready to edit",
-    "prepare": "example:\n  megalite prepare ~/books/ notes.txt --out data/mine.bin",
+    "prepare": "examples:\n  megalite prepare ~/books/ notes.txt --out data/mine.bin                # byte tokens\n"
+               "  megalite prepare ~/books/ --tokenizer data/bpe-4k --out data/mine-bpe.bin   # a BPE folder\n"
+               "  megalite prepare ~/books/ --tokenizer gpt2/ --out data/gpt2.bin   # GPT-2's vocab.json + merges.txt",
+    "tokenizer": "examples:\n  megalite tokenizer train ~/books/ notes.txt --vocab-size 8192 --out data/bpe-8k\n"
+                 "  megalite tokenizer train --vocab-size 4096 --out data/bpe-4k   # on the default corpus",
     "inspect": "examples:\n  megalite inspect runs/demo/checkpoints\n  megalite inspect runs/demo/checkpoints --tree",
     "plot": "example:\n  megalite plot runs/demo runs/resumed --out loss.png",
     "verify": "examples:\n  megalite verify runs/demo/checkpoints                  # the step `latest` names\n"
@@ -34,9 +38,12 @@ EPILOGS = {
     "split": "example:\n  megalite split runs/demo/model.safetensors --tp 2 --pp 2 --dp 1 --out runs/split-221/",
     "reshard": "example:\n  megalite reshard runs/demo/checkpoints --tp 1 --pp 4 --dp 2 --out runs/reshard-142/",
     "bench": "examples:\n  megalite bench ckpt --size-mb 1024 --world 4\n  megalite bench train --steps 10 --nproc 4\n"
-             "  megalite bench plan --tp 8 --pp 16 --dp 8,32,128 --reshard-to 8,8,256   (GPT-3 175B shape)",
+             "  megalite bench plan --tp 8 --pp 16 --dp 8,32,128 --reshard-to 8,8,256   (GPT-3 175B shape)\n"
+             "  megalite bench prepare --size-mb 64 --rounds 3",
     "stress": "example:\n  megalite stress ckpt --trials 10",
-    "generate": "example:\n  megalite generate --model runs/demo/model.safetensors --prompt 'def ' --max-new-tokens 100",
+    "generate": "examples:\n  megalite generate --model runs/demo/model.safetensors --prompt 'def ' --max-new-tokens 60\n"
+                "  megalite generate --model runs/demo/checkpoints --prompt 'def ' --temperature 0   # greedy\n"
+                "  megalite generate --model runs/demo/hf/ --prompt 'The ' --ignore-eot",
 }
 
 def _report(command: str, e: BaseException) -> None:
@@ -79,8 +86,21 @@ def _cmd_config(args, rest) -> int:
 
 def _cmd_prepare(args, rest) -> int:
     from .data import default_corpus_files, prepare
+    from .tokenizer import progress_on
     sources = args.sources or default_corpus_files()
-    prepare(sources, args.out, val_fraction=args.val_fraction, log=(lambda *a: None) if args.quiet else print)
+    prepare(sources, args.out, val_fraction=args.val_fraction, log=(lambda *a: None) if args.quiet else print,
+            tokenizer=args.tokenizer, progress=progress_on(args.quiet))
+    return 0
+
+
+def _cmd_tokenizer(args, rest) -> int:
+    from .data import default_corpus_files, expand_sources
+    from .tokenizer import train_folder
+    files = expand_sources(args.sources) if args.sources else default_corpus_files()
+    out = train_folder(files, args.vocab_size, args.out, force=args.force, quiet=args.quiet,
+                       min_frequency=args.min_frequency)
+    if not args.quiet:
+        print(f"tokenizer: wrote {out}")
     return 0
 
 
@@ -147,9 +167,10 @@ def _cmd_generate(args, rest) -> int:
     try:
         args.prompt.encode("utf-8")
     except UnicodeEncodeError:
-        raise ConfigError("--prompt: not valid UTF-8 text (the tokens are UTF-8 bytes)") from None
+        raise ConfigError("--prompt: not valid UTF-8 text (every tokenizer here reads UTF-8 bytes)") from None
     sample_text(args.model, args.prompt, max_new_tokens=args.max_new_tokens, temperature=args.temperature,
-                top_k=args.top_k, seed=args.seed, as_ids=args.ids, stream=sys.stdout)  # token by token
+                top_k=args.top_k, seed=args.seed, as_ids=args.ids, stream=sys.stdout,  # token by token
+                stop_at_eot=not args.ignore_eot)
     print()
     return 0
 
@@ -163,14 +184,19 @@ def _cmd_stress(args, rest) -> int:
 def _cmd_bench(args, rest) -> int:
     if args.what == "ckpt":
         from .tools.bench.ckpt import bench_ckpt
-        bench_ckpt(size_mb=args.size_mb, world=args.world, repeats=args.repeats, dir=args.dir)
+        bench_ckpt(size_mb=args.size_mb or 1024, world=args.world, repeats=args.repeats, dir=args.dir)
     elif args.what == "plan":
         from .tools.bench.plan import bench_plan_cli
+        args.vocab_size = args.vocab_size or 50304
         bench_plan_cli(args)
+    elif args.what == "prepare":
+        from .tools.bench.prepare import bench_prepare
+        bench_prepare(size_mb=args.size_mb or 32, vocab_size=args.vocab_size or 4096, tokenizer=args.tokenizer,
+                      rounds=args.rounds or 3, dir=args.dir)
     else:
         from .tools.bench.train import bench_train
         bench_train(steps=args.steps, nproc=args.nproc, n_embd=args.n_embd or 128, n_layer=args.n_layer or 4,
-                    block_size=args.block_size or 128, rounds=args.rounds, wait_ms=args.bubble_wait_ms)
+                    block_size=args.block_size or 128, rounds=args.rounds or 2, wait_ms=args.bubble_wait_ms)
     return 0
 
 
@@ -200,10 +226,26 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--config", help="TOML config file (default: the built-in defaults)")
     p.set_defaults(allow_rest=True)
 
-    p = add("prepare", "turn text files or folders into a uint16 token file (+ .json) with a val split", _cmd_prepare)
+    p = add("prepare", "turn text files or folders into a token file (.bin, uint16 or uint32 ids, + .json) with a "
+                       "val split; each file is a document, separated by the tokenizer's end-of-text token",
+            _cmd_prepare)
     p.add_argument("sources", nargs="*", help="files or folders (default: the Python standard library's sources)")
     p.add_argument("--out", required=True, help="output .bin path")
+    p.add_argument("--tokenizer", default="byte",
+                   help="byte (the default: UTF-8 bytes, vocab 256) | a tokenizer.json | an HF tokenizer folder "
+                        "(tokenizer.json, or GPT-2's vocab.json + merges.txt)")
     p.add_argument("--val-fraction", type=float, default=0.1)
+    p.add_argument("--quiet", action="store_true", help="no progress bar, no summary line")
+
+    p = add("tokenizer", "`tokenizer train`: a GPT-2-style byte-level BPE (GPT-2's regex, every byte encodable, "
+                         "<|endoftext|>) trained on text files, written as an HF tokenizer folder", _cmd_tokenizer)
+    p.add_argument("what", choices=["train"])
+    p.add_argument("sources", nargs="*", help="files or folders (default: the Python standard library's sources)")
+    p.add_argument("--vocab-size", type=int, required=True, help="ids in all (>= 257: 256 bytes + <|endoftext|>)")
+    p.add_argument("--out", required=True, help="the folder to write (tokenizer.json, tokenizer_config.json, "
+                                                "special_tokens_map.json)")
+    p.add_argument("--min-frequency", type=int, default=2, help="a pair merges only if seen this often")
+    p.add_argument("--force", action="store_true", help="replace --out if it exists")
     p.add_argument("--quiet", action="store_true")
 
     p = add("inspect", "describe a checkpoint: step, layout, tensors and bytes per coordinate", _cmd_inspect)
@@ -236,14 +278,18 @@ def build_parser() -> argparse.ArgumentParser:
     _layout_flags(p)
     p.add_argument("--zero1", choices=["on", "off"], default=None, help="default: as in the source")
 
-    p = add("generate", "sample text from a single-file model in one plain process", _cmd_generate)
-    p.add_argument("--model", required=True, help="a `megalite convert` file or an HF GPT-2 folder")
+    p = add("generate", "sample text from a model in one plain process, with the tokenizer the model carries",
+            _cmd_generate)
+    p.add_argument("--model", required=True, help="a checkpoint (root or step folder), a `megalite convert` file "
+                                                  "or an HF GPT-2 folder")
     p.add_argument("--prompt", default="\n")
     p.add_argument("--max-new-tokens", type=int, default=200)
     p.add_argument("--temperature", type=float, default=0.8)
     p.add_argument("--top-k", type=int, default=0)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--ids", action="store_true", help="print the token ids (prompt + new), not the text")
+    p.add_argument("--ignore-eot", action="store_true",
+                   help="sample on past the end-of-text token (by default it ends the text, as in transformers)")
 
     p = add("stress", "fault injection: `stress ckpt` kills a random rank mid-save, N times, and checks that "
                       "latest stays valid and resumes exactly", _cmd_stress)
@@ -256,9 +302,11 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = add("bench", "benchmarks: `bench ckpt` (saves/loads vs DCP, torch.save and the disk), `bench train` "
                      "(vs plain PyTorch, pipeline bubbles, layouts), `bench plan` (checkpoint write plan and "
-                     "manifest at thousands of ranks, no tensors)", _cmd_bench)
-    p.add_argument("what", choices=["ckpt", "train", "plan"])
-    p.add_argument("--size-mb", type=float, default=1024, help="ckpt: model + optimizer bytes over all ranks")
+                     "manifest at thousands of ranks, no tensors), `bench prepare` (prepare vs the tokenizers "
+                     "library's encode_batch)", _cmd_bench)
+    p.add_argument("what", choices=["ckpt", "train", "plan", "prepare"])
+    p.add_argument("--size-mb", type=float, default=None,
+                   help="ckpt: model + optimizer bytes over all ranks (1024); prepare: corpus size (32)")
     p.add_argument("--world", type=int, default=4, help="ckpt: gloo processes")
     p.add_argument("--repeats", type=int, default=3, help="ckpt: repetitions of each measurement")
     p.add_argument("--dir", default=None, help="ckpt: folder to write in (default: the temp folder)")
@@ -268,7 +316,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--n-layer", type=int, default=None, help="model depth (train: 4, plan: 96)")
     p.add_argument("--block-size", type=int, default=None, help="sequence length (train: 128, plan: 2048)")
     p.add_argument("--n-head", type=int, default=96, help="plan: attention heads")
-    p.add_argument("--vocab-size", type=int, default=50304, help="plan: vocabulary")
+    p.add_argument("--vocab-size", type=int, default=None, help="plan: vocabulary (50304); prepare: the BPE "
+                                                                 "trained for it (4096)")
+    p.add_argument("--tokenizer", default=None, help="prepare: a tokenizer to use instead of training one")
     p.add_argument("--tp", type=int, default=8, help="plan: tensor-parallel size")
     p.add_argument("--pp", type=int, default=16, help="plan: pipeline stages")
     p.add_argument("--dp", default="8,32,128", help="plan: data-parallel sizes, comma-separated (one line each)")
@@ -276,7 +326,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--zero1", action="store_true", help="plan: ZeRO-1 optimizer-state shards")
     p.add_argument("--reshard-to", default=None, metavar="TP,PP,DP",
                    help="plan: what each rank of this layout reads to resume the last layout's checkpoint")
-    p.add_argument("--rounds", type=int, default=2, help="train: alternating runs of megalite and plain PyTorch")
+    p.add_argument("--rounds", type=int, default=None,
+                   help="train: alternating runs of megalite and plain PyTorch (2); prepare: of each (3)")
     p.add_argument("--bubble-wait-ms", type=float, default=None,
                    help="train: t_f of the bubble table's wait rows (default: the model's, at least 40 ms)")
 
