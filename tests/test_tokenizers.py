@@ -39,10 +39,10 @@ TRAIN = dict(steps=4, seq_len=16, global_batch_size=8, micro_batch_size=2, lr=1e
 
 @pytest.fixture(autouse=True, scope="module")
 def _one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+    """One thread, like the workers (a shared 2-core machine)."""
+    before = torch.get_num_threads()
+    yield torch.set_num_threads(1)
+    torch.set_num_threads(before)
 
 
 def cli(*args) -> tuple[int, str, str]:
