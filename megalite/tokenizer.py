@@ -227,7 +227,7 @@ def load(spec, what: str = "--tokenizer") -> Tokenizer:
 
 
 # ---------------------------------------------------------------- an HF tokenizer folder
-def write_hf_folder(tok: Tokenizer, folder: Path, max_length: int) -> list[Path]:
+def write_hf_folder(tok: Tokenizer, folder: Path, max_length: Optional[int]) -> list[Path]:
     """tokenizer.json, tokenizer_config.json and (with an end-of-text token) special_tokens_map.json, so that
     `transformers.AutoTokenizer.from_pretrained(folder)` loads it as is: a PreTrainedTokenizerFast on the
     tokenizer.json, end-of-text as its bos/eos/unk token, no extra tokens added, no space clean-up (decode
@@ -236,6 +236,8 @@ def write_hf_folder(tok: Tokenizer, folder: Path, max_length: int) -> list[Path]
     (folder / TOKENIZER_JSON).write_text(tok.json, encoding="utf-8")
     config = {"tokenizer_class": "PreTrainedTokenizerFast", "model_max_length": max_length,
               "clean_up_tokenization_spaces": False, "add_bos_token": False, "add_eos_token": False}
+    if max_length is None:  # a tokenizer apart from any model: transformers' own default (no limit)
+        del config["model_max_length"]
     written = [folder / TOKENIZER_JSON, folder / "tokenizer_config.json"]
     if tok.eot_id is not None:
         special = {"bos_token": EOT, "eos_token": EOT, "unk_token": EOT}
@@ -259,20 +261,70 @@ def gpt2_style_bpe():
 MIN_VOCAB = 257  # the 256 byte characters + <|endoftext|>
 
 
+def check_vocab_size(vocab_size) -> None:
+    if isinstance(vocab_size, bool) or not isinstance(vocab_size, int) or not MIN_VOCAB <= vocab_size <= 2**31:
+        raise DataError(f"--vocab-size {vocab_size}: expected an integer >= {MIN_VOCAB} (the 256 byte characters + "
+                        f"{EOT})")
+
+
 def train_bpe(texts: Iterable[str], vocab_size: int, show_progress: bool = False, length: Optional[int] = None,
               min_frequency: int = 2) -> Tokenizer:
     """Train a GPT-2-style byte-level BPE of `vocab_size` ids (<|endoftext|> is id 0, the 256 byte characters
     next, then the merges in the order learned) on `texts`. Deterministic: the same texts give the same
     tokenizer.json. Fewer ids come out when the texts hold fewer distinct pairs worth merging."""
     from tokenizers import pre_tokenizers, trainers
-    if isinstance(vocab_size, bool) or not isinstance(vocab_size, int) or not MIN_VOCAB <= vocab_size <= 2**31:
-        raise DataError(f"--vocab-size {vocab_size}: expected an integer >= {MIN_VOCAB} (the 256 byte characters + "
-                        f"{EOT})")
+    check_vocab_size(vocab_size)
     backend = gpt2_style_bpe()
     trainer = trainers.BpeTrainer(vocab_size=vocab_size, min_frequency=min_frequency, special_tokens=[EOT],
                                   initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=show_progress)
     backend.train_from_iterator(texts, trainer, length=length)
     return Tokenizer(backend, "trained")
+
+
+def train_folder(files: list[Path], vocab_size: int, out, force: bool = False, quiet: bool = False,
+                 min_frequency: int = 2, log=print) -> Path:
+    """`megalite tokenizer train`: train_bpe on the files (each read in pieces, see read_text_pieces) and write
+    the HF tokenizer folder `out`, built next to it and moved into place when complete (an existing `out`
+    only with `force`, and only then replaced)."""
+    import shutil
+    out = Path(out)
+    if out.name in ("", ".", ".."):
+        raise DataError(f"--out '{out}': expected the path of a new folder")
+    if os.path.lexists(out) and not force:
+        raise DataError(f"--out '{out}' already exists (pass --force to replace it)")
+    if isinstance(min_frequency, bool) or not isinstance(min_frequency, int) or min_frequency < 1:
+        raise DataError(f"--min-frequency {min_frequency}: expected an integer >= 1")
+    if not files:
+        raise DataError("tokenizer train: no text files to train on")
+    check_vocab_size(vocab_size)
+    total = sum(Path(f).stat().st_size for f in files)
+    if not quiet:
+        log(f"tokenizer: training a byte-level BPE of {vocab_size:,} ids on {len(files):,} files "
+            f"({total / 1e6:,.1f} MB)")
+    tok = train_bpe((piece for f in files for piece in read_text_pieces(Path(f))), vocab_size,
+                    show_progress=progress_on(quiet), min_frequency=min_frequency)
+    if tok.vocab_size < vocab_size and not quiet:
+        log(f"tokenizer: WARNING: the text gives only {tok.vocab_size:,} ids (pairs seen fewer than "
+            f"{min_frequency} times are not merged), not {vocab_size:,}")
+    tmp = out.with_name(f".{out.name}.tmp-{os.getpid()}")
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    try:
+        write_hf_folder(tok, tmp, None)
+        if os.path.lexists(out):  # --force: the old folder goes only once the new one is complete
+            old = out.with_name(f".{out.name}.old-{os.getpid()}")
+            os.replace(out, old)
+            os.replace(tmp, out)
+            if old.is_dir() and not old.is_symlink():
+                shutil.rmtree(old, ignore_errors=True)
+            else:
+                os.unlink(old)
+        else:
+            os.replace(tmp, out)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return out
 
 
 def progress_on(quiet: bool = False) -> bool:
