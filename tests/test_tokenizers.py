@@ -555,3 +555,43 @@ def test_old_token_files_without_tokenizer_fields_still_train_as_bytes(tmp_path)
     assert tr.tokenizer.is_byte and tr.history[0]["loss"] > 0
     carried = load(next((tmp_path / "ck").glob("step_*")) / "tp00-pp00-dp00" / "tokenizer.json")
     assert carried.sha256 == byte_tokenizer().sha256 and carried.is_byte
+
+
+def test_the_documented_numpy_recipe_writes_a_token_file_megalite_trains_on(tmp_path, monkeypatch):
+    """docs/tokenizers.md's token-file format, as a user would follow it: its Python block run as written."""
+    from megalite.data import TokenDataset, check_vocab, tokenizer_of
+    from megalite.tokenizer import train_bpe, write_hf_folder
+    doc = (Path(__file__).resolve().parents[1] / "docs" / "tokenizers.md").read_text()
+    block = doc.split("```python\n", 1)[1].split("```", 1)[0]
+    (tmp_path / "data" / "bpe-4k").mkdir(parents=True)
+    write_hf_folder(train_bpe([words(random.Random(4), 3000)], 300), tmp_path / "data" / "bpe-4k", None)
+    monkeypatch.chdir(tmp_path)
+    exec(compile(block, "docs/tokenizers.md", "exec"), {})
+    ds = TokenDataset(tmp_path / "data" / "mine.bin", "train")
+    check_vocab(ds, 300)
+    tok = tokenizer_of(ds)
+    every = np.concatenate([ds.tokens, TokenDataset(tmp_path / "data" / "mine.bin", "val").tokens]).tolist()
+    assert tok.vocab_size == 300 and tok.decode(every) == "first document" + EOT + "second document"
+
+
+def test_bench_prepare_prints_prepare_beside_encode_batch(tmp_path):
+    from megalite.tools.bench.prepare import bench_prepare
+    lines = []
+    r = bench_prepare(size_mb=0.3, vocab_size=300, rounds=1, dir=str(tmp_path), log=lines.append)
+    out = "\n".join(lines)
+    assert "megalite prepare " in out and "tokenizers encode_batch " in out and "peak anon MiB" in out
+    assert r["same_ids"] and "same ids: yes" in out and len(r["ratios"]) == 1
+    assert "prepare / encode_batch throughput:" in out and list(tmp_path.iterdir()) == []  # nothing left behind
+
+
+def test_the_bpe_twin_config_validates_at_the_demo_layouts():
+    from megalite.config import load_config, validate
+    root = Path(__file__).resolve().parents[1] / "configs"
+    for tp, pp, world in ((2, 2, 8), (1, 1, 1)):
+        cfg = validate(load_config(root / "small-cpu-bpe.toml", [f"--parallel.tp={tp}", f"--parallel.pp={pp}"]), world)
+        twin = validate(load_config(root / "small-cpu.toml", [f"--parallel.tp={tp}", f"--parallel.pp={pp}"]), world)
+        assert cfg.model.vocab_size == 2048 and cfg.data.path == "data/stdlib-bpe.bin"
+        assert (cfg.train, cfg.parallel) == (twin.train.__class__(**{**vars(twin.train), "out_dir": "runs/small-bpe"}),
+                                             twin.parallel)  # the same run but for its data and vocabulary
+    gpt2 = load_config(root / "gpt2-124m.toml", [])
+    assert (gpt2.model.vocab_size, gpt2.model.n_layer, gpt2.model.n_embd, gpt2.model.block_size) == (50304, 12, 768, 1024)
