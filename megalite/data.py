@@ -22,12 +22,15 @@ import sysconfig
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import numpy as np
-import torch
 
 from .errors import DataError
 from .tokenizer import BYTE, Tokenizer, byte_tokenizer, from_json, load as load_tokenizer, read_text_pieces
+
+if TYPE_CHECKING:  # torch is imported where batches are made: `megalite prepare` never loads it
+    import torch
 
 TOKEN_DTYPES = {"uint16": np.uint16, "uint32": np.uint32}
 FORMAT = "megalite-tokens"
@@ -163,15 +166,16 @@ def _encode(tok: Tokenizer, texts: list[str], dtype) -> list[np.ndarray]:
 
 
 def prepare(sources: list[str | Path], out: str | Path, val_fraction: float = 0.1, log=print,
-            tokenizer="byte", progress: bool = False, piece_chars: int = 1 << 18, batch_chars: int = 1 << 21) -> dict:
+            tokenizer="byte", progress: bool = False, piece_chars: int = 1 << 18, batch_chars: int = 0) -> dict:
     """Tokenize text files into ``out`` (.bin) and its ``.json``; return the meta dict.
 
     Each file is a document; documents are separated by the tokenizer's end-of-text token (two newlines for
     the byte tokenizer, which has none). `tokenizer`: "byte", a tokenizer.json, an HF tokenizer folder,
     GPT-2's vocab.json, or a megalite.tokenizer.Tokenizer. Streams: files are read in pieces of
     ~`piece_chars` characters (cut where the tokenizer gives the ids of the whole text; a tokenizer that
-    cannot be cut reads each file whole), ~`batch_chars` at a time encoded in parallel by the tokenizers
-    library's threads while the next batch is read, ids written as they come. The last ``val_fraction`` of
+    cannot be cut reads each file whole), ~`batch_chars` at a time (default: 2 pieces per core, at least 4)
+    encoded in parallel by the tokenizers library's threads while the next batch is read, ids written as they
+    come. Memory: two batches of encodings (~100 bytes per token while encoded), whatever the corpus size. The last ``val_fraction`` of
     tokens is the validation split. A token file replaces an old one only once complete: the json is
     written last, so a token file with a json beside it is always complete.
     """
@@ -185,6 +189,7 @@ def prepare(sources: list[str | Path], out: str | Path, val_fraction: float = 0.
     if not files:
         raise DataError(f"prepare: no text found in sources {[str(s) for s in sources]} "
                         f"(folders are searched for {' '.join(TEXT_SUFFIXES)})")
+    batch_chars = batch_chars or piece_chars * max(4, 2 * (os.cpu_count() or 1))
     dtype = token_dtype(tok.vocab_size)
     sep = np.array([tok.eot_id] if tok.eot_id is not None else tok.encode("\n\n"), dtype=dtype)
     if not tok.streams_by_words():
@@ -407,6 +412,7 @@ def _draw(dataset, block_size, batch_size, dp_rank, dp_size, rng):
     per_rank = batch_size // dp_size
     mine = starts[dp_rank * per_rank:(dp_rank + 1) * per_rank]
     rows = np.asarray(dataset.tokens[mine[:, None] + np.arange(block_size + 1)], dtype=np.int64)
+    import torch  # here, not at the top: `megalite prepare` never needs it (~200 MB of resident memory)
     return torch.from_numpy(rows[:, :-1].copy()), torch.from_numpy(rows[:, 1:].copy())
 
 
