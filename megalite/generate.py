@@ -134,6 +134,9 @@ def sample_text(path: str | Path, prompt: str, as_ids: bool = False, stream=None
     hidden = 0  # leading ids that are not text: an empty prompt starts a fresh document after end-of-text
     if not ids:
         ids, hidden = ([tok.eot_id], 1) if tok.eot_id is not None else (tok.encode("\n"), 0)
+    if max(ids) >= model.cfg.vocab_size:  # a tokenizer larger than the model (a mismatched folder): no crash
+        raise ConvertError(f"{path}: the prompt encodes to id {max(ids)}, but the model has {model.cfg.vocab_size} "
+                           f"token rows (its tokenizer, {tok.vocab_size} ids, does not fit it)")
     stop = tok.eot_id if stop_at_eot else None
     note = context_warning(len(ids), kw.get("max_new_tokens", 200), model.cfg.block_size)
     if note:

@@ -595,3 +595,19 @@ def test_the_bpe_twin_config_validates_at_the_demo_layouts():
                                              twin.parallel)  # the same run but for its data and vocabulary
     gpt2 = load_config(root / "gpt2-124m.toml", [])
     assert (gpt2.model.vocab_size, gpt2.model.n_layer, gpt2.model.n_embd, gpt2.model.block_size) == (50304, 12, 768, 1024)
+
+
+def test_a_tokenizer_larger_than_its_model_is_one_line_not_a_crash(world, tmp_path):
+    import dataclasses
+    from safetensors.torch import save_file
+    from megalite.config import ModelConfig
+    from megalite.model import GPTStage
+    from megalite.parallel.grid import ParallelGrid
+    from megalite.tokenizer import load
+    cfg = ModelConfig(**{**MODEL, "vocab_size": 300})
+    model = GPTStage(cfg, ParallelGrid.single())
+    tensors = {n: p.detach().clone().contiguous() for n, p in model.global_parameters()}
+    save_file(tensors, str(tmp_path / "m.safetensors"), metadata={
+        "megalite.model_config": json.dumps(dataclasses.asdict(cfg)), "megalite.tokenizer": load(world["gpt2"]).json})
+    one_line(*cli("generate", "--model", tmp_path / "m.safetensors", "--prompt", "abc def"), "m.safetensors",
+             "the prompt encodes to id", "300 token rows")
