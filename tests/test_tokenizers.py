@@ -611,3 +611,19 @@ def test_a_tokenizer_larger_than_its_model_is_one_line_not_a_crash(world, tmp_pa
         "megalite.model_config": json.dumps(dataclasses.asdict(cfg)), "megalite.tokenizer": load(world["gpt2"]).json})
     one_line(*cli("generate", "--model", tmp_path / "m.safetensors", "--prompt", "abc def"), "m.safetensors",
              "the prompt encodes to id", "300 token rows")
+
+
+def test_a_warning_comes_before_the_sample_never_inside_it(world):
+    """stdout and stderr into one stream, as on a terminal: the context warning is the first line, and the
+    sample after it is the text, whole (a 40-token prompt for a 32-position model, streamed token by token)."""
+    prompt = "ab cd " * 20
+    both = io.StringIO()
+    with contextlib.redirect_stdout(both), contextlib.redirect_stderr(both):
+        rc = main(["generate", "--model", str(world["ck222"]), "--prompt", prompt, "--max-new-tokens", "5",
+                   "--temperature", "0"])
+    first, rest = both.getvalue().split("\n", 1)
+    assert rc == 0 and first.startswith("generate: WARNING: the prompt has") and "block_size is 32" in first
+    assert rest.startswith(prompt) and "WARNING" not in rest
+    rc, alone, err = cli("generate", "--model", world["ck222"], "--prompt", prompt, "--max-new-tokens", 5,
+                         "--temperature", 0)
+    assert alone == rest and err.startswith("generate: WARNING")
