@@ -15,13 +15,12 @@ import torch
 import torch.distributed as dist
 
 from .checkpoint import load_checkpoint, save_checkpoint
-from .checkpoint.tree import (LATEST, LOCK, CheckpointError, committed_steps, parse_step_dir, read_latest, step_dir,
-                     unlink_quietly, write_new_file)
+from .checkpoint.tree import (LATEST, LOCK, TOKENIZER_REL, CheckpointError, committed_steps, parse_step_dir,
+                              read_latest, step_dir, unlink_quietly, write_new_file)
 from .checkpoint.save import AsyncSaver, bcast_object, collect, recover
 from .checkpoint.state import seed_everything
 from .checkpoint.verify import verify
 from .checkpoint.load import read_tokenizer
-from .checkpoint.tree import TOKENIZER_REL
 from .tokenizer import from_json
 
 

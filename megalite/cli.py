@@ -41,7 +41,8 @@ EPILOGS = {
              "  megalite bench plan --tp 8 --pp 16 --dp 8,32,128 --reshard-to 8,8,256   (GPT-3 175B shape)\n"
              "  megalite bench prepare --size-mb 64 --rounds 3",
     "stress": "example:\n  megalite stress ckpt --trials 10",
-    "generate": "examples:\n  megalite generate --model runs/demo/model.safetensors --prompt 'def ' --max-new-tokens 60\n"
+    "generate": "examples:\n"
+                "  megalite generate --model runs/demo/model.safetensors --prompt 'def ' --max-new-tokens 60\n"
                 "  megalite generate --model runs/demo/checkpoints --prompt 'def ' --temperature 0   # greedy\n"
                 "  megalite generate --model runs/demo/hf/ --prompt 'The ' --ignore-eot",
 }

@@ -175,7 +175,8 @@ def prepare(sources: list[str | Path], out: str | Path, val_fraction: float = 0.
     ~`piece_chars` characters (cut where the tokenizer gives the ids of the whole text; a tokenizer that
     cannot be cut reads each file whole), ~`batch_chars` at a time (default: 2 pieces per core, at least 4)
     encoded in parallel by the tokenizers library's threads while the next batch is read, ids written as they
-    come. Memory: two batches of encodings (~100 bytes per token while encoded), whatever the corpus size. The last ``val_fraction`` of
+    come. Memory: two batches of encodings (~100 bytes per token while encoded), whatever the corpus
+    size. The last ``val_fraction`` of
     tokens is the validation split. A token file replaces an old one only once complete: the json is
     written last, so a token file with a json beside it is always complete.
     """

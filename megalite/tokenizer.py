@@ -102,10 +102,10 @@ class Tokenizer:
 
     def streams_by_words(self) -> bool:
         """Whether a text may be encoded in pieces cut before a space, newline or tab that follows a
-        non-whitespace character, giving the same ids as the whole text (see read_text_pieces). True for the byte tokenizer
-        and for GPT-2-style byte-level BPE: no normalizer, the ByteLevel pre-tokenizer with GPT-2's regex and
-        no prefix space (no pre-token of that regex reaches across such a point, and none looks behind),
-        and no added token containing whitespace."""
+        non-whitespace character, giving the same ids as the whole text (see read_text_pieces). True for the
+        byte tokenizer and for GPT-2-style byte-level BPE: no normalizer, the ByteLevel pre-tokenizer with
+        GPT-2's regex and no prefix space (no pre-token of that regex reaches across such a point, and none
+        looks behind), and no added token containing whitespace."""
         if self.is_byte:
             return True
         d = json.loads(self.json)

@@ -31,7 +31,8 @@ from .checkpoint.state import seed_everything
 from .config import DEFAULT_DATA_PATH, Config, num_microbatches, seq_len, validate
 from .faults import maybe_crash, slow_step
 from .errors import USER_ERRORS, MegaliteError, one_line, DataError, NonFiniteError, StartupError  # noqa: F401 (re-exported)
-from .data import BatchSampler, TokenDataset, check_vocab, ensure_data, eval_batches, eval_tokens_per_byte, tokenizer_of
+from .data import (BatchSampler, TokenDataset, check_vocab, ensure_data, eval_batches, eval_tokens_per_byte,
+                   tokenizer_of)
 from .model import GPTStage
 from .optim import grad_norm, lr_at
 from .parallel.data import GradBuffer, ShardedAdamW

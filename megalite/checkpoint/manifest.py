@@ -367,9 +367,9 @@ class _Parser:
         for rel, rec in d.items():
             m = _FILE_RE.match(rel) if isinstance(rel, str) else None
             if m is None:
+                names = "|".join((MODEL_FILE, OPTIM_FILE, STATE_FILE, TOKENIZER_FILE))
                 raise CheckpointError(f"{self.where}: file name {_short(rel)} in 'files' is not "
-                                      f"'tpNN-ppNN-dpNN/<{MODEL_FILE}|{OPTIM_FILE}|{STATE_FILE}|{TOKENIZER_FILE}>' (a plain name "
-                                      f"inside the step folder)")
+                                      f"'tpNN-ppNN-dpNN/<{names}>' (a plain name inside the step folder)")
             if m[1] not in coords:
                 raise CheckpointError(f"{self.where}: file {rel} in 'files' belongs to no coordinate of layout "
                                       f"{layout}")
