@@ -166,17 +166,17 @@ def _encode(tok: Tokenizer, texts: list[str], dtype) -> list[np.ndarray]:
 
 
 def prepare(sources: list[str | Path], out: str | Path, val_fraction: float = 0.1, log=print,
-            tokenizer="byte", progress: bool = False, piece_chars: int = 1 << 18, batch_chars: int = 0) -> dict:
+            tokenizer="byte", progress: bool = False, piece_chars: int = 1 << 17, batch_chars: int = 0) -> dict:
     """Tokenize text files into ``out`` (.bin) and its ``.json``; return the meta dict.
 
     Each file is a document; documents are separated by the tokenizer's end-of-text token (two newlines for
     the byte tokenizer, which has none). `tokenizer`: "byte", a tokenizer.json, an HF tokenizer folder,
     GPT-2's vocab.json, or a megalite.tokenizer.Tokenizer. Streams: files are read in pieces of
     ~`piece_chars` characters (cut where the tokenizer gives the ids of the whole text; a tokenizer that
-    cannot be cut reads each file whole), ~`batch_chars` at a time (default: 2 pieces per core, at least 4)
+    cannot be cut reads each file whole), ~`batch_chars` at a time (default: 2 pieces per core, 4 to 16)
     encoded in parallel by the tokenizers library's threads while the next batch is read, ids written as they
-    come. Memory: two batches of encodings (~100 bytes per token while encoded), whatever the corpus
-    size. The last ``val_fraction`` of
+    come. Memory: a batch being encoded (~360 bytes per token at the peak: 512K characters, ~60 MB) and the
+    next one's text, whatever the corpus size. The last ``val_fraction`` of
     tokens is the validation split. A token file replaces an old one only once complete: the json is
     written last, so a token file with a json beside it is always complete.
     """
@@ -190,7 +190,7 @@ def prepare(sources: list[str | Path], out: str | Path, val_fraction: float = 0.
     if not files:
         raise DataError(f"prepare: no text found in sources {[str(s) for s in sources]} "
                         f"(folders are searched for {' '.join(TEXT_SUFFIXES)})")
-    batch_chars = batch_chars or piece_chars * max(4, 2 * (os.cpu_count() or 1))
+    batch_chars = batch_chars or piece_chars * min(16, max(4, 2 * (os.cpu_count() or 1)))
     dtype = token_dtype(tok.vocab_size)
     sep = np.array([tok.eot_id] if tok.eot_id is not None else tok.encode("\n\n"), dtype=dtype)
     if not tok.streams_by_words():
