@@ -47,7 +47,7 @@ from .. import __version__
 from ..errors import CheckpointError, LayoutError
 from ..parallel.grid import Layout
 from ..parallel.partition import Box, Partition
-from .files import read_all, write_new
+from .files import open_read, read_all, write_new
 from .stream import crc32c
 from .tiling import tiling_problems
 from .tree import MANIFEST, MODEL_FILE, OPTIM_FILE, STATE_FILE, coord_dir
@@ -73,7 +73,7 @@ _PLACEMENT = re.compile(r"^(first|last|layer\.(\d+))$")
 
 def crc32c_file(path: Path, chunk: int = 16 << 20) -> str:
     crc = 0
-    with open(path, "rb") as f:
+    with open_read(path) as f:
         while block := f.read(chunk):
             crc = crc32c(block, crc)
     return f"{crc:08x}"

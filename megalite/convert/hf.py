@@ -10,7 +10,7 @@ from typing import Optional
 import torch
 from einops import EinopsError, rearrange
 
-from ..checkpoint.files import remove_tree
+from ..checkpoint.files import remove_tree, write_new
 from ..checkpoint.stream import StreamingWriter
 from ..config import ACTIVATIONS, ModelConfig, model_from
 from .common import ConvertError, Progress, _full_tensors, _replace, model_partitions, open_safetensors, parse_json
@@ -159,7 +159,7 @@ def export_hf(step: Path, man: dict, out: Path, dtype: torch.dtype, progress: Pr
         w.close()
         cfg = hf_config(man.model_config)
         cfg["torch_dtype"] = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}[dtype]
-        (tmp / "config.json").write_text(json.dumps(cfg, indent=2) + "\n")
+        write_new(tmp / "config.json", (json.dumps(cfg, indent=2) + "\n").encode())
         write_byte_tokenizer(tmp, cfg["n_positions"])  # so AutoTokenizer / pipeline work on the folder as is
     except BaseException:
         w.abort()
