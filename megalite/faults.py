@@ -14,8 +14,12 @@ slower than the launcher's grace period:
 `kill_point` makes a process die hard (SIGKILL, no cleanup of any kind) at a named boundary of the
 checkpoint commit protocol, deterministically:
     MEGALITE_KILL_POINT=manifest_synced MEGALITE_KILL_RANK=0 MEGALITE_KILL_NTH=2
-kills rank 0 the second time it reaches that point. The points, in protocol order (checkpoint/save.py):
+kills rank 0 the second time it reaches that point. The points, in protocol order (checkpoint/commit.py):
 KILL_POINTS.
+
+`no_rename_exchange` makes a re-save act as if the file system had no RENAME_EXCHANGE, so that tests reach
+the two-rename fallback (and its kill point `resave_old_moved`):
+    MEGALITE_NO_RENAME_EXCHANGE=1
 """
 from __future__ import annotations
 
@@ -70,3 +74,8 @@ def slow_step(step: int) -> None:
     seconds = float(os.environ.get("MEGALITE_SLOW_STEP_S", "0") or 0)
     if seconds > 0 and step >= int(os.environ.get("MEGALITE_SLOW_FROM_STEP", "1")):
         time.sleep(seconds)
+
+
+def no_rename_exchange() -> bool:
+    """Whether to act as if renameat2(RENAME_EXCHANGE) were unavailable (MEGALITE_NO_RENAME_EXCHANGE set)."""
+    return bool(os.environ.get("MEGALITE_NO_RENAME_EXCHANGE"))

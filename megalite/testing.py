@@ -154,7 +154,8 @@ def _round_trip_worker(rank, world_size, tmp_dir, cfg_dict, phase, ckpt, steps):
 def full_state(ckpt) -> dict:
     """Every model and optimizer tensor of a checkpoint, whole, by global name (reads the manifest only)."""
     from .checkpoint import manifest as mf
-    from .checkpoint.tree import Box, resolve
+    from .checkpoint.tree import resolve
+    from .parallel.partition import Box
     from .checkpoint.read import SliceReader
     step = resolve(ckpt)
     man = mf.read(step)

@@ -146,7 +146,7 @@ def test_a_pruning_failure_is_reported_and_not_counted_as_deleted(tmp_path, monk
     step is named in a warning, and prune does not report it as deleted."""
     import errno
 
-    from megalite.checkpoint import save, tree as layout
+    from megalite.checkpoint import commit as save, tree as layout
     root = tmp_path / "ck"
     for s in (1, 2, 3):  # committed-looking folders: pruning only needs the names and a manifest file
         (root / layout.step_dir(s)).mkdir(parents=True)

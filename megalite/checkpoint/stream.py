@@ -22,6 +22,8 @@ from pathlib import Path
 import torch
 from crc32c import crc32c as _crc32c
 
+from .files import no_follow, open_read
+
 ST_DTYPES = {torch.float32: "F32", torch.bfloat16: "BF16", torch.float16: "F16"}
 _FROM_ST = {v: k for k, v in ST_DTYPES.items()}
 
@@ -43,23 +45,18 @@ def raw_bytes(t: torch.Tensor) -> memoryview:
     return memoryview(t.contiguous().view(torch.uint8).numpy()).cast("B") if t.numel() else memoryview(b"")
 
 
-def _no_follow(path, flags: int) -> int:
-    """open()'s opener that refuses to go through a symlink (ELOOP)."""
-    return os.open(path, flags | getattr(os, "O_NOFOLLOW", 0), 0o644)
-
-
 ALIGN = 4096  # O_DIRECT: file offsets, lengths and memory addresses in multiples of the logical block (<= 4 KiB)
 BOUNCE = 8 << 20  # bytes per bounce buffer
 
 
 def _open_direct(path: Path):
-    """`path` opened for writing with O_DIRECT (unbuffered, through builtins.open and `_no_follow`), or None
+    """`path` opened for writing with O_DIRECT (unbuffered, through builtins.open and `files.no_follow`), or None
     where the file system refuses O_DIRECT at open (EINVAL) or the platform has no O_DIRECT."""
     flag = getattr(os, "O_DIRECT", 0)
     if not flag:
         return None
     try:
-        return open(path, "wb", buffering=0, opener=lambda p, flags: _no_follow(p, flags | flag))
+        return open(path, "wb", buffering=0, opener=lambda p, flags: no_follow(p, flags | flag))
     except OSError as e:
         if e.errno != errno.EINVAL:
             raise
@@ -175,7 +172,7 @@ class StreamingWriter:
         # never through a symlink at `path` (it would overwrite whatever it points to): ELOOP instead
         f = _open_direct(self.path) if direct else None
         self.sink = _DirectSink(f, self.path) if f is not None else None
-        self.f = f if f is not None else open(self.path, "wb", opener=_no_follow)
+        self.f = f if f is not None else open(self.path, "wb", opener=no_follow)
         self._put(memoryview(head))
         self.header_crc32c = crc32c(head)
         self.size = len(head) + offset
@@ -219,7 +216,7 @@ class StreamingWriter:
 def read_header(path: Path) -> tuple[dict, int, int]:
     """(header without __metadata__, byte offset where tensor data starts, CRC32C of the header bytes);
     no tensor bytes are read. Raises ValueError on anything that is not a safetensors header."""
-    with open(path, "rb") as f:
+    with open_read(path) as f:
         raw = f.read(8)
         n = int.from_bytes(raw, "little") if len(raw) == 8 else -1
         if n <= 0 or n > 100_000_000:
@@ -270,7 +267,7 @@ def st_dtype(dtype: torch.dtype) -> str:
 def read_bytes(path: Path, offset: int, out) -> None:
     """Read exactly len(out) bytes at `offset` of `path` into the writable buffer `out`."""
     buf = memoryview(out).cast("B")
-    with open(path, "rb", buffering=0) as f:
+    with open_read(path, buffering=0) as f:
         f.seek(offset)
         got = 0
         while got < len(buf):

@@ -10,10 +10,10 @@ from typing import Optional
 import torch
 from einops import EinopsError, rearrange
 
-from ..checkpoint.tree import remove_tree
+from ..checkpoint.files import remove_tree, write_new
 from ..checkpoint.stream import StreamingWriter
 from ..config import ACTIVATIONS, ModelConfig, model_from
-from .common import ConvertError, Progress, _full_tensors, _replace, model_partitions
+from .common import ConvertError, Progress, _full_tensors, _replace, model_partitions, open_safetensors, parse_json
 from ..tokenizer import write_byte_tokenizer
 
 
@@ -159,7 +159,7 @@ def export_hf(step: Path, man: dict, out: Path, dtype: torch.dtype, progress: Pr
         w.close()
         cfg = hf_config(man.model_config)
         cfg["torch_dtype"] = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}[dtype]
-        (tmp / "config.json").write_text(json.dumps(cfg, indent=2) + "\n")
+        write_new(tmp / "config.json", (json.dumps(cfg, indent=2) + "\n").encode())
         write_byte_tokenizer(tmp, cfg["n_positions"])  # so AutoTokenizer / pipeline work on the folder as is
     except BaseException:
         w.abort()
@@ -171,12 +171,10 @@ def export_hf(step: Path, man: dict, out: Path, dtype: torch.dtype, progress: Pr
 
 def read_hf_folder(p: Path):
     """(model config dict, get(name) -> full fp32 tensor, names) for an HF GPT-2 folder."""
-    from .single import _open_st
     cfg_file, st = p / "config.json", p / "model.safetensors"
     if not cfg_file.is_file() or not st.is_file():
         raise ConvertError(f"{p}: expected an HF GPT-2 folder with config.json and model.safetensors")
-    from .single import _json
-    hf = _json(cfg_file.read_bytes().decode("utf-8", errors="replace"), str(cfg_file))
+    hf = parse_json(cfg_file.read_bytes().decode("utf-8", errors="replace"), str(cfg_file))
     if not isinstance(hf, dict) or hf.get("model_type") != "gpt2":
         got = hf.get("model_type") if isinstance(hf, dict) else hf
         raise ConvertError(f"{cfg_file}: model_type is {got!r}, expected 'gpt2'")
@@ -184,7 +182,7 @@ def read_hf_folder(p: Path):
         if theirs not in hf:
             raise ConvertError(f"{cfg_file}: field '{theirs}' is missing (expected an HF GPT-2 config)")
     m = model_from(model_from_hf_config(hf, str(cfg_file)), str(cfg_file))
-    f = _open_st(st)
+    f = open_safetensors(st)
     table = {}
     for k in f.keys():
         shape = f.get_slice(k).get_shape()

@@ -6,14 +6,15 @@ from pathlib import Path
 from typing import Callable
 
 import torch
-from safetensors import safe_open
 
 from ..checkpoint import manifest as mf
-from ..checkpoint.tree import remove_tree, resolve
+from ..checkpoint.files import remove_tree
 from ..checkpoint.stream import StreamingWriter
+from ..checkpoint.tree import resolve
 from ..config import model_from, path_kind
-from .common import (DTYPES, ConvertError, Progress, _check_out, _full_tensors, _replace,
-                     check_manifest_tensors)
+from .common import (DTYPES, ConvertError, Progress, _check_out, _full_tensors, _replace, check_manifest_tensors,
+                     open_safetensors, parse_json)
+from .hf import export_hf, read_hf_folder
 
 FORMATS = ("megalite", "hf-gpt2")
 
@@ -33,7 +34,6 @@ def convert(ckpt, out, dtype: str = "fp32", fmt: str = "megalite", force: bool =
     total = sum(e.nbytes for e in man.model.values())
     progress = Progress("convert", len(man.model), total, quiet)
     if fmt == "hf-gpt2":
-        from .hf import export_hf
         return export_hf(step, man, out, DTYPES[dtype], progress)
     tmp = out.with_name(out.name + ".tmp-megalite")
     remove_tree(tmp)  # a stale temp file, or a symlink planted there: unlinked, never followed (O_NOFOLLOW below)
@@ -58,33 +58,16 @@ def read_model_file(path) -> tuple[dict, Callable[[str], torch.Tensor], list[str
     """(model config dict, get(name) -> full fp32 tensor, names) for a megalite file or an HF GPT-2 folder."""
     p = Path(path)
     if p.is_dir():
-        from .hf import read_hf_folder
         return read_hf_folder(p)
     if not p.exists() and not p.is_symlink():
         raise ConvertError(f"model '{p}' does not exist")
     if not p.is_file():
         raise ConvertError(f"model '{p}' is {path_kind(p)}, expected a safetensors file or an HF GPT-2 folder")
-    f = _open_st(p)
+    f = open_safetensors(p)
     meta = f.metadata() or {}
     if "megalite.model_config" not in meta:
         raise ConvertError(f"{p}: safetensors metadata has no 'megalite.model_config' "
                            f"(expected a file written by `megalite convert`)")
-    m = model_from(_json(meta["megalite.model_config"], f"{p}: metadata 'megalite.model_config'"),
+    m = model_from(parse_json(meta["megalite.model_config"], f"{p}: metadata 'megalite.model_config'"),
                    f"{p}: metadata 'megalite.model_config'")
     return m, (lambda name: f.get_tensor(name).float()), sorted(f.keys())
-
-
-def _json(text: str, source: str):
-    try:
-        return json.loads(text)
-    except ValueError as e:
-        raise ConvertError(f"{source} is not valid JSON ({e})") from None
-
-
-def _open_st(path: Path):
-    try:
-        return safe_open(str(path), framework="pt")
-    except Exception as e:  # noqa: BLE001
-        raise ConvertError(f"{path}: not a readable safetensors file ({e})") from None
-
-
