@@ -55,7 +55,8 @@ class _Parser(argparse.ArgumentParser):
 
 def _cmd_train(args, rest) -> int:
     from .config import load_config
-    from .train import leave_distributed, train
+    from .parallel.process_group import leave_distributed
+    from .train import train
     cfg = load_config(args.config, rest)  # a ConfigError is shared: every rank parsed the same flags
     try:
         train(cfg, log=functools.partial(print, flush=True), force=args.force)  # lines appear as they happen
@@ -71,8 +72,9 @@ def _cmd_train(args, rest) -> int:
 
 
 def _cmd_config(args, rest) -> int:
-    from .config import load_config, to_toml, validate
-    cfg = validate(load_config(args.config, rest), int(os.environ.get("WORLD_SIZE", "0")) or None)
+    from .config import load_config, resolve, to_toml, validate
+    world = int(os.environ.get("WORLD_SIZE", "0")) or None
+    cfg = validate(resolve(load_config(args.config, rest), world), world)
     print(to_toml(cfg), end="")
     return 0
 

@@ -135,7 +135,8 @@ def _round_trip_worker(rank, world_size, tmp_dir, cfg_dict, phase, ckpt, steps):
     from .checkpoint import load_checkpoint, save_checkpoint
     from .config import Config
     from .parallel.grid import Layout, ParallelGrid
-    from .train import build, init_distributed, train_step
+    from .parallel.process_group import init_distributed
+    from .train import build, train_step
     cfg = Config.from_dict(cfg_dict)
     device, _ = init_distributed()
     grid = ParallelGrid.create(Layout(cfg.parallel.tp, cfg.parallel.pp, cfg.parallel.dp))

@@ -2,7 +2,7 @@
 import pytest
 
 from helpers import cli, one_line_error
-from megalite.config import Config, ConfigError, load_config, num_microbatches, validate
+from megalite.config import Config, ConfigError, load_config, num_microbatches, resolve, validate
 
 TOML = """
 [model]
@@ -37,7 +37,7 @@ def toml_file(tmp_path):
 def test_defaults():
     cfg = load_config(None)
     assert cfg == Config()
-    validate(cfg, world_size=1)
+    validate(resolve(cfg, world_size=1), world_size=1)
     assert num_microbatches(cfg) == cfg.train.global_batch_size // cfg.train.micro_batch_size
 
 
@@ -150,14 +150,14 @@ def test_missing_file(tmp_path):
 ])
 def test_validate_errors(overrides, world, names):
     cfg = load_config(None, overrides)  # loading accepts any well-typed value
-    _config_error(lambda: validate(cfg, world), *names)
+    _config_error(lambda: validate(resolve(cfg, world), world), *names)
 
 
 def test_validate_accepts_good_layouts():
     for tp, pp, dp in [(1, 1, 1), (2, 2, 2), (4, 2, 1), (1, 4, 2), (2, 1, 4)]:
         cfg = load_config(None, [f"--parallel.tp={tp}", f"--parallel.pp={pp}", f"--parallel.dp={dp}",
                                  "--train.global_batch_size=16", "--train.micro_batch_size=2"])
-        assert validate(cfg, tp * pp * dp) is cfg
+        assert validate(resolve(cfg, tp * pp * dp), tp * pp * dp) is cfg
         assert num_microbatches(cfg) == 16 // (2 * dp)
 
 

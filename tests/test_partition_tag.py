@@ -45,8 +45,20 @@ def tags_now() -> dict:
     return out
 
 
+def fixed_since_main(table: dict) -> dict:
+    """main's tags with the one change made on purpose: with untied embeddings (a separate lm_head.weight) main
+    tagged the first stage's wte.weight `tied` anyway when pp > 1, and only train.py's check of
+    model.tie_embeddings kept it out of the tied all-reduce. finalize.py reads the tag alone, so it says False."""
+    for where, params in table.items():
+        tie, stage, pp = where.split("/")[0].split(",")[3] == "True", int(where.split("/")[1]), int(where.split(",")[1])
+        if not tie and pp > 1 and stage == 0:
+            assert params["wte.weight"]["tied"] is True  # what main had
+            params["wte.weight"]["tied"] = False
+    return table
+
+
 def test_every_parameter_of_gptstage_has_the_tags_it_had_on_main():
-    want, got = json.loads(TABLE.read_text()), tags_now()
+    want, got = fixed_since_main(json.loads(TABLE.read_text())), tags_now()
     assert got.keys() == want.keys()
     for where in want:
         assert got[where].keys() == want[where].keys(), where

@@ -94,7 +94,7 @@ def test_a_step_longer_than_the_grace_is_said_once_and_again_when_the_signal_com
 
 
 def test_the_stop_line_says_how_to_resume():
-    from megalite.train import _resume_hint
+    from megalite.runlog import resume_hint as _resume_hint
     cfg = Config()
     cfg.checkpoint.dir = "runs/x/ck"
     assert _resume_hint(cfg, 7) == "; checkpoint runs/x/ck/step_00000007; to resume, run the same command again"
