@@ -240,11 +240,13 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = add("generate", "sample text from a single-file model in one plain process", _cmd_generate)
     p.add_argument("--model", required=True, help="a `megalite convert` file or an HF GPT-2 folder")
-    p.add_argument("--prompt", default="\n")
-    p.add_argument("--max-new-tokens", type=int, default=200)
-    p.add_argument("--temperature", type=float, default=0.8)
-    p.add_argument("--top-k", type=int, default=0)
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--prompt", default="\n", help="the text to continue (default: a newline)")
+    p.add_argument("--max-new-tokens", type=int, default=200, help="tokens to sample (default: %(default)s)")
+    p.add_argument("--temperature", type=float, default=0.8,
+                   help="softmax temperature; 0: greedy, the likeliest token each time (default: %(default)s)")
+    p.add_argument("--top-k", type=int, default=0,
+                   help="sample among the k likeliest tokens only; 0: all of them (default: %(default)s)")
+    p.add_argument("--seed", type=int, default=0, help="seed of the sampling (default: %(default)s)")
     p.add_argument("--ids", action="store_true", help="print the token ids (prompt + new), not the text")
 
     p = add("stress", "fault injection: `stress ckpt` kills a random rank mid-save, N times, and checks that "

@@ -178,3 +178,23 @@ def test_cli_config_errors_exit_2_with_one_line(tmp_path, tiny_toml, args, names
 def test_cli_unknown_subcommand_and_missing_config(tmp_path):
     assert "trian" in one_line_error(cli("trian", cwd=tmp_path))
     assert "missing.toml" in one_line_error(cli("train", "--config", tmp_path / "missing.toml", cwd=tmp_path))
+
+
+@pytest.mark.parametrize("overrides,world,dp", [
+    ([], 1, 1), (["--parallel.tp=2", "--parallel.pp=2"], 8, 2), ([], None, 1),
+    (["--checkpoint.resume=", "--parallel.sp=true", "--parallel.tp=2"], 2, 1),
+    (["--checkpoint.dir=", "--parallel.dp=2"], 2, 2)])
+def test_validate_only_reads_and_resolve_fills_in_first(overrides, world, dp):
+    import copy
+    cfg = load_config(None, overrides)
+    as_loaded = copy.deepcopy(cfg)
+    if cfg.parallel.dp == 0:  # left to the world size: a check of the unresolved config fails, changing nothing
+        _config_error(lambda: validate(cfg, world), "parallel.dp = 0")
+        assert cfg == as_loaded
+    resolved = resolve(cfg, world)
+    assert resolved is cfg and cfg.parallel.dp == dp
+    assert cfg.checkpoint.resume == (as_loaded.checkpoint.resume or "none")
+    assert cfg.checkpoint.dir == as_loaded.checkpoint.dir.replace("{out_dir}", cfg.train.out_dir)
+    after_resolve = copy.deepcopy(cfg)
+    assert validate(cfg, world) is cfg and cfg == after_resolve  # validate wrote nothing
+    assert resolve(cfg, world) == after_resolve  # resolving again changes nothing
