@@ -68,11 +68,11 @@ def test_one_entry_point_picks_the_schedule_of_every_config(monkeypatch):
     picked = {}
     for schedule in ("1f1b", "afab"):
         for vpp in (1, 2, 3):
-            for train in (True, False):
-                run = P.get_schedule(schedule, vpp, train)
+            for training in (True, False):
+                run = P.get_schedule(schedule, vpp, training)
                 fn, kw = (run.func, run.keywords) if vpp > 1 else (run, {})
-                assert kw == ({"vpp": vpp} if vpp > 1 else {}), (schedule, vpp, train)
-                picked[schedule, vpp > 1, train] = fn
+                assert kw == ({"vpp": vpp} if vpp > 1 else {}), (schedule, vpp, training)
+                picked[schedule, vpp > 1, training] = fn
     assert picked == {("1f1b", False, True): P.one_f_one_b, ("afab", False, True): P.afab,
                       ("1f1b", True, True): P.interleaved, ("afab", True, True): P.interleaved_afab,
                       ("1f1b", False, False): P.forward_only, ("afab", False, False): P.forward_only,
