@@ -183,14 +183,16 @@ def test_cli_unknown_subcommand_and_missing_config(tmp_path):
 @pytest.mark.parametrize("overrides,world,dp", [
     ([], 1, 1), (["--parallel.tp=2", "--parallel.pp=2"], 8, 2), ([], None, 1),
     (["--checkpoint.resume=", "--parallel.sp=true", "--parallel.tp=2"], 2, 1),
-    (["--checkpoint.dir=", "--parallel.dp=2"], 2, 2)])
+    (["--checkpoint.dir=", "--parallel.dp=2"], 2, 2), (["--checkpoint.resume=", "--parallel.dp=1"], 1, 1)])
 def test_validate_only_reads_and_resolve_fills_in_first(overrides, world, dp):
     import copy
     cfg = load_config(None, overrides)
     as_loaded = copy.deepcopy(cfg)
-    if cfg.parallel.dp == 0:  # left to the world size: a check of the unresolved config fails, changing nothing
+    if cfg.parallel.dp == 0:  # left to the world size: a check of the unresolved config fails
         _config_error(lambda: validate(cfg, world), "parallel.dp = 0")
-        assert cfg == as_loaded
+    else:  # checked as loaded (its checkpoint.dir still says {out_dir}, resume may be ""): it passes
+        validate(cfg, world)
+    assert cfg == as_loaded  # either way, nothing was written
     resolved = resolve(cfg, world)
     assert resolved is cfg and cfg.parallel.dp == dp
     assert cfg.checkpoint.resume == (as_loaded.checkpoint.resume or "none")
