@@ -14,8 +14,8 @@ stays cheap and import order never matters.
 __version__ = "0.1.0"
 
 _EXPORTS = {
-    "init_distributed": "megalite.train",
-    "leave_distributed": "megalite.train",
+    "init_distributed": "megalite.parallel.process_group",
+    "leave_distributed": "megalite.parallel.process_group",
     "Layout": "megalite.parallel.grid",
     "ParallelGrid": "megalite.parallel.grid",
     "shard": "megalite.parallel.partition",

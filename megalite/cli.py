@@ -55,7 +55,8 @@ class _Parser(argparse.ArgumentParser):
 
 def _cmd_train(args, rest) -> int:
     from .config import load_config
-    from .train import leave_distributed, train
+    from .parallel.process_group import leave_distributed
+    from .train import train
     cfg = load_config(args.config, rest)  # a ConfigError is shared: every rank parsed the same flags
     try:
         train(cfg, log=functools.partial(print, flush=True), force=args.force)  # lines appear as they happen
@@ -71,8 +72,9 @@ def _cmd_train(args, rest) -> int:
 
 
 def _cmd_config(args, rest) -> int:
-    from .config import load_config, to_toml, validate
-    cfg = validate(load_config(args.config, rest), int(os.environ.get("WORLD_SIZE", "0")) or None)
+    from .config import load_config, resolve, to_toml, validate
+    world = int(os.environ.get("WORLD_SIZE", "0")) or None
+    cfg = validate(resolve(load_config(args.config, rest), world), world)
     print(to_toml(cfg), end="")
     return 0
 
@@ -238,11 +240,13 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = add("generate", "sample text from a single-file model in one plain process", _cmd_generate)
     p.add_argument("--model", required=True, help="a `megalite convert` file or an HF GPT-2 folder")
-    p.add_argument("--prompt", default="\n")
-    p.add_argument("--max-new-tokens", type=int, default=200)
-    p.add_argument("--temperature", type=float, default=0.8)
-    p.add_argument("--top-k", type=int, default=0)
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--prompt", default="\n", help="the text to continue (default: a newline)")
+    p.add_argument("--max-new-tokens", type=int, default=200, help="tokens to sample (default: %(default)s)")
+    p.add_argument("--temperature", type=float, default=0.8,
+                   help="softmax temperature; 0: greedy, the likeliest token each time (default: %(default)s)")
+    p.add_argument("--top-k", type=int, default=0,
+                   help="sample among the k likeliest tokens only; 0: all of them (default: %(default)s)")
+    p.add_argument("--seed", type=int, default=0, help="seed of the sampling (default: %(default)s)")
     p.add_argument("--ids", action="store_true", help="print the token ids (prompt + new), not the text")
 
     p = add("stress", "fault injection: `stress ckpt` kills a random rank mid-save, N times, and checks that "

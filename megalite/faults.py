@@ -2,12 +2,14 @@
 
 This module imports nothing of megalite's (the harness that uses it is `megalite/tools/stress.py`).
 
+The training loop calls one hook, `step_end(step, rank)`, after each step; it runs the two step hooks:
+
 `maybe_crash` lets a test make one rank die hard at a chosen step (to exercise `torchrun --max-restarts`):
     MEGALITE_CRASH_AT_STEP=5 MEGALITE_CRASH_RANK=1 MEGALITE_CRASH_ONCE=/tmp/marker
 The marker file makes it happen once, so the restarted workers run through.
 
-`slow_step` makes every step from a chosen one on take S seconds longer (a sleep between the last backward
-and the optimizer update, on every rank), so that a test can land a stop signal in the middle of a step
+`slow_step` makes every step from a chosen one on take S seconds longer (a sleep at its end, on every rank,
+before the loop looks for a stop signal), so that a test can land a stop signal in the middle of a step
 slower than the launcher's grace period:
     MEGALITE_SLOW_STEP_S=3 MEGALITE_SLOW_FROM_STEP=3
 
@@ -53,6 +55,13 @@ def kill_point(name: str) -> None:
     _reached[name] = _reached.get(name, 0) + 1
     if _reached[name] == int(os.environ.get("MEGALITE_KILL_NTH", "1")):
         os.kill(os.getpid(), signal.SIGKILL)
+
+
+def step_end(step: int, rank: int) -> None:
+    """The training loop's one hook, after step `step` (1-based) on global rank `rank`: a slow step, then a
+    crash, each only when its environment variables ask for it."""
+    slow_step(step)
+    maybe_crash(step, rank)
 
 
 def maybe_crash(step: int, rank: int) -> None:

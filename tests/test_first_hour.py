@@ -124,3 +124,54 @@ def test_ci_runs_the_readme_test_command():
     commands = [line for line in readme.splitlines() if line and not line.startswith("#")]
     assert len(commands) == 2, "README.md must open with exactly two commands"
     assert commands[1] in (ROOT / ".ci" / "run").read_text().splitlines()
+
+
+# ---------------------------------------------------------------- first-hour friction (issue 23)
+# `python -m megalite` as an editable install (`pip install -e CLONE`) runs it: the package is found by a finder
+# that setuptools puts on sys.meta_path after the path finder, so a folder named megalite without an
+# __init__.py in the working directory (sys.path[0] = '' under -m and -c) is found first, as a namespace package.
+EDITABLE_MAIN = f"""
+import importlib.machinery, runpy, sys
+class EditableFinder:
+    @classmethod
+    def find_spec(cls, name, path=None, target=None):
+        if name == "megalite" or name.startswith("megalite."):
+            return importlib.machinery.PathFinder.find_spec(name, ["/".join([{str(ROOT)!r}, *name.split(".")[:-1]])])
+sys.meta_path.insert(sys.meta_path.index(importlib.machinery.PathFinder) + 1, EditableFinder)
+runpy.run_module("megalite", run_name="__main__", alter_sys=True)
+"""
+
+
+def test_a_folder_named_megalite_in_the_working_directory_is_named_in_one_line(tmp_path):
+    clone = tmp_path / "megalite"  # a clone of the repository, run from the folder that holds it
+    (clone / "megalite").mkdir(parents=True)
+    (clone / "pyproject.toml").write_text("[project]\nname = 'megalite'\n")
+    no_path = {"PYTHONPATH": ""}  # the package must come from the finder, as it does for an editable install
+    r = run([sys.executable, "-c", EDITABLE_MAIN, "--version"], cwd=tmp_path, extra_env=no_path)
+    assert r.returncode == 2 and r.stdout == "", (r.returncode, r.stdout, r.stderr)
+    assert r.stderr.count("\n") == 1 and r.stderr.startswith("megalite: error: "), r.stderr
+    assert f"the folder '{clone}' as the package 'megalite'" in r.stderr and "cd into the clone" in r.stderr
+    assert "cannot import name" not in r.stderr
+    (tmp_path / "elsewhere").mkdir()  # the same command from another folder runs (the finder itself works)
+    r = run([sys.executable, "-c", EDITABLE_MAIN, "--version"], cwd=tmp_path / "elsewhere", extra_env=no_path)
+    assert r.returncode == 0 and r.stdout.strip() == f"megalite {__version__}", r.stderr
+
+
+def test_missing_default_corpus_names_auto_prepare(tmp_path, monkeypatch, capsys):
+    monkeypatch.chdir(tmp_path)  # no data/stdlib.bin here
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
+    assert megalite_main(["train", "--train.steps=1", f"--train.out_dir={tmp_path / 'run'}"]) == 2
+    err = capsys.readouterr().err
+    assert err == ("megalite train: error: data.path: token file 'data/stdlib.bin' does not exist: add "
+                   "--data.auto_prepare=true to build the default corpus there from the Python standard library's "
+                   "sources, or point --data.path at a file `megalite prepare FILES --out PATH` wrote\n"), err
+    assert sorted(p.name for p in tmp_path.iterdir()) == []  # nothing was created
+
+
+def test_generate_help_shows_the_defaults(capsys):
+    with pytest.raises(SystemExit):
+        megalite_main(["generate", "--help"])
+    out = " ".join(capsys.readouterr().out.split())
+    for want in ("--max-new-tokens MAX_NEW_TOKENS tokens to sample (default: 200)", "(default: 0.8)",
+                 "0: all of them (default: 0)", "seed of the sampling (default: 0)", "(default: a newline)"):
+        assert want in out, (want, out)

@@ -28,7 +28,7 @@ from safetensors.torch import load_file
 
 import helpers as H
 from megalite.cli import main as megalite_main
-from megalite.config import Config, ConfigError, TrainConfig, validate
+from megalite.config import Config, ConfigError, TrainConfig, resolve, validate
 from megalite.convert import ConvertError, convert, reshard, split
 from megalite.convert.hf import _to_hf
 from megalite.data import BatchSampler, TokenDataset
@@ -295,7 +295,7 @@ def test_seq_len_and_dropout_are_training_settings(tmp_path, token_file):
     hf = _hf_folder(tmp_path / "hf")  # 32 positions
     step = split(hf, tmp_path / "ck", 1, 1, 1, quiet=True)
     with pytest.raises(ConfigError, match=r"train\.seq_len = 33"):
-        validate(_config(token_file, tmp_path / "x", dict(GPT, block_size=32), dict(RECIPE, seq_len=33)))
+        validate(resolve(_config(token_file, tmp_path / "x", dict(GPT, block_size=32), dict(RECIPE, seq_len=33))))
     # fine-tuning the dropout-free split with dropout and a window shorter than the position table
     cfg = _config(token_file, tmp_path / "ft", dict(GPT, block_size=32, dropout=0.1), dict(RECIPE, steps=2),
                   **{"checkpoint.resume": str(step)})

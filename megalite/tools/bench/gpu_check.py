@@ -79,7 +79,7 @@ def run(dry_run: bool, config: str, window_s: float, out: Path, log=print) -> in
         return _checks(cfg, device, window_s, peak, out, t, log)
     dist.init_process_group("nccl" if device.type == "cuda" else "gloo", store=dist.HashStore(), rank=0,
                             world_size=1)
-    from ...train import leave_distributed
+    from ...parallel.process_group import leave_distributed
     try:
         return _checks(cfg, device, window_s, peak, out, t, log)
     finally:
