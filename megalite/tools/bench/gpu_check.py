@@ -163,7 +163,7 @@ def _checks(cfg, device: torch.device, window_s: float, peak: float, out: Path, 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(prog="launch/gpu-check.sh", description=__doc__.split("\n\n")[0])
     p.add_argument("--dry-run", action="store_true", help="tiny model on the CPU (seconds)")
-    p.add_argument("--config", default=str(Path(__file__).resolve().parents[2] / "configs" / "gpt2-124m.toml"))
+    p.add_argument("--config", default=str(Path(__file__).resolve().parents[3] / "configs" / "gpt2-124m.toml"))
     p.add_argument("--window", type=float, default=None, help="training window in seconds (default 120, dry 2)")
     p.add_argument("--dir", default=None, help="work folder (default: a temporary one, removed after)")
     a = p.parse_args(argv)
