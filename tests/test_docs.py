@@ -86,6 +86,12 @@ def test_measured_transcripts_name_their_commit_and_date_in_the_text():
             assert subprocess.run(["git", "cat-file", "-e", f"{commit}^{{commit}}"], cwd=ROOT).returncode == 0, commit
 
 
+def test_the_transcripts_command_lists_its_sessions(capsys):
+    assert T.main(["--list"]) == 0
+    out = capsys.readouterr().out
+    assert out.startswith("walk: README.md:") and "\nbench-ckpt (measured): docs/performance.md:" in out
+
+
 def test_readme_is_a_page_a_reader_finishes():
     assert len((ROOT / "README.md").read_text().splitlines()) <= 300
 
@@ -169,14 +175,13 @@ def test_the_demo_script_runs(tmp_path):
     assert (tmp_path / "runs/demo/model.safetensors").is_file()
 
 
-def test_the_training_and_features_commands_run(tmp_path):
+def test_the_training_commands_run(tmp_path):
     res = T.run_session("train", tmp_path)
     assert res.problems() == []
     printed = {cmd: text for runs in res.runs.values() for cmd, _, text in runs}
     shown = printed["megalite config show --config configs/tiny-cpu.toml --parallel.tp=2"]
     assert "[parallel]" in shown and "\ntp = 2" in shown
     assert [r["step"] for r in metrics.read(tmp_path / "runs/tiny")][-1] == 3
-    assert [r["step"] for r in metrics.read(tmp_path / "runs/features")][-1] == 3
 
 
 def test_the_small_cpu_demo_runs(tmp_path):
