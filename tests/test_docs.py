@@ -187,7 +187,7 @@ def test_the_training_commands_run(tmp_path):
 def test_the_small_cpu_demo_runs(tmp_path):
     res = T.run_session("small", tmp_path)  # its transcript (sampled text) only needs to be non-empty
     assert res.problems() == []
-    assert [(e["step"], e["layout"]) for e in metrics.events(tmp_path / "runs/small")] == [(2, "tp=1 pp=4 dp=2")]
+    assert [(e["step"], e["layout"]) for e in metrics.events(tmp_path / "runs/small")] == [(2, "tp=1 pp=4 dp=1")]
 
 
 # ---------------------------------------------------------------- the interleaved schedule's table

@@ -59,6 +59,7 @@ SMALL_ARGS = [
     ("walk", r"--max-new-tokens \d+", "--max-new-tokens 16"),
     ("ft", r"--train\.steps=100\b", "--train.steps=6"),
     ("small", r"--train\.stop_at_step=500\b", "--train.stop_at_step=2"),
+    ("small", r"--nproc-per-node 8\b", "--nproc-per-node 4"),  # (2,2,1) then (1,4,1): half the processes
     ("small", r"--max-new-tokens \d+", "--max-new-tokens 16"),
     ("bench-ckpt", r"^megalite bench ckpt$", "megalite bench ckpt --size-mb 8 --world 2 --repeats 1"),
     ("bench-train", r"^megalite bench train$", "megalite bench train --steps 2 --nproc 2 --n-embd 32 "
