@@ -108,6 +108,15 @@ def test_untied_fused_gelu_checkpoint_exports_and_reads_as_a_megalite_model(tmp_
     print(f"untied TP=2 -> hf-gpt2: {err_hf:.2e}; -> megalite file: {err_file:.2e}")
     assert err_hf < 1e-5 and err_file < 1e-5
     assert torch.equal(from_dir, from_file)
+    # --format dcp: the same megalite tensors, read back by DCP itself
+    import torch.distributed.checkpoint as dcp
+    from safetensors.torch import load_file
+    from torch.distributed.checkpoint import HuggingFaceStorageReader
+    convert(mref / "untied_tp2", tmp_path / "dcp", fmt="dcp", quiet=True)
+    want = load_file(str(f))
+    got = {k: torch.zeros_like(v) for k, v in want.items()}
+    dcp.load(got, storage_reader=HuggingFaceStorageReader(str(tmp_path / "dcp")))
+    assert all(torch.equal(got[k], want[k]) for k in want) and "lm_head.weight" in want
 
 
 def _pipeline_logits(rank, world, tmp, step, model_cfg, ids, out):
