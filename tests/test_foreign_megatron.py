@@ -185,14 +185,14 @@ def _args(**kw):
 
 
 REFUSED = {  # args changes on the real TP=2 PP=2 checkpoint -> the one line naming it
-    "RoPE": (dict(position_embedding_type="rope"), r"position_embedding_type = 'rope': rotary position embeddings"),
-    "SwiGLU": (dict(swiglu=True), r"swiglu = True: SwiGLU"),
-    "RMSNorm": (dict(normalization="RMSNorm"), r"normalization = 'RMSNorm': RMSNorm \(not LayerNorm\)"),
+    "RoPE": (dict(position_embedding_type="rope"), r"position_embedding_type = 'rope': megalite does not model rotary position embeddings"),
+    "SwiGLU": (dict(swiglu=True), r"swiglu = True: megalite does not model SwiGLU"),
+    "RMSNorm": (dict(normalization="RMSNorm"), r"normalization = 'RMSNorm': megalite does not model RMSNorm \(not LayerNorm\)"),
     "GQA": (dict(group_query_attention=True, num_query_groups=2),
-            r"num_query_groups = 2: grouped-query attention \(2 key/value groups for 4 heads\)"),
-    "MoE": (dict(num_experts=8), r"num_experts = 8: a mixture of experts \(MoE\)"),
-    "no biases": (dict(add_bias_linear=False), r"add_bias_linear = False: linear layers without biases"),
-    "MLP width": (dict(ffn_hidden_size=128), r"ffn_hidden_size = 128: an MLP width other than 4 \* hidden_size"),
+            r"num_query_groups = 2: megalite does not model grouped-query attention \(2 key/value groups for 4 heads\)"),
+    "MoE": (dict(num_experts=8), r"num_experts = 8: megalite does not model a mixture of experts \(MoE\)"),
+    "no biases": (dict(add_bias_linear=False), r"add_bias_linear = False: megalite does not model linear layers without biases"),
+    "MLP width": (dict(ffn_hidden_size=128), r"ffn_hidden_size = 128: megalite does not model an MLP width other than 4 \* hidden_size"),
     "vocab": ({}, r"--vocab-size 999: expected 1 to the checkpoint's padded vocabulary 384"),
 }
 
@@ -211,7 +211,7 @@ def test_architectures_megalite_does_not_model_are_refused_in_one_line(tmp_path,
 
 def test_a_real_llama_shaped_checkpoint_is_refused_by_args_and_by_tensors(tmp_path, mref):
     rc, _, err = cli("convert", mref / "llama_tp1", "--format", "hf-gpt2", "--out", tmp_path / "a")
-    assert rc == 2 and "position_embedding_type = 'rope': rotary position embeddings (RoPE)" in err, err
+    assert rc == 2 and "position_embedding_type = 'rope': megalite does not model rotary position embeddings (RoPE)" in err, err
     # arguments that claim a GPT-2 do not get the tensors through
     src = tmp_path / "lying"
     shutil.copytree(mref / "llama_tp1", src)

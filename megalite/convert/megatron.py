@@ -109,8 +109,8 @@ def read_args(step: Path) -> dict:
 
 # ---------------------------------------------------------------- the architecture: GPT-2 or refused
 def _refuse(where: str, field: str, value, what: str) -> ConvertError:
-    return ConvertError(f"{where}: {field} = {value!r}: {what} is not something megalite models (it reproduces "
-                        f"GPT-2: learned positions, LayerNorm, GeLU MLP, multi-head attention with biases)")
+    return ConvertError(f"{where}: {field} = {value!r}: megalite does not model {what} (it reproduces GPT-2: "
+                        f"learned positions, LayerNorm, a GeLU MLP, multi-head attention with biases)")
 
 
 def model_from_args(a: dict, where: str) -> dict:
