@@ -1,4 +1,4 @@
-"""`megalite bench ckpt|train` run end to end at a tiny size and print their tables (timings are not checked)."""
+"""`megalite bench ckpt|train|dcp` run end to end at a tiny size and print their tables (timings are not checked)."""
 from __future__ import annotations
 
 import re
@@ -77,6 +77,25 @@ def test_bench_train_prints_its_tables(tmp_path):
     for rc in ("none", "selective", "full"):
         for sp in ("off", "on"):
             assert re.search(rf"\n2 +{rc} +{sp} .* 1\.000 ", out), (rc, sp)
+
+
+def test_bench_dcp_prints_its_table(tmp_path):
+    """Through the CLI's main() in this process (its 2-rank save reuses the warm run_parallel fork server; the
+    conversions it measures still run in fresh interpreters)."""
+    import contextlib
+    import io
+    from megalite.cli import main
+    buf = io.StringIO()
+    with contextlib.redirect_stdout(buf):
+        assert main(["bench", "dcp", "--size-mb", "6", "--repeats", "1", "--dir", str(tmp_path)]) == 0
+    out = buf.getvalue()
+    assert "DCP checkpoint" in out and "as DTensor shards of 2 gloo ranks" in out
+    for op in ("megalite convert", "dcp_to_torch_save"):
+        assert re.search(rf"\n{op} +1 +\d+\.\d{{3}} ", out), op  # the live row
+        assert re.search(rf"\n{op} +[\d.]+ MiB +\d+\.\d{{3}} \(", out), op  # the summary row
+    assert re.search(r"megalite convert / dcp_to_torch_save: time [\d.]+x \(ratio of medians; [\d.]+-[\d.]+x in the "
+                     r"pairs measured together\); peak RSS growth \d+ / \d+ MiB", out)
+    assert list(tmp_path.iterdir()) == [], "the benchmark leaves nothing behind"
 
 
 def test_stream_table_prints_each_row_when_it_is_measured():

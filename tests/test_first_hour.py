@@ -7,9 +7,10 @@ from pathlib import Path
 
 import pytest
 
-from helpers import cli
+from helpers import cli, run
 from megalite import __version__
 from megalite.cli import build_parser
+from megalite.cli import main as megalite_main
 from megalite.convert import Progress
 
 ROOT = Path(__file__).resolve().parents[1]
