@@ -14,8 +14,8 @@ stays cheap and import order never matters.
 __version__ = "0.1.0"
 
 _EXPORTS = {
-    "init_distributed": "megalite.train",
-    "leave_distributed": "megalite.train",
+    "init_distributed": "megalite.parallel.process_group",
+    "leave_distributed": "megalite.parallel.process_group",
     "Layout": "megalite.parallel.grid",
     "ParallelGrid": "megalite.parallel.grid",
     "shard": "megalite.parallel.partition",
@@ -26,12 +26,18 @@ _EXPORTS = {
 __all__ = ["__version__", *_EXPORTS]
 
 
-def __getattr__(name: str):
-    if name in _EXPORTS:
-        import importlib
-        return getattr(importlib.import_module(_EXPORTS[name]), name)
-    raise AttributeError(f"module 'megalite' has no attribute {name!r}")
+def lazy_exports(package: str, exports: dict, names: dict):
+    """A package's module `__getattr__` and `__dir__` (PEP 562) for names imported on first use: `exports` is
+    its `_EXPORTS` table {name: the module that defines it}, `names` its globals()."""
+    def __getattr__(name: str):
+        if name in exports:
+            import importlib
+            return getattr(importlib.import_module(exports[name]), name)
+        raise AttributeError(f"module {package!r} has no attribute {name!r}")
+
+    def __dir__():
+        return sorted(set(names) | set(exports))
+    return __getattr__, __dir__
 
 
-def __dir__():
-    return sorted(set(globals()) | set(_EXPORTS))
+__getattr__, __dir__ = lazy_exports(__name__, _EXPORTS, globals())

@@ -14,13 +14,14 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from .checkpoint import load_checkpoint, save_checkpoint
-from .checkpoint.tree import (LATEST, LOCK, TOKENIZER_REL, CheckpointError, committed_steps, parse_step_dir,
-                              read_latest, step_dir, unlink_quietly, write_new_file)
-from .checkpoint.save import AsyncSaver, bcast_object, collect, recover
+from .checkpoint import AsyncSaver, load_checkpoint, save_checkpoint
+from .checkpoint.check import read_tokenizer, verify
+from .checkpoint.commit import bcast_object, recover
+from .checkpoint.files import unlink_quietly, write_new
+from .checkpoint.plan import collect
 from .checkpoint.state import seed_everything
-from .checkpoint.verify import verify
-from .checkpoint.load import read_tokenizer
+from .checkpoint.tree import LATEST, LOCK, TOKENIZER_REL, committed_steps, parse_step_dir, read_latest, step_dir
+from .errors import CheckpointError
 from .tokenizer import from_json
 
 
@@ -83,7 +84,7 @@ class CheckpointManager:
                     folder.mkdir(parents=True, exist_ok=True)
                     created += missing[-1:]  # the topmost folder this check made
                     probe = folder / f".write-test-{os.getpid()}"
-                    write_new_file(probe, b"ok")  # never through a symlink planted at that name
+                    write_new(probe, b"ok")  # never through a symlink planted at that name
                     probe.unlink()
                 except OSError as e:
                     err = f"{field}: cannot write to '{folder}' ({e.strerror or e})"
@@ -292,7 +293,7 @@ class CheckpointManager:
     def reserve(self, tr) -> None:
         """Async saves: allocate the optimizer's spare set (or host staging buffers) before training starts."""
         if self.saver is not None and self.root is not None:
-            self.saver.reserve(collect(tr.params, tr.optimizer, self.grid, {}), tr.optimizer)
+            self.saver.reserve(collect(tr.params, tr.optimizer, self.grid), tr.optimizer)
 
     # ------------------------------------------------------------ signals
     def install_signal_handlers(self) -> None:

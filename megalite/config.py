@@ -1,7 +1,8 @@
 """Typed configuration: five dataclass sections loaded from TOML, overridable as --section.key=value.
 
-All validation lives in `validate()`; every error is one line that names the field, the value and what
-was expected, so a typo on the command line never trains the wrong thing silently.
+`resolve()` fills in what a config leaves to the run (dp from the world size, ...); `validate()` then checks
+every rule and changes nothing. Every error is one line that names the field, the value and what was
+expected, so a typo on the command line never trains the wrong thing silently.
 """
 from __future__ import annotations
 
@@ -265,11 +266,25 @@ def check_numbers(cfg: Config) -> None:
             raise ConfigError(f"{name} is empty: expected a path")
 
 
+def resolve(cfg: Config, world_size: int | None = None) -> Config:
+    """Fill in what the config leaves to the run, in place, before `validate` checks it: parallel.dp = 0 from
+    the world size (when it divides; else left at 0 for validate to name), checkpoint.resume = "" as "none"
+    (its spelling before "auto" became the default), `{out_dir}` in checkpoint.dir. Idempotent; never raises."""
+    infer_dp(cfg, world_size)
+    if cfg.checkpoint.resume == "":
+        cfg.checkpoint.resume = "none"
+    cfg.checkpoint.dir = checkpoint_dir(cfg)
+    return cfg
+
+
 def validate(cfg: Config, world_size: int | None = None) -> Config:
-    """Check every cross-field rule; raise ConfigError with a one-line message on the first failure."""
+    """Check every cross-field rule of a resolved config (`resolve`); raise ConfigError with a one-line message
+    on the first failure. Only reads: the config comes back as it went in."""
     check_numbers(cfg)
     m, par, t = cfg.model, cfg.parallel, cfg.train
-    infer_dp(cfg, world_size)
+    if par.dp == 0 and world_size is not None and par.tp > 0 and par.pp > 0 and world_size % (par.tp * par.pp):
+        raise ConfigError(f"parallel.dp is not set and world size {world_size} is not divisible by "
+                          f"parallel.tp*pp = {par.tp}*{par.pp}; set tp, pp (and dp) so that tp*pp*dp = {world_size}")
     positive = [("model.n_layer", m.n_layer), ("model.n_head", m.n_head), ("model.n_embd", m.n_embd),
                 ("model.block_size", m.block_size), ("model.vocab_size", m.vocab_size),
                 ("parallel.tp", par.tp), ("parallel.pp", par.pp), ("parallel.dp", par.dp),
@@ -301,9 +316,6 @@ def validate(cfg: Config, world_size: int | None = None) -> Config:
         raise ConfigError(f"data.val_fraction = {cfg.data.val_fraction}: expected a value in (0, 1)")
     if par.schedule not in ("1f1b", "afab"):
         raise ConfigError(f"parallel.schedule = '{par.schedule}': expected '1f1b' or 'afab'")
-    if cfg.checkpoint.resume == "":
-        cfg.checkpoint.resume = "none"  # the spelling of a fresh start before "auto" became the default
-    cfg.checkpoint.dir = checkpoint_dir(cfg)
     if cfg.checkpoint.on_error not in ("stop", "continue"):
         raise ConfigError(f"checkpoint.on_error = '{cfg.checkpoint.on_error}': expected 'stop' or 'continue'")
     if t.precision not in ("auto", "fp32", "bf16"):
@@ -361,19 +373,15 @@ def checkpoint_dir(cfg: Config) -> str:
 
 
 def infer_dp(cfg: Config, world_size: int | None) -> None:
-    """parallel.dp = 0 means "whatever the world leaves": world_size / (tp * pp), or 1 without a world."""
+    """parallel.dp = 0 means "whatever the world leaves": world_size / (tp * pp), or 1 without a world. A world
+    that tp * pp does not divide leaves it at 0 (validate says so)."""
     par = cfg.parallel
     if par.dp != 0:
         return
     if world_size is None:
         par.dp = 1
-        return
-    if par.tp <= 0 or par.pp <= 0:
-        return  # reported below as a non-positive tp / pp
-    if world_size % (par.tp * par.pp):
-        raise ConfigError(f"parallel.dp is not set and world size {world_size} is not divisible by "
-                          f"parallel.tp*pp = {par.tp}*{par.pp}; set tp, pp (and dp) so that tp*pp*dp = {world_size}")
-    par.dp = world_size // (par.tp * par.pp)
+    elif par.tp > 0 and par.pp > 0 and world_size % (par.tp * par.pp) == 0:
+        par.dp = world_size // (par.tp * par.pp)
 
 
 def num_microbatches(cfg: Config) -> int:

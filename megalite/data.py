@@ -26,6 +26,7 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
+from .checkpoint.files import no_follow, replace_atomically, unlink_quietly
 from .errors import DataError
 from .tokenizer import BYTE, Tokenizer, byte_tokenizer, from_json, load as load_tokenizer, read_text_pieces
 
@@ -94,15 +95,6 @@ def expand_sources(sources: list[str | Path]) -> list[Path]:
         else:
             files.append(path)
     return files
-
-
-def _atomic_write(path: Path, data: bytes) -> None:
-    """Write to a temp name in the same folder, then rename, so readers never see half a file."""
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    with open(tmp, "wb") as f:
-        f.write(data)
-        os.fsync(f.fileno())  # data on disk before the rename makes it visible
-    os.replace(tmp, path)
 
 
 def token_dtype(vocab_size: int):
@@ -200,7 +192,8 @@ def prepare(sources: list[str | Path], out: str | Path, val_fraction: float = 0.
     bar = _Progress(sum(f.stat().st_size for f in files), progress)
     num_tokens, top, chars, done_bytes, last_doc = 0, -1, 0, 0, -1
     try:
-        with open(tmp, "wb") as f, ThreadPoolExecutor(max_workers=1) as pool:
+        unlink_quietly(tmp)  # a stale one, or a symlink planted there: never written through
+        with open(tmp, "wb", opener=no_follow) as f, ThreadPoolExecutor(max_workers=1) as pool:
             def write(batch, arrays):
                 nonlocal num_tokens, top, chars, last_doc
                 for (doc, _, n), arr in zip(batch, arrays):
@@ -245,13 +238,12 @@ def prepare(sources: list[str | Path], out: str | Path, val_fraction: float = 0.
         }
         if not tok.is_byte:
             meta["tokenizer_file"] = tokenizer_path(out).name  # relative to this json's folder
-            _atomic_write(tokenizer_path(out), tok.json.encode("utf-8"))
+            replace_atomically(tokenizer_path(out), tok.json.encode("utf-8"))
         os.replace(tmp, out)
     except BaseException:
-        if os.path.lexists(tmp):
-            os.unlink(tmp)
+        unlink_quietly(tmp)
         raise
-    _atomic_write(meta_path(out), (json.dumps(meta, indent=2) + "\n").encode("utf-8"))
+    replace_atomically(meta_path(out), (json.dumps(meta, indent=2) + "\n").encode("utf-8"))
     log(f"prepare: wrote {num_tokens:,} tokens ({tok.kind} tokenizer, vocab {tok.vocab_size:,}, "
         f"{meta['dtype']}) from {len(files)} files to {out} (val from token {meta['val_start']:,})")
     return meta

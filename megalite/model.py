@@ -14,7 +14,6 @@ recompute = "selective" recomputes the attention core in backward, "full" each b
 """
 from __future__ import annotations
 
-import dataclasses
 import math
 from typing import Iterator, Optional
 
@@ -32,31 +31,21 @@ from .parallel.tensor import (ColumnParallelLinear, RowParallelLinear, VocabPara
                               gather_from_sp, seq_chunk, vocab_parallel_cross_entropy)
 
 
-def _place(module: nn.Module, placement: str) -> None:
-    """Record in each parameter's tag which pipeline stage owns it."""
-    for p in module.parameters():
-        _retag(p, placement=placement)
-
-
 ACTIVATION_FNS = {"gelu_new": lambda x: F.gelu(x, approximate="tanh"), "gelu": F.gelu, "relu": F.relu}
 
 
-def _replicated(shape: tuple, init: str, decay: bool = True) -> nn.Parameter:
-    return tag(nn.Parameter(torch.zeros(shape)), Partition(shape, dim=None, init=init, decay=decay))
-
-
-def _retag(p: nn.Parameter, **changes) -> None:
-    tag(p, dataclasses.replace(partition_of(p), **changes))
+def _replicated(shape: tuple, placement: str, init: str, decay: bool = True) -> nn.Parameter:
+    return tag(nn.Parameter(torch.zeros(shape)), Partition(shape, None, placement=placement, init=init, decay=decay))
 
 
 class LayerNorm(nn.Module):
     """Replicated on every tp rank: its input (the residual stream) is the same everywhere."""
 
-    def __init__(self, dim: int, eps: float):
+    def __init__(self, dim: int, eps: float, placement: str):
         super().__init__()
         self.eps = eps
-        self.weight = _replicated((dim,), "ones", decay=False)
-        self.bias = _replicated((dim,), "zeros", decay=False)
+        self.weight = _replicated((dim,), placement, "ones", decay=False)
+        self.bias = _replicated((dim,), placement, "zeros", decay=False)
 
     def forward(self, x):
         return F.layer_norm(x, self.weight.shape, self.weight, self.bias, self.eps)
@@ -91,12 +80,12 @@ def _attention_core(q, k, v, dropout_p: float):  # (B, H, T, D) x3 -> (B, H, T, 
 
 
 class CausalSelfAttention(nn.Module):
-    def __init__(self, cfg: ModelConfig, tp: Axis, sp: bool = False, recompute: str = "none"):
+    def __init__(self, cfg: ModelConfig, tp: Axis, sp: bool, recompute: str, placement: str):
         super().__init__()
         self.head_dim = cfg.n_embd // cfg.n_head
-        self.qkv = ColumnParallelLinear(cfg.n_embd, cfg.n_embd, tp, stack=3, sp=sp)  # heads split across tp
-        self.proj = RowParallelLinear(cfg.n_embd, cfg.n_embd, tp, sp=sp)
-        _retag(self.proj.weight, init="scaled")  # GPT-2: residual projections get std / sqrt(2 * n_layer)
+        self.qkv = ColumnParallelLinear(cfg.n_embd, cfg.n_embd, tp, stack=3, sp=sp, placement=placement)  # heads / tp
+        # GPT-2: residual projections start at std / sqrt(2 * n_layer)
+        self.proj = RowParallelLinear(cfg.n_embd, cfg.n_embd, tp, sp=sp, placement=placement, init="scaled")
         self.dropout = cfg.dropout
         self.selective = recompute == "selective"
 
@@ -114,11 +103,10 @@ class CausalSelfAttention(nn.Module):
 
 
 class MLP(nn.Module):
-    def __init__(self, cfg: ModelConfig, tp: Axis, sp: bool = False):
+    def __init__(self, cfg: ModelConfig, tp: Axis, sp: bool, placement: str):
         super().__init__()
-        self.fc = ColumnParallelLinear(cfg.n_embd, 4 * cfg.n_embd, tp, sp=sp)
-        self.proj = RowParallelLinear(4 * cfg.n_embd, cfg.n_embd, tp, sp=sp)
-        _retag(self.proj.weight, init="scaled")
+        self.fc = ColumnParallelLinear(cfg.n_embd, 4 * cfg.n_embd, tp, sp=sp, placement=placement)
+        self.proj = RowParallelLinear(4 * cfg.n_embd, cfg.n_embd, tp, sp=sp, placement=placement, init="scaled")
         self.act = ACTIVATION_FNS[cfg.activation]
 
     def forward(self, x):  # (B, T, C) -> (B, T, C)
@@ -126,10 +114,14 @@ class MLP(nn.Module):
 
 
 class Block(nn.Module):
-    def __init__(self, cfg: ModelConfig, tp: Axis, sp: bool = False, recompute: str = "none"):
+    """Transformer block `layer` (its global id): every parameter's tag says it is placed with that layer."""
+
+    def __init__(self, cfg: ModelConfig, tp: Axis, layer: int, sp: bool = False, recompute: str = "none"):
         super().__init__()
-        self.ln_1, self.attn = LayerNorm(cfg.n_embd, cfg.layer_norm_eps), CausalSelfAttention(cfg, tp, sp, recompute)
-        self.ln_2, self.mlp = LayerNorm(cfg.n_embd, cfg.layer_norm_eps), MLP(cfg, tp, sp)
+        place = f"layer.{layer}"
+        self.ln_1 = LayerNorm(cfg.n_embd, cfg.layer_norm_eps, place)
+        self.attn = CausalSelfAttention(cfg, tp, sp, recompute, place)
+        self.ln_2, self.mlp = LayerNorm(cfg.n_embd, cfg.layer_norm_eps, place), MLP(cfg, tp, sp, place)
         self.drop = SeqDropout(cfg.dropout, tp, sp)
 
     def forward(self, x):
@@ -148,16 +140,14 @@ class GPTStage(nn.Module):
         self.first, self.last = grid.is_first_stage, grid.is_last_stage
         self.chunks = [layers] if layers is not None else chunk_layers(cfg.n_layer, grid.layout.pp, vpp)[grid.coord.pp]
         self.layers = [i for chunk in self.chunks for i in chunk]
-        if self.first:
-            self.wte = VocabParallelEmbedding(cfg.vocab_size, cfg.n_embd, grid.tp, sp=self.sp)
-            self.wpe = _replicated((cfg.block_size, cfg.n_embd), "normal")
+        if self.first:  # `tied`: the last stage holds a copy (the LM head) whose gradient is summed with it
+            self.wte = VocabParallelEmbedding(cfg.vocab_size, cfg.n_embd, grid.tp, sp=self.sp, placement="first",
+                                              tied=cfg.tie_embeddings and not self.last)
+            self.wpe = _replicated((cfg.block_size, cfg.n_embd), "first", "normal")
             self.drop = SeqDropout(cfg.dropout, grid.tp, self.sp)
-        self.blocks = nn.ModuleDict({str(i): Block(cfg, grid.tp, self.sp, recompute) for i in self.layers})
-        for i in self.layers:
-            _place(self.blocks[str(i)], f"layer.{i}")
+        self.blocks = nn.ModuleDict({str(i): Block(cfg, grid.tp, i, self.sp, recompute) for i in self.layers})
         if self.last:
-            self.ln_f = LayerNorm(cfg.n_embd, cfg.layer_norm_eps)
-            _place(self.ln_f, "last")
+            self.ln_f = LayerNorm(cfg.n_embd, cfg.layer_norm_eps, "last")
             if not cfg.tie_embeddings:  # a separate LM head, vocab-split like wte: global name lm_head.weight
                 head = Partition((cfg.vocab_size, cfg.n_embd), dim=0, placement="last", init="normal")
                 self.lm_head = nn.ParameterDict({"weight": tag(nn.Parameter(torch.zeros(local_shape(
@@ -167,8 +157,6 @@ class GPTStage(nn.Module):
                 wte = Partition((cfg.vocab_size, cfg.n_embd), dim=0, tied_to="wte.weight", placement="last",
                                 init="normal", tied=True)
                 self.lm_head = tag(nn.Parameter(torch.zeros(local_shape(wte, grid.tp.size))), wte)
-        if self.first and not self.last:  # the source of that copy
-            _retag(self.wte.weight, tied=True)
 
     # -- parameters by global name (what checkpoints, the optimizer and the converter use)
     def global_parameters(self) -> Iterator[tuple[str, nn.Parameter]]:

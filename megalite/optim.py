@@ -1,14 +1,9 @@
-"""Learning-rate schedule and the global gradient norm (counted once across tp, pp and ties)."""
+"""The learning-rate schedule and gradient clipping (the global gradient norm itself is parallel/finalize.py's)."""
 from __future__ import annotations
 
 import math
 
-import torch
-import torch.distributed as dist
-
 from .config import TrainConfig
-from .parallel.grid import ParallelGrid
-from .parallel.partition import partition_of
 
 
 def lr_at(step: int, t: TrainConfig) -> float:
@@ -22,19 +17,7 @@ def lr_at(step: int, t: TrainConfig) -> float:
     return t.min_lr + 0.5 * (1 + math.cos(math.pi * progress)) * (t.lr - t.min_lr)
 
 
-def grad_norm(named_params, grid: ParallelGrid) -> float:
-    """L2 norm of the whole model's gradient, as a single process would compute it.
-
-    tp-replicated parameters (LayerNorms, row-parallel biases, wpe) are counted on tp rank 0 only and
-    the tied LM-head copy is skipped; the partial sums are then added over the model-parallel group
-    (all tp and pp ranks of one dp replica). Gradients are identical across dp after the all-reduce.
-    """
-    sq = torch.zeros((), dtype=torch.float64, device=named_params[0][1].device)
-    for _, p in named_params:
-        part = partition_of(p)
-        if part.tied_to or (part.dim is None and grid.tp.rank != 0):
-            continue
-        sq += p.grad.detach().double().pow(2).sum()
-    if grid.mp.active:
-        dist.all_reduce(sq, group=grid.mp.group)
-    return math.sqrt(sq.item())
+def clip_scale(norm: float, clip: float) -> float:
+    """The factor that brings the global gradient norm down to `clip` when it is above it (1.0 otherwise, and
+    with clip = 0: off); the factor is torch.nn.utils.clip_grad_norm_'s, clip / (norm + 1e-6)."""
+    return clip / (norm + 1e-6) if clip > 0 and norm > clip else 1.0

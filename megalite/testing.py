@@ -10,6 +10,10 @@
 
 The function must be importable (defined at module top level). Workers rendezvous through a file in
 `tmp_dir`, run with OMP_NUM_THREADS=1, and the first failing rank's traceback is re-raised in the test.
+
+`gather_full_model` reassembles a parallel model's full tensors; `assert_round_trip` saves any model and
+optimizer at one layout, loads and re-saves them at another, and asserts every tensor bitwise equal
+(docs/testing.md).
 """
 from __future__ import annotations
 
@@ -34,7 +38,7 @@ class RankFailed(AssertionError):
 # parallel test's time on a 2-core machine (8 ranks: 20 s -> 0.2 s there, under load). Each worker is still
 # a fresh process holding no state of the caller; it gets the caller's cwd and sys.path (multiprocessing's
 # preparation data) and, passed below, the caller's environment at the call, as spawn would give it.
-_PRELOAD = ["torch", "torch.distributed", "megalite.train", "megalite.testing"]
+_PRELOAD = ["torch", "torch.distributed", "torch._dynamo", "megalite.train", "megalite.testing"]
 
 
 def _context():
@@ -131,30 +135,11 @@ def gather_full_model(named_params, grid) -> dict:
 
 
 # ---------------------------------------------------------------- checkpoint round trips
-def _round_trip_worker(rank, world_size, tmp_dir, cfg_dict, phase, ckpt, steps):
-    from .checkpoint import load_checkpoint, save_checkpoint
-    from .config import Config
-    from .parallel.grid import Layout, ParallelGrid
-    from .train import build, init_distributed, train_step
-    cfg = Config.from_dict(cfg_dict)
-    device, _ = init_distributed()
-    grid = ParallelGrid.create(Layout(cfg.parallel.tp, cfg.parallel.pp, cfg.parallel.dp))
-    tr = build(cfg, grid, device)
-    if phase == "save":
-        for _ in range(steps):
-            train_step(tr)
-        save_checkpoint(ckpt, tr.step, tr.model, tr.optimizer, grid, config=cfg.to_dict(),
-                        data_state=tr.sampler.state_dict())
-    else:
-        info = load_checkpoint(ckpt, tr.model, tr.optimizer, grid, model_config=cfg.to_dict()["model"])
-        save_checkpoint(Path(ckpt).parent / "reloaded", info.step, tr.model, tr.optimizer, grid,
-                        config=cfg.to_dict(), data_state=info.data)
-
-
 def full_state(ckpt) -> dict:
     """Every model and optimizer tensor of a checkpoint, whole, by global name (reads the manifest only)."""
     from .checkpoint import manifest as mf
-    from .checkpoint.tree import Box, resolve
+    from .checkpoint.tree import resolve
+    from .parallel.partition import Box
     from .checkpoint.read import SliceReader
     step = resolve(ckpt)
     man = mf.read(step)
@@ -163,36 +148,156 @@ def full_state(ckpt) -> dict:
             for e in man.tensors()}
 
 
-def assert_round_trip(tmp_dir, save_layout: tuple, load_layout: tuple, *, model: dict | None = None,
-                      data_path: str | None = None, zero1: tuple = (False, False), steps: int = 1) -> None:
-    """Train `steps` at save_layout (tp, pp, dp), checkpoint, load into a fresh run at load_layout, save
-    again, and assert that every model tensor and every AdamW moment is bitwise what was saved.
+def assert_round_trip(tmp_dir, save_layout: tuple, load_layout: tuple, *, model=None, optimizer=None,
+                      train_step=None, steps: int = 1, zero1: tuple = (False, False),
+                      data_path: str | None = None) -> None:
+    """Train `steps` steps at save_layout (tp, pp, dp), save a checkpoint, load it into a fresh model and
+    optimizer at load_layout, save again, and assert that every tensor (parameters and optimizer state), the
+    optimizer's scalars and hyperparameters, the step and the data position are bitwise what was saved.
+
+    Your own model: `model(grid)` builds this rank's part of it (a plain nn.Module built from the same seed on
+    every rank, with weights split by `megalite.parallel.partition.shard(param, dim, grid.tp)`) and
+    `optimizer(module, grid)` its optimizer (any torch.optim optimizer, or megalite's ShardedAdamW). Both are
+    module-level functions (or functools.partial of one): the worker processes receive them by reference.
+    `train_step(module, optimizer, grid, step)` runs one step of yours; without it each parameter gets a
+    gradient drawn from (its global name, the step) and the optimizer steps, which fills every state tensor.
+
+    megalite's GPT: leave `model` out (or pass a dict of [model] fields); it trains real `megalite train` steps
+    on a small corpus written in tmp_dir (or `data_path`) with megalite's AdamW, ZeRO-1 per phase from `zero1`.
 
         def test_tp2_to_pp2(tmp_path):
             assert_round_trip(tmp_path, save_layout=(2, 1, 1), load_layout=(1, 2, 1))
+
+    The two launches (`run_parallel`) share the checkpoint through tmp_dir/checkpoint and write the second save
+    to tmp_dir/resaved; each rendezvouses in a folder of its own.
     """
     import torch
-    from .config import Config
-    from .data import prepare
     tmp = Path(tmp_dir)
-    if data_path is None:
-        src = tmp / "corpus.txt"
-        src.write_text("".join(f"def f{i}(x):\n    return x * {i} + {i % 7}\n" for i in range(2000)))
-        data_path = str(tmp / "tokens.bin")
-        prepare([src], data_path, log=lambda *a: None)
-    base = {"model": model or {"n_layer": 4, "n_head": 4, "n_embd": 32, "block_size": 16},
-            "train": {"global_batch_size": 8, "micro_batch_size": 2, "steps": steps, "out_dir": str(tmp / "run")},
-            "data": {"path": data_path}}
-    ckpt = tmp / "ckpt"
-    for phase, layout, z in (("save", save_layout, zero1[0]), ("load", load_layout, zero1[1])):
-        d = Config.from_dict({**base, "parallel": {"tp": layout[0], "pp": layout[1], "dp": layout[2],
-                                                   "zero1": z}}).to_dict()
-        run_parallel(_round_trip_worker, layout[0] * layout[1] * layout[2], tmp / f"rdzv-{phase}",
-                     args=(d, phase, str(ckpt), steps))
-    before, after = full_state(ckpt), full_state(tmp / "reloaded")
-    assert before.keys() == after.keys(), f"tensor names differ: {sorted(before.keys() ^ after.keys())[:5]}"
+    if model is None or isinstance(model, dict):
+        case = _GPTCase(tmp, model, data_path, steps, zero1)
+    else:
+        if optimizer is None:
+            raise TypeError("assert_round_trip: give `optimizer` (module, grid) -> optimizer with your `model`")
+        case = _UserCase(model, optimizer, train_step)
+    ckpt, resaved = tmp / "checkpoint", tmp / "resaved"
+    for phase, layout in (("save", save_layout), ("load", load_layout)):
+        run_parallel(_round_trip_worker, layout[0] * layout[1] * layout[2], tmp / f"rendezvous-{phase}",
+                     args=(case, tuple(layout), phase, str(ckpt), str(resaved), steps))
+    before, after = full_state(ckpt), full_state(resaved)
+    assert before.keys() == after.keys(), \
+        f"tensor names differ after {save_layout} -> {load_layout}: {sorted(before.keys() ^ after.keys())[:5]}"
     for name in before:
         if not torch.equal(before[name], after[name]):
             diff = (before[name] - after[name]).abs().max().item()
             raise AssertionError(f"{name}: not bitwise equal after {save_layout} -> {load_layout} "
                                  f"(max abs diff {diff:.3g})")
+    a, b = _sections(ckpt), _sections(resaved)
+    for key in a:
+        assert a[key] == b[key], f"manifest '{key}' differs after {save_layout} -> {load_layout}: {a[key]} != {b[key]}"
+
+
+def _sections(ckpt) -> dict:
+    """What a checkpoint says besides its tensors, which a round trip keeps too."""
+    from .checkpoint import manifest as mf
+    from .checkpoint.tree import resolve
+    man = mf.read(resolve(ckpt))
+    return {"step": man.step, "tokens_seen": man.tokens_seen, "optimizer": man.optimizer, "data": man.data,
+            "client_state": man.client_state, "scheduler": man.scheduler}
+
+
+def _round_trip_worker(rank, world_size, tmp_dir, case, layout, phase, ckpt, resaved, steps):
+    from .checkpoint import load_checkpoint, save_checkpoint
+    from .parallel.grid import Layout, ParallelGrid
+    grid = ParallelGrid.create(Layout(*layout))
+    module, opt = case.build(grid, phase)
+    if phase == "save":
+        for step in range(steps):
+            case.train_step(module, opt, grid, step)
+        save_checkpoint(ckpt, steps, module, opt, grid, **case.state())
+    else:
+        info = load_checkpoint(ckpt, module, opt, grid, **case.load_args())
+        save_checkpoint(resaved, info.step, module, opt, grid,
+                        **{**case.state(), "tokens_seen": info.tokens_seen, "data_state": info.data})
+
+
+class _UserCase:
+    """A round trip of your module and optimizer (sent to each worker; see assert_round_trip)."""
+
+    def __init__(self, model, optimizer, train_step=None):
+        for what, fn in (("model", model), ("optimizer", optimizer), ("train_step", train_step)):
+            _check_picklable(what, fn)
+        self.model, self.optimizer, self.step_fn = model, optimizer, train_step
+
+    def build(self, grid, phase: str):
+        module = self.model(grid)
+        return module, self.optimizer(module, grid)
+
+    def train_step(self, module, opt, grid, step: int) -> None:
+        if self.step_fn is not None:
+            return self.step_fn(module, opt, grid, step)
+        import torch
+        from .parallel.partition import init_local, partition_of
+        named = module.global_parameters() if hasattr(module, "global_parameters") else module.named_parameters()
+        for name, p in named:  # the same gradient for a parameter on every dp rank; a tp rank gets its slice
+            p.grad = init_local(name, partition_of(p), "normal", 1 + step, 1.0, grid.tp.rank, grid.tp.size).to(p)
+        if isinstance(opt, torch.optim.Optimizer):
+            opt.step()
+        else:  # megalite's ShardedAdamW takes the learning rate per step
+            opt.step(1e-2)
+
+    def state(self) -> dict:
+        return {}
+
+    def load_args(self) -> dict:
+        return {}
+
+
+def _check_picklable(what: str, fn) -> None:
+    import pickle
+    if fn is None:
+        return
+    try:
+        pickle.dumps(fn)
+    except (pickle.PicklingError, AttributeError, TypeError):
+        raise TypeError(f"assert_round_trip: `{what}` ({getattr(fn, '__qualname__', fn)!r}) must be a module-level "
+                        f"function or a functools.partial of one: the worker processes receive it by reference, "
+                        f"and a lambda or a nested function cannot be sent") from None
+
+
+class _GPTCase:
+    """megalite's GPT trained by `megalite train`'s own steps: the convenience form of assert_round_trip."""
+
+    def __init__(self, tmp: Path, model: dict | None, data_path: str | None, steps: int, zero1: tuple):
+        from .data import prepare
+        if data_path is None:
+            src = tmp / "corpus.txt"
+            src.write_text("".join(f"def f{i}(x):\n    return x * {i} + {i % 7}\n" for i in range(2000)))
+            data_path = str(tmp / "tokens.bin")
+            prepare([src], data_path, log=lambda *a: None)
+        self.base = {"model": model or {"n_layer": 4, "n_head": 4, "n_embd": 32, "block_size": 16},
+                     "train": {"global_batch_size": 8, "micro_batch_size": 2, "steps": steps,
+                               "out_dir": str(tmp / "run")},
+                     "data": {"path": data_path}}
+        self.zero1, self.cfg, self.tr = zero1, None, None
+
+    def build(self, grid, phase: str):
+        from .config import Config
+        from .parallel.process_group import init_distributed
+        from .train import build
+        lay = grid.layout
+        self.cfg = Config.from_dict({**self.base, "parallel": {"tp": lay.tp, "pp": lay.pp, "dp": lay.dp,
+                                                               "zero1": self.zero1[phase == "load"]}})
+        device, _ = init_distributed()
+        self.tr = build(self.cfg, grid, device)
+        return self.tr.model, self.tr.optimizer
+
+    def train_step(self, module, opt, grid, step: int) -> None:
+        from .train import train_step
+        train_step(self.tr)
+
+    def state(self) -> dict:
+        return {"config": self.cfg.to_dict(), "tokens_seen": self.tr.tokens_seen,
+                "data_state": self.tr.sampler.state_dict()}
+
+    def load_args(self) -> dict:
+        return {"model_config": self.cfg.to_dict()["model"]}

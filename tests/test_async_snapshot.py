@@ -11,9 +11,9 @@ from pathlib import Path
 import torch
 
 from helpers import CKPT, same_step_files
-from megalite.checkpoint import AsyncSaver, _named, load_checkpoint, save_checkpoint
-from megalite.checkpoint import save as save_mod
-from megalite.checkpoint.save import collect
+from megalite.checkpoint import AsyncSaver, load_checkpoint, save_checkpoint
+from megalite.checkpoint import commit as save_mod
+from megalite.checkpoint.plan import collect
 from megalite.parallel.grid import Layout, ParallelGrid
 from megalite.testing import run_parallel
 from megalite.train import build, train_step

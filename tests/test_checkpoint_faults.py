@@ -239,7 +239,7 @@ def _failing_writer(rank, world_size, tmp_dir, tokens):
     import torch
     import torch.distributed as dist
     from megalite.checkpoint import AsyncSaver, CheckpointError, save_checkpoint
-    from megalite.checkpoint import save as save_mod
+    from megalite.checkpoint import commit as save_mod
     from megalite.checkpoint.verify import verify
     from megalite.parallel.grid import Layout, ParallelGrid
     from megalite.train import build, train_step

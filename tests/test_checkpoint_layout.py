@@ -10,7 +10,9 @@ import torch
 from megalite.checkpoint import tree as L
 from megalite.checkpoint import manifest as mf
 from megalite.checkpoint.tree import CheckpointError
-from megalite.checkpoint.save import prune
+from megalite.checkpoint.commit import prune
+from megalite.checkpoint.plan import plan_writes
+from megalite.parallel.partition import Box
 from megalite.parallel.grid import Coord
 
 
@@ -252,8 +254,8 @@ def test_plan_writes_of_all_coordinates_tile_every_tensor_once(tp, pp, dp):
     written = {c: 0 for c in lay.coords()}
     for c in lay.coords():
         tensors = _stage_tensors(c.pp, pp)
-        items = L.plan_writes(tensors, c, lay)
-        assert items == L.plan_writes(list(reversed(tensors)), c, lay)  # order-independent
+        items = plan_writes(tensors, c, lay)
+        assert items == plan_writes(list(reversed(tensors)), c, lay)  # order-independent
         shapes = dict(tensors)
         for it in items:
             assert not shapes[it.name].tied_to, "a tied copy must never be written"
@@ -281,11 +283,11 @@ def test_plan_writes_of_all_coordinates_tile_every_tensor_once(tp, pp, dp):
 
 # ---------------------------------------------------------------- Box
 def test_box_arithmetic():
-    b = L.Box([[2, 6], [0, 4]])
+    b = Box([[2, 6], [0, 4]])
     assert b == ((2, 6), (0, 4)) and b.shape == (4, 4) and b.numel == 16 and b.to_json() == [[2, 6], [0, 4]]
-    assert L.Box.whole([8, 4]).intersect(b) == b
-    assert b.intersect(L.Box([[6, 8], [0, 4]])) is None  # touching is not overlapping
-    inter = b.intersect(L.Box([[4, 8], [1, 3]]))
+    assert Box.whole([8, 4]).intersect(b) == b
+    assert b.intersect(Box([[6, 8], [0, 4]])) is None  # touching is not overlapping
+    inter = b.intersect(Box([[4, 8], [1, 3]]))
     assert inter == ((4, 6), (1, 3))
     full = torch.arange(32).view(8, 4)
     assert torch.equal(full[b.index][inter.within(b)], full[inter.index])

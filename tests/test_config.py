@@ -2,7 +2,7 @@
 import pytest
 
 from helpers import cli, one_line_error
-from megalite.config import Config, ConfigError, load_config, num_microbatches, validate
+from megalite.config import Config, ConfigError, load_config, num_microbatches, resolve, validate
 
 TOML = """
 [model]
@@ -37,7 +37,7 @@ def toml_file(tmp_path):
 def test_defaults():
     cfg = load_config(None)
     assert cfg == Config()
-    validate(cfg, world_size=1)
+    validate(resolve(cfg, world_size=1), world_size=1)
     assert num_microbatches(cfg) == cfg.train.global_batch_size // cfg.train.micro_batch_size
 
 
@@ -150,14 +150,14 @@ def test_missing_file(tmp_path):
 ])
 def test_validate_errors(overrides, world, names):
     cfg = load_config(None, overrides)  # loading accepts any well-typed value
-    _config_error(lambda: validate(cfg, world), *names)
+    _config_error(lambda: validate(resolve(cfg, world), world), *names)
 
 
 def test_validate_accepts_good_layouts():
     for tp, pp, dp in [(1, 1, 1), (2, 2, 2), (4, 2, 1), (1, 4, 2), (2, 1, 4)]:
         cfg = load_config(None, [f"--parallel.tp={tp}", f"--parallel.pp={pp}", f"--parallel.dp={dp}",
                                  "--train.global_batch_size=16", "--train.micro_batch_size=2"])
-        assert validate(cfg, tp * pp * dp) is cfg
+        assert validate(resolve(cfg, tp * pp * dp), tp * pp * dp) is cfg
         assert num_microbatches(cfg) == 16 // (2 * dp)
 
 
@@ -178,3 +178,25 @@ def test_cli_config_errors_exit_2_with_one_line(tmp_path, tiny_toml, args, names
 def test_cli_unknown_subcommand_and_missing_config(tmp_path):
     assert "trian" in one_line_error(cli("trian", cwd=tmp_path))
     assert "missing.toml" in one_line_error(cli("train", "--config", tmp_path / "missing.toml", cwd=tmp_path))
+
+
+@pytest.mark.parametrize("overrides,world,dp", [
+    ([], 1, 1), (["--parallel.tp=2", "--parallel.pp=2"], 8, 2), ([], None, 1),
+    (["--checkpoint.resume=", "--parallel.sp=true", "--parallel.tp=2"], 2, 1),
+    (["--checkpoint.dir=", "--parallel.dp=2"], 2, 2), (["--checkpoint.resume=", "--parallel.dp=1"], 1, 1)])
+def test_validate_only_reads_and_resolve_fills_in_first(overrides, world, dp):
+    import copy
+    cfg = load_config(None, overrides)
+    as_loaded = copy.deepcopy(cfg)
+    if cfg.parallel.dp == 0:  # left to the world size: a check of the unresolved config fails
+        _config_error(lambda: validate(cfg, world), "parallel.dp = 0")
+    else:  # checked as loaded (its checkpoint.dir still says {out_dir}, resume may be ""): it passes
+        validate(cfg, world)
+    assert cfg == as_loaded  # either way, nothing was written
+    resolved = resolve(cfg, world)
+    assert resolved is cfg and cfg.parallel.dp == dp
+    assert cfg.checkpoint.resume == (as_loaded.checkpoint.resume or "none")
+    assert cfg.checkpoint.dir == as_loaded.checkpoint.dir.replace("{out_dir}", cfg.train.out_dir)
+    after_resolve = copy.deepcopy(cfg)
+    assert validate(cfg, world) is cfg and cfg == after_resolve  # validate wrote nothing
+    assert resolve(cfg, world) == after_resolve  # resolving again changes nothing

@@ -10,7 +10,7 @@ import pytest
 from helpers import CKPT, step_names, tmp_dirs, train_in_process
 from megalite.checkpoint.tree import read_latest
 from megalite.checkpoint.verify import verify
-from megalite.train import NonFiniteError
+from megalite.errors import NonFiniteError
 
 MODEL = "tp00-pp00-dp00/model.safetensors"
 
@@ -146,7 +146,7 @@ def test_a_pruning_failure_is_reported_and_not_counted_as_deleted(tmp_path, monk
     step is named in a warning, and prune does not report it as deleted."""
     import errno
 
-    from megalite.checkpoint import save, tree as layout
+    from megalite.checkpoint import commit as save, tree as layout
     root = tmp_path / "ck"
     for s in (1, 2, 3):  # committed-looking folders: pruning only needs the names and a manifest file
         (root / layout.step_dir(s)).mkdir(parents=True)

@@ -2,7 +2,7 @@
 placement of every layer under virtual pipeline stages, and the interleaved 1F1B order."""
 import pytest
 
-from megalite.config import ConfigError, load_config, validate
+from megalite.config import ConfigError, load_config, resolve, validate
 
 GOOD = ["--parallel.tp=2", "--parallel.pp=2", "--parallel.dp=2", "--parallel.sp=true", "--parallel.vpp=2",
         "--parallel.overlap_grad_reduce=true", "--train.recompute=selective", "--train.global_batch_size=16",
@@ -10,7 +10,7 @@ GOOD = ["--parallel.tp=2", "--parallel.pp=2", "--parallel.dp=2", "--parallel.sp=
 
 
 def test_new_fields_parse_and_validate():
-    cfg = validate(load_config(None, GOOD), 8)
+    cfg = validate(resolve(load_config(None, GOOD), 8), 8)
     assert (cfg.parallel.sp, cfg.parallel.vpp, cfg.parallel.overlap_grad_reduce, cfg.train.recompute) == \
         (True, 2, True, "selective")
     d = load_config(None, []).to_dict()
@@ -32,7 +32,7 @@ def test_new_fields_parse_and_validate():
 def test_bad_feature_values_are_one_line_errors(overrides, world, names):
     cfg = load_config(None, overrides)
     with pytest.raises(ConfigError) as e:
-        validate(cfg, world)
+        validate(resolve(cfg, world), world)
     msg = str(e.value)
     assert "\n" not in msg
     for n in names:

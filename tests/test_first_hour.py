@@ -1,16 +1,13 @@
-"""What a new user meets first: --help with examples, --version, progress, plot, and the README walkthrough."""
-import contextlib
-import io
+"""What a new user meets first: --help with examples, --version, progress, plot, and README command 2 = CI.
+(The README walkthrough runs in tests/test_docs.py, with every other command of the documents.)"""
 import re
 import runpy
-import shlex
-import shutil
 import sys
 from pathlib import Path
 
 import pytest
 
-from helpers import TORCHRUN, cli, run
+from helpers import cli, run
 from megalite import __version__
 from megalite.cli import build_parser
 from megalite.cli import main as megalite_main
@@ -74,53 +71,59 @@ def test_plot_writes_a_png(tmp_path):
     assert r.returncode == 2 and "metrics.jsonl" in r.stderr and not (tmp_path / "x.png").exists()
 
 
-def _walkthrough_commands() -> list[str]:
-    text = (ROOT / "README.md").read_text()
-    block = text.split("<!-- walkthrough:begin -->", 1)[1].split("<!-- walkthrough:end -->", 1)[0]
-    return [line[2:] for line in block.splitlines() if line.startswith("$ ")]
-
-
-def test_readme_walkthrough_runs(tmp_path, monkeypatch):
-    """Run the README's walkthrough commands as written, in a copy of configs/ with a smaller tiny-cpu.toml.
-    torchrun (and `ls`) are real launches; `megalite ...` runs in this process, through the CLI's main() with
-    the same argv (as test_reference's fine-tune walkthrough: no interpreter start-up and `import torch` each)."""
-    cmds = _walkthrough_commands()
-    assert len(cmds) >= 7 and any("megalite convert" in c for c in cmds) and any("--tree" in c for c in cmds)
-    shutil.copytree(ROOT / "configs", tmp_path / "configs")
-    cfg = (tmp_path / "configs" / "tiny-cpu.toml").read_text()
-    for key, value in (("steps", "6"), ("interval", "3"), ("eval_interval", "3"), ("log_interval", "2"),
-                       ("n_embd", "32"), ("block_size", "32")):
-        cfg = re.sub(rf"^{key} = .*$", f"{key} = {value}", cfg, flags=re.M)
-    (tmp_path / "configs" / "tiny-cpu.toml").write_text(cfg + "\n")
-    # a small corpus instead of the stdlib default, so the test does not spend its time on data
-    (tmp_path / "data").mkdir()
-    from megalite.data import prepare
-    src = tmp_path / "corpus.txt"
-    src.write_text("".join(f"def f{i}(x):\n    return x + {i}\n" for i in range(3000)))
-    prepare([src], tmp_path / "data" / "stdlib.bin", log=lambda *a: None)
-    for cmd in cmds:
-        cmd = cmd.replace("--train.steps=200", "--train.steps=9")
-        argv = shlex.split(cmd.replace("$(cat runs/walk/ckpt/latest)",
-                                       (tmp_path / "runs/walk/ckpt/latest").read_text().strip()
-                                       if (tmp_path / "runs/walk/ckpt/latest").exists() else ""))
-        if argv[0] == "megalite":
-            monkeypatch.chdir(tmp_path)
-            with contextlib.redirect_stdout(io.StringIO()):
-                assert megalite_main(argv[1:]) == 0, f"`{cmd}` failed"
-            continue
-        if argv[0] == "torchrun":
-            argv = [*TORCHRUN, "--standalone", *argv[1:]]
-        r = run(argv, cwd=tmp_path, timeout=600)
-        assert r.returncode == 0, f"`{cmd}` failed:\n{r.stdout[-2000:]}\n{r.stderr[-3000:]}"
-    assert (tmp_path / "runs/walk/model.safetensors").is_file()
-    assert (tmp_path / "runs/walk/loss.png").read_bytes()[:4] == b"\x89PNG"
-    from megalite import metrics
-    assert [r["step"] for r in metrics.read(tmp_path / "runs/walk-pp4")] == [7, 8, 9]  # from (2,2,2)'s step 6
-    assert [(e["step"], e["layout"]) for e in metrics.events(tmp_path / "runs/walk-pp4")] == [(6, "tp=1 pp=4 dp=1")]
-
-
 def test_ci_runs_the_readme_test_command():
     readme = (ROOT / "README.md").read_text().split("```bash", 1)[1].split("```", 1)[0]
     commands = [line for line in readme.splitlines() if line and not line.startswith("#")]
     assert len(commands) == 2, "README.md must open with exactly two commands"
     assert commands[1] in (ROOT / ".ci" / "run").read_text().splitlines()
+
+
+# ---------------------------------------------------------------- first-hour friction (issue 23)
+# `python -m megalite` as an editable install (`pip install -e CLONE`) runs it: the package is found by a finder
+# that setuptools puts on sys.meta_path after the path finder, so a folder named megalite without an
+# __init__.py in the working directory (sys.path[0] = '' under -m and -c) is found first, as a namespace package.
+EDITABLE_MAIN = f"""
+import importlib.machinery, runpy, sys
+class EditableFinder:
+    @classmethod
+    def find_spec(cls, name, path=None, target=None):
+        if name == "megalite" or name.startswith("megalite."):
+            return importlib.machinery.PathFinder.find_spec(name, ["/".join([{str(ROOT)!r}, *name.split(".")[:-1]])])
+sys.meta_path.insert(sys.meta_path.index(importlib.machinery.PathFinder) + 1, EditableFinder)
+runpy.run_module("megalite", run_name="__main__", alter_sys=True)
+"""
+
+
+def test_a_folder_named_megalite_in_the_working_directory_is_named_in_one_line(tmp_path):
+    clone = tmp_path / "megalite"  # a clone of the repository, run from the folder that holds it
+    (clone / "megalite").mkdir(parents=True)
+    (clone / "pyproject.toml").write_text("[project]\nname = 'megalite'\n")
+    no_path = {"PYTHONPATH": ""}  # the package must come from the finder, as it does for an editable install
+    r = run([sys.executable, "-c", EDITABLE_MAIN, "--version"], cwd=tmp_path, extra_env=no_path)
+    assert r.returncode == 2 and r.stdout == "", (r.returncode, r.stdout, r.stderr)
+    assert r.stderr.count("\n") == 1 and r.stderr.startswith("megalite: error: "), r.stderr
+    assert f"the folder '{clone}' as the package 'megalite'" in r.stderr and "cd into the clone" in r.stderr
+    assert "cannot import name" not in r.stderr
+    (tmp_path / "elsewhere").mkdir()  # the same command from another folder runs (the finder itself works)
+    r = run([sys.executable, "-c", EDITABLE_MAIN, "--version"], cwd=tmp_path / "elsewhere", extra_env=no_path)
+    assert r.returncode == 0 and r.stdout.strip() == f"megalite {__version__}", r.stderr
+
+
+def test_missing_default_corpus_names_auto_prepare(tmp_path, monkeypatch, capsys):
+    monkeypatch.chdir(tmp_path)  # no data/stdlib.bin here
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
+    assert megalite_main(["train", "--train.steps=1", f"--train.out_dir={tmp_path / 'run'}"]) == 2
+    err = capsys.readouterr().err
+    assert err == ("megalite train: error: data.path: token file 'data/stdlib.bin' does not exist: add "
+                   "--data.auto_prepare=true to build the default corpus there from the Python standard library's "
+                   "sources, or point --data.path at a file `megalite prepare FILES --out PATH` wrote\n"), err
+    assert sorted(p.name for p in tmp_path.iterdir()) == []  # nothing was created
+
+
+def test_generate_help_shows_the_defaults(capsys):
+    with pytest.raises(SystemExit):
+        megalite_main(["generate", "--help"])
+    out = " ".join(capsys.readouterr().out.split())
+    for want in ("--max-new-tokens MAX_NEW_TOKENS tokens to sample (default: 200)", "(default: 0.8)",
+                 "0: all of them (default: 0)", "seed of the sampling (default: 0)", "(default: a newline)"):
+        assert want in out, (want, out)

@@ -58,3 +58,28 @@ def test_schedules_agree_and_match_single_process(tmp_path, tiny_config, train_s
             assert a["grads"][key].shape == ref_grads[key].shape
             assert rel_err(a["grads"][key], ref_grads[key]) < 1e-4, (name, key)
             assert rel_err(a["params"][key], ref_params[key]) < 1e-4, (name, key)
+
+
+def test_one_entry_point_picks_the_schedule_of_every_config(monkeypatch):
+    """pipeline.get_schedule (Megatron's get_forward_backward_func) for every (parallel.schedule, parallel.vpp,
+    training or evaluating) a config can choose: each SCHEDULES entry is chosen by some config, the interleaved
+    ones get vpp, and interleaved afab is interleaved 1F1B with every forward first."""
+    from megalite.parallel import pipeline as P
+    picked = {}
+    for schedule in ("1f1b", "afab"):
+        for vpp in (1, 2, 3):
+            for training in (True, False):
+                run = P.get_schedule(schedule, vpp, training)
+                fn, kw = (run.func, run.keywords) if vpp > 1 else (run, {})
+                assert kw == ({"vpp": vpp} if vpp > 1 else {}), (schedule, vpp, training)
+                picked[schedule, vpp > 1, training] = fn
+    assert picked == {("1f1b", False, True): P.one_f_one_b, ("afab", False, True): P.afab,
+                      ("1f1b", True, True): P.interleaved, ("afab", True, True): P.interleaved_afab,
+                      ("1f1b", False, False): P.forward_only, ("afab", False, False): P.forward_only,
+                      ("1f1b", True, False): P.interleaved_forward_only,
+                      ("afab", True, False): P.interleaved_forward_only}
+    assert set(picked.values()) == set(P.SCHEDULES.values())
+    seen = []
+    monkeypatch.setattr(P, "interleaved", lambda *a, **k: seen.append(k) or [])
+    P.get_schedule("afab", 2)(None, [], 4, None, None)
+    assert seen == [{"all_warmup": True}]

@@ -6,7 +6,7 @@ import torch
 import helpers as H
 from helpers import cli, metrics, metrics_lines, one_line_error, tree_digest
 from megalite.checkpoint.tree import committed_steps, read_latest
-from megalite.config import Config, validate
+from megalite.config import Config, resolve, validate
 from megalite.train import train
 
 DEFAULT_DIR = Config().checkpoint.dir  # "{out_dir}/checkpoints"
@@ -28,10 +28,10 @@ def _train(cfg, force=False):
 
 
 def test_defaults_are_checkpoints_on_and_resume_auto(tmp_path):
-    cfg = validate(Config.from_dict({"train": {"out_dir": str(tmp_path / "run")}}), 1)
+    cfg = validate(resolve(Config.from_dict({"train": {"out_dir": str(tmp_path / "run")}}), 1), 1)
     assert cfg.checkpoint.dir == str(tmp_path / "run" / "checkpoints")
     assert cfg.checkpoint.resume == "auto" and cfg.checkpoint.interval > 0
-    off = validate(Config.from_dict({"checkpoint": {"dir": ""}}), 1)
+    off = validate(resolve(Config.from_dict({"checkpoint": {"dir": ""}}), 1), 1)
     assert off.checkpoint.dir == ""  # the documented way to turn checkpoints off
 
 

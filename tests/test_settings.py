@@ -14,7 +14,7 @@ else:  # pragma: no cover
 from helpers import cli, one_line_error
 from megalite import cli as megalite_cli
 from megalite.config import (DEFAULT_DATA_PATH, DOCS, Config, ConfigError, fields, help_text, load_config,
-                             validate)
+                             resolve, validate)
 from megalite.data import DataError
 
 
@@ -50,13 +50,13 @@ def test_config_show_prints_the_resolved_config_as_toml_that_loads_back(tmp_path
     shown = Config.from_dict(tomllib.loads(text))
     assert shown.parallel.dp == 2  # inferred: 8 / (2 * 2)
     assert shown.train.lr == 2e-3 and shown.train.out_dir == 'runs/a "quoted" \\ path'
-    expected = validate(load_config(None, ["--parallel.tp=2", "--parallel.pp=2", "--train.lr=2e-3",
+    expected = validate(resolve(load_config(None, ["--parallel.tp=2", "--parallel.pp=2", "--train.lr=2e-3",
                                            "--train.out_dir=runs/a \"quoted\" \\ path",
-                                           "--train.global_batch_size=32"]), 8)
+                                           "--train.global_batch_size=32"]), 8), 8)
     assert shown == expected
     p = tmp_path / "shown.toml"
     p.write_text(text)
-    assert validate(load_config(p), 8) == expected  # the printed file is a config file
+    assert validate(resolve(load_config(p), 8), 8) == expected  # the printed file is a config file
 
 
 def test_config_show_bad_override_is_one_line(tmp_path):
@@ -69,16 +69,16 @@ def test_dp_is_inferred_from_the_world_size(tp, pp, world, dp):
     cfg = load_config(None, [f"--parallel.tp={tp}", f"--parallel.pp={pp}", "--train.global_batch_size=16",
                              "--train.micro_batch_size=2"])
     assert cfg.parallel.dp == 0
-    assert validate(cfg, world).parallel.dp == dp
+    assert validate(resolve(cfg, world), world).parallel.dp == dp
 
 
 def test_dp_inference_errors_name_the_field_and_the_world():
     cfg = load_config(None, ["--parallel.tp=4"])
     with pytest.raises(ConfigError, match=r"parallel\.dp .*world size 6 .*parallel\.tp\*pp = 4\*1"):
-        validate(cfg, 6)
+        validate(resolve(cfg, 6), 6)
     cfg = load_config(None, ["--parallel.tp=2", "--parallel.dp=2"])  # explicit dp still has to agree
     with pytest.raises(ConfigError, match=r"world size 8"):
-        validate(cfg, 8)
+        validate(resolve(cfg, 8), 8)
 
 
 def test_auto_prepare_builds_only_the_default_path(tmp_path, monkeypatch):
@@ -103,7 +103,7 @@ def test_mistyped_data_path_on_the_command_line_is_one_line(tmp_path, tiny_toml)
 
 
 def test_eta_ignores_the_first_step():
-    from megalite.train import _log_line
+    from megalite.runlog import step_line as _log_line
     rec = {"step": 1, "loss": 5.0, "lr": 1e-3, "grad_norm": 1.0, "tokens_per_s": 100.0, "ms_per_step": 9000.0}
     assert "ETA after step 2" in _log_line(rec, 100, 0.0, 0)
     rec["step"] = 11  # 10 steps after the first took 20 s: 89 steps left at 2 s each
@@ -121,7 +121,7 @@ def test_shipped_configs_validate_at_the_layouts_readme_runs():
                           ("small-cpu.toml", [(2, 2, 8), (1, 4, 8), (1, 1, 1)]),
                           ("gpt2-124m.toml", [(1, 1, 8), (1, 1, 1)])):
         for tp, pp, world in layouts:
-            cfg = validate(load_config(root / "configs" / name, [f"--parallel.tp={tp}", f"--parallel.pp={pp}"]),
-                           world)
+            cfg = load_config(root / "configs" / name, [f"--parallel.tp={tp}", f"--parallel.pp={pp}"])
+            cfg = validate(resolve(cfg, world), world)
             assert cfg.parallel.dp == world // (tp * pp), (name, tp, pp)
             assert cfg.checkpoint.dir == f"{cfg.train.out_dir}/checkpoints"

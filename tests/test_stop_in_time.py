@@ -94,7 +94,7 @@ def test_a_step_longer_than_the_grace_is_said_once_and_again_when_the_signal_com
 
 
 def test_the_stop_line_says_how_to_resume():
-    from megalite.train import _resume_hint
+    from megalite.runlog import resume_hint as _resume_hint
     cfg = Config()
     cfg.checkpoint.dir = "runs/x/ck"
     assert _resume_hint(cfg, 7) == "; checkpoint runs/x/ck/step_00000007; to resume, run the same command again"
@@ -104,3 +104,31 @@ def test_the_stop_line_says_how_to_resume():
     assert _resume_hint(cfg, 0) == "; no checkpoint was saved in runs/x/ck"
     cfg.checkpoint.dir = ""
     assert "checkpoints are off" in _resume_hint(cfg, 0)
+
+
+def test_a_stop_at_step_launch_times_its_eta_to_that_step_and_says_the_rerun_goes_on(tmp_path, token_file):
+    """train.stop_at_step = 3 of train.steps = 6: the step lines before it time the ETA to step 3 (this launch
+    ends there), step 3's line shows none, and the stop line says that the rerun trains on to step 6."""
+    logs = []
+    root = tmp_path / "ck"
+    cfg = CKPT.config(token_file, tmp_path / "out", **{"model.n_layer": 2, "train.steps": 6, "train.stop_at_step": 3,
+                                                        "train.log_interval": 100, "checkpoint.dir": str(root)})
+    tr = train_in_process(cfg, log=logs.append)
+    steps = [line for line in logs if line.startswith("step ")]
+    assert [line.split("|")[0].strip() for line in steps] == ["step     1/6", "step     3/6"], logs
+    assert steps[0].endswith("| ETA after step 2") and steps[1].endswith("| stops here (train.stop_at_step)"), steps
+    assert logs[-1] == (f"megalite: stopped by train.stop_at_step at step 3/6; checkpoint {root / 'step_00000003'}; "
+                        f"to resume, run the same command again (it trains on to step 6, train.steps; "
+                        f"train.stop_at_step=3 is then behind it)"), logs
+    assert tr.step == 3 and read_latest(root) == "step_00000003"
+
+
+def test_the_eta_of_a_launch_that_stops_early_is_to_its_stop_step():
+    from megalite.runlog import step_line
+    rec = {"step": 11, "loss": 5.0, "lr": 1e-3, "grad_norm": 1.0, "tokens_per_s": 100.0, "ms_per_step": 2000.0}
+    assert step_line(rec, 1000, 20.0, 10).endswith("| ETA 32m58s")  # 989 steps left at 2 s
+    assert step_line(rec, 1000, 20.0, 10, stop_at=500).endswith("| ETA 16m18s to step 500")  # 489 left
+    rec["step"] = 500
+    assert step_line(rec, 1000, 998.0, 499, stop_at=500).endswith("| stops here (train.stop_at_step)")
+    rec["step"] = 1000
+    assert step_line(rec, 1000, 998.0, 499, stop_at=0).endswith("| ETA 0m00s")

@@ -577,6 +577,31 @@ def test_the_documented_numpy_recipe_writes_a_token_file_megalite_trains_on(tmp_
     assert tok.vocab_size == 300 and tok.decode(every) == "first document" + EOT + "second document"
 
 
+def test_the_documented_help_blocks_are_the_clis(capsys):
+    """docs/tokenizers.md's `--help` blocks: every line shown (the "..." elisions apart) is a line of that
+    command's help as the CLI prints it (argparse's wrapping depends on COLUMNS: fixed here)."""
+    import os
+    import re
+    from megalite.cli import main
+    doc = (Path(__file__).resolve().parents[1] / "docs" / "tokenizers.md").read_text()
+    blocks = re.findall(r"```console\n\$ megalite (.*?) --help\n(.*?)```", doc, re.S)
+    assert [b[0] for b in blocks] == ["tokenizer train", "prepare", "generate"]
+    old = os.environ.get("COLUMNS")
+    os.environ["COLUMNS"] = "80"
+    try:
+        for command, shown in blocks:
+            with pytest.raises(SystemExit):
+                main([*command.split(), "--help"])
+            printed = capsys.readouterr().out.splitlines()
+            missing = [line for line in shown.splitlines() if line != "..." and line not in printed]
+            assert missing == [], f"megalite {command} --help does not print {missing}"
+    finally:
+        if old is None:
+            del os.environ["COLUMNS"]
+        else:
+            os.environ["COLUMNS"] = old
+
+
 def test_bench_prepare_prints_prepare_beside_encode_batch(tmp_path):
     from megalite.tools.bench.prepare import bench_prepare
     lines = []
@@ -588,11 +613,12 @@ def test_bench_prepare_prints_prepare_beside_encode_batch(tmp_path):
 
 
 def test_the_bpe_twin_config_validates_at_the_demo_layouts():
-    from megalite.config import load_config, validate
+    from megalite.config import load_config, resolve, validate
     root = Path(__file__).resolve().parents[1] / "configs"
     for tp, pp, world in ((2, 2, 8), (1, 1, 1)):
-        cfg = validate(load_config(root / "small-cpu-bpe.toml", [f"--parallel.tp={tp}", f"--parallel.pp={pp}"]), world)
-        twin = validate(load_config(root / "small-cpu.toml", [f"--parallel.tp={tp}", f"--parallel.pp={pp}"]), world)
+        flags = [f"--parallel.tp={tp}", f"--parallel.pp={pp}"]
+        cfg = validate(resolve(load_config(root / "small-cpu-bpe.toml", flags), world), world)
+        twin = validate(resolve(load_config(root / "small-cpu.toml", flags), world), world)
         assert cfg.model.vocab_size == 2048 and cfg.data.path == "data/stdlib-bpe.bin"
         assert (cfg.train, cfg.parallel) == (twin.train.__class__(**{**vars(twin.train), "out_dir": "runs/small-bpe"}),
                                              twin.parallel)  # the same run but for its data and vocabulary

@@ -11,13 +11,12 @@
       "checksum": {"algorithm": "crc32c", "block_bytes": 1048576},
       "model":     { "<global name>": TENSOR, ... },        e.g. "blocks.7.attn.qkv.weight"
       "optimizer_state": { "<global name>.exp_avg": TENSOR, "<global name>.exp_avg_sq": TENSOR, ... },
-        a torch.optim optimizer's instead (torch_optim.py): "optimizer": {"type": "torch.optim",
+        a torch.optim optimizer's instead (optimizer.py): "optimizer": {"type": "torch.optim",
           "class": "torch.optim.adamw.AdamW", "step": 200, "param_groups": [{"params": [<global names>], "lr": ...}],
           "scalars": {"<global name>": {"step": {"dtype": "float32", "value": 200.0}}}},
           "optimizer_state": {"<global name>.optim.<key>": TENSOR, ...}   (key: exp_avg, momentum_buffer, ...)
       "files": { "tp00-pp00-dp00/model.safetensors": {"bytes": 123, "header_crc32c": "89abcdef"},
-                 "tp00-pp00-dp00/state.json": {"bytes": 456, "crc32c": "01234567"},
-                 "tp00-pp00-dp00/tokenizer.json": {"bytes": 789, "crc32c": ...}  the run's tokenizer, if any, ... }
+                 "tp00-pp00-dp00/state.json": {"bytes": 456, "crc32c": "01234567"}, ... }
     }
     TENSOR = {"dtype": "float32" | "bfloat16" | "float16", "shape": [global shape],
               "partition": {"dim": split dim over tp or null, "tied_to": null,
@@ -29,27 +28,29 @@
 
 `Manifest.from_json` checks everything a loader relies on and raises one-line CheckpointErrors naming the
 field; nothing else in megalite reads the JSON. Validation is linear in the number of slices (tiling is
-checked on the sorted grid of each tensor's cut points, not by comparing slices pairwise).
+checked on the sorted grid of each tensor's cut points, not by comparing slices pairwise: tiling.py).
+The meta of a step (everything but files and slices) is made in one place, `step_meta`.
 """
 from __future__ import annotations
 
-import bisect
 import json
 import math
-import os
 import re
-from dataclasses import dataclass, field
+import time
+from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Optional
 
-import numpy as np
 import torch
 
-from ..errors import LayoutError
+from .. import __version__
+from ..errors import CheckpointError, LayoutError
 from ..parallel.grid import Layout
-from ..parallel.partition import Partition
-from .tree import MANIFEST, MODEL_FILE, OPTIM_FILE, STATE_FILE, TOKENIZER_FILE, Box, CheckpointError, coord_dir
+from ..parallel.partition import Box, Partition
+from .files import open_read, read_all, write_new
 from .stream import crc32c
+from .tiling import tiling_problems
+from .tree import MANIFEST, MODEL_FILE, OPTIM_FILE, STATE_FILE, TOKENIZER_FILE, coord_dir
 
 FORMAT = "megalite-checkpoint"
 FORMAT_VERSION = 2
@@ -57,7 +58,7 @@ BLOCK_BYTES = 1 << 20  # checksum granularity: a reader verifies exactly the blo
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 DTYPE_NAMES = {v: k for k, v in DTYPES.items()}
 MOMENTS = ("exp_avg", "exp_avg_sq")
-# A torch.optim optimizer (optimizer.type = TORCH_OPTIM; see torch_optim.py): its per-parameter state tensors are
+# A torch.optim optimizer (optimizer.type = TORCH_OPTIM; see optimizer.py): its per-parameter state tensors are
 # "<name>.optim.<key>" (kind "optim.<key>"), its scalar state and param groups live in the optimizer section.
 TORCH_OPTIM = "torch.optim"
 STATE_KEY = re.compile(r"^[A-Za-z_][A-Za-z0-9_]{0,63}$")  # a torch.optim state or hyperparameter key
@@ -72,10 +73,16 @@ _PLACEMENT = re.compile(r"^(first|last|layer\.(\d+))$")
 
 def crc32c_file(path: Path, chunk: int = 16 << 20) -> str:
     crc = 0
-    with open(path, "rb") as f:
+    with open_read(path) as f:
         while block := f.read(chunk):
             crc = crc32c(block, crc)
     return f"{crc:08x}"
+
+
+def checksum_block() -> int:
+    """The checksum block size new checkpoints are written with (BLOCK_BYTES, read when called: the writer
+    and `build` agree even where a test makes blocks small)."""
+    return BLOCK_BYTES
 
 
 def n_blocks(nbytes: int, block: int) -> int:
@@ -162,21 +169,28 @@ INFO_KEYS = ("megalite_version", "torch_version", "created", "resharded_from")
 
 
 @dataclass
-class Manifest:
+class StepMeta:
+    """Everything in a manifest that is not about files and slices: what a step says about itself.
+    Made by `step_meta` only (live saves, `split` and `reshard` alike)."""
     step: int
     tokens_seen: int
     layout: Layout
     zero1: bool
     config: dict
-    data: dict
-    optimizer: Optional[dict]
+    data: dict  # the sampler's position
+    optimizer: Optional[dict]  # the optimizer section (optimizer.py: one owner per kind), None: weights only
     client_state: dict
     scheduler: Optional[dict]
-    model: dict  # name -> TensorEntry
-    optimizer_state: dict  # "<name>.<moment>" -> TensorEntry
-    files: dict  # rel path -> FileRecord
-    block_bytes: int = BLOCK_BYTES
     info: dict = field(default_factory=dict)  # megalite/torch version, created, resharded_from: not relied on
+
+
+@dataclass
+class Manifest(StepMeta):
+    """A step's meta, and its tensors (name -> TensorEntry with its slices) and files (rel path -> FileRecord)."""
+    model: dict = field(default_factory=dict)
+    optimizer_state: dict = field(default_factory=dict)  # "<name>.<moment>" or "<name>.optim.<key>"
+    files: dict = field(default_factory=dict)
+    block_bytes: int = BLOCK_BYTES
 
     @property
     def model_config(self) -> dict:
@@ -222,7 +236,8 @@ def sign(d: dict) -> dict:
 
 
 # ---------------------------------------------------------------- validation
-def _short(v) -> str:
+def short(v) -> str:
+    """A value for a one-line error: its repr, cut at 60 characters."""
     r = repr(v)
     return r if len(r) <= 60 else r[:57] + "..."
 
@@ -234,7 +249,7 @@ class _Parser:
         self.where = where
 
     def fail(self, fld: str, got, expected: str):
-        raise CheckpointError(f"{self.where}: field '{fld}' is {_short(got)}, expected {expected}")
+        raise CheckpointError(f"{self.where}: field '{fld}' is {short(got)}, expected {expected}")
 
     def get(self, d: dict, key: str, fld: str):
         if key not in d:
@@ -272,7 +287,7 @@ class _Parser:
             self.fail("format_version", version, f"{FORMAT_VERSION} (the only version this megalite reads)")
         crc = d.get("manifest_crc32c")
         if not isinstance(crc, str) or crc != canonical_crc(d):
-            raise CheckpointError(f"{self.where}: field 'manifest_crc32c' is {_short(crc)} but the content's CRC32C "
+            raise CheckpointError(f"{self.where}: field 'manifest_crc32c' is {short(crc)} but the content's CRC32C "
                                   f"is {canonical_crc(d)} (the manifest was edited or damaged)")
         step = self.int_(self.get(d, "step", "step"), "step")
         tokens = self.int_(d.get("tokens_seen", 0), "tokens_seen")
@@ -309,11 +324,11 @@ class _Parser:
             base, kind = state_name(n, torch_optim)
             expected = "optim.<key>" if torch_optim else "|".join(MOMENTS)
             if kind is None:
-                raise CheckpointError(f"{self.where}: optimizer_state entry {_short(n)} is not '<model tensor>."
+                raise CheckpointError(f"{self.where}: optimizer_state entry {short(n)} is not '<model tensor>."
                                       f"{expected}'" + (" (key: an identifier)" if torch_optim else ""))
             if base not in model:
-                raise CheckpointError(f"{self.where}: optimizer_state entry {_short(n)} names no model tensor "
-                                      f"{_short(base)} (missing from 'model'; expected '<model tensor>.{expected}')")
+                raise CheckpointError(f"{self.where}: optimizer_state entry {short(n)} names no model tensor "
+                                      f"{short(base)} (missing from 'model'; expected '<model tensor>.{expected}')")
             entry = self.entry("optimizer_state", n, e, files, block, n_layer, seen, kind=kind)
             if entry.shape != model[base].shape:
                 self.fail(f"optimizer_state.{n}.shape", list(entry.shape), f"{list(model[base].shape)} (as '{base}')")
@@ -321,11 +336,11 @@ class _Parser:
         info = {k: d[k] for k in INFO_KEYS if k in d}
         return Manifest(step, tokens, layout, zero1, config, self.dict_(d.get("data", {}), "data"), opt,
                         self.dict_(d.get("client_state", {}), "client_state"),
-                        self.dict_(d.get("scheduler"), "scheduler", optional=True),
-                        model, optim, files, block, info)
+                        self.dict_(d.get("scheduler"), "scheduler", optional=True), info,
+                        model=model, optimizer_state=optim, files=files, block_bytes=block)
 
     def torch_optimizer(self, opt: dict, model: dict) -> None:
-        """The optimizer section of a torch.optim checkpoint (torch_optim.describe writes it):
+        """The optimizer section of a torch.optim checkpoint (optimizer.py's TorchOptimState writes it):
         class, param_groups [{"params": [names], <hyperparameter>: JSON value}], scalars {name: {key: {dtype?, value}}}."""
         cls = opt.get("class")
         if not isinstance(cls, str) or not _CLASS.match(cls):
@@ -344,7 +359,7 @@ class _Parser:
             for key, v in g.items():
                 if not isinstance(key, str) or not STATE_KEY.match(key):
                     self.fail(f"{at} key", key, "an identifier")
-                if key != "params" and not _hyper_ok(v):
+                if key != "params" and not hyper_ok(v):
                     self.fail(f"{at}.{key}", v, "a number, string, boolean, null or a list of them")
         scalars = self.dict_(opt.get("scalars"), "optimizer.scalars")
         for name, state in scalars.items():
@@ -368,7 +383,7 @@ class _Parser:
             m = _FILE_RE.match(rel) if isinstance(rel, str) else None
             if m is None:
                 names = "|".join((MODEL_FILE, OPTIM_FILE, STATE_FILE, TOKENIZER_FILE))
-                raise CheckpointError(f"{self.where}: file name {_short(rel)} in 'files' is not "
+                raise CheckpointError(f"{self.where}: file name {short(rel)} in 'files' is not "
                                       f"'tpNN-ppNN-dpNN/<{names}>' (a plain name inside the step folder)")
             if m[1] not in coords:
                 raise CheckpointError(f"{self.where}: file {rel} in 'files' belongs to no coordinate of layout "
@@ -461,79 +476,30 @@ def state_name(n: str, torch_optim: bool) -> tuple:
     return (base, moment) if moment in MOMENTS else (base, None)
 
 
-def _hyper_ok(v, depth: int = 0) -> bool:
+def hyper_ok(v, depth: int = 0) -> bool:
     if v is None or isinstance(v, (bool, int, float)) or (isinstance(v, str) and len(v) <= 200):
         return True
-    return depth == 0 and isinstance(v, list) and len(v) <= 64 and all(_hyper_ok(x, 1) for x in v)
-
-
-# ---------------------------------------------------------------- tiling
-def _pieces(entry):
-    """(shape, [(Box, flat or None, file)]) from a TensorEntry, a (shape, slices) pair or a JSON entry."""
-    if isinstance(entry, TensorEntry):
-        return list(entry.shape), [(s.box, s.flat, s.file) for s in entry.slices]
-    if isinstance(entry, tuple):
-        shape, slices = entry
-        return list(shape), [(s.box, s.flat, s.file) for s in slices]
-    return list(entry["shape"]), [(tuple(tuple(r) for r in s["box"]), tuple(s["flat"]) if s.get("flat") else None,
-                                   s.get("file")) for s in entry["slices"]]
-
-
-def tiling_problems(name: str, entry) -> list[str]:
-    """The slices of one tensor must cover its global shape exactly: no hole, no overlap, nothing outside.
-
-    Linear in the number of slices (plus the grid): the boxes' start/end points cut every dim into
-    intervals; each box must cover whole cells of that grid, and every cell must be covered exactly once.
-    """
-    shape, pieces = _pieces(entry)
-    boxes: dict = {}
-    for box, flat, file in pieces:
-        if len(box) != len(shape) or any(not (0 <= a < b <= n) for (a, b), n in zip(box, shape)):
-            return [f"tensor '{name}': slice {[list(r) for r in box]} in {file} lies outside shape {shape}"]
-        boxes.setdefault(Box(box), []).append(flat)
-    if not boxes:
-        return [f"tensor '{name}': no slices are stored"]
-    problems = []
-    for box, flats in boxes.items():
-        if None in flats:
-            if len(flats) > 1:
-                problems.append(f"tensor '{name}': box {box.to_json()} is stored more than once (overlap)")
-            continue
-        pos = 0
-        for a, b in sorted(flats):
-            if a != pos:
-                problems.append(f"tensor '{name}': pieces of box {box.to_json()} "
-                                f"{'overlap' if a < pos else 'leave a hole'} at element {min(a, pos)}")
-                break
-            pos = b
-        else:
-            if pos != box.numel:
-                problems.append(f"tensor '{name}': pieces of box {box.to_json()} end at element {pos}, "
-                                f"expected {box.numel} (a hole)")
-    if problems:
-        return problems
-    cuts = [sorted({0, n} | {r[d][i] for r in boxes for i in (0, 1)}) for d, n in enumerate(shape)]
-    cells = math.prod(len(c) - 1 for c in cuts)
-    if cells > 16 * len(boxes) + 64:  # a sane layout cuts each dim a few times; refuse a hostile grid
-        return [f"tensor '{name}': its {len(boxes)} slices cut it into {cells} cells, not a grid of tp slices"]
-    count = np.zeros([len(c) - 1 for c in cuts], dtype=np.int64)
-    for box in boxes:
-        count[tuple(slice(bisect.bisect_left(c, a), bisect.bisect_left(c, b)) for c, (a, b) in zip(cuts, box))] += 1
-    if (count > 1).any():
-        at = [c[i] for c, i in zip(cuts, np.argwhere(count > 1)[0])]
-        problems.append(f"tensor '{name}': slices overlap at element {at}")
-    if (count == 0).any():
-        at = [c[i] for c, i in zip(cuts, np.argwhere(count == 0)[0])]
-        problems.append(f"tensor '{name}': slices leave a hole at element {at}")
-    return problems
+    return depth == 0 and isinstance(v, list) and len(v) <= 64 and all(hyper_ok(x, 1) for x in v)
 
 
 # ---------------------------------------------------------------- building, reading, writing
-def build(meta: dict, reports: list[dict]) -> Manifest:
+def step_meta(step: int, layout, config: dict, *, tokens_seen: int = 0, data: Optional[dict] = None,
+              zero1: bool = False, optimizer: Optional[dict] = None, client_state: Optional[dict] = None,
+              scheduler: Optional[dict] = None, info: Optional[dict] = None) -> StepMeta:
+    """The one place a step's meta is made. `info` defaults to this megalite, this torch and now; `reshard`
+    passes the source's, with `resharded_from` added."""
+    if info is None:
+        info = {"megalite_version": __version__, "torch_version": torch.__version__,
+                "created": time.strftime("%Y-%m-%dT%H:%M:%S%z")}
+    return StepMeta(step, tokens_seen, Layout(*layout), bool(zero1), config or {},
+                    data or {}, optimizer, client_state or {}, scheduler,
+                    {k: info[k] for k in INFO_KEYS if info.get(k) is not None})
+
+
+def build(meta: StepMeta, reports: list[dict]) -> Manifest:
     """Merge every rank's report (the files it wrote, the slices they hold) into one manifest.
 
-    meta: step, tokens_seen, layout (Layout), zero1, config, data, optimizer, client_state, scheduler and
-    the informational keys; a report: {"files": {rel: FileRecord}, "tensors": [(TensorEntry, SliceRef)]}.
+    A report: {"files": {rel: FileRecord}, "tensors": [(TensorEntry, SliceRef)]}.
     """
     files, sections = {}, {"model": {}, "optimizer_state": {}}
     for rep in reports:
@@ -548,11 +514,20 @@ def build(meta: dict, reports: list[dict]) -> Manifest:
             slices = sorted((sl for _, sl in items), key=lambda s: (s.box, s.flat or (0, 0)))
             out[sname][name] = TensorEntry(name, items[0][0].kind, items[0][0].dtype, tuple(items[0][0].shape),
                                            items[0][0].partition, tuple(slices))
-    info = {k: meta[k] for k in INFO_KEYS if meta.get(k) is not None}
-    return Manifest(meta["step"], meta.get("tokens_seen", 0), Layout(*meta["layout"]), bool(meta.get("zero1")),
-                    meta.get("config") or {}, meta.get("data") or {}, meta.get("optimizer"),
-                    meta.get("client_state") or {}, meta.get("scheduler"), out["model"], out["optimizer_state"],
-                    dict(sorted(files.items())), BLOCK_BYTES, info)
+    return Manifest(**{f.name: getattr(meta, f.name) for f in fields(StepMeta)}, model=out["model"],
+                    optimizer_state=out["optimizer_state"], files=dict(sorted(files.items())), block_bytes=BLOCK_BYTES)
+
+
+def entry_for(section: dict, name: str, shape, step: Path) -> TensorEntry:
+    """The entry of a tensor the caller needs (in `section`: Manifest.model or .optimizer_state), with the
+    global shape it expects."""
+    entry = section.get(name)
+    if entry is None:
+        raise CheckpointError(f"{step}: tensor '{name}' is missing from the manifest")
+    if list(entry.shape) != list(shape):
+        raise CheckpointError(f"{step}: tensor '{name}' has global shape {list(entry.shape)} in the manifest, "
+                              f"the model expects {list(shape)}")
+    return entry
 
 
 def read_json(step_dir: Path) -> dict:
@@ -561,7 +536,7 @@ def read_json(step_dir: Path) -> dict:
     if path.is_symlink():
         raise CheckpointError(f"{path}: manifest is a symbolic link (refused: files must live in the step folder)")
     try:
-        return json.loads(path.read_text())
+        return json.loads(read_all(path).decode("utf-8"))
     except FileNotFoundError:
         raise CheckpointError(f"{path}: manifest is missing") from None
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
@@ -593,11 +568,7 @@ def dumps(d: dict) -> str:
 def write_json(step_dir: Path, d: dict, text: Optional[str] = None) -> None:
     """Write `d` (or its text, already made by `dumps`) as manifest.json, fsynced (`d` must already be signed;
     see `sign`)."""
-    path = Path(step_dir) / MANIFEST
-    with open(path, "w") as f:
-        f.write(dumps(d) if text is None else text)
-        f.flush()
-        os.fsync(f.fileno())
+    write_new(Path(step_dir) / MANIFEST, (dumps(d) if text is None else text).encode())
 
 
 def write(step_dir: Path, man: Manifest) -> None:
@@ -606,10 +577,3 @@ def write(step_dir: Path, man: Manifest) -> None:
     text = dumps(d)
     Manifest.from_json(json.loads(text), f"{Path(step_dir) / MANIFEST} (being written)")
     write_json(step_dir, d, text)
-
-
-def model_config_diff(saved: dict, current: dict) -> list[str]:
-    """Differences in the [model] section, one 'field: checkpoint X, run Y' per field."""
-    keys = sorted(set(saved) | set(current))
-    return [f"model.{k}: checkpoint has {saved.get(k)!r}, this run has {current.get(k)!r}"
-            for k in keys if saved.get(k) != current.get(k)]

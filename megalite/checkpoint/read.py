@@ -16,7 +16,8 @@ from typing import Optional
 
 import torch
 
-from .tree import Box, CheckpointError
+from ..errors import CheckpointError
+from ..parallel.partition import Box
 from .manifest import Manifest, SliceRef, TensorEntry
 from .stream import check_header, crc32c, raw_bytes, read_bytes, read_header, st_dtype
 
@@ -66,6 +67,14 @@ def lands_in(out: Optional[torch.Tensor], dtype: torch.dtype, numel: int) -> boo
     and the right size (anything else is read into a staging buffer and copied, casting if needed)."""
     return (out is not None and out.device.type == "cpu" and out.is_contiguous() and out.dtype == dtype
             and out.numel() == numel)
+
+
+def fill(target: torch.Tensor, read) -> None:
+    """`read(out)` into `target`: straight into it when it is host memory and contiguous; copied otherwise."""
+    direct = target.device.type == "cpu" and target.is_contiguous()
+    got = read(target if direct else None)
+    if got is not target:
+        target.copy_(got.reshape(target.shape))
 
 
 def _strides(shape) -> list:

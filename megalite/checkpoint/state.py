@@ -1,12 +1,73 @@
-"""Per-rank state as JSON: RNG states (python, numpy, torch CPU, CUDA) with no pickle anywhere."""
+"""state.json, the per-coordinate state (typed: StepState), and the RNG states it carries, with no pickle.
+
+    {"step": 200, "tokens_seen": 204800, "rng": {"python": [...], "numpy": [...], "torch_cpu": "<base64>",
+     "cuda": "<base64>"} or null, "data": {"batch_index": 200}, "scheduler": {...} or null}
+
+`rng` is null after `split` and `reshard` (a coordinate of a new layout has no stream of its own: resuming
+re-seeds from (seed, step)). `scheduler` repeats the manifest's (which is what a load restores).
+"""
 from __future__ import annotations
 
 import base64
 import json
 import random
+from dataclasses import dataclass
+from typing import Optional
 
 import numpy as np
 import torch
+
+from ..errors import CheckpointError
+from .manifest import short
+
+
+@dataclass(frozen=True)
+class StepState:
+    step: int
+    tokens_seen: int
+    data: dict  # the sampler's position
+    rng: Optional[dict] = None  # capture_rng()'s states; None: re-seed on resume
+    scheduler: Optional[dict] = None  # the LR scheduler's state_dict (save_checkpoint(scheduler=...))
+
+    @classmethod
+    def capture(cls, step: int, tokens_seen: int, data: dict, scheduler: Optional[dict] = None) -> "StepState":
+        """This process's state now (a live save)."""
+        return cls(step, tokens_seen, data, capture_rng(), scheduler)
+
+    def to_json(self) -> bytes:
+        """The file's bytes (compact JSON, fields in this order: the same state gives the same bytes)."""
+        return dumps_json({"step": self.step, "tokens_seen": self.tokens_seen, "rng": self.rng,
+                           "data": self.data, "scheduler": self.scheduler}).encode()
+
+    @classmethod
+    def from_json(cls, data: bytes, where: str) -> "StepState":
+        """Parse and check the file's bytes; a one-line CheckpointError names `where` and the field."""
+        try:
+            d = json.loads(data)
+        except (json.JSONDecodeError, UnicodeDecodeError) as e:
+            raise CheckpointError(f"{where} is not valid JSON ({e})") from None
+        if not isinstance(d, dict):
+            raise CheckpointError(f"{where} is not a JSON object")
+        for key in ("step", "tokens_seen"):
+            v = d.get(key)
+            if isinstance(v, bool) or not isinstance(v, int) or v < 0:
+                raise CheckpointError(f"{where}: field '{key}' is {short(v)}, expected an integer >= 0")
+        for key, optional in (("data", False), ("scheduler", True)):
+            v = d.get(key)
+            if not isinstance(v, dict) and not (optional and v is None):
+                raise CheckpointError(f"{where}: field '{key}' is {short(v)}, expected an object"
+                                      + (" or null" if optional else ""))
+        return cls(d["step"], d["tokens_seen"], d["data"], d.get("rng"), d.get("scheduler"))
+
+    def restore_rng(self, where: str) -> bool:
+        """Put the saved RNG states back; False when there are none (re-seed instead)."""
+        if self.rng is None:
+            return False
+        try:
+            restore_rng(self.rng)
+        except (KeyError, TypeError, ValueError, IndexError, OverflowError, RuntimeError) as e:
+            raise CheckpointError(f"{where} has an unusable 'rng' state ({type(e).__name__}: {e})") from None
+        return True
 
 
 def _b64(t: torch.Tensor) -> str:

@@ -22,8 +22,13 @@ from pathlib import Path
 import torch
 from crc32c import crc32c as _crc32c
 
+from .files import no_follow, open_read
+
 ST_DTYPES = {torch.float32: "F32", torch.bfloat16: "BF16", torch.float16: "F16"}
 _FROM_ST = {v: k for k, v in ST_DTYPES.items()}
+# what a StreamingWriter can write: also the other safetensors dtypes a foreign checkpoint holds (convert/dcp.py)
+WRITABLE = {**ST_DTYPES, torch.float64: "F64", torch.int64: "I64", torch.int32: "I32", torch.int16: "I16",
+            torch.int8: "I8", torch.uint8: "U8", torch.bool: "BOOL"}
 
 
 def crc32c(data, value: int = 0) -> int:
@@ -40,12 +45,8 @@ def block_crcs(data, block: int) -> list[str]:
 
 def raw_bytes(t: torch.Tensor) -> memoryview:
     """The raw little-endian bytes of a contiguous CPU tensor, without a copy (writable: reads land in it)."""
-    return memoryview(t.contiguous().view(torch.uint8).numpy()).cast("B") if t.numel() else memoryview(b"")
-
-
-def _no_follow(path, flags: int) -> int:
-    """open()'s opener that refuses to go through a symlink (ELOOP)."""
-    return os.open(path, flags | getattr(os, "O_NOFOLLOW", 0), 0o644)
+    flat = t.contiguous().reshape(-1)  # 1-d: a 0-dim tensor (an optimizer's step) cannot be viewed as bytes
+    return memoryview(flat.view(torch.uint8).numpy()).cast("B") if t.numel() else memoryview(b"")
 
 
 ALIGN = 4096  # O_DIRECT: file offsets, lengths and memory addresses in multiples of the logical block (<= 4 KiB)
@@ -53,13 +54,13 @@ BOUNCE = 8 << 20  # bytes per bounce buffer
 
 
 def _open_direct(path: Path):
-    """`path` opened for writing with O_DIRECT (unbuffered, through builtins.open and `_no_follow`), or None
+    """`path` opened for writing with O_DIRECT (unbuffered, through builtins.open and `files.no_follow`), or None
     where the file system refuses O_DIRECT at open (EINVAL) or the platform has no O_DIRECT."""
     flag = getattr(os, "O_DIRECT", 0)
     if not flag:
         return None
     try:
-        return open(path, "wb", buffering=0, opener=lambda p, flags: _no_follow(p, flags | flag))
+        return open(path, "wb", buffering=0, opener=lambda p, flags: no_follow(p, flags | flag))
     except OSError as e:
         if e.errno != errno.EINVAL:
             raise
@@ -167,7 +168,7 @@ class StreamingWriter:
         header, offset = {"__metadata__": metadata}, 0
         for name, shape, dtype in specs:
             n = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
-            header[name] = {"dtype": ST_DTYPES[dtype], "shape": list(shape), "data_offsets": [offset, offset + n]}
+            header[name] = {"dtype": WRITABLE[dtype], "shape": list(shape), "data_offsets": [offset, offset + n]}
             offset += n
         blob = json.dumps(header, separators=(",", ":")).encode()
         blob += b" " * (-len(blob) % 8)
@@ -175,7 +176,7 @@ class StreamingWriter:
         # never through a symlink at `path` (it would overwrite whatever it points to): ELOOP instead
         f = _open_direct(self.path) if direct else None
         self.sink = _DirectSink(f, self.path) if f is not None else None
-        self.f = f if f is not None else open(self.path, "wb", opener=_no_follow)
+        self.f = f if f is not None else open(self.path, "wb", opener=no_follow)
         self._put(memoryview(head))
         self.header_crc32c = crc32c(head)
         self.size = len(head) + offset
@@ -219,7 +220,7 @@ class StreamingWriter:
 def read_header(path: Path) -> tuple[dict, int, int]:
     """(header without __metadata__, byte offset where tensor data starts, CRC32C of the header bytes);
     no tensor bytes are read. Raises ValueError on anything that is not a safetensors header."""
-    with open(path, "rb") as f:
+    with open_read(path) as f:
         raw = f.read(8)
         n = int.from_bytes(raw, "little") if len(raw) == 8 else -1
         if n <= 0 or n > 100_000_000:
@@ -270,7 +271,7 @@ def st_dtype(dtype: torch.dtype) -> str:
 def read_bytes(path: Path, offset: int, out) -> None:
     """Read exactly len(out) bytes at `offset` of `path` into the writable buffer `out`."""
     buf = memoryview(out).cast("B")
-    with open(path, "rb", buffering=0) as f:
+    with open_read(path, buffering=0) as f:
         f.seek(offset)
         got = 0
         while got < len(buf):

@@ -1,64 +1,17 @@
-"""`megalite verify` and `megalite inspect`: check a checkpoint as the loader would; describe it.
-
-`verify` is the loader's own validation run without loading: the same manifest parser (every field,
-paths, dtypes, exact tiling, the manifest's checksum), the same file checks (no symlinks, sizes, header
-checksums and well-formed headers), the same key/dtype/shape checks, and every checksum block of every
-slice and every state.json. So a checkpoint `verify` calls intact is one every loader accepts, and any
-checkpoint problem a loader would refuse, `verify` reports.
+"""`megalite verify`, `megalite inspect` and `inspect --tree`: check a checkpoint as the loader would
+(`verify`, the loader's own validation run without loading: check.py); describe it.
 """
 from __future__ import annotations
 
 from collections import defaultdict
-from pathlib import Path
 
 from ..parallel.grid import Coord
-from . import manifest as mf
 from ..parallel.pipeline import stage_of
-from .tree import MODEL_FILE, OPTIM_FILE, CheckpointError, coord_dir, parse_coord_dir, resolve
-from .load import read_state, read_tokenizer
-from .read import SliceReader, check_key
+from .check import verify
+from .manifest import FORMAT_VERSION, read
+from .tree import MODEL_FILE, OPTIM_FILE, coord_dir, parse_coord_dir, resolve
 
-
-def verify(path) -> tuple[Path, list[str]]:
-    """Every problem, one line each: the manifest, then per coordinate, per file and per tensor slice."""
-    try:
-        step = resolve(path)
-        man = mf.read(step)
-    except CheckpointError as e:
-        return Path(path), [str(e)]
-    problems = []
-    for c in man.layout.coords():
-        rel = coord_dir(c)
-        if not (step / rel).is_dir():
-            problems.append(f"{step.name}: folder {rel}/ is missing (layout {man.layout} expects it)")
-            continue
-        try:
-            read_state(step, man, c)
-        except CheckpointError as e:
-            problems.append(str(e))
-    try:
-        read_tokenizer(step, man)
-    except CheckpointError as e:
-        problems.append(str(e))
-    reader = SliceReader(step, man)
-    bad_files = set()
-    for rel in man.files:
-        if rel.endswith(".safetensors"):
-            try:
-                reader.header(rel)
-            except CheckpointError as e:
-                problems.append(str(e))
-                bad_files.add(rel)
-    for entry in man.tensors():
-        for sl in entry.slices:
-            if sl.file in bad_files:
-                continue
-            try:
-                check_key(step, reader.header(sl.file)[0], entry, sl)
-                reader.read_stored(entry, sl)  # all its blocks, checked
-            except CheckpointError as e:
-                problems.append(str(e))
-    return step, problems
+__all__ = ["verify", "inspect", "tree"]
 
 
 def _stage_layers(man: dict) -> dict[int, list[int]]:
@@ -87,7 +40,7 @@ def _span(layers: list[int]) -> str:
 def inspect(path) -> str:
     """A table: step, layout, and per coordinate the layers it holds, tensors and bytes."""
     step = resolve(path)
-    man = mf.read(step)
+    man = read(step)
     per = defaultdict(lambda: {"tensors": 0, "model": 0, "optim": 0, "other": 0})
     for rel, rec in man.files.items():
         coord, fname = rel.split("/", 1)
@@ -101,7 +54,7 @@ def inspect(path) -> str:
             per[sl.file.split("/", 1)[0]]["tensors"] += 1
     lines = [f"checkpoint {step}",
              f"step {man.step}  tokens {man.tokens_seen:,}  layout {man.layout} "
-             f"zero1={'on' if man.zero1 else 'off'}  format v{mf.FORMAT_VERSION}  "
+             f"zero1={'on' if man.zero1 else 'off'}  format v{FORMAT_VERSION}  "
              f"megalite {man.info.get('megalite_version')}  torch {man.info.get('torch_version')}",
              f"{len(man.model)} model tensors, {len(man.optimizer_state)} optimizer tensors "
              f"({', '.join(f'{n} {d}' for d, n in sorted(dtypes.items()))})",
@@ -130,7 +83,7 @@ def tree(path) -> str:
     """The rank-coded tree drawn as the grid: one row per (pipeline stage, tp rank), one column per dp
     replica; each cell is the coordinate folder, its global rank, and the bytes it holds."""
     step = resolve(path)
-    man = mf.read(step)
+    man = read(step)
     layout = man.layout
     size = defaultdict(int)
     for rel, rec in man.files.items():

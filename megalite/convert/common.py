@@ -1,8 +1,10 @@
 """What every converter job shares: the error type, progress lines, output safety, the model's partition
-tags, and reading a checkpoint's model one full tensor at a time."""
+tags, reading a checkpoint's model one full tensor at a time, and opening input files (JSON, safetensors)
+with one-line errors."""
 from __future__ import annotations
 
 import fcntl
+import json
 import os
 import sys
 import time
@@ -11,15 +13,16 @@ from pathlib import Path
 from typing import Iterable
 
 import torch
+from safetensors import safe_open
 
-from ..checkpoint.tree import LOCK, Box, remove_tree
-from ..checkpoint.load import entry_for
-from ..checkpoint.manifest import Manifest
+from ..checkpoint.files import remove_tree
+from ..checkpoint.manifest import Manifest, entry_for
 from ..checkpoint.read import SliceReader
+from ..checkpoint.tree import LOCK
 from ..config import ModelConfig
 from ..errors import CheckpointError, ConvertError, LayoutError
 from ..parallel.grid import Layout
-from ..parallel.partition import Partition
+from ..parallel.partition import Box, Partition
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
@@ -154,3 +157,18 @@ def check_layout(m: dict, tp: int, pp: int, dp: int) -> Layout:
         raise ConvertError(str(e)) from None
 
 
+# ---------------------------------------------------------------- input files
+def parse_json(text: str, source: str):
+    """`text` parsed as JSON; a ConvertError naming `source` if it is not."""
+    try:
+        return json.loads(text)
+    except ValueError as e:
+        raise ConvertError(f"{source} is not valid JSON ({e})") from None
+
+
+def open_safetensors(path: Path):
+    """safetensors' own reader (memory-mapped) on `path`; a ConvertError if it is not a readable file."""
+    try:
+        return safe_open(str(path), framework="pt")
+    except Exception as e:  # noqa: BLE001 - safetensors raises its own error types for a damaged file
+        raise ConvertError(f"{path}: not a readable safetensors file ({e})") from None

@@ -10,10 +10,10 @@ from typing import Optional
 import torch
 from einops import EinopsError, rearrange
 
-from ..checkpoint.tree import remove_tree
+from ..checkpoint.files import remove_tree, write_new
 from ..checkpoint.stream import StreamingWriter
 from ..config import ACTIVATIONS, ModelConfig, model_from
-from .common import ConvertError, Progress, _full_tensors, _replace, model_partitions
+from .common import ConvertError, Progress, _full_tensors, _replace, model_partitions, open_safetensors, parse_json
 from ..tokenizer import TOKENIZER_JSON, Tokenizer, byte_tokenizer, load as load_tokenizer, write_hf_folder
 
 
@@ -147,11 +147,17 @@ VOCAB_ROWS = ("wte.weight", "lm_head.weight")  # the tensors with one row per to
 
 def export_hf(step: Path, man: dict, out: Path, dtype: torch.dtype, progress: Progress,
               tok: Optional[Tokenizer] = None) -> Path:
-    """The model and its run's tokenizer (`tok`; the byte tokenizer when the run carried none) as an HF
-    folder. Padding rows (model.vocab_size above the tokenizer's) are never predicted by megalite; they are
-    left out, so transformers' softmax is over the tokenizer's ids only, as megalite's is."""
-    tok = tok or byte_tokenizer()
-    rows = min(tok.vocab_size, man.model_config["vocab_size"])
+    return write_hf(out, man.model_config, {n: e.shape for n, e in man.model.items()},
+                    _full_tensors(step, man, progress), dtype, tok)
+
+
+def write_hf(out: Path, model_config: dict, shapes: dict, tensors, dtype: torch.dtype,
+             tok: Optional[Tokenizer] = None) -> Path:
+    """megalite-named tensors (in the order of `shapes`) -> an HF GPT-2 folder at `out`, with the run's
+    tokenizer `tok` (None: a run that carried none; the byte tokenizer's files are written, as before).
+    Padding rows (model.vocab_size above `tok`'s) are never predicted by megalite; they are left out, so
+    transformers' softmax is over the tokenizer's ids only, as megalite's is."""
+    rows = model_config["vocab_size"] if tok is None else min(tok.vocab_size, model_config["vocab_size"])
 
     def trim(name, t):
         return t[:rows] if name in VOCAB_ROWS else t
@@ -160,22 +166,23 @@ def export_hf(step: Path, man: dict, out: Path, dtype: torch.dtype, progress: Pr
     remove_tree(tmp)  # a stale folder, or a symlink planted there: unlinked, never followed
     tmp.mkdir(parents=True)
     specs = []
-    for name, e in man.model.items():  # shapes only: transforms applied to meta tensors
-        for hf_name, t in _to_hf(name, trim(name, torch.empty(e.shape, device="meta"))):
+    for name, shape in shapes.items():  # shapes only: transforms applied to meta tensors
+        for hf_name, t in _to_hf(name, trim(name, torch.empty(shape, device="meta"))):
             specs.append((hf_name, list(t.shape), dtype))
     order = {n: i for i, (n, _, _) in enumerate(specs)}
     w = StreamingWriter(tmp / "model.safetensors", specs, {"format": "pt"}, checksum=False, direct=True)
     try:
-        for name, t in _full_tensors(step, man, progress):
+        for name, t in tensors:
             for hf_name, ht in _to_hf(name, trim(name, t)):
                 assert order[hf_name] == w.next
                 w.write(hf_name, ht.to(dtype))
         w.close()
-        eot = tok.eot_id if tok.eot_id is not None and tok.eot_id < rows else None
-        cfg = hf_config({**man.model_config, "vocab_size": rows}, eot)
+        eot = tok.eot_id if tok is not None and tok.eot_id is not None and tok.eot_id < rows else None
+        cfg = hf_config({**model_config, "vocab_size": rows}, eot)
         cfg["torch_dtype"] = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}[dtype]
-        (tmp / "config.json").write_text(json.dumps(cfg, indent=2) + "\n")
-        write_hf_folder(tok, tmp, cfg["n_positions"])  # so AutoTokenizer / pipeline work on the folder as is
+        write_new(tmp / "config.json", (json.dumps(cfg, indent=2) + "\n").encode())
+        # so AutoTokenizer / pipeline work on the folder as is
+        write_hf_folder(tok or byte_tokenizer(), tmp, cfg["n_positions"])
     except BaseException:
         w.abort()
         shutil.rmtree(tmp, ignore_errors=True)
@@ -193,12 +200,10 @@ def folder_tokenizer(p: Path) -> Optional[Tokenizer]:
 
 def read_hf_folder(p: Path):
     """(model config dict, get(name) -> full fp32 tensor, names) for an HF GPT-2 folder."""
-    from .single import _open_st
     cfg_file, st = p / "config.json", p / "model.safetensors"
     if not cfg_file.is_file() or not st.is_file():
         raise ConvertError(f"{p}: expected an HF GPT-2 folder with config.json and model.safetensors")
-    from .single import _json
-    hf = _json(cfg_file.read_bytes().decode("utf-8", errors="replace"), str(cfg_file))
+    hf = parse_json(cfg_file.read_bytes().decode("utf-8", errors="replace"), str(cfg_file))
     if not isinstance(hf, dict) or hf.get("model_type") != "gpt2":
         got = hf.get("model_type") if isinstance(hf, dict) else hf
         raise ConvertError(f"{cfg_file}: model_type is {got!r}, expected 'gpt2'")
@@ -206,7 +211,7 @@ def read_hf_folder(p: Path):
         if theirs not in hf:
             raise ConvertError(f"{cfg_file}: field '{theirs}' is missing (expected an HF GPT-2 config)")
     m = model_from(model_from_hf_config(hf, str(cfg_file)), str(cfg_file))
-    f = _open_st(st)
+    f = open_safetensors(st)
     table = {}
     for k in f.keys():
         shape = f.get_slice(k).get_shape()

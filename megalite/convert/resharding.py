@@ -1,6 +1,7 @@
 """Writing a whole checkpoint in one process: one model file -> any layout (split), and layout -> layout
 (reshard). Both go through `write_offline`, which plans with the live save's `plan_writes`, writes each
-coordinate with its `write_rank` and commits with its `commit_step`: one tree, one protocol."""
+coordinate with its `write_rank` and commits with its `commit_step`: one tree, one protocol, one meta
+(`step_meta`) and one state.json (`StepState`)."""
 from __future__ import annotations
 
 import copy
@@ -8,10 +9,14 @@ from pathlib import Path
 from typing import Callable, Optional
 
 from ..checkpoint import manifest as mf
-from ..checkpoint.load import read_tokenizer
-from ..checkpoint.tree import TOKENIZER_FILE, coord_dir, plan_writes, remove_tree, resolve, step_dir, tmp_dir
+from ..checkpoint.check import read_tokenizer
+from ..checkpoint.commit import commit_step
+from ..checkpoint.files import remove_tree
+from ..checkpoint.plan import Payload, add, plan_writes
 from ..checkpoint.read import SliceReader
-from ..checkpoint.save import Payload, add, commit_step, manifest_meta, write_rank
+from ..checkpoint.state import StepState
+from ..checkpoint.tree import TOKENIZER_FILE, coord_dir, resolve, step_dir, tmp_dir
+from ..checkpoint.write import write_rank
 from ..config import Config
 from ..parallel.grid import Layout
 from ..parallel.pipeline import stage_of
@@ -21,14 +26,16 @@ from .common import ConvertError, Progress, _check_out, _replace, check_layout, 
 from .single import model_tokenizer, read_model_file
 
 
-def write_offline(out: Path, step: int, layout: Layout, tensors: dict[str, Partition],
-                  n_layer: int, read: Callable, meta: dict, with_optimizer: bool, what: str, quiet: bool,
-                  coord_state: Callable, itemsize: Callable, tokenizer: Optional[bytes] = None) -> Path:
+def write_offline(out: Path, layout: Layout, tensors: dict[str, Partition], n_layer: int, read: Callable,
+                  meta: mf.StepMeta, with_optimizer: bool, what: str, quiet: bool, itemsize: Callable,
+                  tokenizer: Optional[bytes] = None) -> Path:
     """Write every coordinate of `layout` in this one process into a temporary root next to `out`, commit it
     as a live save does (commit_step), then move it into place; on any failure nothing is left behind.
+    Every coordinate's state.json is the step's, without RNG states (no coordinate has a stream of its own).
 
     read(item) -> the tensor of one planned slice (checked by the reader); itemsize(item) -> its bytes per
     element (progress only); tokenizer: the tokenizer.json the checkpoint carries (written with coordinate 0)."""
+    step = meta.step
     root = out.with_name(out.name + ".tmp-megalite")
     remove_tree(root)
     tmp = root / tmp_dir(step)
@@ -43,12 +50,13 @@ def write_offline(out: Path, step: int, layout: Layout, tensors: dict[str, Parti
         return (it.flat[1] - it.flat[0] if it.flat else it.box.numel) * itemsize(it)
 
     progress = Progress(what, len(items), sum(nbytes(it) for it in items), quiet)
+    state = StepState(step, meta.tokens_seen, meta.data, rng=None, scheduler=meta.scheduler)
     try:
         reports = []
         for c, plan in plans:
-            pay = Payload(files={}, state=coord_state(c))
+            pay = Payload(files={}, state=state)
             if tokenizer is not None and not reports:
-                pay.extra[TOKENIZER_FILE] = tokenizer
+                pay.step_files[TOKENIZER_FILE] = tokenizer
             for it in plan:
                 add(pay, it, tensors[it.name], read(it))
                 progress.step(nbytes(it))
@@ -86,11 +94,10 @@ def split(model, out, tp: int, pp: int, dp: int, zero1: bool = False, step: int 
         return t.reshape(-1)[it.flat[0]:it.flat[1]].clone() if it.flat else t.clone()
 
     cfg = Config.from_dict({"model": m, "parallel": {"tp": tp, "pp": pp, "dp": dp, "zero1": zero1}}).to_dict()
-    meta = manifest_meta(cfg, layout, zero1, step, 0, None, {"batch_index": step}, None)
+    meta = mf.step_meta(step, layout, cfg, data={"batch_index": step}, zero1=zero1)
     tok = model_tokenizer(model)  # an HF folder's own (GPT-2's vocab.json + merges.txt too), or a file's
-    return write_offline(out, step, layout, parts, m["n_layer"], read, meta, False, "split", quiet,
-                         lambda c: {"step": step, "tokens_seen": 0, "rng": None, "data": {"batch_index": step}},
-                         lambda it: 4, None if tok is None else tok.json.encode())
+    return write_offline(out, layout, parts, m["n_layer"], read, meta, False, "split", quiet, lambda it: 4,
+                         None if tok is None else tok.json.encode())
 
 
 def reshard(ckpt, out, tp: int, pp: int, dp: int, zero1: Optional[bool] = None, force: bool = False,
@@ -127,12 +134,11 @@ def reshard(ckpt, out, tp: int, pp: int, dp: int, zero1: Optional[bool] = None, 
 
     cfg = copy.deepcopy(man.config)
     cfg.setdefault("parallel", {}).update({"tp": tp, "pp": pp, "dp": dp, "zero1": zero1})
-    meta = {**man.info, "step": man.step, "tokens_seen": man.tokens_seen, "layout": tuple(layout), "zero1": zero1,
-            "config": cfg, "data": man.data, "optimizer": man.optimizer, "client_state": man.client_state,
-            "scheduler": man.scheduler,
-            "resharded_from": {"layout": {"tp": man.layout.tp, "pp": man.layout.pp, "dp": man.layout.dp,
-                                          "zero1": man.zero1}, "path": str(src)}}
+    source = {"layout": {"tp": man.layout.tp, "pp": man.layout.pp, "dp": man.layout.dp, "zero1": man.zero1},
+              "path": str(src)}
+    meta = mf.step_meta(man.step, layout, cfg, tokens_seen=man.tokens_seen, data=man.data, zero1=zero1,
+                        optimizer=man.optimizer, client_state=man.client_state, scheduler=man.scheduler,
+                        info={**man.info, "resharded_from": source})
     parts = {n: e.partition for n, e in man.model.items()}
-    return write_offline(out, man.step, layout, parts, m["n_layer"], read, meta, with_opt, "reshard", quiet,
-                         lambda c: {"step": man.step, "tokens_seen": man.tokens_seen, "rng": None, "data": man.data},
+    return write_offline(out, layout, parts, m["n_layer"], read, meta, with_opt, "reshard", quiet,
                          lambda it: entry(it).itemsize, read_tokenizer(src, man))

@@ -6,29 +6,38 @@ from pathlib import Path
 from typing import Callable, Optional
 
 import torch
-from safetensors import safe_open
 
 from ..checkpoint import manifest as mf
-from ..checkpoint.load import read_tokenizer
+from ..checkpoint.check import read_tokenizer
 from ..checkpoint.read import SliceReader
-from ..checkpoint.tree import LATEST, MANIFEST, TOKENIZER_REL, Box, remove_tree, resolve
-from ..checkpoint.stream import StreamingWriter
+from ..checkpoint.tree import LATEST, MANIFEST, TOKENIZER_REL, resolve
 from ..config import model_from, path_kind
+from ..parallel.partition import Box
 from ..tokenizer import Tokenizer, from_json
-from .common import (DTYPES, ConvertError, Progress, _check_out, _full_tensors, _replace,
-                     check_manifest_tensors)
+from .common import (DTYPES, ConvertError, Progress, _check_out, _full_tensors, check_manifest_tensors,
+                     open_safetensors, parse_json)
+from .dcp import write_file
+from .foreign import convert_foreign, export_dcp, read_megatron_model, source_kind
+from .hf import export_hf, folder_tokenizer, read_hf_folder
 
-FORMATS = ("megalite", "hf-gpt2")
+FORMATS = ("megalite", "hf-gpt2", "dcp")
 TOKENIZER_KEY = "megalite.tokenizer"  # safetensors metadata: the run's tokenizer.json text
 
 
-def convert(ckpt, out, dtype: str = "fp32", fmt: str = "megalite", force: bool = False,
-            quiet: bool = False) -> Path:
-    """Reassemble the model of any layout into one safetensors file (or an HF GPT-2 folder)."""
+def convert(ckpt, out, dtype: Optional[str] = None, fmt: str = "megalite", force: bool = False,
+            quiet: bool = False, source: Optional[str] = None, vocab_size: Optional[int] = None) -> Path:
+    """Reassemble the model of any layout into one safetensors file (or an HF GPT-2 / a DCP folder); a
+    Megatron-LM or DCP checkpoint too (foreign.py). dtype: fp32 unless given (a DCP source: as stored)."""
     if fmt not in FORMATS:
         raise ConvertError(f"--format '{fmt}': expected one of {', '.join(FORMATS)}")
-    if dtype not in DTYPES:
+    if dtype is not None and dtype not in DTYPES:
         raise ConvertError(f"--dtype '{dtype}': expected one of {', '.join(DTYPES)}")
+    kind = source_kind(Path(ckpt), source)
+    if kind != "megalite":
+        return convert_foreign(Path(ckpt), kind, Path(out), fmt, dtype, vocab_size, force, quiet)
+    if vocab_size is not None:
+        raise ConvertError("--vocab-size: only for a Megatron checkpoint (this source is a megalite checkpoint)")
+    dtype = dtype or "fp32"
     step = resolve(ckpt)
     man = mf.read(step)
     check_manifest_tensors(step, man)
@@ -38,11 +47,10 @@ def convert(ckpt, out, dtype: str = "fp32", fmt: str = "megalite", force: bool =
     progress = Progress("convert", len(man.model), total, quiet)
     tokenizer = read_tokenizer(step, man)
     if fmt == "hf-gpt2":
-        from .hf import export_hf
         tok = from_json(tokenizer.decode("utf-8"), f"{step / TOKENIZER_REL}") if tokenizer is not None else None
         return export_hf(step, man, out, DTYPES[dtype], progress, tok)
-    tmp = out.with_name(out.name + ".tmp-megalite")
-    remove_tree(tmp)  # a stale temp file, or a symlink planted there: unlinked, never followed (O_NOFOLLOW below)
+    if fmt == "dcp":
+        return export_dcp(step, man, out, DTYPES[dtype], progress)
     torch_dtype = DTYPES[dtype]
     specs = [(n, list(e.shape), torch_dtype) for n, e in man.model.items()]
     meta = {"format": "pt", "megalite.kind": "model", "megalite.model_config": json.dumps(man.model_config, sort_keys=True),
@@ -50,16 +58,8 @@ def convert(ckpt, out, dtype: str = "fp32", fmt: str = "megalite", force: bool =
                                               sort_keys=True)}
     if tokenizer is not None:  # the run's tokenizer travels with the model (generate and split read it)
         meta[TOKENIZER_KEY] = tokenizer.decode("utf-8")
-    w = StreamingWriter(tmp, specs, meta, checksum=False, direct=True)
-    try:
-        for name, t in _full_tensors(step, man, progress):
-            w.write(name, t.to(torch_dtype))
-        w.close()
-    except BaseException:
-        w.abort()
-        raise
-    _replace(tmp, out)
-    return out
+    tensors = ((n, [t.to(torch_dtype)]) for n, t in _full_tensors(step, man, progress))
+    return write_file(out, specs, tensors, meta)  # a temp file (never through a symlink) moved into place
 
 
 def is_checkpoint(p: Path) -> bool:
@@ -68,8 +68,9 @@ def is_checkpoint(p: Path) -> bool:
 
 
 def read_model_file(path) -> tuple[dict, Callable[[str], torch.Tensor], list[str]]:
-    """(model config dict, get(name) -> full fp32 tensor, names) for a megalite file, an HF GPT-2 folder or a
-    checkpoint (root or step folder; every byte read checked against its block checksums)."""
+    """(model config dict, get(name) -> full fp32 tensor, names) for a megalite file, an HF GPT-2 folder, a
+    Megatron checkpoint or a megalite checkpoint (root or step folder; every byte read checked against its
+    block checksums)."""
     p = Path(path)
     if is_checkpoint(p):
         step = resolve(p)
@@ -80,18 +81,20 @@ def read_model_file(path) -> tuple[dict, Callable[[str], torch.Tensor], list[str
         return m, (lambda name: reader.read(man.model[name], Box.whole(man.model[name].shape)).float()), \
             sorted(man.model)
     if p.is_dir():
-        from .hf import read_hf_folder
+        found = read_megatron_model(p)  # a Megatron-LM torch_dist checkpoint
+        if found is not None:
+            return found
         return read_hf_folder(p)
     if not p.exists() and not p.is_symlink():
         raise ConvertError(f"model '{p}' does not exist")
     if not p.is_file():
         raise ConvertError(f"model '{p}' is {path_kind(p)}, expected a safetensors file or an HF GPT-2 folder")
-    f = _open_st(p)
+    f = open_safetensors(p)
     meta = f.metadata() or {}
     if "megalite.model_config" not in meta:
         raise ConvertError(f"{p}: safetensors metadata has no 'megalite.model_config' "
                            f"(expected a file written by `megalite convert`)")
-    m = model_from(_json(meta["megalite.model_config"], f"{p}: metadata 'megalite.model_config'"),
+    m = model_from(parse_json(meta["megalite.model_config"], f"{p}: metadata 'megalite.model_config'"),
                    f"{p}: metadata 'megalite.model_config'")
     return m, (lambda name: f.get_tensor(name).float()), sorted(f.keys())
 
@@ -105,27 +108,10 @@ def model_tokenizer(path) -> Optional[Tokenizer]:
         text = read_tokenizer(step, mf.read(step))
         where = f"{step / TOKENIZER_REL}"
     elif p.is_dir():
-        from .hf import folder_tokenizer
         return folder_tokenizer(p)
     else:
-        text = (_open_st(p).metadata() or {}).get(TOKENIZER_KEY)
+        text = (open_safetensors(p).metadata() or {}).get(TOKENIZER_KEY)
         where = f"{p}: metadata '{TOKENIZER_KEY}'"
     if text is None:
         return None
     return from_json(text if isinstance(text, str) else text.decode("utf-8", errors="replace"), where)
-
-
-def _json(text: str, source: str):
-    try:
-        return json.loads(text)
-    except ValueError as e:
-        raise ConvertError(f"{source} is not valid JSON ({e})") from None
-
-
-def _open_st(path: Path):
-    try:
-        return safe_open(str(path), framework="pt")
-    except Exception as e:  # noqa: BLE001
-        raise ConvertError(f"{path}: not a readable safetensors file ({e})") from None
-
-

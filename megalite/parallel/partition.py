@@ -133,8 +133,19 @@ def tp_box(p: Partition, tp_rank: int, tp_size: int) -> Box:
 
 
 def tag(param: nn.Parameter, partition: Partition) -> nn.Parameter:
+    """Give a parameter its partition tag, once, where it is made (the layer that creates it knows its split,
+    stage, init and ties). A second tag raises: everything from init to the checkpoint has read the first,
+    so a later change would leave them disagreeing (nanotron's parameter metadata is written once alike)."""
+    if hasattr(param, "partition"):
+        raise ValueError(f"parameter of shape {tuple(param.shape)} is already tagged ({_describe(param.partition)}); "
+                         f"a partition tag is set once, at construction")
     param.partition = partition
     return param
+
+
+def _describe(p: Partition) -> str:
+    split = "replicated" if p.dim is None else f"split on dim {p.dim}"
+    return f"global shape {p.global_shape} {split}, placement {p.placement!r}"
 
 
 def partition_of(param: torch.Tensor) -> Partition:

@@ -4,9 +4,13 @@ Stages keep *global* layer ids (stage 1 of 2 over 4 layers holds blocks 2 and 3)
 layers the same way whatever the pipeline size. With vpp virtual stages per rank (interleaved 1F1B), the
 layers are cut into pp * vpp groups and chunk j of rank r holds group j * pp + r (Megatron's assignment);
 `place_of` is the one function that maps a parameter's placement to its (pp rank, chunk).
+
+The schedules run one step's micro-batches through this rank's stage; `get_schedule` is the one place that
+picks one from the config (Megatron's get_forward_backward_func), by name from `SCHEDULES`.
 """
 from __future__ import annotations
 
+import functools
 from typing import Callable, Optional, Sequence
 
 import torch
@@ -170,17 +174,16 @@ def one_f_one_b(stage_fn: StageFn, inputs, num_micro: int, grid: ParallelGrid, p
     return r.losses
 
 
-SCHEDULES = {"afab": afab, "1f1b": one_f_one_b}
-
-
 # ---------------------------------------------------------------- interleaved (virtual stages)
 def interleaved_order(pp: int, pp_rank: int, num_micro: int, vpp: int, all_warmup: bool = False) -> list:
     """The ("F" | "B", micro, chunk) operations rank pp_rank runs, in Megatron's interleaved 1F1B order.
 
     Forwards go in groups of pp micro-batches: chunk 0 of micro 0..pp-1, chunk 1 of the same, ...;
-    backwards the same with chunks reversed. Warm-up: 2 * (pp - rank - 1) + (vpp - 1) * pp forwards, then
-    one forward + one backward pairs, then cool-down. With all_warmup (afab, or m == pp as in Megatron)
-    every forward runs before the first backward.
+    backwards the same with chunks reversed. Warm-up: 2 * (pp - rank - 1) + (vpp - 1) * pp forwards (at most
+    all of them), then one forward + one backward pairs, then cool-down: megatron-core's current rule (its
+    schedule table; checked against megatron-core 0.16 in tests/test_foreign_megatron.py). Older Megatron
+    ran every forward first whenever m == pp. With all_warmup (afab, forward-only) every forward runs before
+    the first backward.
     """
     total, group = num_micro * vpp, pp * vpp
 
@@ -189,7 +192,7 @@ def interleaved_order(pp: int, pp_rank: int, num_micro: int, vpp: int, all_warmu
         chunk = within // pp
         return ("B" if backward else "F", g * pp + within % pp, vpp - 1 - chunk if backward else chunk)
 
-    if all_warmup or num_micro == pp:
+    if all_warmup:
         warmup = total
     else:
         warmup = min(2 * (pp - pp_rank - 1) + (vpp - 1) * pp, total)
@@ -289,3 +292,35 @@ def forward_only(stage_fn: StageFn, inputs, num_micro: int, grid: ParallelGrid, 
     if p2p:
         p2p.wait()
     return losses
+
+
+# ---------------------------------------------------------------- the one entry point
+def interleaved_afab(stage_fn, inputs, num_micro: int, grid: ParallelGrid, p2p: Optional[P2P], vpp: int) -> list:
+    """Virtual stages in all-forward-all-backward order: parallel.schedule = "afab" with vpp > 1."""
+    return interleaved(stage_fn, inputs, num_micro, grid, p2p, vpp, all_warmup=True)
+
+
+# Every schedule the config can choose, by name: (stage_fn, inputs, num_micro, grid, p2p[, vpp]) -> the last
+# stage's loss per micro-batch. The interleaved ones take vpp and a stage_fn(x, micro, chunk).
+SCHEDULES: dict[str, Callable[..., list]] = {
+    "1f1b": one_f_one_b,
+    "afab": afab,
+    "interleaved-1f1b": interleaved,
+    "interleaved-afab": interleaved_afab,
+    "forward-only": forward_only,  # evaluation
+    "interleaved-forward-only": interleaved_forward_only,
+}
+
+
+def schedule_name(schedule: str, vpp: int = 1, train: bool = True) -> str:
+    """The SCHEDULES key for parallel.schedule ("1f1b" | "afab") and parallel.vpp, training or evaluating."""
+    order = schedule if train else "forward-only"
+    return f"interleaved-{order}" if vpp > 1 else order
+
+
+def get_schedule(schedule: str, vpp: int = 1, train: bool = True) -> Callable[..., list]:
+    """The function that runs one step (or one evaluation batch) through the pipeline for this config:
+    run(stage_fn, inputs, num_micro, grid, p2p) -> the last stage's loss per micro-batch. Looked up in
+    SCHEDULES when asked, so a benchmark may wrap an entry to time it."""
+    fn = SCHEDULES[schedule_name(schedule, vpp, train)]
+    return functools.partial(fn, vpp=vpp) if vpp > 1 else fn

@@ -1,11 +1,10 @@
 """Tensor parallelism in three tiers: raw collectives -> autograd functions that pair them -> layers.
 
-Each layer tags the parameters it creates with their partition (`partition.py`: global shape, split dim,
-stage, init, decay); nothing here decides a split from a parameter's name.
+Each layer tags the parameters it creates, once, with their partition (`partition.py`: global shape, split
+dim, and what its caller passes: the pipeline placement, the weight's init, a tie); nothing here decides a
+split from a parameter's name.
 """
 from __future__ import annotations
-
-import dataclasses
 
 import torch
 import torch.distributed as dist
@@ -13,7 +12,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from .grid import Axis
-from .partition import Partition, local_shape, partition_of, shard_range, tag
+from .partition import Partition, local_shape, shard_range, tag
 
 
 # ---------------------------------------------------------------- tier 1: raw collectives
@@ -189,20 +188,6 @@ def seq_chunk(n: int, axis: Axis) -> tuple[int, int]:
     return axis.rank * per, (axis.rank + 1) * per
 
 
-def sync_sequence_parallel_grads(params, tp: Axis) -> None:
-    """With sequence parallelism the tp-replicated parameters (LayerNorms, row-parallel biases, wpe) act on
-    seq/tp of the tokens on each rank, so their gradients are partial: sum them over tp (one collective)."""
-    grads = [p.grad for p in params if partition_of(p).dim is None and p.grad is not None]
-    if not tp.active or not grads:
-        return
-    flat = torch.cat([g.reshape(-1) for g in grads])
-    dist.all_reduce(flat, group=tp.group)
-    offset = 0
-    for g in grads:
-        g.copy_(flat[offset:offset + g.numel()].view_as(g))
-        offset += g.numel()
-
-
 # ---------------------------------------------------------------- layers
 class ColumnParallelLinear(nn.Module):
     """y = x W^T + b with W's output rows split across tp: each rank computes its slice of the outputs.
@@ -212,16 +197,18 @@ class ColumnParallelLinear(nn.Module):
     forward: copy_to_tp on the input (its backward all-reduces the input gradient); output stays split
     unless gather_output (only meaningful for stack == 1: a gathered stacked output is ordered per rank).
     With sp the input is this rank's sequence chunk (B, T/tp, in), all-gathered inside _SPColumnLinear.
+    `placement` and `init` (the weight's; the bias starts at zero) go into the parameters' tags.
     """
 
     def __init__(self, in_features: int, out_features: int, tp: Axis, bias: bool = True, stack: int = 1,
-                 gather_output: bool = False, sp: bool = False):
+                 gather_output: bool = False, sp: bool = False, placement: str = "first", init: str = "normal"):
         super().__init__()
         self.tp, self.gather_output, self.sp = tp, gather_output, sp
         lead = (stack,) if stack > 1 else ()
         split = len(lead)
-        self.weight = _param(Partition(lead + (out_features, in_features), dim=split), tp, "normal")
-        self.bias = _param(Partition(lead + (out_features,), dim=split, decay=False), tp, "zeros") if bias else None
+        self.weight = _param(Partition(lead + (out_features, in_features), split, placement=placement, init=init), tp)
+        self.bias = _param(Partition(lead + (out_features,), split, placement=placement, init="zeros", decay=False),
+                           tp) if bias else None
         self.in_features = in_features
 
     def forward(self, x):  # (..., in) -> (..., stack * out / tp)
@@ -239,13 +226,16 @@ class RowParallelLinear(nn.Module):
     forward: local matmul, then reduce_from_tp (all-reduce) of the partial sums, then the replicated bias;
     backward: the output gradient is used as is (identity), the input gradient stays split.
     With sp the partial sums are reduce-scattered along the sequence instead (B, T/tp, out).
+    `placement` and `init` (the weight's; the bias starts at zero) go into the parameters' tags.
     """
 
-    def __init__(self, in_features: int, out_features: int, tp: Axis, bias: bool = True, sp: bool = False):
+    def __init__(self, in_features: int, out_features: int, tp: Axis, bias: bool = True, sp: bool = False,
+                 placement: str = "first", init: str = "normal"):
         super().__init__()
         self.tp, self.sp = tp, sp
-        self.weight = _param(Partition((out_features, in_features), dim=1), tp, "normal")
-        self.bias = _param(Partition((out_features,), dim=None, decay=False), tp, "zeros") if bias else None
+        self.weight = _param(Partition((out_features, in_features), 1, placement=placement, init=init), tp)
+        self.bias = _param(Partition((out_features,), None, placement=placement, init="zeros", decay=False),
+                           tp) if bias else None
 
     def forward(self, x):  # (..., in / tp) -> (..., out)
         y = F.linear(x, self.weight)
@@ -259,12 +249,14 @@ class VocabParallelEmbedding(nn.Module):
     forward: ids outside this rank's range are masked to zero vectors, then reduce_from_tp sums the
     partial lookups; backward: identity, so each rank's rows receive only their own ids' gradients.
     With sp the partial lookups are reduce-scattered along the sequence instead: (B, T/tp, C).
+    `tied`: another stage holds a copy of this weight (a tied LM head), so their gradients are summed.
     """
 
-    def __init__(self, num_embeddings: int, dim: int, tp: Axis, sp: bool = False):
+    def __init__(self, num_embeddings: int, dim: int, tp: Axis, sp: bool = False, placement: str = "first",
+                 tied: bool = False):
         super().__init__()
         self.tp, self.sp = tp, sp
-        self.weight = _param(Partition((num_embeddings, dim), dim=0), tp, "normal")
+        self.weight = _param(Partition((num_embeddings, dim), 0, placement=placement, init="normal", tied=tied), tp)
         self.start, self.end = shard_range(num_embeddings, tp.rank, tp.size)
 
     def forward(self, ids):  # (B, T) -> (B, T, C)
@@ -276,9 +268,9 @@ class VocabParallelEmbedding(nn.Module):
         return reduce_scatter_to_sp(out, self.tp) if self.sp else reduce_from_tp(out, self.tp)
 
 
-def _param(p: Partition, tp: Axis, init: str) -> nn.Parameter:
-    """A zero parameter of this rank's local shape, tagged; `init` names how init_weights fills it."""
-    return tag(nn.Parameter(torch.zeros(local_shape(p, tp.size))), dataclasses.replace(p, init=init))
+def _param(p: Partition, tp: Axis) -> nn.Parameter:
+    """A zero parameter of this rank's local shape, tagged (p.init names how init_weights fills it)."""
+    return tag(nn.Parameter(torch.zeros(local_shape(p, tp.size))), p)
 
 
 class _VocabParallelCrossEntropy(torch.autograd.Function):

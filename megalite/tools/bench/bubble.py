@@ -65,18 +65,19 @@ class _Stamped:
 
 def _model_rows(o: dict, world: int, grid, acc: list, vpp: int, m: int, cfg_of) -> list:
     from ... import train as train_mod
+    from ...parallel.pipeline import SCHEDULES, schedule_name
     model = {**o["model"], "n_layer": max(o["model"]["n_layer"], 2 * world)}  # every chunk needs a layer
     tr = train_mod.build(cfg_of({**o, "model": model}, (1, world, 1), o["micro"], o["micro"] * m, vpp=vpp),
                          grid, torch.device("cpu"))
-    # train_step calls train.interleaved (vpp > 1) or SCHEDULES["1f1b"]: stamp that one for the run
-    holder, key = (vars(train_mod), "interleaved") if vpp > 1 else (train_mod.SCHEDULES, "1f1b")
-    inner = holder[key]
-    holder[key] = stamped = _Stamped(inner, acc)
+    # train_step asks pipeline.get_schedule, which looks the schedule up in SCHEDULES: stamp that entry for the run
+    key = schedule_name("1f1b", vpp)
+    inner = SCHEDULES[key]
+    SCHEDULES[key] = stamped = _Stamped(inner, acc)
     try:
         for _ in range(o["steps"] + 1):
             train_mod.train_step(tr)
     finally:
-        holder[key] = inner
+        SCHEDULES[key] = inner
     return stamped.steps[1:]  # the first step warms up
 
 

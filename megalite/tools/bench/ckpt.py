@@ -100,9 +100,9 @@ def _worker(rank: int, world: int, tmp: str, o: dict) -> None:
     import torch
     import torch.distributed as dist
     import torch.distributed.checkpoint as dcp
-    from ...checkpoint import AsyncSaver, _named, load_checkpoint, save_checkpoint
+    from ...checkpoint import AsyncSaver, global_named as _named, load_checkpoint, save_checkpoint
     from ...checkpoint.tree import MODEL_FILE
-    from ...checkpoint.save import collect
+    from ...checkpoint.plan import collect
     from ...config import ModelConfig
     root, mcfg, cfgd = Path(o["root"]), ModelConfig(**o["model"]), {"model": o["model"]}
     grid, model, opt = _state(mcfg, o["save_layout"], rank)

@@ -79,7 +79,7 @@ def run(dry_run: bool, config: str, window_s: float, out: Path, log=print) -> in
         return _checks(cfg, device, window_s, peak, out, t, log)
     dist.init_process_group("nccl" if device.type == "cuda" else "gloo", store=dist.HashStore(), rank=0,
                             world_size=1)
-    from ...train import leave_distributed
+    from ...parallel.process_group import leave_distributed
     try:
         return _checks(cfg, device, window_s, peak, out, t, log)
     finally:
@@ -89,7 +89,7 @@ def run(dry_run: bool, config: str, window_s: float, out: Path, log=print) -> in
 def _checks(cfg, device: torch.device, window_s: float, peak: float, out: Path, t, log) -> int:
     """Steps 2 and 3 in a world of one (the process group is the caller's)."""
     from ...checkpoint import AsyncSaver, load_checkpoint, save_checkpoint
-    from ...checkpoint.save import collect
+    from ...checkpoint.plan import collect
     from ...checkpoint.verify import verify
     from ...convert import convert
     from ...parallel.grid import Layout, ParallelGrid

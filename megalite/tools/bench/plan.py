@@ -3,7 +3,7 @@ machine could never run (GPT-3 175B at 16,384 ranks), with no tensors.
 
 Each pipeline stage's parameters come from the real model built on the meta device (so their partition
 tags are the ones training uses, not a copy of them); then, for every rank of the layout, the real write
-plan (`checkpoint.tree.plan_writes`) and the records a save produces (`checkpoint.save.add`), every
+plan (`checkpoint.plan.plan_writes`) and the records a save produces (`checkpoint.plan.add`), every
 rank's report as the commit gathers it to rank 0, the typed manifest (`checkpoint.manifest.build`), and
 what `manifest.write` does with it on rank 0: serialise it, parse it back with `Manifest.from_json` (the
 full validation every reader runs: every field, every slice's file, exact tiling), and the JSON text that
@@ -29,7 +29,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ...checkpoint.tree import Box
+from ...parallel.partition import Box
 from ...checkpoint.manifest import BLOCK_BYTES
 from ...checkpoint.read import read_ranges
 from . import StreamTable, fmt_bytes
@@ -79,7 +79,7 @@ def stage_tensors(model: dict, tp: int, pp: int, vpp: int = 1) -> list[list]:
 
 def one_rank_plan_s(stages: list, layout) -> float:
     """Seconds one rank spends planning its writes at every save (the largest stage, uncached)."""
-    from ...checkpoint.tree import plan_writes
+    from ...checkpoint.plan import plan_writes
     from ...parallel.grid import Coord
     s = max(range(len(stages)), key=lambda i: len(stages[i]))
     t0 = time.process_time()
@@ -88,10 +88,10 @@ def one_rank_plan_s(stages: list, layout) -> float:
 
 
 def _reports(stages: list, layout) -> tuple[list, list]:
-    """Every rank's report as `save.write_rank` returns it (placeholder checksums), and its bytes written."""
+    """Every rank's report as `write.write_rank` returns it (placeholder checksums), and its bytes written."""
     from ...checkpoint import manifest as mf
-    from ...checkpoint.tree import MODEL_FILE, OPTIM_FILE, STATE_FILE, coord_dir, plan_writes
-    from ...checkpoint.save import Payload, add
+    from ...checkpoint.tree import MODEL_FILE, OPTIM_FILE, STATE_FILE, coord_dir
+    from ...checkpoint.plan import Payload, add, plan_writes
     fp32 = torch.empty((), device="meta")
     parts = [dict(s) for s in stages]
     reports, written = [], []
@@ -118,7 +118,7 @@ def _reports(stages: list, layout) -> tuple[list, list]:
 def validate(d: dict) -> list[str]:
     """What every reader checks (`Manifest.from_json`): the first problem, or nothing."""
     from ...checkpoint import manifest as mf
-    from ...checkpoint.tree import CheckpointError
+    from ...errors import CheckpointError
     try:
         mf.Manifest.from_json(d, "bench plan")
     except CheckpointError as e:
@@ -127,9 +127,9 @@ def validate(d: dict) -> list[str]:
 
 
 def gather_to_rank0(reports: list, layout) -> tuple[int, int]:
-    """(bytes, messages) rank 0 receives in the commit's two-level gather (`save._gather`): the pickled
+    """(bytes, messages) rank 0 receives in the commit's two-level gather (`commit._gather`): the pickled
     reports of the other ranks of stage 0, then the merged part of every other stage from its leader."""
-    from ...checkpoint.save import merge_reports
+    from ...checkpoint.commit import merge_reports
     leaders = layout.leader_ranks()  # reports are in rank order (layout.coords())
     stages = [layout.stage_ranks(layout.coord_of(r)) for r in leaders]
     first = sum(len(pickle.dumps(reports[r])) for r in stages[0][1:])
@@ -146,7 +146,7 @@ def plan_layout(model: dict, tp: int, pp: int, dp: int, vpp: int = 1, zero1: boo
     t0 = time.process_time()
     reports, written = _reports(stages, layout)
     t1 = time.process_time()
-    meta = {"step": 0, "layout": (tp, pp, dp), "zero1": zero1, "config": {"model": model}}
+    meta = mf.step_meta(0, (tp, pp, dp), {"model": model}, zero1=zero1)
     man = mf.build(meta, reports)
     d = man.to_json()  # as manifest.write: serialise, parse back (the readers' validation), write the text
     text = mf.dumps(d)

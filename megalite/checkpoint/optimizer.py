@@ -1,6 +1,18 @@
-"""Any torch.optim optimizer in a megalite checkpoint (AdamW, Adam with amsgrad, SGD with momentum, ...).
+"""The optimizer section of a checkpoint: one owner per kind of optimizer, behind one interface.
 
-What is saved, and how it reshards:
+`optimizer_state(optimizer)` chooses the owner once (megalite's ShardedAdamW, any torch.optim optimizer, or
+None); saving, loading and the payload then ask it, never the optimizer's type:
+
+    section(named, grid)                 the manifest's `optimizer` field (collective for torch.optim)
+    slices(named, model_slices, grid)    this rank's state tensors, one per planned model slice and kind
+    holds_state(man) / fresh             whether a checkpoint has state for it; the warning when it has not
+    plan_load(man, step, plan)           every check, before anything changes; returns what `load` reads
+    load(reader, man, todo, grid)        fill the optimizer
+
+megalite's AdamW (ZeRO-1 or not): the moments `<name>.exp_avg`, `<name>.exp_avg_sq` of every parameter, cut
+as the parameter is; the section holds type "adamw", step, betas, eps and weight_decay.
+
+Any torch.optim optimizer (AdamW, Adam with amsgrad, SGD with momentum, ...):
   - every per-parameter state tensor (exp_avg, exp_avg_sq, max_exp_avg_sq, momentum_buffer) must have its
     parameter's shape; it is stored as the global tensor `<name>.optim.<key>`, cut into the same tp slices and
     written by the same rank as its parameter, so any layout can load it exactly as it loads the parameter;
@@ -15,20 +27,154 @@ with a one-line error naming the parameter and the key.
 from __future__ import annotations
 
 import math
+from typing import Optional
 
 import torch
 import torch.distributed as dist
 
-from ..parallel.partition import local_shape, partition_of, valid_view
-from . import manifest as mf
-from .tree import OPTIM_FILE, CheckpointError, WriteItem
-from .save import add
+from ..errors import CheckpointError
+from ..parallel.data import ShardedAdamW
+from ..parallel.partition import local_shape, valid_view
+from .manifest import (DTYPE_NAMES, DTYPES, MOMENTS, SCALAR_DTYPES, STATE_KEY, TORCH_OPTIM, Manifest, entry_for,
+                       hyper_ok, short)
+from .read import fill
 
 
-def is_torch(optimizer) -> bool:
-    return isinstance(optimizer, torch.optim.Optimizer)
+def optimizer_state(optimizer) -> "OptimizerState":
+    """The owner of `optimizer`'s checkpoint section (an OptimizerState is returned as it is)."""
+    if isinstance(optimizer, OptimizerState):
+        return optimizer
+    if optimizer is None:
+        return OptimizerState()
+    if isinstance(optimizer, torch.optim.Optimizer):
+        return TorchOptimState(optimizer)
+    if isinstance(optimizer, ShardedAdamW):
+        return AdamWState(optimizer)
+    raise CheckpointError(f"optimizer: expected megalite's ShardedAdamW, a torch.optim.Optimizer or None, got a "
+                          f"{class_name(optimizer)}")
 
 
+class OptimizerState:
+    """No optimizer: the weights only (the interface every kind implements)."""
+    optimizer = None
+    zero1 = False
+    fresh = ""  # the end of the warning when a checkpoint holds no state for this kind
+
+    def section(self, named, grid) -> Optional[dict]:
+        return None
+
+    def slices(self, named, model_slices: list, grid) -> list:
+        """[(WriteItem, partition, tensor)]: this rank's state beside each planned model slice (partition,
+        WriteItem), cut as it is (`WriteItem.state(kind)`)."""
+        return []
+
+    def settle(self) -> None:
+        """Wait for an async save still writing from the optimizer's tensors."""
+
+    def holds_state(self, man: Manifest) -> bool:
+        return True
+
+    def plan_load(self, man: Manifest, step, plan: list):
+        return None
+
+    def load(self, reader, man: Manifest, todo, grid) -> None:
+        pass
+
+
+class AdamWState(OptimizerState):
+    """megalite's ShardedAdamW: its moments where it holds them (a ZeRO-1 rank: the piece it owns)."""
+    fresh = "AdamW moments start from zero and the optimizer step count from 0"
+
+    def __init__(self, optimizer):
+        self.optimizer, self.zero1 = optimizer, bool(optimizer.zero1)
+
+    def section(self, named, grid) -> dict:
+        o = self.optimizer
+        return {"type": "adamw", "step": o.step_count, "betas": list(o.betas), "eps": o.eps,
+                "weight_decay": o.weight_decay}
+
+    def slices(self, named, model_slices: list, grid) -> list:
+        out = []
+        for part, it in model_slices:  # the moments this rank holds start at piece_of's start
+            start = self.optimizer.piece_of(it.name)[0]
+            a, b = it.flat or (0, it.box.numel)
+            for kind, store in (("exp_avg", self.optimizer.exp_avg), ("exp_avg_sq", self.optimizer.exp_avg_sq)):
+                t = store[it.name][a - start:b - start]
+                out.append((it.state(kind), part, t if it.flat else t.view(it.box.shape)))
+        return out
+
+    def settle(self) -> None:
+        self.optimizer.settle()
+
+    def holds_state(self, man: Manifest) -> bool:
+        return bool(man.optimizer_state)
+
+    def plan_load(self, man: Manifest, step, plan: list) -> list:
+        """[(name, box, {moment: entry})] for every parameter of `plan` [(name, param, partition, entry, box)]."""
+        if man.optimizer and man.optimizer.get("type") == TORCH_OPTIM:
+            raise CheckpointError(f"{step.name} holds the state of a torch.optim optimizer "
+                                  f"({man.optimizer['class']}), not of megalite's AdamW; pass optimizer=None to "
+                                  f"load the weights only")
+        return [(name, box, {m: entry_for(man.optimizer_state, f"{name}.{m}", part.global_shape, step)
+                             for m in MOMENTS}) for name, _, part, _, box in plan]
+
+    def load(self, reader, man: Manifest, todo: list, grid) -> None:
+        o = self.optimizer
+        with torch.no_grad():
+            for name, box, moments in todo:
+                a, b = o.piece_of(name)
+                for moment, store in (("exp_avg", o.exp_avg), ("exp_avg_sq", o.exp_avg_sq)):
+                    target = store[name] if o.zero1 else store[name].view(box.shape)
+                    fill(target, lambda out: reader.read(moments[moment], box, flat=(a, b) if o.zero1 else None,
+                                                         out=out))
+        o.step_count = int(man.optimizer["step"]) if man.optimizer else 0
+
+
+class TorchOptimState(OptimizerState):
+    """Any torch.optim optimizer (see the module docstring)."""
+    fresh = "the optimizer starts fresh"
+
+    def __init__(self, optimizer):
+        self.optimizer = optimizer
+        self._mine = None  # this rank's groups, scalars and state tensors (computed once per save)
+
+    def mine(self, named) -> dict:
+        """This rank's param groups, scalar state and state tensors, checked (computed once)."""
+        if self._mine is None:
+            self._mine = _this_rank(named, self.optimizer)
+        return self._mine
+
+    def section(self, named, grid) -> dict:
+        return _describe(self, named, grid)
+
+    def slices(self, named, model_slices: list, grid) -> list:
+        """Each state tensor beside its parameter: a planned model slice brings the same slice of each of its
+        parameter's state tensors (same box, same writer)."""
+        c, L = grid.coord, grid.layout
+        tensors = self.mine(named)["tensors"]
+        keys: dict = {}
+        for name, key in tensors:
+            keys.setdefault(name, []).append(key)
+        out = []
+        for part, it in model_slices:
+            for key in sorted(keys.get(it.name, ())):
+                t = valid_view(tensors[it.name, key].detach(), part, c.tp, L.tp)
+                if it.flat:  # the planned piece of the box (the write plan cuts a stage's slice over dp)
+                    t = t.reshape(-1)[it.flat[0]:it.flat[1]]
+                out.append((it.state(f"optim.{key}"), part, t))
+        return out
+
+    def holds_state(self, man: Manifest) -> bool:
+        return man.optimizer is not None
+
+    def plan_load(self, man: Manifest, step, plan: list) -> list:
+        return _plan_load(man, step, plan, self.optimizer)
+
+    def load(self, reader, man: Manifest, todo, grid) -> None:
+        _load(reader, man, todo, self.optimizer, grid)
+
+
+# ---------------------------------------------------------------- torch.optim: the section and the load
 def class_name(optimizer) -> str:
     cls = type(optimizer)
     return f"{cls.__module__}.{cls.__qualname__}"
@@ -37,30 +183,30 @@ def class_name(optimizer) -> str:
 def _json_hyper(v, at: str):
     if isinstance(v, tuple):
         v = list(v)
-    if not mf._hyper_ok(v):
-        raise CheckpointError(f"optimizer {at} is {type(v).__name__} {mf._short(v)}: only numbers, strings, "
+    if not hyper_ok(v):
+        raise CheckpointError(f"optimizer {at} is {type(v).__name__} {short(v)}: only numbers, strings, "
                               f"booleans, None and lists of them are checkpointed")
     return v
 
 
 def _scalar(v, at: str) -> dict:
     if torch.is_tensor(v):
-        name = next((k for k, d in mf.SCALAR_DTYPES.items() if d == v.dtype), None)
+        name = next((k for k, d in SCALAR_DTYPES.items() if d == v.dtype), None)
         if name is None:
             raise CheckpointError(f"optimizer {at} is a 0-dim {v.dtype} tensor (expected one of "
-                                  f"{', '.join(mf.SCALAR_DTYPES)})")
+                                  f"{', '.join(SCALAR_DTYPES)})")
         return {"dtype": name, "value": v.item()}
     return {"value": v}
 
 
-def _this_rank(named, optimizer, grid) -> dict:
+def _this_rank(named, optimizer) -> dict:
     """This rank's param groups (by global name), scalar state and state tensors, checked."""
     names = {id(p): n for n, p in named}
     groups, scalars, tensors = [], {}, {}
     for k, g in enumerate(optimizer.param_groups):
         hyper = {key: _json_hyper(v, f"param_groups[{k}].{key}") for key, v in g.items()
                  if key not in ("params", "param_names")}
-        bad = [key for key in hyper if not mf.STATE_KEY.match(key)]
+        bad = [key for key in hyper if not STATE_KEY.match(key)]
         if bad:
             raise CheckpointError(f"optimizer param_groups[{k}] key {bad[0]!r} is not an identifier")
         members = []
@@ -72,15 +218,15 @@ def _this_rank(named, optimizer, grid) -> dict:
             members.append(name)
             for key, v in optimizer.state.get(p, {}).items():
                 at = f"state '{key}' of parameter '{name}'"
-                if not isinstance(key, str) or not mf.STATE_KEY.match(key):
+                if not isinstance(key, str) or not STATE_KEY.match(key):
                     raise CheckpointError(f"optimizer state key {key!r} of parameter '{name}' is not an identifier")
                 if torch.is_tensor(v) and v.dim() > 0:
                     if v.shape != p.shape:
                         raise CheckpointError(f"optimizer {at} has shape {list(v.shape)}, not the parameter's "
                                               f"{list(p.shape)} (only state tensors of their parameter's shape can "
                                               f"be checkpointed and resharded)")
-                    if v.dtype not in mf.DTYPE_NAMES:
-                        raise CheckpointError(f"optimizer {at} is {v.dtype} (expected one of {', '.join(mf.DTYPES)})")
+                    if v.dtype not in DTYPE_NAMES:
+                        raise CheckpointError(f"optimizer {at} is {v.dtype} (expected one of {', '.join(DTYPES)})")
                     tensors[name, key] = v
                 elif torch.is_tensor(v) or (isinstance(v, (int, float)) and not isinstance(v, bool)):
                     scalars.setdefault(name, {})[key] = _scalar(v, at)
@@ -91,12 +237,12 @@ def _this_rank(named, optimizer, grid) -> dict:
     return {"class": class_name(optimizer), "groups": groups, "scalars": scalars, "tensors": tensors}
 
 
-def describe(named, optimizer, grid) -> tuple[dict, dict]:
-    """(the manifest's optimizer section, {(name, key): this rank's state tensor}). The section is gathered
-    from every rank (each pipeline stage knows only its own parameters), so every rank returns the same one;
-    a problem on any rank is raised on every rank. Collective over the grid's `cpu` group."""
+def _describe(owner: TorchOptimState, named, grid) -> dict:
+    """The manifest's optimizer section, gathered from every rank (each pipeline stage knows only its own
+    parameters), so every rank returns the same one; a problem on any rank is raised on every rank.
+    Collective over the grid's `cpu` group."""
     try:
-        mine, error = _this_rank(named, optimizer, grid), None
+        mine, error = owner.mine(named), None
     except CheckpointError as e:
         mine, error = None, f"rank {grid.rank}: {e}"
     entry = (error, None if mine is None else {k: v for k, v in mine.items() if k != "tensors"})
@@ -128,32 +274,15 @@ def describe(named, optimizer, grid) -> tuple[dict, dict]:
         for name, s in d["scalars"].items():
             scalars.setdefault(name, s)  # tp/dp replicas hold the same values
     steps = [s["step"]["value"] for s in scalars.values() if "step" in s and math.isfinite(s["step"]["value"])]
-    section = {"type": mf.TORCH_OPTIM, "class": first["class"], "step": int(max(steps, default=0)),
-               "param_groups": groups, "scalars": scalars}
-    return section, mine["tensors"]
+    return {"type": TORCH_OPTIM, "class": first["class"], "step": int(max(steps, default=0)),
+            "param_groups": groups, "scalars": scalars}
 
 
-def add_state(pay, tensors: dict, grid) -> None:
-    """Put each state tensor next to its parameter in this rank's payload: a planned model slice brings the
-    same slice of each of its parameter's state tensors (same box, same writer)."""
-    c, L = grid.coord, grid.layout
-    keys: dict = {}
-    for name, key in tensors:
-        keys.setdefault(name, []).append(key)
-    for proto, it in [(p, i) for p, i in pay.records if i.kind == "model"]:
-        part = proto.partition
-        for key in sorted(keys.get(it.name, ())):
-            t = valid_view(tensors[it.name, key].detach(), part, c.tp, L.tp)
-            if it.flat:  # the planned piece of the box (the write plan cuts a stage's slice over dp)
-                t = t.reshape(-1)[it.flat[0]:it.flat[1]]
-            add(pay, WriteItem(it.name, f"optim.{key}", OPTIM_FILE, it.box, it.flat), part, t)
-
-
-def plan_load(man: mf.Manifest, step, plan: list, optimizer) -> list:
+def _plan_load(man: Manifest, step, plan: list, optimizer) -> list:
     """Check the checkpoint's torch.optim state against `optimizer` before anything changes; returns what
     `load` reads: [(group index, param, name, partition, box, [(key, entry)], scalars)]."""
     sec = man.optimizer
-    if sec is None or sec.get("type") != mf.TORCH_OPTIM:
+    if sec is None or sec.get("type") != TORCH_OPTIM:
         what = "no optimizer state" if sec is None else f"megalite's own AdamW state (optimizer.type {sec.get('type')!r})"
         raise CheckpointError(f"{step.name} holds {what}, not a torch.optim optimizer's; pass optimizer=None "
                               f"to load the weights only and start {class_name(optimizer)} fresh")
@@ -184,7 +313,7 @@ def plan_load(man: mf.Manifest, step, plan: list, optimizer) -> list:
     return out
 
 
-def load(reader, man: mf.Manifest, todo: list, optimizer, grid) -> None:
+def _load(reader, man: Manifest, todo: list, optimizer, grid) -> None:
     """Read every state tensor (this rank's slice of it) and scalar, and hand them to optimizer.load_state_dict
     together with the checkpoint's hyperparameters (keys the checkpoint lacks keep the constructor's values)."""
     c, L = grid.coord, grid.layout
@@ -200,7 +329,7 @@ def load(reader, man: mf.Manifest, todo: list, optimizer, grid) -> None:
             s[key] = full
         for key, rec in scalars.items():
             dt = rec.get("dtype")
-            s[key] = rec["value"] if dt is None else torch.tensor(rec["value"], dtype=mf.SCALAR_DTYPES[dt])
+            s[key] = rec["value"] if dt is None else torch.tensor(rec["value"], dtype=SCALAR_DTYPES[dt])
         if s:
             state[i] = s
     groups, i = [], 0

@@ -1,0 +1,267 @@
+"""The commit protocol: every rank's folder written, gathered, committed atomically, pruned; and its repair.
+
+Commit protocol (all coordination on the grid's `aux` gloo group, never shared with training):
+  1. rank 0 finishes or undoes what a killed save left (`recover`) and creates `.tmp-step_N/`;
+  2. every rank writes its own `tpXX-ppXX-dpXX/` folder (safetensors + JSON), fsyncs, and reports the
+     files with sizes and checksums (or its error) to rank 0, through its stage's leader (`_gather`)
+     (the folder is write.py's `write_rank`);
+  3. rank 0, if all succeeded, runs `commit_step` (the one commit, shared with `split`/`reshard`): writes
+     manifest.json, fsyncs, moves `.tmp-step_N` -> `step_N` (a re-saved step is swapped in atomically),
+     and only then replaces `latest`; then prunes. On any failure it removes the temporary folder;
+  4. rank 0 broadcasts the outcome, and every rank returns or raises the same CheckpointError.
+
+At every instant `latest` names a committed folder that verifies: a process killed at any point of the
+protocol leaves at worst a `.tmp-*` folder that the next start finishes or removes (`recover`). The kill
+points of megalite.faults (`kill_point`) sit at each boundary, and tests kill a rank at each in turn.
+
+An async save (async_save.AsyncSaver) runs steps 1-4 in a background thread. Before a re-saved step is moved
+in by `recover`, it is verified (check.complete), as every loader would check it.
+"""
+from __future__ import annotations
+
+import ctypes
+import errno
+import os
+import sys
+import traceback
+from pathlib import Path
+from typing import Iterable, Optional
+
+import torch.distributed as dist
+
+from ..errors import CheckpointError
+from ..faults import kill_point, no_rename_exchange
+from .check import complete
+from .files import fsync_dir, remove_tree, unlink_quietly
+from .manifest import Manifest, StepMeta, build, write
+from .plan import Payload
+from .tree import LATEST, LATEST_TMP, TMP_PREFIX, committed_steps, coord_dir, parse_step_dir, read_latest, step_dir, \
+    tmp_dir, write_latest
+from .write import write_rank
+
+
+# ---------------------------------------------------------------- collective helpers (world of one allowed)
+def bcast_object(obj, grid, group=None):
+    """Rank 0's `obj` on every rank (on `group`, by default the checkpoint's own aux group)."""
+    if grid.layout.world_size == 1:
+        return obj
+    box = [obj]
+    dist.broadcast_object_list(box, src=0, group=group or grid.aux)
+    return box[0]
+
+
+def merge_reports(reports: list) -> dict:
+    """One report holding several ranks' (a stage leader's part): their files and slices, and their errors."""
+    out = {"files": {}, "tensors": [], "errors": []}
+    for r in reports:
+        if "error" in r:
+            out["errors"].append(r["error"])
+        else:
+            out["files"].update(r["files"])
+            out["tensors"] += r["tensors"]
+            out["errors"] += r.get("errors", [])
+    return out
+
+
+def _gather_object(obj, axis) -> Optional[list]:
+    """Every member's `obj` on the axis' rank 0 (None elsewhere)."""
+    if not axis.active:
+        return [obj]
+    out = [None] * axis.size if axis.rank == 0 else None
+    dist.gather_object(obj, out, group=axis.group, group_dst=0)
+    return out
+
+
+def _gather(report: dict, grid) -> Optional[list]:
+    """Every rank's report on rank 0, in two levels so that no rank receives a message per rank: the
+    ranks of each pipeline stage send theirs to the stage's leader (its first rank), which merges them;
+    rank 0 (the leader of stage 0) then gathers the pp merged parts. Rank 0 receives tp*dp - 1 + pp - 1
+    messages instead of world - 1, and the stages gather in parallel. None on every other rank."""
+    part = _gather_object(report, grid.aux_stage)
+    if part is None:
+        return None
+    merged = merge_reports(part)
+    return _gather_object(merged, grid.aux_leaders)
+
+
+OLD_PREFIX = TMP_PREFIX + "old-"  # a step being replaced, kept until its replacement is in place
+
+
+def _exchange(a: Path, b: Path) -> bool:
+    """Swap two folders in one atomic step (Linux renameat2 RENAME_EXCHANGE); False where unsupported."""
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        fn = libc.renameat2
+    except (OSError, AttributeError):
+        return False
+    if no_rename_exchange():  # a test hook (faults.py): exercise the two-rename fallback
+        return False
+    at_fdcwd, rename_exchange = -100, 2
+    if fn(at_fdcwd, os.fsencode(a), at_fdcwd, os.fsencode(b), rename_exchange) == 0:
+        return True
+    err = ctypes.get_errno()
+    if err in (errno.EINVAL, errno.ENOSYS, errno.EOPNOTSUPP):
+        return False
+    raise OSError(err, os.strerror(err), str(a))
+
+
+def recover(root: Path) -> list[str]:
+    """What a killed save left behind, put right (rank 0 only, holding the run's lock); returns what it did.
+
+    A step being re-saved whose old copy was moved aside (`.tmp-old-step_N`) but whose new copy was not
+    yet moved in: the new copy is moved in if it is complete (it verifies), else the old one is put back.
+    Every other temporary folder (`.tmp-step_N`, a save that never committed) and a stale `.latest.tmp`
+    are removed. Symlinks are unlinked, never followed.
+    """
+    done = []
+    if not root.is_dir():
+        return done
+    for old in sorted(root.glob(OLD_PREFIX + "*")):
+        name = old.name[len(OLD_PREFIX):]
+        final = root / name
+        if parse_step_dir(name) is not None and not old.is_symlink() and not os.path.lexists(final):
+            new = root / (TMP_PREFIX + name)
+            if not new.is_symlink() and new.is_dir() and complete(new):
+                os.replace(new, final)
+                done.append(f"finished the interrupted re-save of {name}")
+            else:
+                os.replace(old, final)
+                done.append(f"restored {name} (its re-save was interrupted)")
+            fsync_dir(root)
+    for p in sorted(root.glob(TMP_PREFIX + "*")):
+        remove_tree(p)
+        done.append(f"removed {p.name}")
+    if os.path.lexists(root / LATEST_TMP):
+        unlink_quietly(root / LATEST_TMP)
+        done.append(f"removed {LATEST_TMP}")
+    return done
+
+
+def prune(root: Path, keep_last: int, saved: Optional[int] = None, keep: Iterable[int] = ()) -> list[int]:
+    """Delete the oldest committed steps beyond keep_last, counting only steps up to `saved` (the step just
+    committed). Never deleted: the step `latest` names, any step newer than `saved` (another history's, e.g.
+    abandoned by a rollback), and the steps in `keep` (the manager's: steps newer than the one the run
+    resumed from that it did not write, and steps that failed verification)."""
+    if keep_last <= 0:
+        return []
+    latest = read_latest(root)
+    if saved is None:  # the API without a step: count up to the step `latest` names
+        saved = parse_step_dir(latest or "")
+    keep = set(keep)
+    steps = sorted(s for s in committed_steps(root) if saved is None or s <= saved)
+    doomed = [s for s in steps[:-keep_last] if step_dir(s) != latest and s not in keep]
+    deleted = []
+    for i, s in enumerate(doomed):
+        try:
+            remove_tree(root / step_dir(s))
+        except OSError as e:  # reported, never counted as deleted; the save itself stands
+            print(f"WARNING: checkpoint.keep_last: could not delete {root / step_dir(s)} "
+                  f"({e.strerror or e}); it is left in place", file=sys.stderr, flush=True)
+            continue
+        deleted.append(s)
+        if i == 0:
+            kill_point("pruning")
+    return deleted
+
+
+def commit_step(root: Path, step: int, man: Manifest, keep_last: int = 0, keep: Iterable[int] = ()) -> Path:
+    """Commit the complete temporary folder `.tmp-step_N` (every coordinate written and fsynced) as step_N:
+    manifest, fsync, rename (an existing step_N is swapped out atomically), then `latest`, then prune.
+
+    The one commit of live saves (rank 0) and of `split`/`reshard`. On failure before the rename, the
+    temporary folder is removed and CheckpointError says `latest` is unchanged; after the rename, the step
+    is committed and the error says so.
+    """
+    tmp, final = root / tmp_dir(step), root / step_dir(step)
+    try:
+        write(tmp, man)
+        kill_point("manifest_written")
+        fsync_dir(tmp)
+        kill_point("manifest_synced")
+        if os.path.lexists(final):  # re-saving a step (after a rollback): never a moment without step_N
+            if _exchange(tmp, final):
+                kill_point("resave_swapped")
+                remove_tree(tmp)
+            else:
+                old = root / (OLD_PREFIX + step_dir(step))
+                remove_tree(old)
+                os.replace(final, old)
+                kill_point("resave_old_moved")  # the window `recover` closes on the next start
+                os.replace(tmp, final)
+                remove_tree(old)
+        else:
+            os.replace(tmp, final)
+        fsync_dir(root)
+        kill_point("renamed")
+    except Exception as e:  # noqa: BLE001 - OSError and CheckpointError alike: say what is left
+        remove_tree(tmp)
+        if not isinstance(e, (CheckpointError, OSError)):  # a bug: keep its traceback in the log
+            traceback.print_exc(file=sys.stderr)
+        msg = str(e) if isinstance(e, CheckpointError) else (getattr(e, "strerror", None) or str(e))
+        raise CheckpointError(f"checkpoint step {step} was not saved ({msg}); {root / LATEST} still names "
+                              f"{_latest_or_nothing(root)}") from None
+    try:
+        write_latest(root, step_dir(step))
+    except OSError as e:
+        raise CheckpointError(f"checkpoint step {step} was committed as {final} but {root / LATEST} could not "
+                              f"be updated ({e.strerror or e}); it still names {_latest_or_nothing(root)}") from None
+    kill_point("latest_written")
+    prune(root, keep_last, step, keep)
+    return final
+
+
+def _latest_or_nothing(root: Path) -> str:
+    try:
+        return read_latest(root) or "nothing"
+    except CheckpointError:
+        return "something unreadable"
+
+
+def _write_failure(rank: int, rel: str, e: Exception) -> str:
+    """An I/O error is the user's to fix: one line. Anything else is a bug: keep its traceback in this
+    rank's log (stderr) and say where to find it."""
+    if isinstance(e, OSError):
+        return f"rank {rank} ({rel}) failed to write: {e.strerror or e}"
+    traceback.print_exc(file=sys.stderr)
+    return (f"rank {rank} ({rel}) failed to write: {type(e).__name__}: {e} "
+            f"(a bug: the traceback is in rank {rank}'s log)")
+
+
+def save_collective(root: Path, step: int, pay: Payload, grid, meta: StepMeta, keep_last: int = 0,
+                    keep: Iterable[int] = ()) -> Path:
+    """Steps 1-4 of the protocol above. Every rank calls it; every rank returns or raises alike."""
+    root = Path(root)
+    tmp = root / tmp_dir(step)
+    err = None
+    if grid.rank == 0:
+        try:
+            root.mkdir(parents=True, exist_ok=True)
+            recover(root)
+            tmp.mkdir()
+        except OSError as e:
+            err = f"checkpoint step {step}: cannot create {tmp} ({e.strerror or e})"
+    err = bcast_object(err, grid)
+    if err:
+        raise CheckpointError(err, shared=True)
+    rel = coord_dir(grid.coord)
+    try:
+        report = write_rank(tmp / rel, pay, rel)
+        kill_point("slices_written")
+    except Exception as e:  # noqa: BLE001 - every failure becomes the same error on all ranks
+        report = {"error": _write_failure(grid.rank, rel, e)}
+    reports = _gather(report, grid)
+    outcome = None
+    if grid.rank == 0:
+        failures = [e for r in reports for e in r["errors"]]
+        try:
+            if failures:
+                remove_tree(tmp)
+                raise CheckpointError(f"checkpoint step {step} was not saved ({failures[0]}); {root / LATEST} "
+                                      f"still names {_latest_or_nothing(root)}")
+            commit_step(root, step, build(meta, reports), keep_last, keep)
+        except CheckpointError as e:
+            outcome = str(e)
+    outcome = bcast_object(outcome, grid)
+    if outcome:
+        raise CheckpointError(outcome, shared=True)
+    return root / step_dir(step)

@@ -1,0 +1,109 @@
+"""The write plan: which slices each coordinate writes, and the payload (tensors + manifest records) it builds.
+
+Live saves, `split` and `reshard` all ask `plan_writes`, so they agree on the tree. A payload is what one
+rank hands the commit protocol: per file {key: tensor}, one manifest record per slice, and its state.json.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Iterable, Optional
+
+from ..parallel.data import dp_pieces
+from ..parallel.grid import Coord, Layout
+from ..parallel.partition import Box, Partition, partition_of, tp_box, valid_view
+from .manifest import MOMENTS, TensorEntry, dtype_name
+from .optimizer import optimizer_state
+from .tree import MODEL_FILE, OPTIM_FILE
+
+
+@dataclass(frozen=True)
+class WriteItem:
+    """One slice a coordinate writes: which tensor, which part of it, into which file under which key."""
+    name: str  # global parameter name
+    kind: str  # "model" | "exp_avg" | "exp_avg_sq" | "optim.<key>" (a torch.optim state tensor)
+    file: str  # MODEL_FILE or OPTIM_FILE
+    box: Box  # the region of the global tensor
+    flat: Optional[tuple] = None  # a piece: elements [a, b) of the box, row-major (None: the whole box)
+
+    @property
+    def key(self) -> str:
+        return self.name if self.kind == "model" else f"{self.name}.{self.kind}"
+
+    def state(self, kind: str) -> "WriteItem":
+        """The same slice of this parameter's optimizer state `kind`: same box, same piece, same writer."""
+        return WriteItem(self.name, kind, OPTIM_FILE, self.box, self.flat)
+
+
+def replicated_writer(tensors: Iterable[tuple[str, Partition]], tp: int) -> dict[str, int]:
+    """The tp rank that writes each tp-replicated tensor of a stage (identical on every tp rank): the i-th
+    by global name goes to tp rank i mod tp, so these small tensors spread over the tp ranks."""
+    names = sorted(n for n, p in tensors if p.dim is None and not p.tied_to)
+    return {n: i % tp for i, n in enumerate(names)}
+
+
+def plan_writes(tensors: Iterable[tuple[str, Partition]], coord: Coord, layout: Layout,
+                optimizer: bool = True) -> list[WriteItem]:
+    """Everything the coordinate `coord` writes, given the (name, partition) of the tensors its pipeline
+    stage holds (with `optimizer`, the AdamW moments of each model slice too).
+
+    The stage's tp slice is cut over dp as the ZeRO-1 optimizer cuts it (`parallel.data.dp_pieces`: one
+    flat space of the tensors sorted by name, dp equal contiguous ranges): dp rank d writes range d, i.e.
+    the weights and both moments of the piece of each tensor that range overlaps (`flat`, or the whole box
+    when the range covers the tensor). So every dp rank of a stage writes the same bytes (± one element
+    per range), with or without ZeRO-1, and a ZeRO-1 rank writes its moments exactly as it holds them.
+    A tp-replicated tensor is written by one tp rank (`replicated_writer`); tied copies are never written
+    (they load from their source).
+    """
+    tensors = sorted(tensors)
+    boxes = {n: tp_box(p, coord.tp, layout.tp) for n, p in tensors}
+    pieces = dp_pieces([(n, boxes[n].numel, bool(p.tied_to)) for n, p in tensors], coord.dp, layout.dp)
+    writer = replicated_writer(tensors, layout.tp)
+    items = []
+    for name, part in tensors:
+        a, b = pieces[name]
+        if part.tied_to or a == b or writer.get(name, coord.tp) != coord.tp:
+            continue
+        box = boxes[name]
+        it = WriteItem(name, "model", MODEL_FILE, box, None if (a, b) == (0, box.numel) else (a, b))
+        items.append(it)
+        if optimizer:
+            items += [it.state(kind) for kind in MOMENTS]
+    return items
+
+
+@dataclass
+class Payload:
+    """What one rank writes: tensors per file (key -> tensor), their manifest records, and its state.json."""
+    files: dict = field(default_factory=dict)  # file name -> {key: tensor}
+    records: list = field(default_factory=list)  # (TensorEntry without slices, WriteItem) per slice
+    state: Optional[object] = None  # a state.StepState (None: a payload for sizing buffers only)
+    step_files: dict = field(default_factory=dict)  # other small files of the folder, name -> bytes (rank 0:
+    # the run's tokenizer.json), written with files.write_new and listed/checksummed in the manifest like state.json
+
+    def model_slices(self) -> list:
+        """(partition, WriteItem) of every planned model slice: where an optimizer puts its state beside."""
+        return [(proto.partition, it) for proto, it in self.records if it.kind == "model"]
+
+
+def collect(params, optimizer, grid, state=None) -> Payload:
+    """This coordinate's share of the live state: its planned model slices, then the same slices of the
+    optimizer's state (`optimizer`: megalite's ShardedAdamW, a torch.optim optimizer, None, or the
+    optimizer.OptimizerState of one). Tensors are views (an async save holds them or copies them to host
+    buffers, see async_save.py)."""
+    c, L = grid.coord, grid.layout
+    live = dict(params)
+    pay = Payload(files={MODEL_FILE: {}, OPTIM_FILE: {}}, state=state)
+    for it in plan_writes([(n, partition_of(p)) for n, p in params], c, L, optimizer=False):
+        part = partition_of(live[it.name])
+        t = valid_view(live[it.name].detach(), part, c.tp, L.tp).reshape(-1)
+        add(pay, it, part, t[it.flat[0]:it.flat[1]] if it.flat else t.view(it.box.shape))
+    for it, part, t in optimizer_state(optimizer).slices(params, pay.model_slices(), grid):
+        add(pay, it, part, t)
+    return pay
+
+
+def add(pay: Payload, it: WriteItem, part: Partition, tensor) -> None:
+    """Put one planned slice into the payload, with its manifest record (the tensor's real dtype)."""
+    pay.files.setdefault(it.file, {})[it.key] = tensor
+    proto = TensorEntry(it.key, it.kind, dtype_name(tensor.dtype), tuple(part.global_shape), part)
+    pay.records.append((proto, it))

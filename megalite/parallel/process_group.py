@@ -1,0 +1,112 @@
+"""Joining and leaving the torchrun job: the process group's lifecycle, apart from the recipe that uses it.
+
+    init_distributed                      join the job torchrun started (or make a world of one)
+    leave_distributed                     leave it before exit: every group destroyed, its threads joined
+    agree(fn, grid)                       run a phase on every rank; a user error on any rank stops them all
+    world_size_from_env()                 the world torchrun says this process is part of
+
+The grid (`grid.py`) builds the per-axis groups on top of the default group joined here.
+"""
+from __future__ import annotations
+
+import gc
+import os
+import traceback
+from datetime import timedelta
+from typing import Optional
+
+import torch
+import torch.distributed as dist
+
+from ..errors import USER_ERRORS, MegaliteError, StartupError, one_line
+from .grid import ParallelGrid
+
+
+def world_size_from_env() -> int:
+    return int(os.environ.get("WORLD_SIZE", "1"))
+
+
+def init_distributed(timeout_s: float = 1800) -> tuple[torch.device, str]:
+    """Join the torchrun job (or make a world of one); nccl with one GPU per rank, else gloo."""
+    use_cuda = torch.cuda.is_available()
+    backend = "nccl" if use_cuda else "gloo"
+    if use_cuda:
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
+    device = torch.device("cuda", torch.cuda.current_device()) if use_cuda else torch.device("cpu")
+    if not dist.is_initialized():
+        if "WORLD_SIZE" in os.environ:
+            rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+            dist.init_process_group(backend, store=_job_store(rank, world, timeout_s), rank=rank,
+                                    world_size=world, timeout=timedelta(seconds=timeout_s))
+        else:  # a plain `megalite train` without torchrun: a world of one
+            dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1,
+                                    timeout=timedelta(seconds=timeout_s))
+    return device, backend
+
+
+def leave_distributed(error: Optional[BaseException] = None) -> None:
+    """End this process's part in the job while the interpreter is still whole: destroy every process group
+    (the grid's groups, newest first, then the default one) and free them now (all that nothing else still
+    holds), so that their gloo worker threads are joined here. Left to interpreter exit, a worker thread
+    still releasing its last collective's tensors (an all_gather_object's, say) needs the GIL after
+    finalization began; Python ends such a thread with pthread_exit, whose unwinding through C++ aborts the
+    process ("terminate called without an active exception", exit -6 instead of 2). After an `error`: no
+    barrier first (a peer may be gone), and the locals of the error's finished frames (the grid, the
+    Trainer) are dropped so the groups can be freed; the traceback itself stays printable."""
+    if not dist.is_initialized():
+        return
+    try:
+        if error is None:
+            dist.barrier()  # leave together: a rank that exits while peers still talk to it can abort them
+    finally:
+        dist.destroy_process_group()  # every group torch knows, newest first
+        e, seen = error, set()
+        while e is not None and id(e) not in seen:  # the error, what it came from, and so on
+            seen.add(id(e))
+            traceback.clear_frames(e.__traceback__)
+            e = e.__cause__ or e.__context__
+        gc.collect()  # the grid's groups sit in reference cycles (an exception's frames): freed and joined here
+
+
+def _job_store(rank: int, world: int, timeout_s: float):
+    """torchrun's store, under a prefix per restart attempt.
+
+    After `torchrun --max-restarts` restarts the workers, they reuse the agent's store, which still holds
+    the previous attempt's gloo addresses; without a fresh namespace the new ranks try to connect to dead
+    peers ("Connection refused") or hang.
+    """
+    host, port = os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"])
+    agent_store = os.environ.get("TORCHELASTIC_USE_AGENT_STORE", "").lower() == "true"
+    store = dist.TCPStore(host, port, world, is_master=rank == 0 and not agent_store,
+                          timeout=timedelta(seconds=timeout_s), wait_for_workers=False)
+    if not agent_store:  # TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1: rank 0 hosts a new store every attempt
+        return store  # (restart counts differ between a restarted agent and a replaced one: pytorch#135712)
+    attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+    return dist.PrefixStore(f"megalite/attempt-{attempt}", store)
+
+
+def agree(fn, grid: ParallelGrid):
+    """Run fn() on every rank; if a user error happens on any rank, every rank raises the lowest failing
+    rank's error (marked shared, so only rank 0 prints it), instead of ranks dying one by one
+    in different places. Anything else (a bug) keeps its own traceback.
+
+    One all_gather_object over the grid's gloo group (`grid.cpu`) of each rank's (error type, message) or None.
+    """
+    result, err = None, None
+    try:
+        result = fn()
+    except USER_ERRORS as e:
+        err = e
+    if grid.layout.world_size > 1:
+        msgs = [None] * grid.layout.world_size
+        dist.all_gather_object(msgs, None if err is None else (type(err).__name__, str(err)), group=grid.cpu)
+        first = next((m for m in msgs if m is not None), None)
+        if first is not None and err is None:
+            err = StartupError(first[1])
+    if err is not None:
+        if isinstance(err, MegaliteError):
+            err.everywhere()
+        else:  # an OSError: say that every rank raises it
+            err = StartupError(one_line(err))
+        raise err
+    return result

@@ -1,0 +1,257 @@
+"""The package's shape, read from its source: no import cycles (imports inside functions count), the core never
+reaches the tools, the test helpers or the CLI, and every user-error class derives from errors.MegaliteError.
+
+`python3 tests/test_architecture.py` prints the import graph (one line per module: what it imports) and its
+cycles; `--core` prints only the core's edges.
+"""
+from __future__ import annotations
+
+import ast
+import importlib
+import inspect
+import sys
+from pathlib import Path
+
+
+PACKAGE = Path(__file__).resolve().parent.parent / "megalite"
+
+# Import cycles tolerated for now, each the set of modules of one strongly connected component: none. A cycle
+# that appears, or a listed one that has gone, fails the test.
+KNOWN_CYCLES: list[frozenset] = []
+
+# Not the product: the core (everything else) never imports these, not even lazily inside a function.
+NOT_CORE = ("megalite.cli", "megalite.__main__", "megalite.testing", "megalite.tools")
+
+# Exceptions defined outside errors.py that are not user errors, and why.
+NOT_USER_ERRORS = {
+    "megalite.testing.RankFailed": "a failing test's report (an AssertionError), raised by the test helper",
+    "megalite.tools.simcluster.SimUnavailable": "the simulated cluster cannot run here: tests skip on it",
+    "megalite.convert.unpickle.RefusedGlobal": "internal to the reader: always caught and re-raised as a "
+                                                "ConvertError naming the file",
+}
+
+
+# ---------------------------------------------------------------- the graph, from the source
+def module_name(path: Path, root: Path = PACKAGE) -> str:
+    parts = list(path.relative_to(root.parent).with_suffix("").parts)
+    if parts[-1] == "__init__":
+        parts.pop()
+    return ".".join(parts)
+
+
+def _resolve(importer: str, is_package: bool, level: int, module: str | None) -> str:
+    """The absolute name `from <level dots><module> import ...` means inside `importer`."""
+    if level == 0:
+        return module or ""
+    base = importer.split(".") if is_package else importer.split(".")[:-1]
+    base = base[:len(base) - (level - 1)]
+    return ".".join(base + ([module] if module else []))
+
+
+def import_graph(root: Path = PACKAGE) -> dict[str, set[str]]:
+    """{module: the package's modules it imports}, from every import statement in it (at module level or inside
+    a function: a lazy import still runs and still closes a circle), relative imports resolved, plus literal
+    `importlib.import_module("...")` calls. A package whose `__init__` exports names lazily (an `_EXPORTS` table
+    read by a module `__getattr__`) imports their modules only when a name is asked for: `from megalite import
+    init_distributed` is an edge to the module that defines it, `from megalite import __version__` is not."""
+    files = {module_name(p, root): p for p in sorted(root.rglob("*.py"))}
+    trees = {name: ast.parse(path.read_text(), str(path)) for name, path in files.items()}
+    exports = {name: _exports(tree) for name, tree in trees.items() if files[name].name == "__init__.py"}
+    top = root.name
+    graph: dict[str, set[str]] = {}
+    for name, tree in trees.items():
+        is_package = files[name].name == "__init__.py"
+        targets: set[str] = set()
+        for node in ast.walk(tree):
+            if isinstance(node, ast.Import):
+                targets |= {a.name for a in node.names}
+            elif isinstance(node, ast.ImportFrom):
+                base = _resolve(name, is_package, node.level, node.module)
+                # `from . import sibling` imports the sibling module; the package itself is already importing
+                if node.module is not None or not all(f"{base}.{a.name}" in files for a in node.names):
+                    targets.add(base)
+                for a in node.names:  # `from pkg import x`: x may be a module, a lazy export or a plain name
+                    targets |= {f"{base}.{a.name}", exports.get(base, {}).get(a.name, "")}
+            elif (isinstance(node, ast.Call) and getattr(node.func, "attr", None) == "import_module"
+                  and node.args and isinstance(node.args[0], ast.Constant)):
+                targets.add(node.args[0].value)
+        graph[name] = {t for t in targets if t in files and t != name and t.split(".")[0] == top}
+    return graph
+
+
+def _exports(tree: ast.Module) -> dict[str, str]:
+    """A package `__init__`'s lazy export table: `_EXPORTS = {"name": "module", ...}`."""
+    for node in tree.body:
+        if (isinstance(node, ast.Assign) and any(getattr(t, "id", None) == "_EXPORTS" for t in node.targets)
+                and isinstance(node.value, ast.Dict)):
+            return {k.value: v.value for k, v in zip(node.value.keys, node.value.values)
+                    if isinstance(k, ast.Constant) and isinstance(v, ast.Constant)}
+    return {}
+
+
+def cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """The strongly connected components with more than one module (Tarjan), each as one closed path through
+    it (m1 -> m2 -> ... -> m1), smallest first."""
+    index, low, stack, on, out = {}, {}, [], set(), []
+
+    def visit(v):
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        on.add(v)
+        for w in sorted(graph.get(v, ())):
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in on:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            comp = []
+            while True:
+                w = stack.pop()
+                on.discard(w)
+                comp.append(w)
+                if w == v:
+                    break
+            if len(comp) > 1:
+                out.append(_closed_path(graph, set(comp)))
+
+    sys.setrecursionlimit(max(sys.getrecursionlimit(), 10_000))
+    for v in sorted(graph):
+        if v not in index:
+            visit(v)
+    return sorted(out, key=lambda c: (len(c), c))
+
+
+def _closed_path(graph, comp: set) -> list[str]:
+    """A path that starts at the component's first module and visits every module of it, back to the start
+    (found by breadth-first search between consecutive members)."""
+    order = sorted(comp)
+    path = [order[0]]
+    for target in order[1:] + [order[0]]:
+        if target in path[:-1] and target != order[0]:
+            continue
+        path += _shortest(graph, path[-1], target, comp)[1:]
+    return path
+
+
+def _shortest(graph, a: str, b: str, within: set) -> list[str]:
+    prev, frontier = {a: None}, [a]
+    while frontier:
+        nxt = []
+        for v in frontier:
+            for w in sorted(graph.get(v, ())):
+                if w in within and w not in prev:
+                    prev[w] = v
+                    nxt.append(w)
+                if w == b and v is not None:
+                    path = [b, v]
+                    while prev[path[-1]] is not None:
+                        path.append(prev[path[-1]])
+                    return path[::-1]
+        frontier = nxt
+    raise AssertionError(f"{b} is not reachable from {a}")
+
+
+def is_core(module: str) -> bool:
+    return not any(module == n or module.startswith(n + ".") for n in NOT_CORE)
+
+
+def forbidden_paths(graph: dict[str, set[str]]) -> list[list[str]]:
+    """For each core module that reaches a non-core one: the import path that gets there."""
+    out = []
+    for start in sorted(m for m in graph if is_core(m)):
+        prev, frontier = {start: None}, [start]
+        while frontier:
+            nxt = []
+            for v in frontier:
+                for w in sorted(graph[v]):
+                    if w in prev:
+                        continue
+                    prev[w] = v
+                    if not is_core(w):
+                        path = [w]
+                        while prev[path[-1]] is not None:
+                            path.append(prev[path[-1]])
+                        out.append(path[::-1])
+                        nxt = frontier = []
+                        break
+                    nxt.append(w)
+                if not frontier:
+                    break
+            frontier = nxt
+    return out
+
+
+def render(graph: dict[str, set[str]], only_core: bool = False) -> str:
+    mods = [m for m in sorted(graph) if is_core(m) or not only_core]
+    short = lambda m: m.removeprefix("megalite.") if m != "megalite" else "megalite"  # noqa: E731
+    lines = [f"{short(m):<28} -> {', '.join(short(t) for t in sorted(graph[m]) if is_core(t) or not only_core)}"
+             for m in mods]
+    found = cycles(graph)
+    lines.append(f"{len(graph)} modules, {sum(len(v) for v in graph.values())} import edges, {len(found)} cycle(s)")
+    lines += ["cycle: " + " -> ".join(short(m) for m in c) for c in found]
+    return "\n".join(lines)
+
+
+# ---------------------------------------------------------------- the tests
+def test_no_import_cycles_apart_from_the_known_ones():
+    graph = import_graph()
+    found = cycles(graph)
+    unknown = [c for c in found if frozenset(c) not in KNOWN_CYCLES]
+    assert not unknown, "import cycle(s):\n" + "\n".join(" -> ".join(c) for c in unknown)
+    gone = [sorted(k) for k in KNOWN_CYCLES if k not in {frozenset(c) for c in found}]
+    assert not gone, f"KNOWN_CYCLES lists cycles that no longer exist (remove them): {gone}"
+
+
+def test_the_core_never_imports_tools_testing_or_cli():
+    paths = forbidden_paths(import_graph())
+    assert not paths, "the core reaches what is not the product:\n" + "\n".join(" -> ".join(p) for p in paths)
+
+
+def test_every_user_error_derives_from_megalite_error():
+    from megalite.errors import MegaliteError
+    wrong = []
+    for path in sorted(PACKAGE.rglob("*.py")):
+        name = module_name(path)
+        if name in ("megalite.__main__",):
+            continue
+        mod = importlib.import_module(name)
+        for cls_name, cls in inspect.getmembers(mod, inspect.isclass):
+            if cls.__module__ != name or not issubclass(cls, BaseException) or name == "megalite.errors":
+                continue
+            if not issubclass(cls, MegaliteError) and f"{name}.{cls_name}" not in NOT_USER_ERRORS:
+                wrong.append(f"{name}.{cls_name}({', '.join(b.__name__ for b in cls.__bases__)})")
+    assert not wrong, f"error classes outside the errors.MegaliteError family: {wrong}"
+
+
+# ---------------------------------------------------------------- the checker itself, on crafted packages
+def _package(tmp_path, files: dict[str, str]) -> Path:
+    root = tmp_path / "megalite"
+    for rel, text in {"__init__.py": "", **files}.items():
+        (root / rel).parent.mkdir(parents=True, exist_ok=True)
+        (root / rel).write_text(text)
+    return root
+
+
+def test_the_checker_finds_a_lazy_circle_through_a_relative_import(tmp_path):
+    root = _package(tmp_path, {"a.py": "from .sub import b\n",
+                               "sub/__init__.py": "",
+                               "sub/b.py": "def f():\n    from .. import c\n",
+                               "c.py": "import megalite.a\n",
+                               "d.py": "from .c import x\n"})
+    graph = import_graph(root)
+    assert graph["megalite.sub.b"] == {"megalite.c"}  # `from .. import c`: the module c, not the package
+    assert cycles(graph) == [["megalite.a", "megalite.sub.b", "megalite.c", "megalite.a"]]
+
+
+def test_the_checker_finds_the_core_reaching_a_tool(tmp_path):
+    root = _package(tmp_path, {"train.py": "def f():\n    from .data import g\n",
+                               "data.py": "import importlib\nimportlib.import_module('megalite.tools.x')\n",
+                               "tools/__init__.py": "", "tools/x.py": "from ..train import f\n",
+                               "cli.py": "from .train import f\n"})
+    assert forbidden_paths(import_graph(root)) == [["megalite.data", "megalite.tools.x"],
+                                                   ["megalite.train", "megalite.data", "megalite.tools.x"]]
+
+
+if __name__ == "__main__":
+    print(render(import_graph(), only_core="--core" in sys.argv))

@@ -1,0 +1,154 @@
+"""The checkpoint engine's seams, in one process (a tiny nn.Module and torch.optim.SGD with momentum, no launch):
+state.json's bytes are the documented compact JSON and its typed owner refuses a field of the wrong type; the
+optimizer's owner refuses what is not an optimizer; the safe opener refuses a FIFO and a symlink instead of
+blocking on or following it; and the package imports nothing of the training loop."""
+import ast
+import errno
+import json
+import os
+import threading
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn as nn
+
+from helpers import resign
+from megalite.checkpoint import CheckpointError, load_checkpoint, save_checkpoint
+from megalite.checkpoint.files import open_read
+from megalite.checkpoint.verify import verify
+from megalite.parallel.grid import ParallelGrid
+
+STATE = "tp00-pp00-dp00/state.json"
+
+
+def _saved(tmp_path: Path):
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Linear(8, 8), nn.Linear(8, 4))
+    opt = torch.optim.SGD(net.parameters(), lr=0.1, momentum=0.9)
+    net(torch.randn(2, 8)).sum().backward()
+    opt.step()
+    grid = ParallelGrid.single()
+    step = save_checkpoint(tmp_path / "ck", 1, net, opt, grid, tokens_seen=64, data_state={"batch_index": 1})
+    return net, opt, grid, step
+
+
+def test_state_json_is_compact_json_with_the_documented_fields_in_order(tmp_path):
+    _, _, _, step = _saved(tmp_path)
+    raw = (step / STATE).read_bytes()
+    d = json.loads(raw)
+    assert list(d) == ["step", "tokens_seen", "rng", "data", "scheduler"]
+    assert (d["step"], d["tokens_seen"], d["data"], d["scheduler"]) == (1, 64, {"batch_index": 1}, None)
+    assert set(d["rng"]) >= {"python", "numpy", "torch_cpu"}
+    assert raw == json.dumps(d, separators=(",", ":")).encode()  # the reference: json's own compact form
+
+
+@pytest.mark.parametrize("field,value,expected", [("step", "3", "an integer >= 0"),
+                                                  ("tokens_seen", -1, "an integer >= 0"),
+                                                  ("data", [1], "an object"),
+                                                  ("scheduler", 5, "an object or null")])
+def test_a_state_json_field_of_the_wrong_type_is_refused_by_load_and_verify(tmp_path, field, value, expected):
+    """Checksums made to agree (resign): what is tested is StepState.from_json's own check, one line naming
+    the file and the field, raised before any parameter changes."""
+    net, opt, grid, step = _saved(tmp_path)
+    d = json.loads((step / STATE).read_text())
+    d[field] = value
+    (step / STATE).write_text(json.dumps(d, separators=(",", ":")))
+    resign(step, STATE)
+    with torch.no_grad():
+        for p in net.parameters():
+            p.add_(1.0)
+    changed = [p.detach().clone() for p in net.parameters()]
+    with pytest.raises(CheckpointError) as e:
+        load_checkpoint(step, net, opt, grid)
+    msg = str(e.value)
+    assert STATE in msg and f"field '{field}'" in msg and expected in msg and "\n" not in msg, msg
+    assert all(torch.equal(p, c) for p, c in zip(net.parameters(), changed))  # nothing loaded
+    problems = verify(step)[1]
+    assert len(problems) == 1 and f"field '{field}'" in problems[0], problems
+
+
+def test_an_object_that_is_not_an_optimizer_is_refused_in_one_line_before_anything_is_written(tmp_path):
+    net = nn.Linear(4, 4)
+    with pytest.raises(CheckpointError) as e:
+        save_checkpoint(tmp_path / "ck", 1, net, object(), ParallelGrid.single())
+    msg = str(e.value)
+    assert "ShardedAdamW, a torch.optim.Optimizer or None" in msg and "builtins.object" in msg, msg
+    assert not (tmp_path / "ck").exists()
+
+
+def _within(seconds: float, fn) -> dict:
+    """fn() in a daemon thread: {"value": ...} or {"error": ...}; {} if it is still blocked after `seconds`."""
+    got = {}
+
+    def run():
+        try:
+            got["value"] = fn()
+        except BaseException as e:  # noqa: BLE001 - handed to the test
+            got["error"] = e
+
+    t = threading.Thread(target=run, daemon=True)
+    t.start()
+    t.join(seconds)
+    return got
+
+
+def test_the_safe_opener_refuses_a_symlink_and_a_fifo(tmp_path):
+    target = tmp_path / "target"
+    target.write_bytes(b"x")
+    (tmp_path / "link").symlink_to(target)
+    got = _within(10, lambda: open_read(tmp_path / "link"))
+    assert isinstance(got.get("error"), OSError) and got["error"].errno == errno.ELOOP, got
+    os.mkfifo(tmp_path / "fifo")
+    got = _within(10, lambda: open_read(tmp_path / "fifo"))  # a plain open() blocks until a writer comes
+    assert got, "opening a FIFO blocked"
+    assert isinstance(got.get("error"), OSError) and got["error"].errno == errno.EINVAL, got
+
+
+def test_a_fifo_planted_as_state_json_is_reported_not_waited_on(tmp_path):
+    """verify and load name the file in one line instead of blocking forever on the FIFO's open."""
+    net, opt, grid, step = _saved(tmp_path)
+    (step / STATE).unlink()
+    os.mkfifo(step / STATE)
+    got = _within(30, lambda: (verify(step)[1], _load_error(step, net, opt, grid)))
+    assert got, "reading a FIFO planted as state.json blocked"
+    problems, load_error = got["value"]
+    assert any(STATE in p and "not a regular file" in p for p in problems), problems
+    assert STATE in load_error and "not a regular file" in load_error, load_error
+
+
+def _load_error(step, net, opt, grid) -> str:
+    with pytest.raises(CheckpointError) as e:
+        load_checkpoint(step, net, opt, grid)
+    return str(e.value)
+
+
+# ---------------------------------------------------------------- the package imports nothing of the loop
+PACKAGE = Path(__file__).resolve().parent.parent / "megalite"
+ALLOWED = ("megalite.checkpoint", "megalite.errors", "megalite.faults", "megalite.parallel", "megalite.config")
+
+
+def _imports(path: Path) -> set:
+    """Every megalite module `path` imports, at module level or inside a function, relative ones resolved."""
+    pkg = path.relative_to(PACKAGE.parent).with_suffix("").parts[:-1]
+    out = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            out |= {a.name for a in node.names}
+        elif isinstance(node, ast.ImportFrom):
+            base = ".".join(pkg[:len(pkg) - node.level + 1]) if node.level else ""
+            mod = ".".join(x for x in (base, node.module) if x)
+            out |= {f"{mod}.{a.name}" if mod in ("megalite", "megalite.checkpoint") else mod for a in node.names}
+    return {m for m in out if m.split(".")[0] == "megalite"}
+
+
+def test_the_checkpoint_package_imports_nothing_of_the_training_loop():
+    """checkpoint/ is the engine; its policy (megalite/checkpointing.py), the loop, the model and the tools sit
+    above it. What it may import from outside itself: errors, faults (hooks), parallel/ (the grid, the partition
+    tag, ZeRO-1's pieces), config (model_architecture: which [model] keys a load compares) and the version."""
+    outside = {}
+    for path in sorted((PACKAGE / "checkpoint").glob("*.py")):
+        bad = sorted(m for m in _imports(path) if m != "megalite.__version__" and not m.startswith(ALLOWED))
+        if bad:
+            outside[path.name] = bad
+    assert outside == {}, outside
