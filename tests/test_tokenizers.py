@@ -602,13 +602,24 @@ def test_the_documented_help_blocks_are_the_clis(capsys):
             os.environ["COLUMNS"] = old
 
 
-def test_bench_prepare_prints_prepare_beside_encode_batch(tmp_path):
-    from megalite.tools.bench.prepare import bench_prepare
-    lines = []
-    r = bench_prepare(size_mb=0.3, vocab_size=300, rounds=1, dir=str(tmp_path), log=lines.append)
-    out = "\n".join(lines)
+def test_bench_prepare_prints_prepare_beside_encode_batch(tmp_path, capsys):
+    """`megalite bench prepare` as docs/performance.md shows it (the CLI in this process, at the small size of
+    transcripts.SMALL_ARGS): every shown line's shape is printed, the ids agree, nothing is left behind."""
+    import shlex
+    from megalite.tools import transcripts
+    outs = []
+
+    def runner(cmd):
+        assert main([*shlex.split(cmd)[1:], "--dir", str(tmp_path)]) == 0
+        outs.append(capsys.readouterr().out)
+        return outs[-1]
+
+    assert transcripts.check("bench-prepare", runner) == [], "docs/performance.md shows lines the bench no longer prints"
+    assert "--size-mb 0.3 --vocab-size 300 --rounds 1" in transcripts.small_command(
+        "bench-prepare", "megalite bench prepare --size-mb 32 --rounds 3")
+    [out] = outs
     assert "megalite prepare " in out and "tokenizers encode_batch " in out and "peak anon MiB" in out
-    assert r["same_ids"] and "same ids: yes" in out and len(r["ratios"]) == 1
+    assert "same ids: yes" in out and "(median of 1 alternated pairs; range" in out
     assert "prepare / encode_batch throughput:" in out and list(tmp_path.iterdir()) == []  # nothing left behind
 
 
