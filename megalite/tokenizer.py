@@ -58,11 +58,6 @@ def build_byte_tokenizer():
     return tok
 
 
-def write_byte_tokenizer(folder: Path, max_length: int) -> None:
-    """tokenizer.json + tokenizer_config.json (a PreTrainedTokenizerFast with no special tokens)."""
-    write_hf_folder(byte_tokenizer(), folder, max_length)
-
-
 # ---------------------------------------------------------------- what a run carries
 class Tokenizer:
     """A tokenizer as megalite carries it: the canonical tokenizer.json text, and what it says.
