@@ -173,7 +173,8 @@ def _cmd_bench(args, rest) -> int:
     else:
         from .tools.bench.train import bench_train
         bench_train(steps=args.steps, nproc=args.nproc, n_embd=args.n_embd or 128, n_layer=args.n_layer or 4,
-                    block_size=args.block_size or 128, rounds=args.rounds, wait_ms=args.bubble_wait_ms)
+                    block_size=args.block_size or 128, rounds=args.rounds, wait_ms=args.bubble_wait_ms,
+                    cp_seq=args.cp_seq)
     return 0
 
 
@@ -283,6 +284,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--reshard-to", default=None, metavar="TP,PP,DP[,CP]",
                    help="plan: what each rank of this layout reads to resume the last layout's checkpoint")
     p.add_argument("--rounds", type=int, default=2, help="train: alternating runs of megalite and plain PyTorch")
+    p.add_argument("--cp-seq", type=int, default=None,
+                   help="train: sequence length of the context-parallel table (default: 8 x --block-size)")
     p.add_argument("--bubble-wait-ms", type=float, default=None,
                    help="train: t_f of the bubble table's wait rows (default: the model's, at least 40 ms)")
 

@@ -38,7 +38,7 @@ def test_bench_ckpt_prints_its_table(tmp_path):
 
 def test_bench_train_prints_its_tables(tmp_path):
     out = _run("train", "--steps", "2", "--nproc", "2", "--n-embd", "32", "--block-size", "32", "--rounds", "1",
-               "--bubble-wait-ms", "2", cwd=tmp_path)
+               "--bubble-wait-ms", "2", "--cp-seq", "32", cwd=tmp_path)
     assert "megalite / plain tokens/s" in out
     for header in ("tokens/s", "idle measured", "theory", "saved activations", "tp,pp,dp", "comm"):
         assert header in out, header
@@ -57,6 +57,13 @@ def test_bench_train_prints_its_tables(tmp_path):
     for rc in ("none", "selective", "full"):
         for sp in ("off", "on"):
             assert re.search(rf"\n2 +{rc} +{sp} .* 1\.000 ", out), (rc, sp)
+    # issue 22's table: cp = 1, 2 and tp = 2 at 2 ranks; one layer's saved bytes per rank equal the formula at
+    # s/cp tokens, and cp = 2 saves half of cp = 1
+    assert "8. context parallelism at 2 ranks: 32-token sequences" in out
+    rows = {m[1]: m for m in re.finditer(r"\n(\d,\d,\d,\d) +([\d.]+) +([\d.]+) +([\d.]+) ", out)}
+    assert set(rows) == {"1,1,2,1", "1,1,1,2", "2,1,1,1"}, rows.keys()
+    assert all(m[2] == m[3] for m in rows.values()), [m[0] for m in rows.values()]
+    assert rows["1,1,1,2"][4] == "0.500" and rows["1,1,2,1"][4] == "1.000"
 
 
 def test_stream_table_prints_each_row_when_it_is_measured():
