@@ -424,7 +424,7 @@ DOCS = {
     "parallel.dp": "data-parallel replicas; 0 = world_size / (tp * cp * pp)",
     "parallel.cp": "context-parallel size: each sequence cut into 2*cp chunks over cp ranks (ring attention)",
     "parallel.schedule": "pipeline schedule: 1f1b | afab",
-    "parallel.zero1": "shard the AdamW moments across dp (ZeRO-1)",
+    "parallel.zero1": "shard the AdamW moments across dp (x cp) (ZeRO-1)",
     "parallel.bucket_mb": "size of one data-parallel gradient all-reduce bucket, MiB",
     "parallel.sp": "sequence parallelism: LayerNorm/dropout regions hold seq/tp of the tokens (needs tp > 1)",
     "parallel.vpp": "virtual pipeline stages per rank (> 1: the interleaved 1F1B schedule)",

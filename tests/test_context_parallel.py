@@ -279,7 +279,7 @@ def test_cp_layouts_match_single_process_and_resume_across_cp(tmp_path, token_fi
     ckpt_ref, ckpt_a = tmp / "ckpt-ref", tmp / "ckpt-A"
     ref = _single(token_file, tmp, "ref", **{"checkpoint.dir": str(ckpt_ref), "checkpoint.interval": 2})
     assert ref["history"][-1]["loss"] < ref["history"][0]["loss"]  # it does train
-    eight = [("A", {**A, "checkpoint.dir": str(ckpt_a), "checkpoint.interval": 2}),  # (2,2,1,2) sp zero1: saves
+    eight = [("A", {**A, "checkpoint.dir": str(ckpt_a), "checkpoint.interval": 2, "checkpoint.async": True}),
              ("B", B),  # (1,2,2,2) interleaved, full recompute
              ("C", C),  # (1,4,1,2) zero1 over dp x cp = 8
              ("R", {**R, "checkpoint.resume": str(ckpt_ref / "step_00000002")})]  # cp = 1 -> cp = 2
@@ -322,5 +322,49 @@ def test_cp_layouts_match_single_process_and_resume_across_cp(tmp_path, token_fi
     for other in (flat, again):
         got = full_state(other)
         assert got.keys() == want.keys() and all(torch.equal(got[k], want[k]) for k in want)
-    assert convert(step2, tmp / "a.safetensors", quiet=True).read_bytes() == \
-        convert(again, tmp / "b.safetensors", quiet=True).read_bytes()
+    one_file = convert(step2, tmp / "a.safetensors", quiet=True)
+    assert one_file.read_bytes() == convert(again, tmp / "b.safetensors", quiet=True).read_bytes()
+    # and one file split at cp = 2 (weights only): every weight once, bitwise
+    from megalite.convert import split
+    cut = split(one_file, tmp / "split-cp2", 2, 1, 1, cp=2, quiet=True)
+    assert verify(cut)[1] == [] and json.loads((cut / "manifest.json").read_text())["layout"]["cp"] == 2
+    assert all(torch.equal(v, want[k]) for k, v in full_state(cut).items())
+
+
+def test_bench_plan_plans_cp_layouts():
+    """`megalite bench plan --cp`: the real write plan and manifest of a cp layout validate (every tensor tiled
+    once over its tp x cp x pp x dp ranks), and a resume of it at cp = 1 reads what each rank needs."""
+    from megalite.tools.bench.plan import plan_layout, plan_reshard
+    model = dict(n_layer=4, n_head=4, n_embd=32, block_size=32, vocab_size=256, dropout=0.0)
+    row, man = plan_layout(model, 2, 2, 2, zero1=True, cp=2)
+    assert (row.layout, row.ranks, row.files, row.problems) == ("2,2,2 cp2", 16, 48, 0)
+    assert man.layout == Layout(2, 2, 2, 2) and man.zero1
+    back = plan_reshard(man, model, 1, 1, 2, zero1=True)
+    assert back["ranks"] == 2 and back["read_over_needed_max"] < 1.5
+
+
+# ---------------------------------------------------------------- the documented long-context example
+def test_the_long_context_example_is_what_train_prints():
+    """docs/parallelism.md's 2,048-token cp = 4 run (a real run's output, ~3 minutes on 2 cores; not rerun here):
+    its command line is a valid layout of its 4 processes, and its start line is the one train prints for it."""
+    import re
+    import shlex
+    from pathlib import Path
+    from megalite.config import load_config
+    from megalite.runlog import start_line
+    root = Path(__file__).resolve().parents[1]
+    text = (root / "docs/parallelism.md").read_text()
+    marker = "tested-by: tests/test_context_parallel.py::test_the_long_context_example_is_what_train_prints"
+    block = text[text.index(marker):].split("```console\n", 1)[1].split("```", 1)[0]
+    command, *printed = block.split("\n")
+    args = shlex.split(command.removeprefix("$ "))
+    nproc = int(args[args.index("--nproc-per-node") + 1])
+    rest = args[args.index("train") + 1:]
+    config = rest[rest.index("--config") + 1]
+    cfg = load_config(root / config, [a for a in rest if a.startswith("--") and "." in a.split("=")[0]])
+    validate(resolve(cfg, nproc), nproc)
+    assert (nproc, cfg.parallel.cp, cfg.model.block_size) == (4, 4, 2048)
+    want = start_line(cfg, Layout(cfg.parallel.tp, cfg.parallel.pp, cfg.parallel.dp, cfg.parallel.cp), "cpu", "fp32")
+    assert want in printed, want
+    assert any(re.match(r"runs/long/ckpt/step_\d+  \(tp=1 cp=4 pp=1 dp=1; rank = tp \+ 1\*\(cp \+ 4\*", ln)
+               for ln in printed)
