@@ -51,11 +51,27 @@ class Axis:
         return self.size > 1
 
 
-class Layout(NamedTuple):
-    tp: int
-    pp: int
-    dp: int
-    cp: int = 1  # trailing, with a default: Layout(tp, pp, dp) keeps meaning what it meant before cp
+class Layout(tuple):
+    """The sizes of the parallel axes: Layout(tp, pp, dp) or Layout(tp, pp, dp, cp).
+
+    cp is a trailing field with a default of 1, and a cp = 1 layout is the (tp, pp, dp) triple megalite always had:
+    as a tuple it holds three numbers (equal to (tp, pp, dp), unpacking into three, in manifests and messages),
+    four only when cp > 1. Read the sizes by name (`.tp`, `.cp`, ...), which works for both."""
+    __slots__ = ()
+
+    def __new__(cls, tp, pp, dp, cp=1):
+        return super().__new__(cls, (tp, pp, dp) if cp == 1 and type(cp) is int else (tp, pp, dp, cp))
+
+    def __getnewargs__(self):  # pickling (all_gather_object, run_parallel's arguments)
+        return tuple(self)
+
+    tp = property(lambda self: self[0])
+    pp = property(lambda self: self[1])
+    dp = property(lambda self: self[2])
+    cp = property(lambda self: self[3] if len(self) > 3 else 1)
+
+    def __repr__(self) -> str:
+        return f"Layout(tp={self.tp}, pp={self.pp}, dp={self.dp}{f', cp={self.cp}' if len(self) > 3 else ''})"
 
     @property
     def world_size(self) -> int:
