@@ -331,10 +331,18 @@ def test_cp_layouts_match_single_process_and_resume_across_cp(tmp_path, token_fi
     assert all(torch.equal(v, want[k]) for k, v in full_state(cut).items())
 
 
-def test_bench_plan_plans_cp_layouts():
+def test_bench_plan_plans_cp_layouts(capsys):
     """`megalite bench plan --cp`: the real write plan and manifest of a cp layout validate (every tensor tiled
     once over its tp x cp x pp x dp ranks), and a resume of it at cp = 1 reads what each rank needs."""
-    from megalite.tools.bench.plan import plan_layout, plan_reshard
+    from megalite.cli import build_parser
+    from megalite.tools.bench.plan import bench_plan_cli, plan_layout, plan_reshard
+    flags = ["--n-layer", "4", "--n-embd", "32", "--n-head", "4", "--vocab-size", "256", "--block-size", "32"]
+    bench_plan_cli(build_parser().parse_args(["bench", "plan", *flags, "--tp", "2", "--pp", "2", "--dp", "1,2",
+                                              "--cp", "2", "--reshard-to", "1,1,2,4"]))
+    out = capsys.readouterr().out
+    assert "cp 2 (ranks = tp x cp x pp x dp)" in out and "\n2,2,2 cp2 " in out and "at 1,1,2 cp4:" in out
+    with pytest.raises(ConfigError, match=r"^--cp 3: --block-size 32 is not divisible by 2 x cp = 6"):
+        bench_plan_cli(build_parser().parse_args(["bench", "plan", *flags, "--cp", "3"]))
     model = dict(n_layer=4, n_head=4, n_embd=32, block_size=32, vocab_size=256, dropout=0.0)
     row, man = plan_layout(model, 2, 2, 2, zero1=True, cp=2)
     assert (row.layout, row.ranks, row.files, row.problems) == ("2,2,2 cp2", 16, 48, 0)
