@@ -40,7 +40,9 @@ _STEP_RE = re.compile(r"^step_(\d{8,})$")
 def coord_dir(c: Coord, cp: int = 1) -> str:
     """The folder of coordinate c in a layout with context-parallel size `cp`: the cp field is in the name only
     when cp > 1, so a cp = 1 tree is exactly what megalite wrote before cp existed."""
-    return f"tp{c.tp:02d}-cp{c.cp:02d}-pp{c.pp:02d}-dp{c.dp:02d}" if cp > 1 else f"tp{c.tp:02d}-pp{c.pp:02d}-dp{c.dp:02d}"
+    if cp > 1:
+        return f"tp{c.tp:02d}-cp{c.cp:02d}-pp{c.pp:02d}-dp{c.dp:02d}"
+    return f"tp{c.tp:02d}-pp{c.pp:02d}-dp{c.dp:02d}"
 
 
 def parse_coord_dir(name: str) -> Coord:
