@@ -232,7 +232,7 @@ A = {"parallel.tp": 2, "parallel.cp": 2, "parallel.dp": 2, "parallel.sp": True, 
      "parallel.overlap_grad_reduce": True, "parallel.bucket_mb": 0.02, "train.recompute": "selective", **MICRO4}
 B = {"parallel.cp": 2, "parallel.pp": 2, "parallel.dp": 2, "parallel.vpp": 2, "train.recompute": "full"}  # m = 4
 C = {"parallel.cp": 4, "parallel.dp": 2, "parallel.zero1": True, **MICRO4}
-R = {"parallel.cp": 2, "parallel.dp": 4}  # resumes the single process's step-2 checkpoint
+R = {"parallel.cp": 2, "parallel.pp": 2, "parallel.dp": 2}  # plain 1F1B; resumes the single process's step 2
 DROP = {"model.dropout": 0.1}
 # dropout: pp = dp = 1, because pipeline stages and dp replicas draw from RNG streams of their own (tp and cp
 # ranks share one, the single process's), and the reference runs the same micro-batch size (masks are drawn per
@@ -282,7 +282,7 @@ def test_cp_layouts_match_single_process_and_resume_across_cp(tmp_path, token_fi
     eight = [("A", {**A, "checkpoint.dir": str(ckpt_a), "checkpoint.interval": 2, "checkpoint.async": True}),
              ("B", B),  # (1,2,2,2) interleaved, full recompute
              ("C", C),  # (1,4,1,2) zero1 over dp x cp = 8
-             ("R", {**R, "checkpoint.resume": str(ckpt_ref / "step_00000002")})]  # cp = 1 -> cp = 2
+             ("R", {**R, "checkpoint.resume": str(ckpt_ref / "step_00000002")})]  # (1,1,1,1) -> (1,2,2,2)
     run_parallel(_worker, 8, tmp / "rdzv8", args=(token_file, tmp, eight))
     four = [("D", D), ("E", E)]  # dropout at (2,2,1,1) + sp; bf16 at (1,4,1,1)
     run_parallel(_worker, 4, tmp / "rdzv4", args=(token_file, tmp, four, _ring_check))
@@ -294,7 +294,7 @@ def test_cp_layouts_match_single_process_and_resume_across_cp(tmp_path, token_fi
     failures = []
     for name in "ABC":
         _compare(name, torch.load(tmp / f"{name}.pt"), ref, failures)
-    _compare("R (cp=1 checkpoint resumed at cp=2)", torch.load(tmp / "R.pt"), ref, failures, first_step=3)
+    _compare("R (cp=1 checkpoint resumed at (1,2,2,2), 1F1B)", torch.load(tmp / "R.pt"), ref, failures, first_step=3)
     _compare("cp=2 checkpoint resumed at cp=1", one, ref, failures, first_step=3)
     _compare("D (dropout 0.1)", torch.load(tmp / "D.pt"), drop, failures)
     _compare("E (bf16)", torch.load(tmp / "E.pt"), bf16, failures, loss_rtol=BF16_LOSS_RTOL, param_rtol=None)
