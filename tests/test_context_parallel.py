@@ -313,6 +313,17 @@ def test_cp_layouts_match_single_process_and_resume_across_cp(tmp_path, token_fi
     assert verify(step2)[1] == []
     picture = tree(step2)
     assert "rank = tp + 2*(cp + 2*(dp + 2*pp))" in picture and "tp01-cp01-pp00-dp01  r7" in picture
+    # a crafted manifest: a cp of the wrong type, or a cp folder listed under a cp = 1 layout, is one line
+    from megalite.checkpoint.manifest import Manifest, sign
+    from megalite.errors import CheckpointError
+    for cp, want in (("2", r"layout\.cp = '2': must be a positive integer"),
+                     (0, r"layout\.cp = 0: must be a positive integer"),
+                     (1, r"file tp00-cp00-pp00-dp00/\S+ in 'files' belongs to no coordinate of layout tp=2 pp=1")):
+        bad = json.loads(json.dumps(man))
+        bad["layout"]["cp"] = cp
+        with pytest.raises(CheckpointError, match=want) as e:
+            Manifest.from_json(sign(bad))
+        assert "\n" not in str(e.value)
     # offline: resharded to (1,1,1) and on to cp = 4 (ZeRO-1 kept), the same weights and moments, to the bit
     flat = reshard(step2, tmp / "re-111", 1, 1, 1, quiet=True)
     again = reshard(flat, tmp / "re-cp4", 1, 1, 2, cp=4, quiet=True)
