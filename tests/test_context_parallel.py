@@ -59,6 +59,24 @@ def test_rank_order_and_groups_are_megatrons():
     assert str(lay) == "tp=2 cp=2 pp=2 dp=2"
 
 
+def test_the_documented_grid_is_layouts():
+    """docs/parallelism.md's picture of (tp, cp, pp, dp) = (2, 2, 2, 1): each rank where its coordinate puts it,
+    and each group line megalite's groups."""
+    import re
+    from pathlib import Path
+    text = (Path(__file__).resolve().parents[1] / "docs/parallelism.md").read_text()
+    pic = text[text.index("The grid of 8 processes at (tp, cp, pp, dp) = (2, 2, 2, 1)"):].split("```text\n")[1]
+    pic = pic.split("```")[0]
+    lay, groups = Layout(2, 2, 1, cp=2), _groups(Layout(2, 2, 1, cp=2))
+    for t in range(2):  # row t: stage 0 cp 0, cp 1, stage 1 cp 0, cp 1
+        row = re.search(rf"^  tensor-parallel {t} +(.*)$", pic, re.M)[1]
+        assert [int(r) for r in re.findall(r"rank (\d+)", row)] == [
+            lay.rank_of(Coord(t, p, 0, k)) for p in range(2) for k in range(2)], row
+    shown = {m[1]: sorted(tuple(map(int, g.split(","))) for g in re.findall(r"\{([\d,]+)\}", m[2]))
+             for m in re.finditer(r"^  (tp|cp|dp x cp|pp) groups ((?:\{[\d,]+\} ?)+)", pic, re.M)}
+    assert shown == {"tp": groups["tp"], "cp": groups["cp"], "dp x cp": groups["dp-cp"], "pp": groups["pp"]}
+
+
 @pytest.mark.slow
 def test_groups_match_megatron_rank_generator():
     from megatron.core.parallel_state import RankGenerator
