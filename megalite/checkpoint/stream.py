@@ -22,9 +22,12 @@ from pathlib import Path
 import torch
 from crc32c import crc32c as _crc32c
 
+from ..jsonio import loads
 from .files import no_follow, open_read
 
-ST_DTYPES = {torch.float32: "F32", torch.bfloat16: "BF16", torch.float16: "F16"}
+ST_DTYPES = {torch.float32: "F32", torch.bfloat16: "BF16", torch.float16: "F16", torch.float64: "F64",
+             torch.int64: "I64", torch.int32: "I32", torch.int16: "I16", torch.int8: "I8", torch.uint8: "U8",
+             torch.bool: "BOOL"}  # safetensors' names
 _FROM_ST = {v: k for k, v in ST_DTYPES.items()}
 
 
@@ -42,7 +45,9 @@ def block_crcs(data, block: int) -> list[str]:
 
 def raw_bytes(t: torch.Tensor) -> memoryview:
     """The raw little-endian bytes of a contiguous CPU tensor, without a copy (writable: reads land in it)."""
-    return memoryview(t.contiguous().view(torch.uint8).numpy()).cast("B") if t.numel() else memoryview(b"")
+    if not t.numel():
+        return memoryview(b"")
+    return memoryview(t.contiguous().reshape(-1).view(torch.uint8).numpy()).cast("B")  # 0-dim: 1 element
 
 
 ALIGN = 4096  # O_DIRECT: file offsets, lengths and memory addresses in multiples of the logical block (<= 4 KiB)
@@ -224,7 +229,7 @@ def read_header(path: Path) -> tuple[dict, int, int]:
         blob = f.read(n)
     if len(blob) != n:
         raise ValueError(f"header of {n} bytes, the file ends after {len(blob)}")
-    header = json.loads(blob)
+    header = loads(blob, "its header", ValueError)
     if not isinstance(header, dict):
         raise ValueError("the header is not a JSON object")
     header.pop("__metadata__", None)
