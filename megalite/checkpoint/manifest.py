@@ -324,9 +324,9 @@ class _Parser:
                 self.fail("optimizer.type", opt.get("type"), f"'adamw' or '{TORCH_OPTIM}'")
             self.int_(self.get(opt, "step", "optimizer.step"), "optimizer.step")
         chk = self.dict_(d["checksum"], "checksum")
-        if chk.get("algorithm") != "crc32c":
-            self.fail("checksum.algorithm", chk.get("algorithm"), "'crc32c'")
-        block = self.int_(chk.get("block_bytes"), "checksum.block_bytes", 8)
+        if self.get(chk, "algorithm", "checksum.algorithm") != "crc32c":
+            self.fail("checksum.algorithm", chk["algorithm"], "'crc32c'")
+        block = self.int_(self.get(chk, "block_bytes", "checksum.block_bytes"), "checksum.block_bytes", 8)
         if block % 8:
             self.fail("checksum.block_bytes", block, "a multiple of 8")
         files = self.files(self.dict_(d["files"], "files"), layout)
