@@ -29,6 +29,7 @@ ST_DTYPES = {torch.float32: "F32", torch.bfloat16: "BF16", torch.float16: "F16",
              torch.int64: "I64", torch.int32: "I32", torch.int16: "I16", torch.int8: "I8", torch.uint8: "U8",
              torch.bool: "BOOL"}  # safetensors' names
 _FROM_ST = {v: k for k, v in ST_DTYPES.items()}
+WRITABLE = ST_DTYPES  # what a StreamingWriter can write (convert/foreign.py): every dtype a checkpoint reads back
 
 
 def crc32c(data, value: int = 0) -> int:
@@ -45,9 +46,8 @@ def block_crcs(data, block: int) -> list[str]:
 
 def raw_bytes(t: torch.Tensor) -> memoryview:
     """The raw little-endian bytes of a contiguous CPU tensor, without a copy (writable: reads land in it)."""
-    if not t.numel():
-        return memoryview(b"")
-    return memoryview(t.contiguous().reshape(-1).view(torch.uint8).numpy()).cast("B")  # 0-dim: 1 element
+    flat = t.contiguous().reshape(-1)  # 1-d: a 0-dim tensor (an optimizer's step) cannot be viewed as bytes
+    return memoryview(flat.view(torch.uint8).numpy()).cast("B") if t.numel() else memoryview(b"")
 
 
 ALIGN = 4096  # O_DIRECT: file offsets, lengths and memory addresses in multiples of the logical block (<= 4 KiB)
@@ -169,7 +169,7 @@ class StreamingWriter:
         header, offset = {"__metadata__": metadata}, 0
         for name, shape, dtype in specs:
             n = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
-            header[name] = {"dtype": ST_DTYPES[dtype], "shape": list(shape), "data_offsets": [offset, offset + n]}
+            header[name] = {"dtype": WRITABLE[dtype], "shape": list(shape), "data_offsets": [offset, offset + n]}
             offset += n
         blob = json.dumps(header, separators=(",", ":")).encode()
         blob += b" " * (-len(blob) % 8)
