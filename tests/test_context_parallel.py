@@ -337,7 +337,9 @@ def test_cp_layouts_match_single_process_and_resume_across_cp(tmp_path, token_fi
     from megalite.errors import CheckpointError
     for cp, want in (("2", r"layout\.cp = '2': must be a positive integer"),
                      (0, r"layout\.cp = 0: must be a positive integer"),
-                     (1, r"file tp00-cp00-pp00-dp00/\S+ in 'files' belongs to no coordinate of layout tp=2 pp=1")):
+                     (1, r"file tp00-cp00-pp00-dp00/\S+ in 'files' belongs to no coordinate of layout tp=2 pp=1"),
+                     (10**9, r"field 'layout' \(tp=2 cp=1000000000 pp=1 dp=2\) has 4000000000 coordinates but "
+                             r"'files' lists 8 state\.json")):
         bad = json.loads(json.dumps(man))
         bad["layout"]["cp"] = cp
         with pytest.raises(CheckpointError, match=want) as e:
