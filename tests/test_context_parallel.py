@@ -408,3 +408,10 @@ def test_the_long_context_example_is_what_train_prints():
     assert want in printed, want
     assert any(re.match(r"runs/long/ckpt/step_\d+  \(tp=1 cp=4 pp=1 dp=1; rank = tp \+ 1\*\(cp \+ 4\*", ln)
                for ln in printed)
+
+
+def test_round_trip_helper_takes_cp_layouts(tmp_path):
+    """testing.assert_round_trip with a (tp, pp, dp, cp) layout: megalite's GPT trained at cp = 2 with ZeRO-1
+    over dp x cp, loaded at (1, 1, 2) without it and saved again, every tensor and scalar bitwise."""
+    from megalite.testing import assert_round_trip
+    assert_round_trip(tmp_path, save_layout=(1, 1, 1, 2), load_layout=(1, 1, 2), zero1=(True, False))
