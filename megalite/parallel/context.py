@@ -25,8 +25,8 @@ Per (q chunk a, kv chunk b) block the causal mask is: b < a whole block; b == a 
 (skipped). With the load-balanced chunks every off-diagonal ring step computes exactly half of the (2c x 2c)
 block's pairs on every rank.
 
-Attention dropout is a counter-based mask: keep(b, h, i, j) = hash(seed, b, h, i, j) >= p * 2^32 for global
-batch row b, global head h and global positions i, j, with one `seed` per attention call drawn from torch's
+Attention dropout is a counter-based mask: keep(b, h, i, j) = hash(seed, b, h, i, j) >= p * 2^32 for row b of
+the micro-batch, global head h and global positions i, j, with one `seed` per attention call drawn from torch's
 default generator (the stream tp and cp ranks share, which torch.utils.checkpoint replays). Any block of the mask
 is computed where it is needed, in forward and again in backward, so nothing is stored, no rank ever draws the
 whole (B, H, T, T) mask, and the single process (which runs the same code with cp = 1 when dropout is on) drops
