@@ -4,7 +4,7 @@ The Python API for your own model and optimizer (README, "Bring your own model")
 
     init_distributed()                     join the torchrun job (or make a world of one)
     leave_distributed(error=None)          leave it before exit: every process group destroyed, threads joined
-    Layout(tp, pp, dp), ParallelGrid       the layout and this rank's place in it: ParallelGrid.create(layout)
+    Layout(tp, pp, dp, cp), ParallelGrid   the layout and this rank's place in it: ParallelGrid.create(layout)
     shard(param, dim, grid.tp)             split one parameter over tp (untagged parameters are replicated)
     save_checkpoint(...), load_checkpoint(...), CheckpointError
 
@@ -26,18 +26,12 @@ _EXPORTS = {
 __all__ = ["__version__", *_EXPORTS]
 
 
-def lazy_exports(package: str, exports: dict, names: dict):
-    """A package's module `__getattr__` and `__dir__` (PEP 562) for names imported on first use: `exports` is
-    its `_EXPORTS` table {name: the module that defines it}, `names` its globals()."""
-    def __getattr__(name: str):
-        if name in exports:
-            import importlib
-            return getattr(importlib.import_module(exports[name]), name)
-        raise AttributeError(f"module {package!r} has no attribute {name!r}")
-
-    def __dir__():
-        return sorted(set(names) | set(exports))
-    return __getattr__, __dir__
+def __getattr__(name: str):
+    if name in _EXPORTS:
+        import importlib
+        return getattr(importlib.import_module(_EXPORTS[name]), name)
+    raise AttributeError(f"module 'megalite' has no attribute {name!r}")
 
 
-__getattr__, __dir__ = lazy_exports(__name__, _EXPORTS, globals())
+def __dir__():
+    return sorted(set(globals()) | set(_EXPORTS))

@@ -20,7 +20,7 @@ from .checkpoint.commit import bcast_object, recover
 from .checkpoint.files import unlink_quietly, write_new
 from .checkpoint.plan import collect
 from .checkpoint.state import seed_everything
-from .checkpoint.tree import LATEST, LOCK, TOKENIZER_REL, committed_steps, parse_step_dir, read_latest, step_dir
+from .checkpoint.tree import LATEST, LOCK, committed_steps, parse_step_dir, read_latest, step_dir, tokenizer_rel
 from .errors import CheckpointError
 from .tokenizer import from_json
 
@@ -265,13 +265,14 @@ class CheckpointManager:
         saved = read_tokenizer(info.path, info.manifest)
         if saved is None or tr.tokenizer is None:
             return
-        theirs = from_json(saved.decode("utf-8", errors="replace"), f"{info.path.name}/{TOKENIZER_REL}")
+        rel = tokenizer_rel(info.manifest.layout.cp)
+        theirs = from_json(saved.decode("utf-8", errors="replace"), f"{info.path.name}/{rel}")
         if theirs.sha256 != tr.tokenizer.sha256:
             raise CheckpointError(
-                f"checkpoint.resume: {info.path / TOKENIZER_REL} ({theirs.kind}, vocab {theirs.vocab_size}, sha256 "
+                f"checkpoint.resume: {info.path / rel} ({theirs.kind}, vocab {theirs.vocab_size}, sha256 "
                 f"{theirs.sha256[:12]}) is not the tokenizer of data.path '{self.cfg.data.path}' ({tr.tokenizer.kind}, "
                 f"vocab {tr.tokenizer.vocab_size}, sha256 {tr.tokenizer.sha256[:12]}); prepare the data with the "
-                f"checkpoint's tokenizer: megalite prepare FILES --tokenizer {info.path / TOKENIZER_REL} --out X.bin")
+                f"checkpoint's tokenizer: megalite prepare FILES --tokenizer {info.path / rel} --out X.bin")
 
     def _schedule_note(self, saved: dict, step: int) -> None:
         """The LR schedule is a function of (step, train.steps, warmup, lr, min_lr): changing train.steps on

@@ -1,4 +1,4 @@
-"""Rank-coded sharded checkpoints: every (tp, pp, dp) coordinate saves its own slice; one manifest describes all.
+"""Rank-coded sharded checkpoints: every (tp, pp, dp[, cp]) coordinate saves its own slice; one manifest describes all.
 
     api.py         save_checkpoint / load_checkpoint (the public calls)
     tree.py        the folder tree: coordinate <-> folder, step folders, `latest`
@@ -18,22 +18,27 @@
     files.py       the one durable writer and the one safe opener
 
 This package imports nothing of the training loop (train, optim, checkpointing); its policy is
-megalite/checkpointing.py.
-
-The names below are imported on first use (as in megalite/__init__.py), so that a module that needs only
-files.py (data.py's atomic write: `megalite prepare` never imports torch) does not load the whole engine.
+megalite/checkpointing.py. The names below are imported on first use (_EXPORTS), so importing one light module
+(files.py: the safe opener that data.py and metrics.py use too) does not load torch.
 """
-from .. import lazy_exports
-from ..errors import CheckpointError
-
 _EXPORTS = {
-    "global_named": "megalite.checkpoint.api",
-    "load_checkpoint": "megalite.checkpoint.api",
+    "CheckpointError": "megalite.errors",
     "save_checkpoint": "megalite.checkpoint.api",
+    "load_checkpoint": "megalite.checkpoint.api",
+    "global_named": "megalite.checkpoint.api",
     "AsyncSaver": "megalite.checkpoint.async_save",
     "Loaded": "megalite.checkpoint.load",
     "resolve": "megalite.checkpoint.tree",
 }
-__all__ = ["CheckpointError", *_EXPORTS]
+__all__ = list(_EXPORTS)
 
-__getattr__, __dir__ = lazy_exports(__name__, _EXPORTS, globals())
+
+def __getattr__(name: str):
+    if name in _EXPORTS:
+        import importlib
+        return getattr(importlib.import_module(_EXPORTS[name]), name)
+    raise AttributeError(f"module 'megalite.checkpoint' has no attribute {name!r}")
+
+
+def __dir__():
+    return sorted(set(globals()) | set(_EXPORTS))

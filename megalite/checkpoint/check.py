@@ -18,7 +18,7 @@ from .manifest import Manifest, read
 from .read import SliceReader, check_key
 from .state import StepState
 from .stream import crc32c
-from .tree import MANIFEST, STATE_FILE, TOKENIZER_REL, coord_dir, resolve
+from .tree import MANIFEST, STATE_FILE, coord_dir, resolve, tokenizer_rel
 
 
 def read_checked(step: Path, man: Manifest, rel: str) -> bytes:
@@ -40,14 +40,15 @@ def read_checked(step: Path, man: Manifest, rel: str) -> bytes:
 
 def read_state(step: Path, man: Manifest, coord) -> StepState:
     """One coordinate's state.json, checked (read_checked) and parsed (StepState.from_json)."""
-    rel = f"{coord_dir(coord)}/{STATE_FILE}"
+    rel = f"{coord_dir(coord, man.layout.cp)}/{STATE_FILE}"
     return StepState.from_json(read_checked(step, man, rel), f"{step.name}: {rel}")
 
 
 def read_tokenizer(step: Path, man: Manifest) -> Optional[bytes]:
     """The run's tokenizer.json, checked (read_checked); None for a checkpoint saved without one (older, or
     saved by the API without `tokenizer`)."""
-    return read_checked(step, man, TOKENIZER_REL) if TOKENIZER_REL in man.files else None
+    rel = tokenizer_rel(man.layout.cp)
+    return read_checked(step, man, rel) if rel in man.files else None
 
 
 def verify(path) -> tuple[Path, list[str]]:
@@ -59,7 +60,7 @@ def verify(path) -> tuple[Path, list[str]]:
         return Path(path), [str(e)]
     problems = []
     for c in man.layout.coords():
-        rel = coord_dir(c)
+        rel = coord_dir(c, man.layout.cp)
         if not (step / rel).is_dir():
             problems.append(f"{step.name}: folder {rel}/ is missing (layout {man.layout} expects it)")
             continue

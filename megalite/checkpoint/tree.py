@@ -4,11 +4,11 @@
       latest                        one line: the name of the newest committed step folder
       step_00000200/
         manifest.json               the whole picture (manifest.py)
-        tp00-pp00-dp00/             written only by the rank at that coordinate
-          model.safetensors         its share of the (tp, pp) model slice (range dp of its flat space)
+        tp00-pp00-dp00/             written only by the rank at that coordinate (tp00-cp01-pp00-dp00 with cp > 1)
+          model.safetensors         its share of the (tp, pp) model slice (range dp*cp+cp of its flat space)
           optimizer.safetensors     its share of the optimizer state (the same share of its AdamW moments)
           state.json                RNG states, sampler position, step
-          tokenizer.json            the run's tokenizer (tp00-pp00-dp00 only: rank 0 writes it)
+          tokenizer.json            the run's tokenizer (coordinate 0's folder only: rank 0 writes it)
       .tmp-step_00000200/           a save in progress (renamed into place on commit)
 
 Every function here has its inverse next to it, and both are unit-tested. Who writes what is plan.py's.
@@ -28,26 +28,35 @@ MANIFEST = "manifest.json"
 MODEL_FILE = "model.safetensors"
 OPTIM_FILE = "optimizer.safetensors"
 STATE_FILE = "state.json"
-TOKENIZER_FILE = "tokenizer.json"  # in tp00-pp00-dp00/ only (see TOKENIZER_REL)
-TOKENIZER_REL = f"tp00-pp00-dp00/{TOKENIZER_FILE}"  # coord_dir(Coord(0, 0, 0)): a folder every layout has
+TOKENIZER_FILE = "tokenizer.json"  # in coordinate 0's folder only (see tokenizer_rel)
 LATEST = "latest"
 LATEST_TMP = ".latest.tmp"
 LOCK = "lock"
 TMP_PREFIX = ".tmp-"
 
-_COORD_RE = re.compile(r"^tp(\d{2,})-pp(\d{2,})-dp(\d{2,})$")
+_COORD_RE = re.compile(r"^tp(\d{2,})(?:-cp(\d{2,}))?-pp(\d{2,})-dp(\d{2,})$")
+COORD_PATTERN = r"tp\d{2,}(?:-cp\d{2,})?-pp\d{2,}-dp\d{2,}"  # for the manifest's file names
 _STEP_RE = re.compile(r"^step_(\d{8,})$")
 
 
-def coord_dir(c: Coord) -> str:
+def coord_dir(c: Coord, cp: int = 1) -> str:
+    """The folder of coordinate c in a layout with context-parallel size `cp`: the cp field is in the name only
+    when cp > 1, so a cp = 1 tree is exactly what megalite wrote before cp existed."""
+    if cp > 1:
+        return f"tp{c.tp:02d}-cp{c.cp:02d}-pp{c.pp:02d}-dp{c.dp:02d}"
     return f"tp{c.tp:02d}-pp{c.pp:02d}-dp{c.dp:02d}"
+
+
+def tokenizer_rel(cp: int = 1) -> str:
+    """Where a step keeps the run's tokenizer: coordinate 0's folder (rank 0 writes it; every layout has it)."""
+    return f"{coord_dir(Coord(0, 0, 0), cp)}/{TOKENIZER_FILE}"
 
 
 def parse_coord_dir(name: str) -> Coord:
     m = _COORD_RE.match(name)
     if not m:
-        raise ValueError(f"'{name}' is not a coordinate folder (expected tpNN-ppNN-dpNN)")
-    return Coord(int(m[1]), int(m[2]), int(m[3]))
+        raise ValueError(f"'{name}' is not a coordinate folder (expected tpNN-ppNN-dpNN or tpNN-cpNN-ppNN-dpNN)")
+    return Coord(int(m[1]), int(m[3]), int(m[4]), int(m[2] or 0))
 
 
 def step_dir(step: int) -> str:

@@ -10,7 +10,7 @@ import torch
 from ..checkpoint import manifest as mf
 from ..checkpoint.check import read_tokenizer
 from ..checkpoint.read import SliceReader
-from ..checkpoint.tree import LATEST, MANIFEST, TOKENIZER_REL, resolve
+from ..checkpoint.tree import LATEST, MANIFEST, resolve, tokenizer_rel
 from ..config import model_from, path_kind
 from ..parallel.partition import Box
 from ..tokenizer import Tokenizer, from_json
@@ -47,7 +47,7 @@ def convert(ckpt, out, dtype: Optional[str] = None, fmt: str = "megalite", force
     progress = Progress("convert", len(man.model), total, quiet)
     tokenizer = read_tokenizer(step, man)
     if fmt == "hf-gpt2":
-        tok = from_json(tokenizer.decode("utf-8"), f"{step / TOKENIZER_REL}") if tokenizer is not None else None
+        tok = from_json(tokenizer.decode("utf-8"), f"{step / tokenizer_rel(man.layout.cp)}") if tokenizer is not None else None
         return export_hf(step, man, out, DTYPES[dtype], progress, tok)
     if fmt == "dcp":
         return export_dcp(step, man, out, DTYPES[dtype], progress)
@@ -105,8 +105,9 @@ def model_tokenizer(path) -> Optional[Tokenizer]:
     p = Path(path)
     if is_checkpoint(p):
         step = resolve(p)
-        text = read_tokenizer(step, mf.read(step))
-        where = f"{step / TOKENIZER_REL}"
+        man = mf.read(step)
+        text = read_tokenizer(step, man)
+        where = f"{step / tokenizer_rel(man.layout.cp)}"
     elif p.is_dir():
         return folder_tokenizer(p)
     else:
