@@ -44,7 +44,8 @@ from typing import Optional
 import torch
 
 from .. import __version__
-from ..errors import CheckpointError, LayoutError
+from ..config import MAX_COUNT
+from ..errors import CheckpointError, LayoutError, UnsafeFileError
 from ..parallel.grid import Layout
 from ..parallel.partition import Box, Partition
 from .files import open_read, read_all, write_new
@@ -257,8 +258,8 @@ class _Parser:
         return d[key]
 
     def int_(self, v, fld: str, lo: int = 0) -> int:
-        if isinstance(v, bool) or not isinstance(v, int) or v < lo:
-            self.fail(fld, v, f"an integer >= {lo}")
+        if isinstance(v, bool) or not isinstance(v, int) or not lo <= v <= MAX_COUNT:
+            self.fail(fld, v, f"an integer >= {lo} and <= {MAX_COUNT}")
         return v
 
     def dict_(self, v, fld: str, optional: bool = False) -> Optional[dict]:
@@ -539,6 +540,8 @@ def read_json(step_dir: Path) -> dict:
         return json.loads(read_all(path).decode("utf-8"))
     except FileNotFoundError:
         raise CheckpointError(f"{path}: manifest is missing") from None
+    except UnsafeFileError as e:  # a FIFO, a device: refused at open, reported like any damaged manifest
+        raise CheckpointError(str(e)) from None
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
         raise CheckpointError(f"{path}: manifest is not valid JSON ({e})") from None
 

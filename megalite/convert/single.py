@@ -12,8 +12,8 @@ from ..checkpoint.files import remove_tree
 from ..checkpoint.stream import StreamingWriter
 from ..checkpoint.tree import resolve
 from ..config import model_from, path_kind
-from .common import (DTYPES, ConvertError, Progress, _check_out, _full_tensors, _replace, check_manifest_tensors,
-                     open_safetensors, parse_json)
+from .common import (DTYPES, MODEL_KIND, ConvertError, Progress, _check_out, _full_tensors, _replace,
+                     check_manifest_tensors, open_safetensors, parse_json)
 from .hf import export_hf, read_hf_folder
 
 FORMATS = ("megalite", "hf-gpt2")
@@ -30,7 +30,7 @@ def convert(ckpt, out, dtype: str = "fp32", fmt: str = "megalite", force: bool =
     man = mf.read(step)
     check_manifest_tensors(step, man)
     out = Path(out)
-    _check_out(out, force, [step.parent, step])
+    _check_out(out, force, [step.parent, step], fmt)
     total = sum(e.nbytes for e in man.model.values())
     progress = Progress("convert", len(man.model), total, quiet)
     if fmt == "hf-gpt2":
@@ -39,7 +39,7 @@ def convert(ckpt, out, dtype: str = "fp32", fmt: str = "megalite", force: bool =
     remove_tree(tmp)  # a stale temp file, or a symlink planted there: unlinked, never followed (O_NOFOLLOW below)
     torch_dtype = DTYPES[dtype]
     specs = [(n, list(e.shape), torch_dtype) for n, e in man.model.items()]
-    meta = {"format": "pt", "megalite.kind": "model", "megalite.model_config": json.dumps(man.model_config, sort_keys=True),
+    meta = {"format": "pt", "megalite.kind": MODEL_KIND, "megalite.model_config": json.dumps(man.model_config, sort_keys=True),
             "megalite.partitions": json.dumps({n: e.partition.to_json() for n, e in man.model.items()},
                                               sort_keys=True)}
     w = StreamingWriter(tmp, specs, meta, checksum=False, direct=True)
