@@ -16,7 +16,7 @@ export PYTHONPATH="${REPO_ROOT}${PYTHONPATH:+:${PYTHONPATH}}"
 # torchrun forwards SIGTERM/SIGINT (Ctrl-C, a preemption) to the workers, which checkpoint after the step in
 # progress, and SIGKILLs them after its shutdown timeout (torch's default: 30 s). A slow step + a save can
 # take longer, so give them 120 s unless you set TORCH_ELASTIC_SHUTDOWN_TIMEOUT yourself; the workers read the
-# same variable and warn (once) when a step + a save would not fit (README: "Stopping in time").
+# same variable and warn (once) when a step + a save would not fit (docs/checkpointing.md: "Stopping in time").
 export TORCH_ELASTIC_SHUTDOWN_TIMEOUT="${TORCH_ELASTIC_SHUTDOWN_TIMEOUT:-120}"
 
 GPUS=0

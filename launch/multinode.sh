@@ -18,13 +18,13 @@ set -euo pipefail
 
 REPO_ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 # A fresh store per restart attempt, so that a replacement host can join survivors that restarted
-# (README: "Running on a cluster"; pytorch/pytorch#135712).
+# (docs/training.md: "Running on a cluster"; pytorch/pytorch#135712).
 export TORCH_DISABLE_SHARE_RDZV_TCP_STORE="${TORCH_DISABLE_SHARE_RDZV_TCP_STORE:-1}"
 export PYTHONPATH="${REPO_ROOT}${PYTHONPATH:+:${PYTHONPATH}}"
 # torchrun forwards SIGTERM/SIGINT (Ctrl-C, a preemption) to the workers, which checkpoint after the step in
 # progress, and SIGKILLs them after its shutdown timeout (torch's default: 30 s). A slow step + a save can
 # take longer, so give them 120 s unless you set TORCH_ELASTIC_SHUTDOWN_TIMEOUT yourself; the workers read the
-# same variable and warn (once) when a step + a save would not fit (README: "Stopping in time").
+# same variable and warn (once) when a step + a save would not fit (docs/checkpointing.md: "Stopping in time").
 export TORCH_ELASTIC_SHUTDOWN_TIMEOUT="${TORCH_ELASTIC_SHUTDOWN_TIMEOUT:-120}"
 
 NNODES="${NNODES:-${SLURM_NNODES:-}}"

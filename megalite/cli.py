@@ -30,11 +30,15 @@ EPILOGS = {
     "verify": "examples:\n  megalite verify runs/demo/checkpoints                  # the step `latest` names\n"
               "  megalite verify runs/demo/checkpoints/step_00000150",
     "convert": "examples:\n  megalite convert runs/demo/checkpoints --out runs/demo/model.safetensors\n"
-               "  megalite convert runs/demo/checkpoints --format hf-gpt2 --out runs/demo/hf/",
+               "  megalite convert runs/demo/checkpoints --format hf-gpt2 --out runs/demo/hf/\n"
+               "  megalite convert megatron/ckpts --vocab-size 50257 --format hf-gpt2 --out hf/   (Megatron-LM)\n"
+               "  megalite convert dcp_ckpt/step-100 --out step-100.safetensors   (PyTorch DCP, e.g. torchtitan)\n"
+               "  megalite convert runs/demo/checkpoints --format dcp --out runs/demo/dcp/",
     "split": "example:\n  megalite split runs/demo/model.safetensors --tp 2 --pp 2 --dp 1 --out runs/split-221/",
     "reshard": "example:\n  megalite reshard runs/demo/checkpoints --tp 1 --pp 4 --dp 2 --out runs/reshard-142/",
     "bench": "examples:\n  megalite bench ckpt --size-mb 1024 --world 4\n  megalite bench train --steps 10 --nproc 4\n"
-             "  megalite bench plan --tp 8 --pp 16 --dp 8,32,128 --reshard-to 8,8,256   (GPT-3 175B shape)",
+             "  megalite bench plan --tp 8 --pp 16 --dp 8,32,128 --reshard-to 8,8,256   (GPT-3 175B shape)\n"
+             "  megalite bench dcp --size-mb 300",
     "stress": "example:\n  megalite stress ckpt --trials 10",
     "generate": "example:\n  megalite generate --model runs/demo/model.safetensors --prompt 'def ' --max-new-tokens 100",
 }
@@ -122,7 +126,8 @@ def _cmd_verify(args, rest) -> int:
 
 def _cmd_convert(args, rest) -> int:
     from .convert import convert
-    out = convert(args.ckpt, args.out, dtype=args.dtype, fmt=args.format, force=args.force, quiet=args.quiet)
+    out = convert(args.ckpt, args.out, dtype=args.dtype, fmt=args.format, force=args.force, quiet=args.quiet,
+                  source=args.source, vocab_size=args.vocab_size)
     if not args.quiet:
         print(f"convert: wrote {out}")
     return 0
@@ -169,7 +174,10 @@ def _cmd_stress(args, rest) -> int:
 def _cmd_bench(args, rest) -> int:
     if args.what == "ckpt":
         from .tools.bench.ckpt import bench_ckpt
-        bench_ckpt(size_mb=args.size_mb, world=args.world, repeats=args.repeats, dir=args.dir)
+        bench_ckpt(size_mb=args.size_mb or 1024, world=args.world, repeats=args.repeats, dir=args.dir)
+    elif args.what == "dcp":
+        from .tools.bench.dcp import bench_dcp
+        bench_dcp(size_mb=args.size_mb or 300, repeats=args.repeats, dir=args.dir)
     elif args.what == "plan":
         from .tools.bench.plan import bench_plan_cli
         bench_plan_cli(args)
@@ -223,11 +231,18 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--out", default="loss.png")
 
     p = add("convert", "reassemble a checkpoint of any layout into one safetensors file (or an HF GPT-2 "
-                       "folder with --format hf-gpt2), one tensor at a time", _cmd_convert)
-    p.add_argument("ckpt", help="a step folder, or a checkpoint root (the step `latest` names)")
+                       "folder with --format hf-gpt2, a DCP folder with --format dcp), one tensor at a time; "
+                       "also from a Megatron-LM (torch_dist) or PyTorch DCP checkpoint, no pickle of theirs run",
+            _cmd_convert)
+    p.add_argument("ckpt", help="a step folder, or a checkpoint root (the step `latest` names); a Megatron-LM or "
+                                "DCP checkpoint folder")
     p.add_argument("--out", required=True)
-    p.add_argument("--dtype", default="fp32", help="fp32 | bf16 | fp16")
-    p.add_argument("--format", default="megalite", help="megalite (one .safetensors) | hf-gpt2 (a folder)")
+    p.add_argument("--dtype", default=None, help="fp32 | bf16 | fp16 (default fp32; from DCP: as stored)")
+    p.add_argument("--format", default="megalite", help="megalite (one .safetensors) | hf-gpt2 (a folder) | dcp "
+                                                        "(a DCP folder, Hugging Face storage format)")
+    p.add_argument("--from", dest="source", default=None, metavar="KIND",
+                   help="megalite | dcp | megatron (default: recognised from the folder)")
+    p.add_argument("--vocab-size", type=int, default=None, help="megatron: cut the padded vocabulary to this")
     p.add_argument("--force", action="store_true", help="replace --out if it exists")
     p.add_argument("--quiet", action="store_true")
 
@@ -266,9 +281,11 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = add("bench", "benchmarks: `bench ckpt` (saves/loads vs DCP, torch.save and the disk), `bench train` "
                      "(vs plain PyTorch, pipeline bubbles, layouts), `bench plan` (checkpoint write plan and "
-                     "manifest at thousands of ranks, no tensors)", _cmd_bench)
-    p.add_argument("what", choices=["ckpt", "train", "plan"])
-    p.add_argument("--size-mb", type=float, default=1024, help="ckpt: model + optimizer bytes over all ranks")
+                     "manifest at thousands of ranks, no tensors), `bench dcp` (a DCP checkpoint to one file: "
+                     "megalite convert vs dcp_to_torch_save)", _cmd_bench)
+    p.add_argument("what", choices=["ckpt", "train", "plan", "dcp"])
+    p.add_argument("--size-mb", type=float, default=None, help="ckpt: model + optimizer bytes over all ranks "
+                                                                "(1024); dcp: the DCP checkpoint's size (300)")
     p.add_argument("--world", type=int, default=4, help="ckpt: gloo processes")
     p.add_argument("--repeats", type=int, default=3, help="ckpt: repetitions of each measurement")
     p.add_argument("--dir", default=None, help="ckpt: folder to write in (default: the temp folder)")

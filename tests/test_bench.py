@@ -1,19 +1,36 @@
-"""`megalite bench ckpt|train` run end to end at a tiny size and print their tables (timings are not checked)."""
+"""`megalite bench ckpt|train|dcp` run end to end at a tiny size and print their tables (timings are not checked)."""
 from __future__ import annotations
 
 import re
+import shlex
 
 import pytest
 
 from helpers import cli, ok
+from megalite.tools import transcripts
 
 
 def _run(*args, cwd) -> str:
     return ok(cli("bench", *args, cwd=cwd, timeout=300)).stdout
 
 
+def _documented(session: str, tmp_path, *extra) -> tuple:
+    """The bench as docs/performance.md and docs/parallelism.md show it, run once at the small size of
+    transcripts.SMALL_ARGS: (its output, the shown lines whose shape it no longer prints)."""
+    outs = []
+
+    def runner(cmd):
+        outs.append(_run(*shlex.split(cmd)[2:], *extra, cwd=tmp_path))
+        return outs[-1]
+
+    problems = transcripts.check(session, runner)
+    assert len(outs) == 1
+    return outs[0], problems
+
+
 def test_bench_ckpt_prints_its_table(tmp_path):
-    out = _run("ckpt", "--size-mb", "8", "--world", "2", "--repeats", "1", "--dir", str(tmp_path), cwd=tmp_path)
+    out, shown = _documented("bench-ckpt", tmp_path, "--dir", str(tmp_path))
+    assert "--size-mb 8 --world 2 --repeats 1" in transcripts.small_command("bench-ckpt", "megalite bench ckpt")
     assert "operation" in out and "median s (min-max)" in out and "vs DCP" in out and "of disk" in out
     for op in ("disk write, 1 stream", "disk read, 2 streams", "megalite save", "megalite load",
                "megalite load, resharded", "megalite async save: blocked", "megalite async save: until commit",
@@ -34,11 +51,14 @@ def test_bench_ckpt_prints_its_table(tmp_path):
                      r"-?[\d.]+ s = [\d.]+ s = [\d.]+% of the sync save", summary)
     assert re.search(r"resharded / same-layout load: [\d.]+x \(ratio of medians over 2 loads each", summary)
     assert list(tmp_path.iterdir()) == [], "the benchmark leaves nothing behind"
+    assert shown == [], "docs/performance.md shows lines the bench no longer prints"
 
 
 def test_bench_train_prints_its_tables(tmp_path):
-    out = _run("train", "--steps", "2", "--nproc", "2", "--n-embd", "32", "--block-size", "32", "--rounds", "1",
-               "--bubble-wait-ms", "2", cwd=tmp_path)
+    out, shown = _documented("bench-train", tmp_path)
+    assert "--steps 2 --nproc 2 --n-embd 32 --block-size 32 --rounds 1 --bubble-wait-ms 2" in \
+        transcripts.small_command("bench-train", "megalite bench train")
+    assert shown == [], "docs/performance.md or docs/parallelism.md shows lines the bench no longer prints"
     assert "megalite / plain tokens/s" in out
     for header in ("tokens/s", "idle measured", "theory", "saved activations", "tp,pp,dp", "comm"):
         assert header in out, header
@@ -57,6 +77,25 @@ def test_bench_train_prints_its_tables(tmp_path):
     for rc in ("none", "selective", "full"):
         for sp in ("off", "on"):
             assert re.search(rf"\n2 +{rc} +{sp} .* 1\.000 ", out), (rc, sp)
+
+
+def test_bench_dcp_prints_its_table(tmp_path):
+    """Through the CLI's main() in this process (its 2-rank save reuses the warm run_parallel fork server; the
+    conversions it measures still run in fresh interpreters)."""
+    import contextlib
+    import io
+    from megalite.cli import main
+    buf = io.StringIO()
+    with contextlib.redirect_stdout(buf):
+        assert main(["bench", "dcp", "--size-mb", "6", "--repeats", "1", "--dir", str(tmp_path)]) == 0
+    out = buf.getvalue()
+    assert "DCP checkpoint" in out and "as DTensor shards of 2 gloo ranks" in out
+    for op in ("megalite convert", "dcp_to_torch_save"):
+        assert re.search(rf"\n{op} +1 +\d+\.\d{{3}} ", out), op  # the live row
+        assert re.search(rf"\n{op} +[\d.]+ MiB +\d+\.\d{{3}} \(", out), op  # the summary row
+    assert re.search(r"megalite convert / dcp_to_torch_save: time [\d.]+x \(ratio of medians; [\d.]+-[\d.]+x in the "
+                     r"pairs measured together\); peak RSS growth \d+ / \d+ MiB", out)
+    assert list(tmp_path.iterdir()) == [], "the benchmark leaves nothing behind"
 
 
 def test_stream_table_prints_each_row_when_it_is_measured():

@@ -105,3 +105,16 @@ def test_cli_prints_the_table_and_refuses_bad_flags():  # errors: main() prints 
                          [["--pp", "64", "--vpp", "2"], "--pp 64 x --vpp 2 is larger than --n-layer 96"]):
         with pytest.raises(ConfigError, match=match):
             bench_plan_cli(build_parser().parse_args(["bench", "plan", *flags]))
+
+
+def test_the_documented_tables_still_have_their_shape(tmp_path):
+    """docs/performance.md's two `megalite bench plan` tables (175B shape, 16,384 ranks), run small
+    (transcripts.SMALL_ARGS) in this process: every shown line is still a line the bench prints."""
+    from megalite.tools import transcripts
+
+    def runner(cmd):
+        rc, out = transcripts.run_command(cmd, tmp_path)
+        assert rc == 0, out
+        return out
+
+    assert transcripts.check("bench-plan", runner) == []

@@ -1,8 +1,7 @@
-"""Bring your own model and optimizer: README's recipe (executed from the README itself) with a plain nn.Module
-and torch.optim.AdamW, saved at (tp, pp, dp) = (2, 1, 2) and loaded at (1, 2, 1), against the same model and
+"""Bring your own model and optimizer: docs/checkpointing.md's recipe (executed from the page itself) with a
+plain nn.Module and torch.optim.AdamW, saved at (tp, pp, dp) = (2, 1, 2) and loaded at (1, 2, 1), against the same model and
 optimizer trained by plain torch in one process; SGD-with-momentum and Adam(amsgrad) round trips; the errors."""
 import json
-import re
 from pathlib import Path
 
 import pytest
@@ -15,18 +14,17 @@ from megalite.checkpoint import manifest as mf
 from megalite.parallel.grid import ParallelGrid
 from megalite.testing import run_parallel
 
-README = Path(__file__).resolve().parent.parent / "README.md"
 SAVED_AT, STEPS = 3, 5
 
 
 def recipe() -> dict:
-    """The README's byo.py block, executed: its functions and constants."""
-    text = README.read_text(encoding="utf-8")
-    m = re.search(r"<!-- byo\.py: tests/test_byo\.py executes the next code block -->\n```python\n(.*?)\n```",
-                  text, re.S)
-    assert m, "README.md lost the byo.py recipe block"
+    """docs/checkpointing.md's byo.py block (marked `tested-by: tests/test_byo.py...`), executed: its functions
+    and constants."""
+    from megalite.tools.transcripts import blocks
+    found = [b for b in blocks() if b.kind == "tested-by" and "tests/test_byo.py" in b.arg and "byo.py" in b.arg]
+    assert len(found) == 1, "docs/checkpointing.md lost the byo.py recipe block"
     ns = {"__name__": "byo"}
-    exec(compile(m[1], "README.md:byo.py", "exec"), ns)
+    exec(compile(found[0].body, f"{found[0].file}:byo.py", "exec"), ns)
     return ns
 
 
@@ -94,7 +92,7 @@ def _gather_full(net, opt, grid) -> dict:
 
 
 def _save_212(rank, world_size, tmp_dir):
-    """(2,1,2): README's main() trains 3 steps and saves; a same-layout load into another model and an
+    """(2,1,2): the recipe's main() trains 3 steps and saves; a same-layout load into another model and an
     optimizer built with another lr is bitwise, hyperparameters included. Rank 0 keeps the whole live state."""
     r, tmp = recipe(), Path(tmp_dir)
     net, opt, losses = r["main"](2, 1, 2, SAVED_AT, root=str(tmp / "ckpt"))
@@ -116,7 +114,7 @@ def _save_212(rank, world_size, tmp_dir):
 
 def _load_121(rank, world_size, tmp_dir):
     """(1,2,1): each stage builds only its half of the layers; load, report the whole loaded state, and let
-    README's main() resume from the checkpoint and train steps 4 and 5."""
+    the recipe's main() resume from the checkpoint and train steps 4 and 5."""
     r, tmp = recipe(), Path(tmp_dir)
     grid = ParallelGrid.create(r["megalite"].Layout(1, 2, 1))
     net = r["build"](grid, seed=7)  # another seed: only the checkpoint can make it right

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import errno
 import os
+import shlex
 import shutil
 import signal
 import subprocess
@@ -399,11 +400,20 @@ def test_stress_ckpt_one_trial(tmp_path, token_file):
     work.mkdir()
     shutil.copy(token_file, work / "tokens.bin")  # skip building the default corpus
     shutil.copy(Path(token_file).with_suffix(".json"), work / "tokens.json")
-    p = ok(_run([*MEGALITE, "stress", "ckpt", "--trials", "1", "--steps", "8", "--seed", "11",
-                 "--width", "32", "--workdir", str(work)], timeout=300))
+    from megalite.tools import transcripts
+    runs = []  # docs/reliability.md's `megalite stress ckpt --trials 10`, small: --trials 1 --steps 8 --seed 11 ...
+
+    def runner(cmd):
+        runs.append(ok(_run([*MEGALITE, *shlex.split(cmd)[1:], "--workdir", str(work)], timeout=300)))
+        return runs[-1].stdout
+
+    shown = transcripts.check("stress", runner)
+    (p,) = runs
+    assert "--trials 1 --steps 8 --seed 11 --width 32" in transcripts.small_command("stress", "--trials 10")
     lines = p.stdout.strip().splitlines()
     assert lines[-2].split() == ["trials", "valid", "latest", "resumed", "exactly", "killed", "mid-save",
                                  "data", "lost"], p.stdout
     trials, valid, exact, mid_save, lost = map(int, lines[-1].split())
     assert trials == valid == exact == 1 and lost == 0, p.stdout
     assert mid_save == 1, "the kill did not land inside a save:\n" + p.stdout
+    assert shown == [], "docs/reliability.md shows lines the harness no longer prints"

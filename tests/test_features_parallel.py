@@ -19,8 +19,9 @@ from megalite.train import train
 
 # Bigger micro-batches than the reference's 2 where a run does not need many: fewer micro-steps, hence fewer
 # collectives (the test's cost); the mean of equal-sized micro-batch means is the same loss (fp32 roundoff only).
-# A: m = 2 = pp micro-batches per dp rank, so its interleaved order runs every forward first (Megatron's choice at
-# m == pp); the 1F1B steady state of the interleaved order is proven by C (m = 8, pp = 4) and D (m = 4, pp = 2).
+# A: m = 2 = pp micro-batches per dp rank: rank 0 runs all 4 virtual forwards first, rank 1 two, then 1F1B
+# (megatron-core's warm-up rule, which no longer special-cases m == pp); the 1F1B steady state of the interleaved
+# order is proven by C (m = 8, pp = 4) and D (m = 4, pp = 2) as well.
 MICRO4 = {"train.micro_batch_size": 4}
 A = {"parallel.tp": 2, "parallel.pp": 2, "parallel.dp": 2, "parallel.sp": True, "parallel.vpp": 2,
      "train.recompute": "selective", "parallel.overlap_grad_reduce": True, "parallel.zero1": True,

@@ -1,16 +1,13 @@
-"""What a new user meets first: --help with examples, --version, progress, plot, and the README walkthrough."""
-import contextlib
-import io
+"""What a new user meets first: --help with examples, --version, progress, plot, and README command 2 = CI.
+(The README walkthrough runs in tests/test_docs.py, with every other command of the documents.)"""
 import re
 import runpy
-import shlex
-import shutil
 import sys
 from pathlib import Path
 
 import pytest
 
-from helpers import TORCHRUN, cli, run
+from helpers import cli, run
 from megalite import __version__
 from megalite.cli import build_parser
 from megalite.cli import main as megalite_main
@@ -72,51 +69,6 @@ def test_plot_writes_a_png(tmp_path):
     assert img.shape[0] > 100 and img.shape[1] > 100 and img.std() > 0.01  # a drawn chart, not a blank page
     r = cli("plot", tmp_path / "missing", "--out", tmp_path / "x.png", cwd=ROOT)
     assert r.returncode == 2 and "metrics.jsonl" in r.stderr and not (tmp_path / "x.png").exists()
-
-
-def _walkthrough_commands() -> list[str]:
-    text = (ROOT / "README.md").read_text()
-    block = text.split("<!-- walkthrough:begin -->", 1)[1].split("<!-- walkthrough:end -->", 1)[0]
-    return [line[2:] for line in block.splitlines() if line.startswith("$ ")]
-
-
-def test_readme_walkthrough_runs(tmp_path, monkeypatch):
-    """Run the README's walkthrough commands as written, in a copy of configs/ with a smaller tiny-cpu.toml.
-    torchrun (and `ls`) are real launches; `megalite ...` runs in this process, through the CLI's main() with
-    the same argv (as test_reference's fine-tune walkthrough: no interpreter start-up and `import torch` each)."""
-    cmds = _walkthrough_commands()
-    assert len(cmds) >= 7 and any("megalite convert" in c for c in cmds) and any("--tree" in c for c in cmds)
-    shutil.copytree(ROOT / "configs", tmp_path / "configs")
-    cfg = (tmp_path / "configs" / "tiny-cpu.toml").read_text()
-    for key, value in (("steps", "6"), ("interval", "3"), ("eval_interval", "3"), ("log_interval", "2"),
-                       ("n_embd", "32"), ("block_size", "32")):
-        cfg = re.sub(rf"^{key} = .*$", f"{key} = {value}", cfg, flags=re.M)
-    (tmp_path / "configs" / "tiny-cpu.toml").write_text(cfg + "\n")
-    # a small corpus instead of the stdlib default, so the test does not spend its time on data
-    (tmp_path / "data").mkdir()
-    from megalite.data import prepare
-    src = tmp_path / "corpus.txt"
-    src.write_text("".join(f"def f{i}(x):\n    return x + {i}\n" for i in range(3000)))
-    prepare([src], tmp_path / "data" / "stdlib.bin", log=lambda *a: None)
-    for cmd in cmds:
-        cmd = cmd.replace("--train.steps=200", "--train.steps=9")
-        argv = shlex.split(cmd.replace("$(cat runs/walk/ckpt/latest)",
-                                       (tmp_path / "runs/walk/ckpt/latest").read_text().strip()
-                                       if (tmp_path / "runs/walk/ckpt/latest").exists() else ""))
-        if argv[0] == "megalite":
-            monkeypatch.chdir(tmp_path)
-            with contextlib.redirect_stdout(io.StringIO()):
-                assert megalite_main(argv[1:]) == 0, f"`{cmd}` failed"
-            continue
-        if argv[0] == "torchrun":
-            argv = [*TORCHRUN, "--standalone", *argv[1:]]
-        r = run(argv, cwd=tmp_path, timeout=600)
-        assert r.returncode == 0, f"`{cmd}` failed:\n{r.stdout[-2000:]}\n{r.stderr[-3000:]}"
-    assert (tmp_path / "runs/walk/model.safetensors").is_file()
-    assert (tmp_path / "runs/walk/loss.png").read_bytes()[:4] == b"\x89PNG"
-    from megalite import metrics
-    assert [r["step"] for r in metrics.read(tmp_path / "runs/walk-pp4")] == [7, 8, 9]  # from (2,2,2)'s step 6
-    assert [(e["step"], e["layout"]) for e in metrics.events(tmp_path / "runs/walk-pp4")] == [(6, "tp=1 pp=4 dp=1")]
 
 
 def test_ci_runs_the_readme_test_command():

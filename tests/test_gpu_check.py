@@ -1,23 +1,39 @@
 """launch/gpu-check.sh --dry-run: the GPU check's steps on the CPU with a tiny model, and its failure exit."""
+import shlex
 from pathlib import Path
 
 import pytest
 import torch
 
 from helpers import run
+from megalite.tools import transcripts
 
 SCRIPT = Path(__file__).resolve().parents[1] / "launch" / "gpu-check.sh"
 
 
-def test_gpu_check_dry_run_passes(tmp_path):
-    p = run(["bash", SCRIPT, "--dry-run", "--window", "0.5", "--dir", tmp_path], timeout=240)
+def _script(cmd: str, tmp_path) -> str:
+    """A documented `bash launch/gpu-check.sh ...` command (small), run as it is shown, in `tmp_path`."""
+    p = run(["bash", SCRIPT, *shlex.split(cmd)[2:], "--dir", tmp_path], timeout=240)
     assert p.returncode == 0, p.stdout + p.stderr
-    out = p.stdout
+    return p.stdout
+
+
+def test_gpu_check_dry_run_passes(tmp_path):
+    outs = []
+    shown = transcripts.check("gpu-dry", lambda cmd: outs.append(_script(cmd, tmp_path)) or outs[-1])
+    (out,) = outs
+    assert "--window 0.5" in transcripts.small_command("gpu-dry", "bash launch/gpu-check.sh --dry-run")
     for line in ("DRY RUN", "\ncheck  ", "\n1. bf16 matmul (256x256) ", " TFLOP/s\n",
                  "\n2. train 2x64 bf16 (1,1,1), ", " tokens/s\n", "\n2. MFU ", "\n3. sync save from cpu memory ",
                  "\n3. async buffers, allocated once at start-up ", "\n3. async save stall (held, no copy) ", " ms\n", "\n3. load (async checkpoint) ",
                  "\n3. verify both; load, fp32 and bf16 files vs live ", " ok\n", "\ngpu-check: all checks passed"):
         assert line in out, (line, out)
+    assert shown == [], "docs/parallelism.md's dry run shows lines the script no longer prints"
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU: the H200 transcript of docs/parallelism.md")
+def test_gpu_check_on_a_gpu_prints_the_documented_lines(tmp_path):
+    assert transcripts.check("gpu", lambda cmd: _script(cmd, tmp_path)) == []
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="this machine has a GPU: the real run would start")

@@ -15,8 +15,6 @@ import contextlib
 import io
 import json
 import math
-import re
-import shlex
 import shutil
 from pathlib import Path
 
@@ -336,40 +334,21 @@ def test_live_tp4_and_pp4_checkpoints_convert_identically(runs):
             assert H.rel_err(tensors[key], t) < 1e-4, (name, key)
 
 
-# ---------------------------------------------------------------- the README's fine-tuning walkthrough
-def _finetune_commands() -> list[str]:
-    text = (ROOT / "README.md").read_text()
-    block = text.split("<!-- finetune:begin -->", 1)[1].split("<!-- finetune:end -->", 1)[0]
-    return [line[2:] for line in block.splitlines() if line.startswith("$ ")]
-
-
-def test_readme_finetune_walkthrough_runs(tmp_path, monkeypatch):
+# ---------------------------------------------------------------- the fine-tuning walkthrough (docs/converting.md)
+def test_readme_finetune_walkthrough_runs(tmp_path):
     """HF folder -> split (2,2,2) -> fine-tune on a text file under torchrun -> convert back -> transformers,
-    the README's commands as written (2 training steps instead of the README's). torchrun is a real launch;
-    `megalite ...` and `python3 -c ...` run in this process (same code, no interpreter start-up)."""
-    cmds = _finetune_commands()
-    assert [c.split()[0:2] for c in cmds] == [["python3", "-c"], ["megalite", "split"], ["megalite", "prepare"],
-                                              ["torchrun", "--nproc-per-node"], ["megalite", "convert"],
-                                              ["python3", "-c"]]
-    shutil.copytree(ROOT / "configs", tmp_path / "configs")
-    (tmp_path / "my-notes.txt").write_text(H.stdlib_text(30_000))
-    monkeypatch.chdir(tmp_path)
-    outputs = []
-    for cmd in cmds:
-        argv = shlex.split(re.sub(r"--train\.steps=\d+", "--train.steps=2", cmd))
-        if argv[0] == "torchrun":
-            r = H.run([*H.TORCHRUN, "--standalone", *argv[1:]], cwd=tmp_path, timeout=H.TORCHRUN_TIMEOUT)
-            assert r.returncode == 0, f"`{cmd}` failed:\n{r.stdout[-2000:]}\n{r.stderr[-3000:]}"
-            outputs.append(r.stdout)
-            continue
-        buf = io.StringIO()
-        with contextlib.redirect_stdout(buf):
-            if argv[0] == "megalite":
-                assert megalite_main(argv[1:]) == 0, cmd
-            else:
-                exec(argv[2], {})
-        outputs.append(buf.getvalue())
-    assert "resumed from runs/ft/start/step_00000000 at step 0" in outputs[3] and "step     2/2" in outputs[3]
+    docs/converting.md's commands as written (6 training steps instead of 100) through the transcripts runner:
+    torchrun is a real launch; `megalite ...` and `python3 -c ...` run in this process (same code, no
+    interpreter start-up); every printed line has the shape the page shows."""
+    from megalite.tools import transcripts
+    (block,) = transcripts.session_blocks("ft")
+    assert [c.split()[0:2] for c, _ in block.commands()] == [
+        ["python3", "-c"], ["megalite", "split"], ["megalite", "prepare"], ["torchrun", "--nproc-per-node"],
+        ["megalite", "convert"], ["python3", "-c"]]
+    res = transcripts.run_session("ft", tmp_path)
+    assert res.problems() == []
+    outputs = [text for _, _, text in res.runs[0]]
+    assert "resumed from runs/ft/start/step_00000000 at step 0" in outputs[3] and "step     6/6" in outputs[3]
     before = load_file(str(tmp_path / "gpt2-random" / "model.safetensors"))
     after = load_file(str(tmp_path / "gpt2-finetuned" / "model.safetensors"))
     assert before.keys() == after.keys() and not torch.equal(before["transformer.h.0.attn.c_attn.weight"],

@@ -26,6 +26,9 @@ from .files import no_follow, open_read
 
 ST_DTYPES = {torch.float32: "F32", torch.bfloat16: "BF16", torch.float16: "F16"}
 _FROM_ST = {v: k for k, v in ST_DTYPES.items()}
+# what a StreamingWriter can write: also the other safetensors dtypes a foreign checkpoint holds (convert/dcp.py)
+WRITABLE = {**ST_DTYPES, torch.float64: "F64", torch.int64: "I64", torch.int32: "I32", torch.int16: "I16",
+            torch.int8: "I8", torch.uint8: "U8", torch.bool: "BOOL"}
 
 
 def crc32c(data, value: int = 0) -> int:
@@ -42,7 +45,8 @@ def block_crcs(data, block: int) -> list[str]:
 
 def raw_bytes(t: torch.Tensor) -> memoryview:
     """The raw little-endian bytes of a contiguous CPU tensor, without a copy (writable: reads land in it)."""
-    return memoryview(t.contiguous().view(torch.uint8).numpy()).cast("B") if t.numel() else memoryview(b"")
+    flat = t.contiguous().reshape(-1)  # 1-d: a 0-dim tensor (an optimizer's step) cannot be viewed as bytes
+    return memoryview(flat.view(torch.uint8).numpy()).cast("B") if t.numel() else memoryview(b"")
 
 
 ALIGN = 4096  # O_DIRECT: file offsets, lengths and memory addresses in multiples of the logical block (<= 4 KiB)
@@ -164,7 +168,7 @@ class StreamingWriter:
         header, offset = {"__metadata__": metadata}, 0
         for name, shape, dtype in specs:
             n = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
-            header[name] = {"dtype": ST_DTYPES[dtype], "shape": list(shape), "data_offsets": [offset, offset + n]}
+            header[name] = {"dtype": WRITABLE[dtype], "shape": list(shape), "data_offsets": [offset, offset + n]}
             offset += n
         blob = json.dumps(header, separators=(",", ":")).encode()
         blob += b" " * (-len(blob) % 8)

@@ -7,6 +7,10 @@ the slices. Only `split` (whose input has no manifest) asks the model code for t
     single.py    `megalite convert`: one safetensors file; reading one model file back
     hf.py        Hugging Face GPT-2 names, config.json, export and import
     resharding.py `megalite split` and `megalite reshard`: a whole checkpoint written in one process
+    foreign.py   other trainers' checkpoints: source detection (--from), the converter for them, --format dcp
+    megatron.py  a Megatron-LM torch_dist GPT as megalite names and layout (refusing what megalite does not model)
+    dcp.py       PyTorch DCP folders read chunk by chunk (no pickle run) and written in DCP's HF storage format
+    unpickle.py  the allow-list unpickler for the pickles those formats keep their indexes in
 """
 from .common import DTYPES, ConvertError, Progress, check_layout, check_manifest_tensors, model_partitions
 from .resharding import reshard, split

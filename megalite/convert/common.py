@@ -52,10 +52,14 @@ class Progress:
 # ---------------------------------------------------------------- output safety
 # What each kind of output is, and the marker by which megalite recognises one it wrote (what --force may replace).
 MODEL_KIND = "model"  # safetensors metadata "megalite.kind" of a `megalite convert` model file
+FILE_KINDS = (MODEL_KIND, "dcp")  # ... of any single file convert writes (a plain DCP source's file says "dcp")
 HF_KIND = "hf-gpt2"  # ... of the model.safetensors of a `convert --format hf-gpt2` folder
 HF_FILES = {"config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json"}  # what that folder holds
+DCP_OUT = "megalite.output"  # safetensors metadata of a `convert --format dcp` folder's file: "dcp"
+HF_FILE, HF_INDEX = "model-00001-of-00001.safetensors", "model.safetensors.index.json"  # that folder's two files
 OUT_KINDS = {"megalite": "a model file written by `megalite convert`",
              "hf-gpt2": "an HF GPT-2 folder written by `megalite convert --format hf-gpt2`",
+             "dcp": "a DCP folder written by `megalite convert --format dcp`",
              "checkpoint": "a checkpoint root written by megalite (`latest`, step folders, its lock)"}
 
 
@@ -96,15 +100,17 @@ def not_ours(out: Path, kind: str) -> str:
     if out.is_symlink():
         return f"a symbolic link to '{os.readlink(out)}'"
     if kind == "megalite":
-        return "" if _st_kind(out) == MODEL_KIND else _what(out, "megalite.kind")
+        return "" if _st_kind(out) in FILE_KINDS else _what(out, "megalite.kind")
     if not out.is_dir():
         return _what(out, None)
     names = {p.name for p in out.iterdir()}
-    if kind == "hf-gpt2":
-        other = sorted(names - HF_FILES)
+    if kind in ("hf-gpt2", "dcp"):
+        allowed, main, marker, want = ((HF_FILES, "model.safetensors", "megalite.kind", HF_KIND) if kind == "hf-gpt2"
+                                       else ({HF_FILE, HF_INDEX}, HF_FILE, DCP_OUT, "dcp"))
+        other = sorted(names - allowed)
         if other:
             return f"it holds '{other[0]}'" + (f" and {len(other) - 1} more" if len(other) > 1 else "")
-        return "" if _st_kind(out / "model.safetensors") == HF_KIND else "its model.safetensors has no megalite marker"
+        return "" if _st_kind(out / main, marker) == want else f"its {main} has no megalite marker"
     for name in sorted(names):  # a checkpoint root: `latest`, its lock, step folders with manifests, temp names
         p = out / name
         if name in (LATEST, LOCK, LATEST_TMP) and not p.is_dir():
@@ -117,10 +123,10 @@ def not_ours(out: Path, kind: str) -> str:
     return ""
 
 
-def _st_kind(path: Path) -> str:
-    """The "megalite.kind" of a safetensors file's metadata ('' if it is no such file)."""
+def _st_kind(path: Path, key: str = "megalite.kind") -> str:
+    """The `key` of a safetensors file's metadata ('' if it is no such file)."""
     try:
-        return str(read_metadata(path).get("megalite.kind", ""))
+        return str(read_metadata(path).get(key, ""))
     except (OSError, ValueError):
         return ""
 

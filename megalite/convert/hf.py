@@ -143,23 +143,29 @@ def hf_config(m: dict) -> dict:
 
 
 def export_hf(step: Path, man: dict, out: Path, dtype: torch.dtype, progress: Progress) -> Path:
+    return write_hf(out, man.model_config, {n: e.shape for n, e in man.model.items()},
+                    _full_tensors(step, man, progress), dtype)
+
+
+def write_hf(out: Path, model_config: dict, shapes: dict, tensors, dtype: torch.dtype) -> Path:
+    """megalite-named tensors (in the order of `shapes`) -> an HF GPT-2 folder at `out`."""
     tmp = out.with_name(out.name + ".tmp-megalite")
     remove_tree(tmp)  # a stale folder, or a symlink planted there: unlinked, never followed
     tmp.mkdir(parents=True)
     specs = []
-    for name, e in man.model.items():  # shapes only: transforms applied to meta tensors
-        for hf_name, t in _to_hf(name, torch.empty(e.shape, device="meta")):
+    for name, shape in shapes.items():  # shapes only: transforms applied to meta tensors
+        for hf_name, t in _to_hf(name, torch.empty(shape, device="meta")):
             specs.append((hf_name, list(t.shape), dtype))
     order = {n: i for i, (n, _, _) in enumerate(specs)}
     w = StreamingWriter(tmp / "model.safetensors", specs, {"format": "pt", "megalite.kind": HF_KIND}, checksum=False,
                         direct=True)
     try:
-        for name, t in _full_tensors(step, man, progress):
+        for name, t in tensors:
             for hf_name, ht in _to_hf(name, t):
                 assert order[hf_name] == w.next
                 w.write(hf_name, ht.to(dtype))
         w.close()
-        cfg = hf_config(man.model_config)
+        cfg = hf_config(model_config)
         cfg["torch_dtype"] = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}[dtype]
         write_new(tmp / "config.json", (json.dumps(cfg, indent=2) + "\n").encode())
         write_byte_tokenizer(tmp, cfg["n_positions"])  # so AutoTokenizer / pipeline work on the folder as is

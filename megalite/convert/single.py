@@ -3,29 +3,36 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Callable
+from typing import Callable, Optional
 
 import torch
 
 from ..checkpoint import manifest as mf
-from ..checkpoint.files import remove_tree
-from ..checkpoint.stream import StreamingWriter
 from ..checkpoint.tree import resolve
 from ..config import model_from, path_kind
-from .common import (DTYPES, MODEL_KIND, ConvertError, Progress, _check_out, _full_tensors, _replace,
-                     check_manifest_tensors, open_safetensors, parse_json)
+from .common import (DTYPES, MODEL_KIND, ConvertError, Progress, _check_out, _full_tensors, check_manifest_tensors,
+                     open_safetensors, parse_json)
+from .dcp import write_file
+from .foreign import convert_foreign, export_dcp, read_megatron_model, source_kind
 from .hf import export_hf, read_hf_folder
 
-FORMATS = ("megalite", "hf-gpt2")
+FORMATS = ("megalite", "hf-gpt2", "dcp")
 
 
-def convert(ckpt, out, dtype: str = "fp32", fmt: str = "megalite", force: bool = False,
-            quiet: bool = False) -> Path:
-    """Reassemble the model of any layout into one safetensors file (or an HF GPT-2 folder)."""
+def convert(ckpt, out, dtype: Optional[str] = None, fmt: str = "megalite", force: bool = False,
+            quiet: bool = False, source: Optional[str] = None, vocab_size: Optional[int] = None) -> Path:
+    """Reassemble the model of any layout into one safetensors file (or an HF GPT-2 / a DCP folder); a
+    Megatron-LM or DCP checkpoint too (foreign.py). dtype: fp32 unless given (a DCP source: as stored)."""
     if fmt not in FORMATS:
         raise ConvertError(f"--format '{fmt}': expected one of {', '.join(FORMATS)}")
-    if dtype not in DTYPES:
+    if dtype is not None and dtype not in DTYPES:
         raise ConvertError(f"--dtype '{dtype}': expected one of {', '.join(DTYPES)}")
+    kind = source_kind(Path(ckpt), source)
+    if kind != "megalite":
+        return convert_foreign(Path(ckpt), kind, Path(out), fmt, dtype, vocab_size, force, quiet)
+    if vocab_size is not None:
+        raise ConvertError("--vocab-size: only for a Megatron checkpoint (this source is a megalite checkpoint)")
+    dtype = dtype or "fp32"
     step = resolve(ckpt)
     man = mf.read(step)
     check_manifest_tensors(step, man)
@@ -35,29 +42,24 @@ def convert(ckpt, out, dtype: str = "fp32", fmt: str = "megalite", force: bool =
     progress = Progress("convert", len(man.model), total, quiet)
     if fmt == "hf-gpt2":
         return export_hf(step, man, out, DTYPES[dtype], progress)
-    tmp = out.with_name(out.name + ".tmp-megalite")
-    remove_tree(tmp)  # a stale temp file, or a symlink planted there: unlinked, never followed (O_NOFOLLOW below)
+    if fmt == "dcp":
+        return export_dcp(step, man, out, DTYPES[dtype], progress)
     torch_dtype = DTYPES[dtype]
     specs = [(n, list(e.shape), torch_dtype) for n, e in man.model.items()]
     meta = {"format": "pt", "megalite.kind": MODEL_KIND, "megalite.model_config": json.dumps(man.model_config, sort_keys=True),
             "megalite.partitions": json.dumps({n: e.partition.to_json() for n, e in man.model.items()},
                                               sort_keys=True)}
-    w = StreamingWriter(tmp, specs, meta, checksum=False, direct=True)
-    try:
-        for name, t in _full_tensors(step, man, progress):
-            w.write(name, t.to(torch_dtype))
-        w.close()
-    except BaseException:
-        w.abort()
-        raise
-    _replace(tmp, out)
-    return out
+    tensors = ((n, [t.to(torch_dtype)]) for n, t in _full_tensors(step, man, progress))
+    return write_file(out, specs, tensors, meta)  # a temp file (never through a symlink) moved into place
 
 
 def read_model_file(path) -> tuple[dict, Callable[[str], torch.Tensor], list[str]]:
     """(model config dict, get(name) -> full fp32 tensor, names) for a megalite file or an HF GPT-2 folder."""
     p = Path(path)
     if p.is_dir():
+        found = read_megatron_model(p)  # a Megatron-LM torch_dist checkpoint
+        if found is not None:
+            return found
         return read_hf_folder(p)
     if not p.exists() and not p.is_symlink():
         raise ConvertError(f"model '{p}' does not exist")

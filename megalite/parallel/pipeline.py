@@ -179,9 +179,11 @@ def interleaved_order(pp: int, pp_rank: int, num_micro: int, vpp: int, all_warmu
     """The ("F" | "B", micro, chunk) operations rank pp_rank runs, in Megatron's interleaved 1F1B order.
 
     Forwards go in groups of pp micro-batches: chunk 0 of micro 0..pp-1, chunk 1 of the same, ...;
-    backwards the same with chunks reversed. Warm-up: 2 * (pp - rank - 1) + (vpp - 1) * pp forwards, then
-    one forward + one backward pairs, then cool-down. With all_warmup (afab, or m == pp as in Megatron)
-    every forward runs before the first backward.
+    backwards the same with chunks reversed. Warm-up: 2 * (pp - rank - 1) + (vpp - 1) * pp forwards (at most
+    all of them), then one forward + one backward pairs, then cool-down: megatron-core's current rule (its
+    schedule table; checked against megatron-core 0.16 in tests/test_foreign_megatron.py). Older Megatron
+    ran every forward first whenever m == pp. With all_warmup (afab, forward-only) every forward runs before
+    the first backward.
     """
     total, group = num_micro * vpp, pp * vpp
 
@@ -190,7 +192,7 @@ def interleaved_order(pp: int, pp_rank: int, num_micro: int, vpp: int, all_warmu
         chunk = within // pp
         return ("B" if backward else "F", g * pp + within % pp, vpp - 1 - chunk if backward else chunk)
 
-    if all_warmup or num_micro == pp:
+    if all_warmup:
         warmup = total
     else:
         warmup = min(2 * (pp - pp_rank - 1) + (vpp - 1) * pp, total)

@@ -127,7 +127,7 @@ class SimCluster:
                  rdzv_port: int = 29400, rdzv_id: str = "sim") -> list:
         """The argv of one torchrun agent on `host`, as on a real cluster: the c10d rendezvous at host 0's
         address, this host's own address for the agent (`--local-addr`), gloo bound to its interface, and
-        torch's rendezvous store not shared with the workers (see README, "Running on a cluster").
+        torch's rendezvous store not shared with the workers (see docs/training.md, "Running on a cluster").
         `args` follow torchrun's, e.g. ["-m", "megalite", "train", ...]."""
         import sys
         env = [f"GLOO_SOCKET_IFNAME={host.ifname}", "TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1"]

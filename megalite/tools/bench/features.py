@@ -50,6 +50,16 @@ def layer_activation_bytes(recompute: str, s: int, b: int, h: int, a: int, t: in
     return elems * bytes_per
 
 
+def korthikanti_table2_bytes(recompute: str, s: int, b: int, h: int, a: int, t: int, sp: bool):
+    """Korthikanti et al. (2022), Table 2, as printed: bytes per layer with 16-bit activations, 1-byte dropout
+    masks and the 5as^2b attention scores/softmax/mask; None where the table has no row (full + sp)."""
+    if recompute == "full":
+        return None if sp else 2 * s * b * h
+    scores = 0 if recompute == "selective" else 5 * a * s / (h * t)
+    per = (34 / t if sp else 10 + 24 / t) + scores
+    return s * b * h * per
+
+
 def _measure_layer(grid, model_cfg, micro: int, sp: bool, recompute: str) -> int:
     from ...model import GPTStage
     model = GPTStage(model_cfg, grid, sp=sp, recompute=recompute)
@@ -145,17 +155,20 @@ def bench_features(o: dict, worlds: list, run_single, parts=("memory", "interlea
     if "memory" in parts:
         log(f"\n4. activation bytes saved for backward by one layer (micro-batch {b}, seq {s}, hidden {h}, {a} heads, "
             f"fp32, dropout 0): saved_tensors_hooks vs Korthikanti et al. adapted "
-            f"(megalite.tools.bench.features.layer_activation_bytes)")
-        t = StreamTable(["tp", "recompute", "sp", "measured KiB", "formula KiB", "measured/formula", "vs sp off"],
-                        [2, 9, 3, 12, 11, 16, 9], log=log)
+            f"(megalite.tools.bench.features.layer_activation_bytes); Table 2 KiB: the paper's own formula "
+            f"(16-bit, dropout masks, s x s attention scores; korthikanti_table2_bytes)")
+        t = StreamTable(["tp", "recompute", "sp", "measured KiB", "formula KiB", "measured/formula", "vs sp off",
+                         "Table 2 KiB"], [2, 9, 3, 12, 11, 16, 9, 11], log=log)
         for w in worlds:
             rows = _launch(o, w, "memory")[0]  # every rank measures the same
             for r in rows:
                 want = layer_activation_bytes(r["recompute"], s, b, h, a, w, r["sp"])
                 off = next(x["bytes"] for x in rows if x["recompute"] == r["recompute"] and not x["sp"])
                 out["memory"].append({**r, "formula": want, "ratio": r["bytes"] / want})
+                paper = korthikanti_table2_bytes(r["recompute"], s, b, h, a, w, r["sp"])
                 t.row([w, r["recompute"], "on" if r["sp"] else "off", f"{r['bytes'] / 1024:.1f}",
-                       f"{want / 1024:.1f}", f"{r['bytes'] / want:.3f}", f"{r['bytes'] / off:.3f}"])
+                       f"{want / 1024:.1f}", f"{r['bytes'] / want:.3f}", f"{r['bytes'] / off:.3f}",
+                       None if paper is None else f"{paper / 1024:.1f}"])
     if "interleaved" in parts:
         log("\n5. interleaved 1F1B bubble: idle = 1 - busy / window, window = first start to last end over the "
             "stages (after a barrier), busy = schedule time outside torch.distributed; mean over stages, of "
