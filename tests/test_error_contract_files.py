@@ -157,6 +157,11 @@ CASES = [
      None),
     ("generate-seed-negative", ["generate", "--model", "{model}", "--seed", "-1"], ["--seed -1"], None),
     ("split-step-negative", ["split", "{model}", *LAYOUT, "{case}/o", "--step", "-1"], ["--step -1"], None),
+    # a layout of 10**20 ranks once enumerated its coordinates (a folder each) until killed
+    ("split-world-beyond-any-run", ["split", "{model}", "--tp", "1", "--pp", "1", "--dp", str(10**20), "--out",
+                                    "{case}/o"], ["--dp = 100000000000000000000", "131072"], None),
+    ("reshard-world-beyond-any-run", ["reshard", "{ckpt}", "--tp", "2", "--pp", "1", "--dp", str(10**9), "--out",
+                                      "{case}/o"], ["2000000000", "more ranks than"], None),
 ]
 
 
