@@ -98,9 +98,6 @@ class Layout(NamedTuple):
             v = getattr(self, axis)
             if isinstance(v, bool) or not isinstance(v, int) or v < 1:
                 raise LayoutError(f"{prefix}{axis}{sep}{v!r}: must be a positive integer")
-        if self.world_size > MAX_WORLD:  # split/reshard/verify enumerate one folder per coordinate
-            raise LayoutError(f"{prefix}tp x {prefix}pp x {prefix}dp = {self.world_size}: more ranks than the "
-                              f"{MAX_WORLD} megalite supports (one checkpoint folder per rank)")
         if model is None:
             return self
         get = model.get if isinstance(model, dict) else (lambda k: getattr(model, k, None))
@@ -114,9 +111,6 @@ class Layout(NamedTuple):
 
     def __str__(self) -> str:
         return f"tp={self.tp} pp={self.pp} dp={self.dp}"
-
-
-MAX_WORLD = 2**17  # ranks of one layout: beyond today's largest runs; a checkpoint holds a folder per rank
 
 
 class ParallelGrid:
