@@ -247,7 +247,7 @@ def save_collective(root: Path, step: int, pay: Payload, grid, meta: StepMeta, k
     err, root0 = bcast_object((err, mine), grid)
     if err:
         raise CheckpointError(err, shared=True)
-    rel = coord_dir(grid.coord)
+    rel = coord_dir(grid.coord, grid.layout.cp)
     try:
         if mine != root0:  # this rank would write where rank 0 never looks: nothing written, the save refused
             raise CheckpointError(f"rank {grid.rank} saves under '{mine}', rank 0 under '{root0}' (every rank must "

@@ -231,16 +231,17 @@ def check_manifest_tensors(step: Path, man: Manifest) -> None:
 MAX_WORLD = 2**17  # ranks of a layout split/reshard writes: beyond today's largest runs (a folder per rank)
 
 
-def check_layout(m: dict, tp: int, pp: int, dp: int) -> Layout:
-    """The layout split/reshard write (--tp/--pp/--dp): valid for the model, and at most MAX_WORLD ranks (a
-    layout of 10**20 once enumerated its coordinates until killed). A manifest's layout is bounded by the
+def check_layout(m: dict, tp: int, pp: int, dp: int, cp: int = 1) -> Layout:
+    """The layout split/reshard write (--tp/--pp/--dp/--cp): valid for the model, and at most MAX_WORLD ranks
+    (a layout of 10**20 once enumerated its coordinates until killed). A manifest's layout is bounded by the
     state.json files it lists (manifest.py)."""
     try:
-        layout = Layout(tp, pp, dp).validate(m, "--")
+        layout = Layout(tp, pp, dp, cp).validate(m, "--")
     except LayoutError as e:
         raise ConvertError(str(e)) from None
     if layout.world_size > MAX_WORLD:
-        raise ConvertError(f"--tp x --pp x --dp = {layout.world_size}: more ranks than the {MAX_WORLD} megalite "
+        axes = "--tp x --pp x --dp" + (" x --cp" if cp != 1 else "")
+        raise ConvertError(f"{axes} = {layout.world_size}: more ranks than the {MAX_WORLD} megalite "
                            f"supports (one checkpoint folder per rank)")
     return layout
 
