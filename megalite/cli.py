@@ -66,11 +66,18 @@ class _Parser(argparse.ArgumentParser):
 
 
 def _cmd_train(args, rest) -> int:
-    from .config import load_config
-    from .parallel.process_group import leave_distributed
-    from .train import train
-    cfg = load_config(args.config, rest)  # a ConfigError is shared: every rank parsed the same flags
+    from .config import ConfigError, load_config
+    from .parallel.process_group import leave_distributed, world_size_from_env
+    from .train import refuse_start, train
     try:
+        cfg, failed = load_config(args.config, rest), None
+    except ConfigError as e:
+        if world_size_from_env() == 1:
+            raise
+        cfg, failed = None, e  # this rank's config file may not be the others': said once every rank has joined
+    try:
+        if failed is not None:
+            refuse_start(failed)
         train(cfg, log=functools.partial(print, flush=True), force=args.force)  # lines appear as they happen
     except BaseException as e:
         # The job is stopping with an error on every rank. torchrun SIGTERMs the workers still running as
@@ -92,11 +99,13 @@ def _cmd_config(args, rest) -> int:
 
 
 def _cmd_prepare(args, rest) -> int:
-    from .data import default_corpus_files, prepare
+    from pathlib import Path
+    from .data import check_out, default_corpus_files, prepare
     from .tokenizer import progress_on
+    check_out(Path(args.out), args.force)  # before the default corpus is even looked for
     sources = args.sources or default_corpus_files()
     prepare(sources, args.out, val_fraction=args.val_fraction, log=(lambda *a: None) if args.quiet else print,
-            tokenizer=args.tokenizer, progress=progress_on(args.quiet))
+            tokenizer=args.tokenizer, progress=progress_on(args.quiet), force=args.force)
     return 0
 
 
@@ -164,15 +173,9 @@ def _cmd_reshard(args, rest) -> int:
 
 
 def _cmd_generate(args, rest) -> int:
-    import math
     from .config import ConfigError
-    from .generate import sample_text
-    if args.top_k < 0:
-        raise ConfigError(f"--top-k {args.top_k}: expected 0 (off) or a positive integer")
-    if not math.isfinite(args.temperature) or args.temperature < 0:
-        raise ConfigError(f"--temperature {args.temperature}: expected a finite number >= 0 (0: greedy)")
-    if args.max_new_tokens < 0:
-        raise ConfigError(f"--max-new-tokens {args.max_new_tokens}: expected a number >= 0")
+    from .generate import check_sampling, sample_text
+    check_sampling(args.max_new_tokens, args.temperature, args.top_k, args.seed)  # before the model is read
     try:
         args.prompt.encode("utf-8")
     except UnicodeEncodeError:
@@ -248,6 +251,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="byte (the default: UTF-8 bytes, vocab 256) | a tokenizer.json | an HF tokenizer folder "
                         "(tokenizer.json, or GPT-2's vocab.json + merges.txt)")
     p.add_argument("--val-fraction", type=float, default=0.1)
+    p.add_argument("--force", action="store_true",
+                   help="replace --out if it is a token file `megalite prepare` wrote (never any other file)")
     p.add_argument("--quiet", action="store_true", help="no progress bar, no summary line")
 
     p = add("tokenizer", "`tokenizer train`: a GPT-2-style byte-level BPE (GPT-2's regex, every byte encodable, "

@@ -26,7 +26,8 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from .checkpoint.files import no_follow, replace_atomically, unlink_quietly
+from .checkpoint.files import kind_of, no_follow, open_read, read_all, replace_atomically, unlink_quietly
+from .config import MAX_COUNT
 from .errors import DataError
 from .tokenizer import BYTE, Tokenizer, byte_tokenizer, from_json, load as load_tokenizer, read_text_pieces
 
@@ -92,6 +93,8 @@ def expand_sources(sources: list[str | Path]) -> list[Path]:
         if path.is_dir():
             found = [p for p in path.rglob("*") if p.is_file() and p.suffix in TEXT_SUFFIXES]
             files.extend(sorted(found, key=lambda p: p.relative_to(path).as_posix()))
+        elif not path.is_file():  # a FIFO or a device (/dev/zero) would block or never end
+            raise DataError(f"prepare: source '{source}' is {kind_of(path.stat())}, expected a text file or a folder")
         else:
             files.append(path)
     return files
@@ -157,8 +160,49 @@ def _encode(tok: Tokenizer, texts: list[str], dtype) -> list[np.ndarray]:
     return [np.array(e.ids, dtype=dtype) for e in tok.backend.encode_batch(texts)]
 
 
+def check_out(out: Path, force: bool) -> None:
+    """`prepare --out`: an existing token file (or a .json beside --out) is replaced only with --force, and
+    --force replaces only a token file `megalite prepare` wrote, recognised by its .json (format
+    'megalite-tokens', the .bin of the size it records): never a file of anything else."""
+    if out.suffix != ".bin":
+        raise DataError(f"prepare: output '{out}' must end with .bin")
+    present = [p for p in (out, meta_path(out)) if os.path.lexists(p)]
+    if not present:
+        return
+    what = f"--out {out}" if present[0] == out else f"'{present[0]}' (the .json beside --out {out})"
+    if not force:
+        raise DataError(f"prepare: {what} already exists (pass --force to replace a token file `megalite prepare` "
+                        f"wrote)")
+    why = _not_a_token_file(out)
+    if why:
+        raise DataError(f"prepare: {what} already exists and is not a token file `megalite prepare` wrote ({why}); "
+                        f"--force replaces only such a file: remove it yourself or choose another --out")
+
+
+def _not_a_token_file(out: Path) -> str:
+    """'' when `out` and its .json are a token file prepare wrote, else why not."""
+    mpath = meta_path(out)
+    for p in (out, mpath):
+        if os.path.lexists(p) and (p.is_symlink() or not p.is_file()):
+            return f"'{p}' is {kind_of(os.lstat(p))}"
+    if not mpath.exists():
+        return f"no '{mpath.name}' beside it says what it is"
+    try:
+        meta = json.loads(read_all(mpath, 1 << 20))
+    except (OSError, ValueError):
+        meta = None
+    if not isinstance(meta, dict) or meta.get("format") != FORMAT:
+        return f"'{mpath}' is not a '{FORMAT}' description"
+    size = os.lstat(out).st_size if out.exists() else None
+    width = np.dtype(TOKEN_DTYPES.get(meta.get("dtype"), np.uint16)).itemsize
+    if size is not None and isinstance(meta.get("num_tokens"), int) and size != width * meta["num_tokens"]:
+        return f"its size, {size} bytes, is not the {width * meta['num_tokens']} its .json records"
+    return ""
+
+
 def prepare(sources: list[str | Path], out: str | Path, val_fraction: float = 0.1, log=print,
-            tokenizer="byte", progress: bool = False, piece_chars: int = 1 << 17, batch_chars: int = 0) -> dict:
+            tokenizer="byte", progress: bool = False, piece_chars: int = 1 << 17, batch_chars: int = 0,
+            force: bool = False) -> dict:
     """Tokenize text files into ``out`` (.bin) and its ``.json``; return the meta dict.
 
     Each file is a document; documents are separated by the tokenizer's end-of-text token (two newlines for
@@ -170,11 +214,11 @@ def prepare(sources: list[str | Path], out: str | Path, val_fraction: float = 0.
     come. Memory: a batch being encoded (~360 bytes per token at the peak: 512K characters, ~60 MB) and the
     next one's text, whatever the corpus size. The last ``val_fraction`` of
     tokens is the validation split. A token file replaces an old one only once complete: the json is
-    written last, so a token file with a json beside it is always complete.
+    written last, so a token file with a json beside it is always complete. An existing output is replaced
+    only with `force`, and only if prepare wrote it (`check_out`).
     """
     out = Path(out)
-    if out.suffix != ".bin":
-        raise DataError(f"prepare: output '{out}' must end with .bin")
+    check_out(out, force)
     if not 0.0 <= val_fraction < 1.0:
         raise DataError(f"prepare: val_fraction must be in [0, 1), got {val_fraction}")
     tok = tokenizer if isinstance(tokenizer, Tokenizer) else load_tokenizer(tokenizer)
@@ -259,13 +303,40 @@ def ensure_data(path: str | Path, log=print) -> None:
     if path.exists() and meta_path(path).exists():
         return
     log(f"data: '{path}' not found; building it from the Python standard library sources")
-    prepare(default_corpus_files(), path, log=log)
+    prepare(default_corpus_files(), path, log=log, force=True)  # replaces only an incomplete corpus of its own
+
+
+IDENTITY_BLOCKS, IDENTITY_BLOCK_BYTES = 16, 1 << 16  # what `identity` reads of a token file: 1 MiB at most
+
+
+def identity(path: str | Path) -> str:
+    """A token file's identity, the same on every host that holds the same file (unlike an inode or a
+    modification time): its size, a hash of its .json and of 16 blocks of 64 KiB spread over it (the first and
+    the last included), in milliseconds whatever its size. "missing" when there is no file; a file that cannot
+    be read says why (the run itself then reports it)."""
+    path = Path(path)
+    h = hashlib.blake2b(digest_size=8)
+    try:
+        with open_read(path, follow=True) as f:
+            size = os.fstat(f.fileno()).st_size
+            for i in range(IDENTITY_BLOCKS):
+                f.seek(max(0, size - IDENTITY_BLOCK_BYTES) * i // (IDENTITY_BLOCKS - 1))
+                h.update(f.read(IDENTITY_BLOCK_BYTES))
+        h.update(read_all(meta_path(path), 1 << 20, follow=True))
+    except FileNotFoundError:
+        return "missing"
+    except OSError as e:
+        return f"unreadable ({e.strerror or e})"
+    return f"{size} bytes, content hash {h.hexdigest()}"
 
 
 class TokenDataset:
-    """One split ("train" or "val") of a prepared token file, memory-mapped read-only."""
+    """One split ("train" or "val") of a prepared token file, memory-mapped read-only.
 
-    def __init__(self, path: str | Path, split: str):
+    `val_fraction` (a training run's data.val_fraction): the last int(num_tokens * val_fraction) tokens are the
+    validation split, as `prepare --val-fraction` computes it; None: the split the file's .json records."""
+
+    def __init__(self, path: str | Path, split: str, val_fraction: float | None = None):
         path = Path(path)
         if split not in ("train", "val"):
             raise DataError(f"TokenDataset: split must be 'train' or 'val', got '{split}'")
@@ -281,7 +352,7 @@ class TokenDataset:
             raise DataError(f"data.path: metadata '{mpath}' for token file '{path}' does not exist "
                             "(re-run `megalite prepare`)")
         try:
-            meta = json.loads(mpath.read_text(encoding="utf-8"))
+            meta = json.loads(read_all(mpath, follow=True))  # a regular file: a FIFO there would block
         except ValueError as e:
             raise DataError(f"data.path: metadata '{mpath}' is not valid JSON ({e})") from None
         if not isinstance(meta, dict) or meta.get("format") != FORMAT or meta.get("version") != VERSION:
@@ -293,15 +364,18 @@ class TokenDataset:
         num_tokens, val_start = meta.get("num_tokens"), meta.get("val_start")
         if not (isinstance(num_tokens, int) and isinstance(val_start, int) and 0 <= val_start <= num_tokens):
             raise DataError(f"data.path: metadata '{mpath}' needs integers 0 <= val_start <= num_tokens")
+        if val_fraction is not None:
+            val_start = num_tokens - int(num_tokens * val_fraction)
         size, itemsize = path.stat().st_size, np.dtype(dtype).itemsize
         if size != itemsize * num_tokens:
             raise DataError(f"data.path: token file '{path}' has {size} bytes, expected "
                             f"{itemsize * num_tokens} for num_tokens={num_tokens} ({meta['dtype']}) in '{mpath.name}'")
         lo, hi = (0, val_start) if split == "train" else (val_start, num_tokens)
+        how = "" if val_fraction is None else f" (data.val_fraction = {val_fraction})"
         if hi <= lo:
             raise DataError(f"data.path: the {split} split of '{path}' is empty "
-                            f"(num_tokens={num_tokens}, val_start={val_start})")
-        self.path, self.split, self.meta = path, split, meta
+                            f"(num_tokens={num_tokens}, val_start={val_start}){how}")
+        self.path, self.split, self.meta, self.how = path, split, meta, how
         vocab = meta.get("vocab_size", ByteTokenizer.vocab_size)
         if not isinstance(vocab, int) or isinstance(vocab, bool) or vocab < 1:
             raise DataError(f"data.path: metadata '{mpath}' has vocab_size {vocab!r}, expected a positive integer")
@@ -379,7 +453,7 @@ def _check_shapes(dataset: TokenDataset, block_size: int, batch_size: int, dp_ra
                   batch_field: str) -> None:
     if block_size < 1 or len(dataset) < block_size + 1:
         raise DataError(f"train.seq_len (0: model.block_size): {block_size} needs at least {block_size + 1} tokens but the "
-                        f"{dataset.split} split of '{dataset.path}' has {len(dataset)}")
+                        f"{dataset.split} split of '{dataset.path}' has {len(dataset)}{dataset.how}")
     if batch_size < 1 or dp_size < 1 or batch_size % dp_size != 0:
         raise DataError(f"{batch_field}: {batch_size} must be a positive multiple of the "
                         f"data-parallel size {dp_size}")
@@ -443,8 +517,8 @@ class BatchSampler:
 
     def load_state_dict(self, state: dict) -> None:
         k = state.get("batch_index") if isinstance(state, dict) else None
-        if not isinstance(k, int) or isinstance(k, bool) or k < 0:
-            raise DataError(f"sampler state: 'batch_index' must be a non-negative integer, got {k!r}")
+        if not isinstance(k, int) or isinstance(k, bool) or not 0 <= k <= MAX_COUNT:
+            raise DataError(f"sampler state: 'batch_index' must be an integer in [0, {MAX_COUNT}], got {k!r}")
         self.batch_index = k
 
 

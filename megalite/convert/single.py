@@ -14,7 +14,7 @@ from ..checkpoint.tree import LATEST, MANIFEST, resolve, tokenizer_rel
 from ..config import model_from, path_kind
 from ..parallel.partition import Box
 from ..tokenizer import Tokenizer, from_json
-from .common import (DTYPES, ConvertError, Progress, _check_out, _full_tensors, check_manifest_tensors,
+from .common import (DTYPES, MODEL_KIND, ConvertError, Progress, _check_out, _full_tensors, check_manifest_tensors,
                      open_safetensors, parse_json)
 from .dcp import write_file
 from .foreign import convert_foreign, export_dcp, read_megatron_model, source_kind
@@ -42,7 +42,7 @@ def convert(ckpt, out, dtype: Optional[str] = None, fmt: str = "megalite", force
     man = mf.read(step)
     check_manifest_tensors(step, man)
     out = Path(out)
-    _check_out(out, force, [step.parent, step])
+    _check_out(out, force, [step.parent, step], fmt)
     total = sum(e.nbytes for e in man.model.values())
     progress = Progress("convert", len(man.model), total, quiet)
     tokenizer = read_tokenizer(step, man)
@@ -53,7 +53,7 @@ def convert(ckpt, out, dtype: Optional[str] = None, fmt: str = "megalite", force
         return export_dcp(step, man, out, DTYPES[dtype], progress)
     torch_dtype = DTYPES[dtype]
     specs = [(n, list(e.shape), torch_dtype) for n, e in man.model.items()]
-    meta = {"format": "pt", "megalite.kind": "model", "megalite.model_config": json.dumps(man.model_config, sort_keys=True),
+    meta = {"format": "pt", "megalite.kind": MODEL_KIND, "megalite.model_config": json.dumps(man.model_config, sort_keys=True),
             "megalite.partitions": json.dumps({n: e.partition.to_json() for n, e in man.model.items()},
                                               sort_keys=True)}
     if tokenizer is not None:  # the run's tokenizer travels with the model (generate and split read it)
