@@ -180,7 +180,8 @@ def _cmd_bench(args, rest) -> int:
     else:
         from .tools.bench.train import bench_train
         bench_train(steps=args.steps, nproc=args.nproc, n_embd=args.n_embd or 128, n_layer=args.n_layer or 4,
-                    block_size=args.block_size or 128, rounds=args.rounds, wait_ms=args.bubble_wait_ms)
+                    block_size=args.block_size or 128, rounds=args.rounds, wait_ms=args.bubble_wait_ms,
+                    pairs=args.pairs)
     return 0
 
 
@@ -297,7 +298,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--zero1", action="store_true", help="plan: ZeRO-1 optimizer-state shards")
     p.add_argument("--reshard-to", default=None, metavar="TP,PP,DP",
                    help="plan: what each rank of this layout reads to resume the last layout's checkpoint")
-    p.add_argument("--rounds", type=int, default=2, help="train: alternating runs of megalite and plain PyTorch")
+    p.add_argument("--rounds", type=int, default=2, help="train: alternating runs of each feature table's settings")
+    p.add_argument("--pairs", type=int, default=5, help="train: table 1's megalite/plain pairs of fresh processes")
     p.add_argument("--bubble-wait-ms", type=float, default=None,
                    help="train: t_f of the bubble table's wait rows (default: the model's, at least 40 ms)")
 

@@ -22,15 +22,16 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
-from . import faults, metrics
+from . import faults, metrics, tensorboard_log
 from .checkpoint.state import seed_everything
 from .checkpointing import CheckpointManager
+from .compile import compile_blocks
 from .config import DEFAULT_DATA_PATH, Config, num_microbatches, resolve, seq_len, validate
 from .data import BatchSampler, TokenDataset, check_vocab, ensure_data, eval_batches
 from .errors import DataError, NonFiniteError
 from .model import GPTStage
 from .optim import clip_scale, lr_at
-from .parallel.data import GradBuffer, ShardedAdamW
+from .parallel.data import GradBuffer, ShardedAdamW, use_fused
 from .parallel.finalize import finalize_grads
 from .parallel.grid import Layout, ParallelGrid
 from .parallel.pipeline import P2P, get_schedule
@@ -71,10 +72,12 @@ def build(cfg: Config, grid: ParallelGrid, device: torch.device) -> Trainer:
     t, par = cfg.train, cfg.parallel
     model = GPTStage(cfg.model, grid, vpp=par.vpp, sp=par.sp, recompute=t.recompute).to(device)
     model.init_weights(t.seed)
+    if t.compile:
+        compile_blocks(model)
     params = sorted(model.global_parameters(), key=lambda np_: np_[0])
     grads = GradBuffer([p for _, p in params], grid.dp, par.bucket_mb, overlap=par.overlap_grad_reduce)
     opt = ShardedAdamW(params, grid.tp, grid.dp, par.zero1, betas=(t.beta1, t.beta2),
-                       weight_decay=t.weight_decay, bucket_mb=par.bucket_mb)
+                       weight_decay=t.weight_decay, bucket_mb=par.bucket_mb, fused=use_fused(t.fused_adamw, device))
     train_ds, val_ds = TokenDataset(cfg.data.path, "train"), TokenDataset(cfg.data.path, "val")
     check_vocab(train_ds, cfg.model.vocab_size)
     check_vocab(val_ds, cfg.model.vocab_size)
@@ -167,6 +170,8 @@ def train(cfg: Config, log=print, force: bool = False) -> Trainer:
     tr, ckpt = _start(cfg, grid, device, log, force)
     metrics_file = metrics.open_for_run(Path(cfg.train.out_dir), tr.step, ckpt.resumed_event, log) \
         if grid.rank == 0 else None
+    board = tensorboard_log.Board(Path(cfg.train.out_dir), tr.step) if grid.rank == 0 and cfg.train.tensorboard \
+        else None
     if grid.rank == 0:
         log(start_line(cfg, grid.layout, device.type, tr.precision))
         if tr.step >= cfg.train.steps:
@@ -178,7 +183,7 @@ def train(cfg: Config, log=print, force: bool = False) -> Trainer:
                  f"sets up the communicators)...")
     ckpt.install_signal_handlers()
     try:
-        _loop(tr, ckpt, log, metrics_file)
+        _loop(tr, ckpt, log, metrics_file, board)
     except BaseException:
         log_traceback(Path(cfg.train.out_dir), grid.rank)
         raise
@@ -187,11 +192,14 @@ def train(cfg: Config, log=print, force: bool = False) -> Trainer:
         ckpt.release()
         if metrics_file:
             metrics_file.close()
+        if board:
+            board.close()
     return tr
 
 
-def _loop(tr: Trainer, ckpt: CheckpointManager, log, metrics_file) -> None:
-    """Steps until train.steps, a stop signal or train.stop_at_step; each logged (rank 0: `metrics_file`),
+def _loop(tr: Trainer, ckpt: CheckpointManager, log, metrics_file, board=None) -> None:
+    """Steps until train.steps, a stop signal or train.stop_at_step; each logged (rank 0: `metrics_file`,
+    and `board` with train.tensorboard),
     evaluated on schedule and offered to the checkpoint policy."""
     t = tr.cfg.train
     start, t_first = tr.step, time.perf_counter()
@@ -206,6 +214,8 @@ def _loop(tr: Trainer, ckpt: CheckpointManager, log, metrics_file) -> None:
         if metrics_file:
             metrics_file.write(json.dumps(rec) + "\n")
             metrics_file.flush()
+            if board:
+                board.write(rec)
             if tr.step == start + 1:
                 t_first = time.perf_counter()  # the ETA is timed from the end of the first step
             if tr.step % t.log_interval == 0 or tr.step in (t.steps, start + 1, stop_at):
@@ -248,6 +258,8 @@ def _start(cfg: Config, grid: ParallelGrid, device, log, force: bool = False) ->
     """Data, model, the checkpoint folder's lock, resume: each phase agreed by all ranks (an error on any rank
     stops every rank there, before the next collective). A failure here leaves nothing behind."""
     def build_all():
+        if cfg.train.tensorboard and grid.rank == 0:
+            tensorboard_log.require()  # before anything is written
         prepare_data(cfg, grid.rank)
         return build(cfg, grid, device), CheckpointManager(cfg, grid, log, force=force)
 
