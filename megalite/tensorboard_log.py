@@ -2,7 +2,8 @@
 
 `<out_dir>/tensorboard/` gets one event file per launch (torch.utils.tensorboard's SummaryWriter, the
 `tensorboard` package's format); `tensorboard --logdir runs/NAME` shows `train/loss`, `train/lr`,
-`train/grad_norm`, `train/tokens_per_s`, `train/ms_per_step` and `val/loss` against the step. A launch that
+`train/grad_norm`, `train/tokens_per_s`, `train/ms_per_step`, `val/loss` (and `val/bits_per_byte` where a
+record has it) against the step. A launch that
 resumes at step N tells TensorBoard to drop the earlier launches' events from step N + 1 on (`purge_step`),
 as metrics.jsonl's readers keep the last record of a redone step. `tensorboard` is an optional extra
 (`pip install megalite[tensorboard]`): when the key is on and it is missing, the run stops at start-up, in one
@@ -16,7 +17,8 @@ from .errors import ConfigError
 
 DIR = "tensorboard"
 SCALARS = {"loss": "train/loss", "lr": "train/lr", "grad_norm": "train/grad_norm",
-           "tokens_per_s": "train/tokens_per_s", "ms_per_step": "train/ms_per_step", "val_loss": "val/loss"}
+           "tokens_per_s": "train/tokens_per_s", "ms_per_step": "train/ms_per_step", "val_loss": "val/loss",
+           "val_bpb": "val/bits_per_byte"}
 
 
 def require() -> None:

@@ -186,3 +186,21 @@ def test_tensorboard_missing_is_one_line_and_writes_nothing(tiny_config, tmp_pat
     assert "\n" not in msg and msg.startswith("train.tensorboard = true needs the `tensorboard` package") \
         and "pip install tensorboard" in msg, msg
     assert not (tmp_path / "run").exists() or not any((tmp_path / "run").rglob("*")), "nothing is written"
+
+
+def test_tensorboard_resume_replaces_redone_steps(tmp_path):
+    """A launch resumed at step 2 after an earlier one logged step 3: TensorBoard's reader shows step 3 once,
+    with the redone value (purge_step), as metrics.read keeps the last record of a step."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+    from megalite.tensorboard_log import Board
+    first = Board(tmp_path, 0)
+    for s in (1, 2, 3):
+        first.write({"step": s, "loss": float(s)})
+    first.close()
+    second = Board(tmp_path, 2)
+    for s in (3, 4):
+        second.write({"step": s, "loss": 10.0 * s})
+    second.close()
+    acc = EventAccumulator(str(tmp_path / "tensorboard"))
+    acc.Reload()
+    assert [(e.step, e.value) for e in acc.Scalars("train/loss")] == [(1, 1.0), (2, 2.0), (3, 30.0), (4, 40.0)]
