@@ -225,3 +225,19 @@ def test_tensorboard_resume_replaces_redone_steps(tmp_path):
     acc = EventAccumulator(str(tmp_path / "tensorboard"))
     acc.Reload()
     assert [(e.step, e.value) for e in acc.Scalars("train/loss")] == [(1, 1.0), (2, 2.0), (3, 30.0), (4, 40.0)]
+
+
+def test_tp1_cross_entropy_fast_path_equals_the_vocab_parallel_function():
+    """At tp = 1 the loss is torch's F.cross_entropy; the vocab-parallel autograd function (what tp > 1 runs)
+    gives the same per-token losses and logit gradients, within float32 rounding."""
+    from megalite.parallel.tensor import _VocabParallelCrossEntropy, vocab_parallel_cross_entropy
+    tp = ParallelGrid.single().tp
+    g = torch.Generator().manual_seed(3)
+    logits, target = torch.randn(3, 7, 50, generator=g) * 4, torch.randint(0, 50, (3, 7), generator=g)
+    a, b = logits.clone().requires_grad_(), logits.clone().requires_grad_()
+    fast = vocab_parallel_cross_entropy(a, target, 50, tp)
+    slow = _VocabParallelCrossEntropy.apply(b.reshape(-1, 50), target.reshape(-1), 0, 50, tp).reshape(3, 7)
+    torch.testing.assert_close(fast, slow, rtol=1e-6, atol=1e-6)
+    (fast * torch.arange(21.0).reshape(3, 7)).sum().backward()
+    (slow * torch.arange(21.0).reshape(3, 7)).sum().backward()
+    torch.testing.assert_close(a.grad, b.grad, rtol=1e-5, atol=1e-6)

@@ -315,6 +315,9 @@ def vocab_parallel_cross_entropy(logits: torch.Tensor, target: torch.Tensor, voc
     """Per-token loss from logits (..., V_local) split over tp; vocab padding is never counted."""
     start, end = shard_range(vocab_size, tp.rank, tp.size)
     shape = target.shape
+    if not tp.active:  # one rank holds every column: torch's fused kernel (fewer passes over the logits)
+        valid = logits[..., :end] if end < logits.shape[-1] else logits
+        return F.cross_entropy(valid.float().reshape(-1, end), target.reshape(-1), reduction="none").reshape(shape)
     loss = _VocabParallelCrossEntropy.apply(logits.float().reshape(-1, logits.shape[-1]), target.reshape(-1),
                                             start, end - start, tp)
     return loss.reshape(shape)
