@@ -10,6 +10,10 @@
 
 The function must be importable (defined at module top level). Workers rendezvous through a file in
 `tmp_dir`, run with OMP_NUM_THREADS=1, and the first failing rank's traceback is re-raised in the test.
+A launch that has not finished within `deadline_s` (default DEADLINE_S, or $MEGALITE_TEST_DEADLINE_S) is
+stopped: every rank still running dumps its Python stack (faulthandler), and the failure names each such rank
+and where it waits (a schedule bug: "rank 0 waits in recv_backward <- one_f_one_b ..."), instead of a gloo
+timeout much later; the workers' collectives time out only after the deadline.
 
 `gather_full_model` reassembles a parallel model's full tensors; `assert_round_trip` saves any model and
 optimizer at one layout, loads and re-saves them at another, and asserts every tensor bitwise equal
@@ -17,8 +21,12 @@ optimizer at one layout, loads and re-saves them at another, and asserts every t
 """
 from __future__ import annotations
 
+import faulthandler
 import os
+import re
+import signal
 import tempfile
+import time
 import traceback
 from datetime import timedelta
 from pathlib import Path
@@ -49,17 +57,23 @@ def _context():
     return ctx
 
 
+DEADLINE_S = 300.0  # a whole launch; the longest in the suite (8 ranks, several runs) takes about a minute
+STACK_SIGNAL = signal.SIGUSR1  # asks a worker for its stacks (faulthandler writes them to its stack file)
+
+
 def _worker(rank: int, fn: Callable, world_size: int, init_file: str, tmp_dir: str, args: tuple, errors,
-            env: dict) -> None:
+            env: dict, timeout_s: float = 120.0, stack_file: str = "") -> None:
     os.environ.clear()
     os.environ.update(env)  # the caller's environment now, not the fork server's from when it started
     os.environ.update({"OMP_NUM_THREADS": "1", "RANK": str(rank), "LOCAL_RANK": str(rank),
                        "WORLD_SIZE": str(world_size), "LOCAL_WORLD_SIZE": str(world_size)})
     import torch
     torch.set_num_threads(1)
+    if stack_file:  # written from the signal handler in C: works while the rank is blocked in a collective
+        faulthandler.register(STACK_SIGNAL, file=open(stack_file, "w"), all_threads=True)
     try:
         dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world_size,
-                                timeout=timedelta(seconds=120))
+                                timeout=timedelta(seconds=timeout_s))
         fn(rank, world_size, tmp_dir, *args)
     except BaseException:
         errors.put((rank, traceback.format_exc()))
@@ -70,24 +84,31 @@ def _worker(rank: int, fn: Callable, world_size: int, init_file: str, tmp_dir: s
 
 
 def run_parallel(fn: Callable[..., Any], world_size: int, tmp_dir: str | os.PathLike | None = None,
-                 args: tuple = ()) -> None:
-    """Run fn(rank, world_size, tmp_dir, *args) on world_size gloo processes; raise if any rank fails."""
+                 args: tuple = (), deadline_s: float | None = None) -> None:
+    """Run fn(rank, world_size, tmp_dir, *args) on world_size gloo processes; raise if any rank fails, or if
+    the launch is not done within `deadline_s` seconds (naming every rank still running and where it waits)."""
     tmp = Path(tmp_dir) if tmp_dir is not None else Path(tempfile.mkdtemp(prefix="megalite-"))
     tmp.mkdir(parents=True, exist_ok=True)
     init_file = tmp / f"rendezvous-{os.getpid()}-{id(fn)}"
     if init_file.exists():
         init_file.unlink()
+    if deadline_s is None:
+        deadline_s = float(os.environ.get("MEGALITE_TEST_DEADLINE_S", DEADLINE_S))
+    stacks = [tmp / f"stacks-{os.getpid()}-{id(fn)}-rank{r}.txt" for r in range(world_size)]
     ctx = _context()
     errors = ctx.SimpleQueue()
     env = dict(os.environ)
-    procs = [ctx.Process(target=_worker, args=(r, fn, world_size, str(init_file), str(tmp), args, errors, env))
+    procs = [ctx.Process(target=_worker, args=(r, fn, world_size, str(init_file), str(tmp), args, errors, env,
+                                               deadline_s + 30.0, str(stacks[r])))
              for r in range(world_size)]
     for p in procs:
         p.start()
     failed = None
     alive = list(procs)
+    end = time.monotonic() + deadline_s
     while alive:  # wait on all sentinels; once one rank fails, the others may hang in a collective
-        mp_connection.wait([p.sentinel for p in alive])
+        if not mp_connection.wait([p.sentinel for p in alive], timeout=max(0.0, end - time.monotonic())):
+            _past_deadline(fn, world_size, deadline_s, procs, alive, stacks)
         for p in [p for p in alive if not p.is_alive()]:
             p.join()
             alive.remove(p)
@@ -100,11 +121,57 @@ def run_parallel(fn: Callable[..., Any], world_size: int, tmp_dir: str | os.Path
                     q.kill()
                     q.join()
             break
+    for f in stacks:
+        f.unlink(missing_ok=True)
     if not errors.empty():
         rank, tb = errors.get()
         raise RankFailed(f"rank {rank} of {world_size} failed:\n{tb}")
     if failed is not None:
         raise RankFailed(f"a rank exited with code {failed.exitcode} without a Python error")
+
+
+def _past_deadline(fn, world_size: int, deadline_s: float, procs: list, alive: list, stacks: list) -> None:
+    """Every rank still running dumps its stacks; all are killed; RankFailed names each and where it waits."""
+    for p in alive:
+        os.kill(p.pid, STACK_SIGNAL)
+    time.sleep(1.0)  # faulthandler writes from the signal handler at once; give the files a moment
+    for p in alive:
+        p.kill()
+        p.join()
+    lines = []
+    for p in alive:
+        r = procs.index(p)
+        dump = stacks[r].read_text() if stacks[r].exists() else ""
+        lines.append(f"rank {r} waits in {_where(dump)}")
+        lines.append(_indent(_main_stack(dump)))
+    for f in stacks:  # the finished ranks' (empty) files too
+        f.unlink(missing_ok=True)
+    raise RankFailed(f"{getattr(fn, '__qualname__', fn)}: {len(alive)} of {world_size} ranks still running after "
+                     f"the {deadline_s:g} s deadline (killed):\n" + "\n".join(lines))
+
+
+_FRAME = re.compile(r'File "([^"]+)", line (\d+) in (\S+)')
+
+
+def _main_stack(dump: str) -> str:
+    """The main thread's frames of a faulthandler dump (its last block: the thread that took the signal)."""
+    blocks = re.split(r"\n(?=(?:Current thread|Thread) 0x)", dump.strip())
+    main = [b for b in blocks if b.startswith("Current thread")] or blocks
+    return main[-1] if main else "(no stack dump)"
+
+
+def _where(dump: str) -> str:
+    """'recv (distributed_c10d.py:1234) <- recv_backward (pipeline.py:96) <- ...': the innermost frame, then
+    the innermost frames of megalite and of the test (what the rank was doing when it stopped moving)."""
+    frames = _FRAME.findall(_main_stack(dump))  # most recent call first
+    if not frames:
+        return "(no stack dump)"
+    ours = [f for f in frames[1:] if "site-packages" not in f[0] and "/lib/python" not in f[0]][:5]
+    return " <- ".join(f"{name} ({Path(path).name}:{line})" for path, line, name in [frames[0], *ours])
+
+
+def _indent(text: str) -> str:
+    return "\n".join("    " + line for line in text.splitlines())
 
 
 def gather_full_model(named_params, grid) -> dict:

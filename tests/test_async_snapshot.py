@@ -99,3 +99,55 @@ def _zero1_worker(rank, world_size, tmp_dir, tokens):
 def test_held_async_save_zero1_dp2(tmp_path, token_file):
     """ZeRO-1: the held step writes only this rank's range of the spare set; the all-gather fills the rest."""
     run_parallel(_zero1_worker, 2, tmp_path, args=(str(token_file),))
+
+
+def _sgd_case():
+    """A torch.optim optimizer on a module with buffers: an async save copies it into host staging buffers
+    reused from one save to the next. Returns (model, optimizer, step(k))."""
+    torch.manual_seed(0)
+    net = torch.nn.Sequential(torch.nn.Linear(6, 8), torch.nn.BatchNorm1d(8), torch.nn.Linear(8, 2))
+    opt = torch.optim.SGD(net.parameters(), lr=0.1, momentum=0.9)
+
+    def step(k):
+        opt.zero_grad()
+        net(torch.randn(4, 6, generator=torch.Generator().manual_seed(k))).pow(2).sum().backward()
+        opt.step()
+    return net, opt, step
+
+
+def _adamw_case(cfg):
+    """megalite's trainer: an async save holds the live tensors and the next step writes out of place."""
+    tr = build(cfg, ParallelGrid.single(), CPU)
+    return tr.model, tr.optimizer, lambda k: train_step(tr)
+
+
+def test_back_to_back_async_saves_wait_for_the_one_still_writing(tmp_path, token_file, monkeypatch):
+    """A second async save submitted while the first is stalled mid-write (no saver.wait() between them, as a
+    loop saving every step does): submit must wait for the first before it reuses the host staging buffers
+    (torch.optim: copied) or holds the tensors again (megalite's AdamW: the step after it writes into the
+    first save's buffers). Each checkpoint is byte-identical to a synchronous save of a twin at that step."""
+    gate, started = _gated(monkeypatch.setattr)
+    grid = ParallelGrid.single()
+    cfg = CKPT.config(token_file)
+    torch.set_num_threads(1)
+    for what, make in (("sgd", _sgd_case), ("adamw", lambda: _adamw_case(cfg))):
+        (net, opt, step), (twin, twin_opt, twin_step) = make(), make()
+        saver, root = AsyncSaver(), tmp_path / what
+        gate.set()
+        for k in (1, 2):  # the references first (with the gate open, so no stalled save is let go by them)
+            twin_step(k)
+            save_checkpoint(root / "sync", k, twin, twin_opt, grid)
+        gate.clear()
+        started.clear()
+        for k in (1, 2):
+            step(k)
+            if k == 2:  # the first save stays stalled for another 0.5 s: submit has to wait for it
+                threading.Timer(0.5, gate.set).start()
+            save_checkpoint(root / "async", k, net, opt, grid, saver=saver)
+            if k == 1:
+                assert started.wait(60) and saver.thread.is_alive()
+        step(3)  # after the second submit: reaches neither save's bytes
+        gate.set()
+        saver.wait()
+        for k in (1, 2):
+            same_step_files(root / "sync" / f"step_{k:08d}", root / "async" / f"step_{k:08d}")

@@ -204,11 +204,9 @@ def test_unsupported_state_is_refused_naming_parameter_and_key(tmp_path):
     opt = torch.optim.AdamW(net.parameters())
     _train(net, opt, 1)
     p = net[2].weight
-    opt.state[p]["exp_avg"] = torch.zeros(3)  # factored, Adafactor-like: not the parameter's shape
-    with pytest.raises(CheckpointError) as e:
-        save_checkpoint(tmp_path / "ck", 1, net, opt, grid)
-    assert "state 'exp_avg' of parameter '2.weight' has shape [3], not the parameter's [3, 12]" in str(e.value)
-    opt.state[p]["exp_avg"] = torch.zeros(3, 12)
+    # A state tensor of another shape (factored, Adafactor-like) was refused here until issue 21: it is now
+    # stored whole for a parameter held whole (test_byo_state.py: Adafactor round-trips, and the refusal for a
+    # tp-split parameter names the parameter, the key and tp).
     opt.state[p]["note"] = "hello"
     with pytest.raises(CheckpointError, match=r"state 'note' of parameter '2\.weight' is a str"):
         save_checkpoint(tmp_path / "ck", 1, net, opt, grid)

@@ -125,7 +125,8 @@ def _load_error(step, net, opt, grid) -> str:
 
 # ---------------------------------------------------------------- the package imports nothing of the loop
 PACKAGE = Path(__file__).resolve().parent.parent / "megalite"
-ALLOWED = ("megalite.checkpoint", "megalite.errors", "megalite.faults", "megalite.parallel", "megalite.config")
+ALLOWED = ("megalite.checkpoint", "megalite.errors", "megalite.faults", "megalite.parallel", "megalite.config",
+           "megalite.jsonio")
 
 
 def _imports(path: Path) -> set:
@@ -145,7 +146,8 @@ def _imports(path: Path) -> set:
 def test_the_checkpoint_package_imports_nothing_of_the_training_loop():
     """checkpoint/ is the engine; its policy (megalite/checkpointing.py), the loop, the model and the tools sit
     above it. What it may import from outside itself: errors, faults (hooks), parallel/ (the grid, the partition
-    tag, ZeRO-1's pieces), config (model_architecture: which [model] keys a load compares) and the version."""
+    tag, ZeRO-1's pieces), config (model_architecture: which [model] keys a load compares), jsonio (the bounded
+    JSON parser and the exact codec, a leaf like errors) and the version."""
     outside = {}
     for path in sorted((PACKAGE / "checkpoint").glob("*.py")):
         bad = sorted(m for m in _imports(path) if m != "megalite.__version__" and not m.startswith(ALLOWED))

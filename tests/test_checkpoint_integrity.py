@@ -214,6 +214,50 @@ def state_edit(step):
     p.write_text(json.dumps(s, separators=(",", ":")))
 
 
+def nested(depth: int, leaf=1):
+    for _ in range(depth):
+        leaf = {"a": leaf}
+    return leaf
+
+
+def deeper_than_python_parses(step):
+    """A field nested 5000 deep (json.dumps cannot even sign it): the text is written by hand."""
+    path = step / "manifest.json"
+    text = path.read_text().rstrip().rstrip("}")
+    path.write_text(text + ',"deep":' + "[" * 5000 + "]" * 5000 + "}\n")
+
+
+# Manifests that are signed (re-checksummed after the edit, as a user following the docs would) but lie
+# (issue 21, class 6), with the words the one-line refusal must hold. Each is also a CASES row: verify and
+# every loader refuse it; test_signed_lies_are_refused_by_every_reader adds inspect and the tree view.
+LIES = [
+    ("config.model has an unknown key", edit_manifest(lambda d: d["config"]["model"].update(n_expert=8)),
+     "unknown key 'model.n_expert'"),
+    ("config.model.n_embd is a float width", edit_manifest(lambda d: d["config"]["model"].update(n_embd=32.0)),
+     "model.n_embd = 32.0 has type float, expected int"),
+    ("config.model.activation is unknown", edit_manifest(lambda d: d["config"]["model"].update(activation="swish")),
+     "model.activation = 'swish': expected one of gelu_new, gelu, relu"),
+    ("config.model.vocab_size is a string", edit_manifest(lambda d: d["config"]["model"].update(vocab_size="256")),
+     "model.vocab_size = '256' has type str, expected int"),
+    ("config.model lacks n_layer", edit_manifest(lambda d: d["config"]["model"].pop("n_layer")),
+     "model field 'n_layer' is missing"),
+    ("config.parallel is a list", edit_manifest(lambda d: d["config"].update(parallel=[1])),
+     "field 'config.parallel' is [1], expected an object"),
+    ("config.parallel.vpp is 10**9", edit_manifest(lambda d: d["config"].update(parallel={"vpp": 10**9})),
+     "field 'config.parallel.vpp' is 1000000000, expected an integer in [1, 4]"),
+    ("layout.dp is 10**9", edit_manifest(lambda d: d["layout"].update(dp=10**9)),
+     "field 'layout' (tp=1 pp=1 dp=1000000000) has 1000000000 coordinates but 'files' lists 1 state.json"),
+    ("layout.zero1 is missing", edit_manifest(lambda d: d["layout"].pop("zero1")), "field 'layout.zero1' is missing"),
+    ("optimizer.type is unknown", edit_manifest(lambda d: d["optimizer"].update(type="sgd")),
+     "field 'optimizer.type' is 'sgd', expected 'adamw' or 'torch.optim'"),
+    ("a scheduler tag is malformed", edit_manifest(lambda d: d.update(scheduler={"m": {"__py__": "Counter",
+                                                                                       "items": 3}})),
+     "scheduler.m: {'__py__': 'Counter', 'items': 3} is not a value megalite wrote"),
+    ("client_state nested 100 deep", edit_manifest(lambda d: d.update(client_state=nested(100))),
+     "JSON nested more than 64 levels deep"),
+    ("a field nested 5000 deep", deeper_than_python_parses, "JSON nested too deeply to parse"),
+]
+
 # (case, which checkpoint, damage, loaders that must refuse: "all" or a set; verify must always report)
 CASES = [
     ("bit flip in wte rows 128-255 (block 20)", "ck", lambda s: flip_key(s, WTE, "wte.weight", 20 * BLOCK + 5),
@@ -262,7 +306,7 @@ CASES = [
      "all"),
     ("state.json edited", "ck", state_edit, {"load (1,1,1)"}),
     ("shard truncated", "ck", lambda s: (s / WTE).write_bytes((s / WTE).read_bytes()[:-7]), "all"),
-]
+] + [(case, "ck", damage, "all") for case, damage, _ in LIES]  # a manifest that is signed but lies (issue 21)
 
 
 def flip_header_digit(step):
@@ -502,3 +546,74 @@ def test_weights_only_checkpoint_warns_that_the_optimizer_starts_fresh(base, tmp
     assert opt.step_count == 0 and all(not t.any() for t in opt.exp_avg.values())
     full = load_checkpoint(base["ck"], model, opt, grid, model_config=MODEL)
     assert full.warnings == [] and opt.step_count == 7
+
+
+# ---------------------------------------------------------------- a manifest that is signed but lies (issue 21)
+@pytest.mark.parametrize("case,damage,says", LIES, ids=[c[0] for c in LIES])
+def test_signed_lies_are_refused_by_every_reader(base, tmp_path, case, damage, says):
+    """verify, inspect, the tree view and every loader: the same one line naming the field, fast (a layout of a
+    billion coordinates is refused before any is enumerated), never a traceback."""
+    import time
+    from megalite.checkpoint.verify import inspect, tree
+    step = tmp_path / base["ck"].name
+    shutil.copytree(base["ck"], step)
+    damage(step)
+    t0 = time.perf_counter()
+    _, problems = verify(step)
+    assert len(problems) == 1 and says in problems[0] and "\n" not in problems[0], problems
+    for reader in (inspect, tree):
+        with pytest.raises(CheckpointError) as e:
+            reader(step)
+        assert str(e.value) == problems[0]
+    results = run_all(step, tmp_path / "out")
+    assert set(results.values()) == {problems[0]} or all(says in r for r in results.values()), results
+    assert time.perf_counter() - t0 < 5.0
+
+
+def _written_fields(step) -> list:
+    """What the writer put in the manifest: every top-level field but the signature's own and the
+    informational ones, then the fields of the sections a reader needs."""
+    d = raw(step)
+    top = [k for k in d if k not in ("format", "format_version", "manifest_crc32c") + mf.INFO_KEYS]
+    return top + [f"layout.{k}" for k in d["layout"]] + [f"checksum.{k}" for k in d["checksum"]] + \
+        ["optimizer.step"]
+
+
+@pytest.fixture(scope="module")
+def written(base):
+    return _written_fields(base["ck"])
+
+
+def test_every_field_the_writer_writes_is_required(base, tmp_path, written):
+    """Each field the writer writes, removed (and the manifest re-signed): verify and the loader both refuse it
+    naming the field; none is defaulted (a manifest without `step` must not load as step 0). The list is read
+    from a manifest the writer wrote, not from the parser's REQUIRED."""
+    assert {"step", "tokens_seen", "data", "client_state", "scheduler", "layout.zero1"} <= set(written)
+    for field in written:
+        step = tmp_path / field / base["ck"].name
+        shutil.copytree(base["ck"], step)
+        d = raw(step)
+        section, _, key = field.rpartition(".")
+        del (d[section] if section else d)[key]
+        resign(step, d)
+        _, problems = verify(step)
+        assert len(problems) == 1 and f"field '{field}' is missing" in problems[0], (field, problems)
+        with pytest.raises(CheckpointError) as e:
+            _load(1, 1, False, 0, 0)(step, None)
+        assert str(e.value) == problems[0], field
+
+
+def test_resume_auto_falls_back_past_a_manifest_nested_too_deep(base, tmp_path):
+    """A latest step whose manifest Python's JSON parser cannot even parse (RecursionError before any check):
+    resume=auto skips it, loudly, for the older intact step, as for any other damage."""
+    from megalite.checkpointing import CheckpointManager
+    root = tmp_path / "root"
+    shutil.copytree(base["ck"], root / "step_00000007")
+    shutil.copytree(base["ck"], root / "step_00000008")
+    (root / "latest").write_text("step_00000008\n")
+    deeper_than_python_parses(root / "step_00000008")
+    cfg = SimpleNamespace(checkpoint=SimpleNamespace(dir=str(root), async_=False, resume="auto", signal_grace_s=0),
+                          train=SimpleNamespace(out_dir=str(tmp_path)))
+    path, warnings, failed = CheckpointManager(cfg, ParallelGrid.single())._choose_auto()
+    assert path == str(root / "step_00000007") and failed == [8]
+    assert "step_00000008" in warnings[0] and "JSON nested too deeply to parse" in warnings[0], warnings

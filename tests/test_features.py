@@ -40,7 +40,9 @@ def test_bad_feature_values_are_one_line_errors(overrides, world, names):
 
 
 # ---------------------------------------------------------------- virtual pipeline placement
-from megalite.parallel.pipeline import chunk_layers, interleaved_order, num_warmup_microbatches, place_of, stage_of
+import torch
+
+from megalite.parallel.pipeline import chunk_layers, interleaved_order, place_of, stage_of
 
 
 def test_chunks_follow_megatrons_assignment():
@@ -71,22 +73,79 @@ def test_place_of_is_the_inverse_of_chunk_layers(n_layer, pp, vpp):
         place_of("layer.99", n_layer, pp, vpp)
 
 
-# ---------------------------------------------------------------- the interleaved order, simulated
-def _simulate(pp: int, m: int, vpp: int, t_f: float = 1.0, t_b: float = 2.0):
-    """Run every rank's op list as a discrete-event simulation: an op starts when its rank is free and its
-    input has arrived (blocking receives, buffered sends, zero latency); each chunk's forward takes t_f/vpp,
-    backward t_b/vpp. Returns (idle share of the step, max activations in flight on a rank); raises on a
-    deadlock (no rank can make progress)."""
-    if vpp == 1:  # plain 1F1B from its warm-up count, as pipeline.one_f_one_b runs it
-        ops = []
-        for r in range(pp):
-            w = num_warmup_microbatches(pp, r, m)
-            seq = [("F", i, 0) for i in range(w)]
-            for i in range(m - w):
-                seq += [("F", w + i, 0), ("B", i, 0)]
-            ops.append(seq + [("B", i, 0) for i in range(m - w, m)])
+# ---------------------------------------------------------------- the schedules, recorded and simulated
+class _Mark(torch.autograd.Function):
+    """Identity that records ("F" | "B", micro, chunk) when its forward and its backward run."""
+
+    @staticmethod
+    def forward(ctx, x, op, log):
+        ctx.op, ctx.log = op, log
+        log.append(("F", *op))
+        return x.clone()
+
+    @staticmethod
+    def backward(ctx, grad):
+        ctx.log.append(("B", *ctx.op))
+        return grad, None, None
+
+
+class _NoWire:
+    """A P2P that moves nothing: receives return a tensor of the stage's shape, sends are dropped."""
+
+    def __init__(self, shape):
+        self.shape = shape
+
+    def recv_from(self, src, tag=0):
+        return torch.ones(self.shape)
+
+    def recv_forward(self):
+        return torch.ones(self.shape)
+
+    recv_backward = recv_forward
+
+    def send_to(self, t, dst, tag=0):
+        pass
+
+    def send_forward(self, t):
+        pass
+
+    send_backward = send_forward
+
+    def wait(self):
+        pass
+
+
+def _recorded(pp: int, r: int, m: int, vpp: int) -> list:
+    """The ("F" | "B", micro, chunk) operations rank r of the REAL schedule runs (pipeline.one_f_one_b, or
+    pipeline.interleaved with vpp > 1), in order: the schedule drives a stage function that records them."""
+    from types import SimpleNamespace
+    from megalite.parallel import pipeline as P
+    from megalite.parallel.grid import Coord, Layout
+    layout, coord = Layout(1, pp, 1), Coord(0, r, 0)
+    grid = SimpleNamespace(layout=layout, coord=coord, is_first_stage=r == 0, is_last_stage=r == pp - 1)
+    w, log = torch.ones(2, requires_grad=True), []
+
+    def stage_fn(x, micro, chunk=0):
+        out = _Mark.apply(x * w, (micro, chunk), log)
+        last = chunk * pp + r == pp * vpp - 1
+        return out.sum() if last else out
+
+    inputs = [torch.ones(2) for _ in range(m)]
+    if vpp == 1:
+        P.one_f_one_b(stage_fn, inputs, m, grid, _NoWire((2,)))
     else:
-        ops = [interleaved_order(pp, r, m, vpp) for r in range(pp)]
+        P.interleaved(stage_fn, inputs, m, grid, _NoWire((2,)), vpp)
+    return log
+
+
+def _simulate(pp: int, m: int, vpp: int, t_f: float = 1.0, t_b: float = 2.0):
+    """Run every rank's op list, recorded from the real schedule (`_recorded`), as a discrete-event
+    simulation: an op starts when its rank is free and its input has arrived (blocking receives, buffered
+    sends, zero latency); each chunk's forward takes t_f/vpp, backward t_b/vpp. Returns (idle share of the
+    step, max activations in flight on each rank); raises on a deadlock (no rank can make progress)."""
+    ops = [_recorded(pp, r, m, vpp) for r in range(pp)]
+    for r in range(pp):
+        assert sorted(ops[r]) == sorted((k, i, j) for k in "FB" for i in range(m) for j in range(vpp)), (pp, m, r)
     n_virtual = pp * vpp
     ready = {}  # (kind, micro, virtual stage) -> time its input is available
     pos, clock, busy, inflight, peak = [0] * pp, [0.0] * pp, [0.0] * pp, [0] * pp, [0] * pp
@@ -126,11 +185,23 @@ def test_interleaved_order_runs_without_deadlock_and_shrinks_the_bubble(pp, m):
         for i in range(m):
             for j in range(vpp):
                 assert ops.index(("F", i, j)) < ops.index(("B", i, j))
+        assert _recorded(pp, r, m, vpp) == ops  # pipeline.interleaved runs the order it is given
     idle, _ = _simulate(pp, m, vpp)
     plain, _ = _simulate(pp, m, 1)
     assert plain == pytest.approx((pp - 1) / (m + pp - 1), abs=1e-9)  # the simulator reproduces the 1F1B formula
     assert idle == pytest.approx((pp - 1) / (vpp * m + pp - 1), abs=1e-9)  # Narayanan et al. (2021)
     assert idle < plain
+
+
+@pytest.mark.parametrize("pp,m", [(2, 1), (2, 4), (3, 2), (4, 3), (4, 4), (4, 8), (5, 7)])
+def test_the_real_1f1b_schedule_has_the_papers_bubble_and_memory_bound(pp, m):
+    """pipeline.one_f_one_b itself, recorded on every rank (not an order rebuilt from its warm-up count): the
+    idle share is the PipeDream-Flush / Megatron formula (pp - 1) / (m + pp - 1) (Narayanan et al. 2021), and
+    stage r never holds more than min(pp - r, m) micro-batches' activations: one warm-up forward more or less on
+    any rank breaks one of the two."""
+    idle, peak = _simulate(pp, m, 1)
+    assert idle == pytest.approx((pp - 1) / (m + pp - 1), abs=1e-9), (pp, m, idle)
+    assert peak == [min(pp - r, m) for r in range(pp)], (pp, m, peak)
 
 
 def test_afab_order_and_forward_only_order():

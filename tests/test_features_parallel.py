@@ -204,6 +204,42 @@ def test_bf16_checkpoint_resumes_bit_exactly_and_converts(tmp_path, token_file):
         assert torch.equal(f16[k], f32[k].to(torch.bfloat16)), k
 
 
+def test_bf16_runs_keep_fp32_master_weights_stepped_as_torch_adamw_does(token_file, tmp_path):
+    """bf16 autocast rounds the matmuls, never the weights: after each of 3 bf16 steps, the parameters are what
+    torch.optim.AdamW (and torch's clip_grad_norm_) makes of the previous fp32 parameters and the step's own
+    gradients, to fp32 rounding, and they are not bf16 values. A run that rounded its master weights to bf16
+    after a step is off by ~2^-9 of a weight."""
+    import math
+    from megalite.parallel.grid import ParallelGrid
+    from megalite.train import build, train_step
+    cfg = H.TINY.config(token_file, tmp_path / "run", **BF16, **{"train.steps": 3})
+    torch.set_num_threads(1)
+    tr = build(cfg, ParallelGrid.single(), torch.device("cpu"))
+    assert tr.precision == "bf16"
+    named = tr.params
+    ref = [p.detach().clone().requires_grad_() for _, p in named]
+    decay = [q for (n, _), q in zip(named, ref) if not (n.endswith(".bias") or "ln_" in n)]
+    rest = [q for (n, _), q in zip(named, ref) if n.endswith(".bias") or "ln_" in n]
+    t = cfg.train
+    opt = torch.optim.AdamW([{"params": decay, "weight_decay": t.weight_decay}, {"params": rest, "weight_decay": 0.0}],
+                            lr=t.lr, betas=(t.beta1, t.beta2), eps=1e-8)
+    for step in range(3):
+        rec = train_step(tr)
+        for (name, p), q in zip(named, ref):
+            q.grad = p.grad.detach().clone()
+        norm = float(torch.nn.utils.clip_grad_norm_(ref, t.grad_clip))
+        assert norm == pytest.approx(rec["grad_norm"], rel=1e-5)
+        for g in opt.param_groups:
+            g["lr"] = rec["lr"]
+        opt.step()
+        for (name, p), q in zip(named, ref):
+            torch.testing.assert_close(p.detach(), q.detach(), rtol=1e-6, atol=1e-7, msg=f"step {step + 1} {name}")
+    assert all(p.dtype == torch.float32 for _, p in named)
+    wte = dict(named)["wte.weight"].detach()
+    assert not torch.equal(wte, wte.bfloat16().float())  # fp32 values, not bf16 ones
+    assert math.isfinite(rec["loss"])
+
+
 def _memory_check(rank, world_size, tmp):
     """Saved-tensor hooks count the bytes one layer keeps for backward; they equal the adapted Korthikanti
     formula (megalite.tools.bench.features.layer_activation_bytes) at tp = world_size, for every recompute x sp

@@ -120,3 +120,56 @@ def test_kill_during_a_resave_of_the_step_latest_names(tmp_path, token_file, ref
 def test_every_kill_point_is_exercised():
     used = {c[0] for c in FRESH} | {"resave_swapped", "resave_old_moved"}
     assert used == set(KILL_POINTS)
+
+
+# ---------------------------------------------------------------- the order of fsyncs and renames (issue 21)
+def test_the_commit_makes_each_thing_durable_before_anything_names_it(tmp_path, monkeypatch):
+    """A kill loses nothing that the kill tests can see (the page cache survives a process); a power cut loses
+    what was never fsynced. So record every os.fsync (by the path of its descriptor) and every rename of a
+    save and a re-save, and check the protocol's order: each file and folder of the step is fsynced before the
+    step folder is renamed into place, the manifest last of all, the root after the rename; `latest` is
+    written to a fsynced temporary file, renamed over, and the root fsynced again. With the manifest's fsync
+    (or the step folder's) dropped, `latest` could name a manifest that is not on the disk."""
+    import torch
+    from megalite.checkpoint import save_checkpoint
+    from megalite.parallel.grid import ParallelGrid
+    events = []
+    real_fsync, real_replace, real_rename = os.fsync, os.replace, os.rename
+
+    def fsync(fd):
+        events.append(("fsync", os.readlink(f"/proc/self/fd/{fd}")))
+        return real_fsync(fd)
+
+    def rename(kind, real):
+        def fn(src, dst, *a, **k):
+            events.append((kind, os.fspath(src), os.fspath(dst)))
+            return real(src, dst, *a, **k)
+        return fn
+
+    monkeypatch.setattr(os, "fsync", fsync)
+    monkeypatch.setattr(os, "replace", rename("rename", real_replace))
+    monkeypatch.setattr(os, "rename", rename("rename", real_rename))
+    monkeypatch.setenv("MEGALITE_NO_RENAME_EXCHANGE", "1")  # the re-save's two-rename path: every move is seen
+    net = torch.nn.Linear(4, 3)
+    opt = torch.optim.SGD(net.parameters(), lr=0.1, momentum=0.9)
+    net(torch.ones(2, 4)).sum().backward()
+    opt.step()
+    root = tmp_path / "ck"
+    for attempt in ("save", "re-save"):
+        events.clear()
+        save_checkpoint(root, 1, net, opt, ParallelGrid.single())
+        tmp, final, coord = str(root / ".tmp-step_00000001"), str(root / "step_00000001"), "tp00-pp00-dp00"
+        into_place = next(i for i, e in enumerate(events) if e[:2] == ("rename", tmp) and e[2] == final)
+        synced = [e[1] for e in events[:into_place] if e[0] == "fsync"]
+        files = [f"{tmp}/{coord}/{n}" for n in ("model.safetensors", "optimizer.safetensors", "state.json")]
+        for path in files + [f"{tmp}/{coord}", f"{tmp}/manifest.json", tmp]:
+            assert path in synced, (attempt, path, events)
+        assert synced.index(f"{tmp}/manifest.json") > max(synced.index(f) for f in files), attempt
+        assert synced.index(tmp) > synced.index(f"{tmp}/manifest.json"), attempt  # the folder entry, after
+        after = events[into_place + 1:]
+        latest = next(i for i, e in enumerate(after) if e[0] == "rename" and e[2] == str(root / "latest"))
+        assert ("fsync", str(root)) in after[:latest], (attempt, "the root after the rename", after)
+        assert after[latest][1] == str(root / ".latest.tmp")
+        assert ("fsync", str(root / ".latest.tmp")) in after[:latest], (attempt, after)
+        assert ("fsync", str(root)) in after[latest + 1:], (attempt, "the root after `latest`", after)
+    assert (root / "latest").read_text() == "step_00000001\n"

@@ -72,3 +72,37 @@ def test_the_docs_show_this_files_run_parallel_example_verbatim():
     example = here.split("# docs/testing.md: begin\n")[1].split("# docs/testing.md: end\n")[0]
     docs = (Path(__file__).resolve().parent.parent / "docs" / "testing.md").read_text()
     assert any(example.strip() == b.strip() for b in re.findall(r"```python\n(.*?)```", docs, re.S))
+
+
+# ---------------------------------------------------------------- the deadline (issue 21)
+def _mismatched_schedules(rank, world_size, tmp):
+    """A schedule bug: pipeline stage 0 runs 1F1B, stage 1 all-forward-all-backward over 4 micro-batches. Stage 0
+    sends activations 0 and 1, then waits for gradient 0; stage 1 waits for activation 2 before any backward."""
+    import torch
+    from megalite.parallel.grid import Layout, ParallelGrid
+    from megalite.parallel.pipeline import P2P, afab, one_f_one_b
+    grid = ParallelGrid.create(Layout(1, 2, 1))
+    w = torch.ones(3, requires_grad=True)
+    p2p = P2P(grid, (3,), torch.float32, torch.device("cpu"))
+    inputs = [torch.full((3,), float(i)) for i in range(4)]
+    (one_f_one_b if rank == 0 else afab)(lambda x, i: (x * w).sum() if grid.is_last_stage else x * w,
+                                         inputs, 4, grid, p2p)
+
+
+def test_a_hung_launch_names_each_rank_and_where_it_waits_within_the_deadline(tmp_path):
+    """The deadline, not a gloo timeout minutes later: each rank still running is named with the call it is
+    blocked in (a recv), the schedule function and this test's worker, in seconds."""
+    import time
+    t0 = time.monotonic()
+    with pytest.raises(RankFailed) as e:
+        run_parallel(_mismatched_schedules, 2, tmp_path, deadline_s=8)
+    took, msg = time.monotonic() - t0, str(e.value)
+    assert took < 25, took  # the deadline plus the launch; the workers' own collective timeout is 8 + 30 s
+    assert "_mismatched_schedules: 2 of 2 ranks still running after the 8 s deadline (killed)" in msg, msg
+    first = msg.splitlines()
+    rank0 = next(line for line in first if line.startswith("rank 0 waits in "))
+    rank1 = next(line for line in first if line.startswith("rank 1 waits in "))
+    assert re.search(r"recv_backward \(pipeline\.py:\d+\) <- backward \(pipeline\.py:\d+\) <- one_f_one_b", rank0)
+    assert re.search(r"recv_forward \(pipeline\.py:\d+\) <- forward \(pipeline\.py:\d+\) <- afab", rank1)
+    assert "_mismatched_schedules (test_run_parallel.py:" in rank0 and rank0.split(" waits in ")[1].startswith("recv")
+    assert not list(tmp_path.glob("stacks-*"))  # the dumps are read and removed

@@ -4,6 +4,7 @@ Each check builds the full weights from a seed, gives each tp rank its slice (in
 the layer and the torch reference on the same inputs, and compares outputs, the input gradient and the
 weight/bias gradients (the local gradient must equal the matching slice of the reference gradient).
 """
+import pytest
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
@@ -157,12 +158,37 @@ def check_all(tp: Axis):
         check_cross_entropy(tp, vocab)
 
 
+def check_sp_dropout(tp: Axis):
+    """Sequence parallelism changes where the residual stream's dropout runs (seq/tp of the tokens per rank),
+    not which elements drop: a tp-sharded GPT with dropout 0.1 gives the same loss with sp on and off (the
+    mask is drawn whole from the tp ranks' shared stream and each rank keeps its chunk). A per-rank mask of
+    the chunk's shape would drop other elements (and shift the stream the attention dropout draws from)."""
+    from megalite.config import ModelConfig
+    from megalite.model import GPTStage
+    from megalite.parallel.grid import Layout, ParallelGrid
+    one = Axis(1, 0)
+    grid = ParallelGrid(Layout(tp.size, 1, 1), tp.rank, tp, one, one, tp, one)
+    ids = torch.randint(0, 64, (2, 17), generator=torch.Generator().manual_seed(3))
+    losses = {}
+    for sp, dropout in ((False, 0.1), (True, 0.1), (False, 0.0)):
+        model = GPTStage(ModelConfig(n_layer=2, n_head=4, n_embd=32, block_size=16, vocab_size=64, dropout=dropout),
+                         grid, sp=sp)
+        model.init_weights(1)
+        model.train()
+        torch.manual_seed(5)  # the tp ranks share one stream (checkpoint.state.seed_everything)
+        losses[sp, dropout] = model(ids[:, :-1], ids[:, 1:]).item()
+    assert losses[True, 0.1] == pytest.approx(losses[False, 0.1], rel=1e-6), (tp.size, losses)
+    assert abs(losses[False, 0.1] - losses[False, 0.0]) > 1e-3, losses  # dropout acted
+
+
 def _worker(rank, world_size, tmp_dir):
     g01, g23 = dist.new_group([0, 1]), dist.new_group([2, 3])  # every rank creates every group, in order
     g4 = dist.new_group([0, 1, 2, 3])
     check_all(Axis(2, rank % 2, g01 if rank < 2 else g23))
     check_all(Axis(4, rank, g4))
     check_all(Axis(1, 0))
+    check_sp_dropout(Axis(2, rank % 2, g01 if rank < 2 else g23))
+    check_sp_dropout(Axis(4, rank, g4))
 
 
 def test_tp1_in_process():

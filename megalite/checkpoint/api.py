@@ -1,16 +1,27 @@
 """save_checkpoint / load_checkpoint: the checkpoint engine's two calls (the shape of DeepSpeed's, but a
 missing checkpoint is an error, never a silent None).
 
-    save_checkpoint(root, step, model, optimizer, grid, client_state={"epoch": 3})
-    info = load_checkpoint(root, model, optimizer, grid)    # info.client_state == {"epoch": 3}
+    save_checkpoint(root, step, model, optimizer, grid, scheduler=sched, client_state={"epoch": 3})
+    info = load_checkpoint(root, model, optimizer, grid, scheduler=sched)    # info.client_state == {"epoch": 3}
 
-`model` is megalite's GPT stage or any torch.nn.Module (global names: `global_parameters()` if it has one, else
-`named_parameters()`; untagged parameters are replicated, `parallel.partition.shard` splits one over tp);
-`optimizer` is megalite's ShardedAdamW, any torch.optim optimizer (optimizer.py) or None.
+What comes back exactly (bring your own state):
+  - the model's whole state_dict: megalite's GPT stage by the global names of `global_parameters()`; any
+    other torch.nn.Module by `state_dict()`'s names, parameters and persistent buffers as torch defines them
+    (BatchNorm's running statistics and its 0-dim int64 `num_batches_tracked`), any dtype of manifest.DTYPES,
+    0-dim included. Untagged tensors are replicated; `parallel.partition.shard` splits a parameter over tp.
+    Loading is as strict as torch's `load_state_dict`: a key the model has and the checkpoint lacks, or one
+    the checkpoint has and no rank's model holds, is an error naming the keys, before anything changes;
+  - the optimizer: megalite's ShardedAdamW, any torch.optim optimizer (optimizer.py) or None;
+  - the scheduler's state_dict, through jsonio's exact codec (MultiStepLR's Counter of int milestones and
+    ReduceLROnPlateau's infinite `best` come back as they were);
+  - client_state: plain JSON (a dict of str keys, lists, strings, finite numbers, booleans, null).
+Everything a save could refuse (a tensor type, a dtype, a zero-element tensor, a scheduler value, a
+client_state that is not JSON, a config that is not megalite's) is checked on every rank and agreed before
+any rank writes: every rank raises the same one-line CheckpointError and nothing is written.
 
-A save goes: the optimizer's owner (optimizer.py) -> this rank's payload (plan.py) -> the step's meta
-(manifest.step_meta) -> the commit protocol (commit.py, in a thread with async_save.py), which writes the
-rank's folder (write.py) and commits the step.
+A save goes: the checks -> the optimizer's owner (optimizer.py) -> this rank's payload (plan.py) -> the
+step's meta (manifest.step_meta) -> the commit protocol (commit.py, in a thread with async_save.py), which
+writes the rank's folder (write.py) and commits the step.
 """
 from __future__ import annotations
 
@@ -18,21 +29,69 @@ import dataclasses
 from pathlib import Path
 from typing import Optional
 
+import torch
+import torch.distributed as dist
+
+from ..errors import CheckpointError
+from ..jsonio import NotEncodable, decode, encode, plain_problem
 from .async_save import AsyncSaver
 from .commit import save_collective
 from .load import Loaded, load_into
-from .manifest import step_meta
+from .manifest import DTYPES, check_meta, step_meta
 from .optimizer import optimizer_state
 from .plan import collect
 from .state import StepState
 
 
-def global_named(model) -> list:
-    """The model's parameters by global name, sorted: `global_parameters()` if it has one (a pipeline stage
-    names its layers globally), else `named_parameters()`."""
+def model_state(model) -> tuple[list, frozenset]:
+    """([(global name, tensor)] sorted by name, the names that are buffers): megalite's stage by
+    `global_parameters()` (it has no buffers); any other module by `state_dict(keep_vars=True)`, i.e. its
+    parameters and persistent buffers under torch's own names (the tensors themselves, not copies)."""
     if hasattr(model, "global_parameters"):
-        return sorted(model.global_parameters(), key=lambda np_: np_[0])
-    return sorted(model.named_parameters(), key=lambda np_: np_[0])
+        return sorted(model.global_parameters(), key=lambda np_: np_[0]), frozenset()
+    state = model.state_dict(keep_vars=True)
+    return sorted(state.items(), key=lambda kv: kv[0]), frozenset(
+        k for k, v in state.items() if not isinstance(v, torch.nn.Parameter))
+
+
+def global_named(model) -> list:
+    """The model's state by global name, sorted (see model_state)."""
+    return model_state(model)[0]
+
+
+def check_model_state(named) -> None:
+    """Every entry of the state a checkpoint can hold: a tensor of a stored dtype with at least one element."""
+    for name, t in named:
+        if not torch.is_tensor(t):
+            raise CheckpointError(f"model state '{name}' is a {type(t).__name__}, not a tensor (a module's "
+                                  f"get_extra_state() is not checkpointed: keep such state in client_state)")
+        if t.dtype not in DTYPES.values():
+            raise CheckpointError(f"model state '{name}' is {t.dtype} (expected one of {', '.join(DTYPES)})")
+        if t.numel() == 0:
+            raise CheckpointError(f"model state '{name}' has shape {list(t.shape)}: a tensor with no elements "
+                                  f"cannot be checkpointed")
+
+
+def encode_scheduler(scheduler) -> Optional[dict]:
+    """The scheduler's state_dict through jsonio's exact codec (None without a scheduler)."""
+    if scheduler is None:
+        return None
+    try:
+        return encode(scheduler.state_dict(), "scheduler")
+    except NotEncodable as e:
+        raise CheckpointError(f"scheduler state: {e}") from None
+
+
+def agreed(problem: Optional[str], grid, what: str) -> None:
+    """Raise on every rank if any rank found a problem (one all_gather_object over the grid's gloo group):
+    the lowest failing rank's one line, the same CheckpointError everywhere, before anything is written."""
+    everyone = [problem]
+    if grid.layout.world_size > 1:
+        everyone = [None] * grid.layout.world_size
+        dist.all_gather_object(everyone, problem, group=grid.cpu)
+    for r, p in enumerate(everyone):
+        if p is not None:
+            raise CheckpointError(f"{what}: rank {r}: {p}" if len(everyone) > 1 else f"{what}: {p}", shared=True)
 
 
 def save_checkpoint(root, step: int, model, optimizer, grid, *, scheduler=None, client_state: Optional[dict] = None,
@@ -46,22 +105,54 @@ def save_checkpoint(root, step: int, model, optimizer, grid, *, scheduler=None, 
     if config is None and hasattr(model, "cfg"):  # enough for `megalite train` and the converter to use it
         config = {"model": dataclasses.asdict(model.cfg)}
     data_state = data_state or {"batch_index": step}
-    named = global_named(model)
+    named, buffers = model_state(model)
+    problem, sched = None, None
+    try:  # everything a save could refuse, on every rank, before any rank writes
+        check_model_state(named)
+        sched = encode_scheduler(scheduler)
+        for field, value in (("client_state", client_state), ("data_state", data_state), ("config", config)):
+            if value is not None and not isinstance(value, dict):
+                raise CheckpointError(f"{field} is a {type(value).__name__}, expected a dict")
+            bad = plain_problem(value, field)
+            if bad:
+                raise CheckpointError(bad)
+        meta = step_meta(step, grid.layout, config, tokens_seen=tokens_seen, data=data_state,
+                         client_state=client_state, scheduler=sched)
+        check_meta(meta)
+    except CheckpointError as e:
+        problem = str(e)
+    agreed(problem, grid, f"checkpoint step {step} was not saved")
     opt = optimizer_state(optimizer)
-    section = opt.section(named, grid)  # first: with torch.optim, a collective that checks every rank's state
-    sched = scheduler.state_dict() if scheduler is not None else None
-    pay = collect(named, opt, grid, StepState.capture(step, tokens_seen, data_state, sched))
-    meta = step_meta(step, grid.layout, config, tokens_seen=tokens_seen, data=data_state, zero1=opt.zero1,
-                     optimizer=section, client_state=client_state, scheduler=sched)
+    section = opt.section(named, grid)  # with torch.optim, a collective that checks every rank's state
+    pay = collect(named, opt, grid, StepState.capture(step, tokens_seen, data_state, sched), buffers=buffers)
+    meta = dataclasses.replace(meta, zero1=opt.zero1, optimizer=section)
     if saver is not None:
         saver.submit(Path(root), step, pay, grid, meta, keep_last, keep, optimizer)
         return None
     return save_collective(Path(root), step, pay, grid, meta, keep_last, keep)
 
 
+def exchange_names(named, grid) -> Optional[set]:
+    """Every name the whole model holds (the union over pipeline stages), for the unexpected-key check; the
+    names of this rank alone when there is one stage. One all_gather_object over the pp axis: called first
+    in load_checkpoint, before anything can fail, so every rank reaches it."""
+    mine = [n for n, _ in named]
+    if not grid.pp.active:
+        return set(mine)
+    everyone = [None] * grid.pp.size
+    dist.all_gather_object(everyone, mine, group=grid.pp.group)
+    return {n for names in everyone for n in names}
+
+
 def load_checkpoint(path, model, optimizer, grid, *, scheduler=None, model_config: Optional[dict] = None) -> Loaded:
-    """Load into this rank's slice (any layout; resharded on the fly). Raises CheckpointError if absent."""
-    info = load_into(path, global_named(model), optimizer, grid, model_config)
-    if scheduler is not None and info.manifest.scheduler is not None:
-        scheduler.load_state_dict(info.manifest.scheduler)
+    """Load into this rank's slice (any layout; resharded on the fly). Raises CheckpointError if absent.
+    All ranks call it (the pipeline stages exchange the names they hold first)."""
+    named, _ = model_state(model)
+    everywhere = exchange_names(named, grid)
+    info = load_into(path, named, optimizer, grid, model_config, whole_model=everywhere)
+    if scheduler is not None:
+        if info.manifest.scheduler is None:
+            info.warnings.append(f"WARNING: {info.path} holds no scheduler state: the scheduler starts fresh")
+        else:
+            scheduler.load_state_dict(decode(info.manifest.scheduler, f"{info.path}: scheduler", CheckpointError))
     return info

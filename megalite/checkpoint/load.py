@@ -54,13 +54,31 @@ def model_config_diff(saved: dict, current: dict) -> list[str]:
             for k in keys if saved.get(k) != current.get(k)]
 
 
+def check_keys(man: Manifest, step: Path, mine: set, whole_model: Optional[set]) -> None:
+    """torch's load_state_dict strictness: the keys this rank holds that the checkpoint lacks (missing), and
+    the checkpoint's model keys that no rank's model holds (unexpected: `whole_model`, the union over the
+    pipeline stages; None skips that half), all named in one line."""
+    missing = sorted(mine - set(man.model))
+    unexpected = sorted(set(man.model) - whole_model) if whole_model is not None else []
+    if not missing and not unexpected:
+        return
+    def some(keys):
+        return ", ".join(f"'{k}'" for k in keys[:8]) + (f" and {len(keys) - 8} more" if len(keys) > 8 else "")
+    parts = ([f"missing key(s) (the model has them, the checkpoint does not): {some(missing)}"] if missing else []) \
+        + ([f"unexpected key(s) (the checkpoint has them, no rank's model does): {some(unexpected)}"]
+           if unexpected else [])
+    raise CheckpointError(f"{step}: the checkpoint does not match the model's state_dict: {'; '.join(parts)}")
+
+
 def load_into(path, params, optimizer, grid, model_cfg: Optional[dict] = None,
-              restore_rng_state: bool = True) -> Loaded:
-    """Fill `params` ([(global name, parameter)]) and `optimizer` (megalite's ShardedAdamW, a torch.optim
-    optimizer or None) from the checkpoint at `path`."""
+              restore_rng_state: bool = True, whole_model: Optional[set] = None) -> Loaded:
+    """Fill `params` ([(global name, tensor)]: parameters and buffers) and `optimizer` (megalite's
+    ShardedAdamW, a torch.optim optimizer or None) from the checkpoint at `path`. `whole_model`: every
+    name the model holds on any rank (api.exchange_names), for the unexpected-key check."""
     step = resolve(path)
     man = read(step)
     check_model(man, step, model_cfg)
+    check_keys(man, step, {n for n, _ in params}, whole_model)
     c, L = grid.coord, grid.layout
     same = tuple(man.layout) == tuple(L)
     reader = SliceReader(step, man)

@@ -44,7 +44,9 @@ from typing import Optional
 import torch
 
 from .. import __version__
-from ..errors import CheckpointError, LayoutError
+from ..config import model_from
+from ..errors import CheckpointError, ConfigError, LayoutError
+from ..jsonio import decode, loads
 from ..parallel.grid import Layout
 from ..parallel.partition import Box, Partition
 from .files import open_read, read_all, write_new
@@ -55,7 +57,11 @@ from .tree import MANIFEST, MODEL_FILE, OPTIM_FILE, STATE_FILE, coord_dir
 FORMAT = "megalite-checkpoint"
 FORMAT_VERSION = 2
 BLOCK_BYTES = 1 << 20  # checksum granularity: a reader verifies exactly the blocks it touches
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+# What a checkpoint stores: floats for parameters and optimizer state; integers and booleans for buffers
+# (BatchNorm's num_batches_tracked is a 0-dim int64) and any state_dict tensor of those dtypes.
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16, "float64": torch.float64,
+          "int64": torch.int64, "int32": torch.int32, "int16": torch.int16, "int8": torch.int8, "uint8": torch.uint8,
+          "bool": torch.bool}
 DTYPE_NAMES = {v: k for k, v in DTYPES.items()}
 MOMENTS = ("exp_avg", "exp_avg_sq")
 # A torch.optim optimizer (optimizer.type = TORCH_OPTIM; see optimizer.py): its per-parameter state tensors are
@@ -166,6 +172,9 @@ class TensorEntry:
 
 
 INFO_KEYS = ("megalite_version", "torch_version", "created", "resharded_from")
+# What every manifest holds (`Manifest.to_json` writes them all; the parser refuses a manifest without one).
+REQUIRED = ("step", "tokens_seen", "layout", "config", "data", "optimizer", "client_state", "scheduler", "checksum",
+            "model", "optimizer_state", "files")
 
 
 @dataclass
@@ -289,38 +298,47 @@ class _Parser:
         if not isinstance(crc, str) or crc != canonical_crc(d):
             raise CheckpointError(f"{self.where}: field 'manifest_crc32c' is {short(crc)} but the content's CRC32C "
                                   f"is {canonical_crc(d)} (the manifest was edited or damaged)")
-        step = self.int_(self.get(d, "step", "step"), "step")
-        tokens = self.int_(d.get("tokens_seen", 0), "tokens_seen")
-        config = self.dict_(self.get(d, "config", "config"), "config")
-        model_cfg = self.dict_(config.get("model", {}), "config.model")
-        lay = self.dict_(self.get(d, "layout", "layout"), "layout")
+        # Every field the writer writes is required: a missing one is an edited manifest, never a default
+        # (a manifest without `step` must not load as step 0).
+        missing = [k for k in REQUIRED if k not in d]
+        if missing:
+            raise CheckpointError(f"{self.where}: field '{missing[0]}' is missing"
+                                  + (f" (and {', '.join(missing[1:])})" if len(missing) > 1 else ""))
+        step = self.int_(d["step"], "step")
+        tokens = self.int_(d["tokens_seen"], "tokens_seen")
+        config = self.dict_(d["config"], "config")
+        model_cfg = self.model_config(config)
+        lay = self.dict_(d["layout"], "layout")
         layout = Layout(*(self.get(lay, k, f"layout.{k}") for k in ("tp", "pp", "dp")))
         try:
             layout.validate(model_cfg, "layout.")
         except LayoutError as e:
             raise CheckpointError(f"{self.where}: {e}") from None
-        zero1 = lay.get("zero1", False)
+        zero1 = self.get(lay, "zero1", "layout.zero1")
         if not isinstance(zero1, bool):
             self.fail("layout.zero1", zero1, "true or false")
-        opt = self.dict_(d.get("optimizer"), "optimizer", optional=True)
+        self.parallel(config, layout, model_cfg)
+        opt = self.dict_(d["optimizer"], "optimizer", optional=True)
         if opt is not None:
+            if opt.get("type") not in ("adamw", TORCH_OPTIM):
+                self.fail("optimizer.type", opt.get("type"), f"'adamw' or '{TORCH_OPTIM}'")
             self.int_(self.get(opt, "step", "optimizer.step"), "optimizer.step")
-        chk = self.dict_(self.get(d, "checksum", "checksum"), "checksum")
-        if chk.get("algorithm") != "crc32c":
-            self.fail("checksum.algorithm", chk.get("algorithm"), "'crc32c'")
-        block = self.int_(chk.get("block_bytes"), "checksum.block_bytes", 8)
+        chk = self.dict_(d["checksum"], "checksum")
+        if self.get(chk, "algorithm", "checksum.algorithm") != "crc32c":
+            self.fail("checksum.algorithm", chk["algorithm"], "'crc32c'")
+        block = self.int_(self.get(chk, "block_bytes", "checksum.block_bytes"), "checksum.block_bytes", 8)
         if block % 8:
             self.fail("checksum.block_bytes", block, "a multiple of 8")
-        files = self.files(self.dict_(self.get(d, "files", "files"), "files"), layout)
-        n_layer = model_cfg.get("n_layer") if isinstance(model_cfg.get("n_layer"), int) else None
+        files = self.files(self.dict_(d["files"], "files"), layout)
+        n_layer = model_cfg.get("n_layer")
         seen: set = set()
         model = {n: self.entry("model", n, e, files, block, n_layer, seen)
-                 for n, e in self.dict_(self.get(d, "model", "model"), "model").items()}
+                 for n, e in self.dict_(d["model"], "model").items()}
         optim = {}
-        torch_optim = opt is not None and opt.get("type") == TORCH_OPTIM
+        torch_optim = opt is not None and opt["type"] == TORCH_OPTIM
         if torch_optim:
             self.torch_optimizer(opt, model)
-        for n, e in self.dict_(self.get(d, "optimizer_state", "optimizer_state"), "optimizer_state").items():
+        for n, e in self.dict_(d["optimizer_state"], "optimizer_state").items():
             base, kind = state_name(n, torch_optim)
             expected = "optim.<key>" if torch_optim else "|".join(MOMENTS)
             if kind is None:
@@ -330,14 +348,43 @@ class _Parser:
                 raise CheckpointError(f"{self.where}: optimizer_state entry {short(n)} names no model tensor "
                                       f"{short(base)} (missing from 'model'; expected '<model tensor>.{expected}')")
             entry = self.entry("optimizer_state", n, e, files, block, n_layer, seen, kind=kind)
-            if entry.shape != model[base].shape:
-                self.fail(f"optimizer_state.{n}.shape", list(entry.shape), f"{list(model[base].shape)} (as '{base}')")
+            # torch.optim state of another shape (Adafactor's factored moments) is stored whole (dim null)
+            if entry.shape != model[base].shape and not (torch_optim and entry.partition.dim is None):
+                self.fail(f"optimizer_state.{n}.shape", list(entry.shape),
+                          f"{list(model[base].shape)} (as '{base}')" + (", or partition.dim null for a state "
+                                                                        "tensor of another shape" if torch_optim else ""))
             optim[n] = entry
+        scheduler = self.dict_(d["scheduler"], "scheduler", optional=True)
+        decode(scheduler, "scheduler", self.error)  # the exact codec's tags must be well-formed
         info = {k: d[k] for k in INFO_KEYS if k in d}
-        return Manifest(step, tokens, layout, zero1, config, self.dict_(d.get("data", {}), "data"), opt,
-                        self.dict_(d.get("client_state", {}), "client_state"),
-                        self.dict_(d.get("scheduler"), "scheduler", optional=True), info,
+        return Manifest(step, tokens, layout, zero1, config, self.dict_(d["data"], "data"), opt,
+                        self.dict_(d["client_state"], "client_state"), scheduler, info,
                         model=model, optimizer_state=optim, files=files, block_bytes=block)
+
+    def error(self, msg: str) -> CheckpointError:
+        return CheckpointError(f"{self.where}: {msg}")
+
+    def model_config(self, config: dict) -> dict:
+        """config.model: {} (a model megalite does not describe: your own module), or megalite's [model]
+        section checked as a config file's is (every key known, types, ranges, activation), so inspect,
+        convert and reshard can build the model from it."""
+        m = self.dict_(config.get("model", {}), "config.model")
+        if not m:
+            return {}
+        try:
+            return model_from(m, "config")
+        except ConfigError as e:
+            raise CheckpointError(f"{self.where}: {e}") from None
+
+    def parallel(self, config: dict, layout: Layout, model_cfg: dict) -> None:
+        """config.parallel, where readers use it: an object; vpp (inspect's stage map) a positive integer that
+        fits the layers of the stored layout."""
+        par = self.dict_(config.get("parallel", {}), "config.parallel")
+        vpp = par.get("vpp", 1)
+        n_layer = model_cfg.get("n_layer")
+        hi = n_layer // layout.pp if n_layer else 1 << 16
+        if isinstance(vpp, bool) or not isinstance(vpp, int) or not 1 <= vpp <= max(1, hi):
+            self.fail("config.parallel.vpp", vpp, f"an integer in [1, {max(1, hi)}] (model.n_layer / layout.pp)")
 
     def torch_optimizer(self, opt: dict, model: dict) -> None:
         """The optimizer section of a torch.optim checkpoint (optimizer.py's TorchOptimState writes it):
@@ -377,6 +424,12 @@ class _Parser:
                     self.fail(f"{at}.dtype", dt, f"one of {', '.join(SCALAR_DTYPES)} (a float value: not int)")
 
     def files(self, d: dict, layout: Layout) -> dict:
+        # Bound the layout by what is listed before enumerating its coordinates: every coordinate has a
+        # state.json, so a layout of more coordinates than listed files (dp = 10**9) is refused in O(files).
+        states = sum(1 for rel in d if isinstance(rel, str) and rel.endswith("/" + STATE_FILE))
+        if layout.world_size > states:
+            raise CheckpointError(f"{self.where}: field 'layout' ({layout}) has {layout.world_size} coordinates but "
+                                  f"'files' lists {states} {STATE_FILE} (one per coordinate expected)")
         coords = {coord_dir(c) for c in layout.coords()}
         out = {}
         for rel, rec in d.items():
@@ -411,9 +464,9 @@ class _Parser:
         if dtype not in DTYPES:
             self.fail(f"{at}.dtype", dtype, f"one of {', '.join(DTYPES)}")
         shape = e.get("shape")
-        if (not isinstance(shape, list) or not shape
+        if (not isinstance(shape, list) or len(shape) > 64
                 or any(isinstance(n, bool) or not isinstance(n, int) or n < 1 for n in shape)):
-            self.fail(f"{at}.shape", shape, "a list of positive integers")
+            self.fail(f"{at}.shape", shape, "a list of at most 64 positive integers ([] for a 0-dim tensor)")
         part = self.dict_(e.get("partition"), f"{at}.partition")
         dim = part.get("dim")
         if dim is not None and (isinstance(dim, bool) or not isinstance(dim, int) or not 0 <= dim < len(shape)):
@@ -496,6 +549,19 @@ def step_meta(step: int, layout, config: dict, *, tokens_seen: int = 0, data: Op
                     {k: info[k] for k in INFO_KEYS if info.get(k) is not None})
 
 
+def check_meta(meta: StepMeta, where: str = "save_checkpoint") -> None:
+    """The parser's checks of what a step says about itself (config, layout, scheduler), run by a save
+    before anything is written: a save never starts what its commit would refuse."""
+    p = _Parser(where)
+    model_cfg = p.model_config(meta.config)
+    try:
+        meta.layout.validate(model_cfg, "layout.")
+    except LayoutError as e:
+        raise CheckpointError(f"{where}: {e}") from None
+    p.parallel(meta.config, meta.layout, model_cfg)
+    decode(meta.scheduler, "scheduler", p.error)
+
+
 def build(meta: StepMeta, reports: list[dict]) -> Manifest:
     """Merge every rank's report (the files it wrote, the slices they hold) into one manifest.
 
@@ -536,11 +602,10 @@ def read_json(step_dir: Path) -> dict:
     if path.is_symlink():
         raise CheckpointError(f"{path}: manifest is a symbolic link (refused: files must live in the step folder)")
     try:
-        return json.loads(read_all(path).decode("utf-8"))
+        data = read_all(path)
     except FileNotFoundError:
         raise CheckpointError(f"{path}: manifest is missing") from None
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise CheckpointError(f"{path}: manifest is not valid JSON ({e})") from None
+    return loads(data, f"{path}: manifest", CheckpointError)
 
 
 def read(step_dir: Path) -> Manifest:
@@ -575,5 +640,6 @@ def write(step_dir: Path, man: Manifest) -> None:
     """Write the manifest after parsing its text back: a writer never commits what its readers would refuse."""
     d = man.to_json()
     text = dumps(d)
-    Manifest.from_json(json.loads(text), f"{Path(step_dir) / MANIFEST} (being written)")
+    where = f"{Path(step_dir) / MANIFEST} (being written)"
+    Manifest.from_json(loads(text, where, CheckpointError), where)
     write_json(step_dir, d, text)

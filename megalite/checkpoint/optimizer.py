@@ -12,10 +12,15 @@ None); saving, loading and the payload then ask it, never the optimizer's type:
 megalite's AdamW (ZeRO-1 or not): the moments `<name>.exp_avg`, `<name>.exp_avg_sq` of every parameter, cut
 as the parameter is; the section holds type "adamw", step, betas, eps and weight_decay.
 
-Any torch.optim optimizer (AdamW, Adam with amsgrad, SGD with momentum, ...):
-  - every per-parameter state tensor (exp_avg, exp_avg_sq, max_exp_avg_sq, momentum_buffer) must have its
-    parameter's shape; it is stored as the global tensor `<name>.optim.<key>`, cut into the same tp slices and
+Any torch.optim optimizer (every class of torch.optim but LBFGS, whose history is lists of flattened
+tensors of all parameters together; tests/test_byo_state.py builds each one from torch's own list):
+  - a per-parameter state tensor of its parameter's shape (exp_avg, exp_avg_sq, max_exp_avg_sq,
+    momentum_buffer, ...) is stored as the global tensor `<name>.optim.<key>`, cut into the same tp slices and
     written by the same rank as its parameter, so any layout can load it exactly as it loads the parameter;
+  - a state tensor of another shape (Adafactor's factored row_var / col_var) is stored whole, as a global
+    tensor of its own shape, for a parameter that is whole on its rank (not split over tp: torch.optim
+    computes such state from the slice it sees, which is no slice of a global tensor); it loads wherever its
+    parameter is whole again, and a load that would split the parameter is refused naming both;
   - scalar state (a 0-dim tensor such as AdamW's per-parameter `step`, or a Python number) and every param
     group's hyperparameters (lr, betas, weight_decay, ...) go in the manifest's `optimizer` section as JSON
     numbers (exact), gathered from all ranks, with the global names of each group's parameters.
@@ -34,7 +39,7 @@ import torch.distributed as dist
 
 from ..errors import CheckpointError
 from ..parallel.data import ShardedAdamW
-from ..parallel.partition import local_shape, valid_view
+from ..parallel.partition import Box, Partition, local_shape, partition_of, valid_view
 from .manifest import (DTYPE_NAMES, DTYPES, MOMENTS, SCALAR_DTYPES, STATE_KEY, TORCH_OPTIM, Manifest, entry_for,
                        hyper_ok, short)
 from .read import fill
@@ -116,7 +121,8 @@ class AdamWState(OptimizerState):
                                   f"({man.optimizer['class']}), not of megalite's AdamW; pass optimizer=None to "
                                   f"load the weights only")
         return [(name, box, {m: entry_for(man.optimizer_state, f"{name}.{m}", part.global_shape, step)
-                             for m in MOMENTS}) for name, _, part, _, box in plan]
+                             for m in MOMENTS}) for name, _, part, _, box in plan
+                if name in self.optimizer.exp_avg]  # its parameters (a module's buffers have no moments)
 
     def load(self, reader, man: Manifest, todo: list, grid) -> None:
         o = self.optimizer
@@ -138,10 +144,10 @@ class TorchOptimState(OptimizerState):
         self.optimizer = optimizer
         self._mine = None  # this rank's groups, scalars and state tensors (computed once per save)
 
-    def mine(self, named) -> dict:
+    def mine(self, named, grid) -> dict:
         """This rank's param groups, scalar state and state tensors, checked (computed once)."""
         if self._mine is None:
-            self._mine = _this_rank(named, self.optimizer)
+            self._mine = _this_rank(named, self.optimizer, grid.layout.tp)
         return self._mine
 
     def section(self, named, grid) -> dict:
@@ -149,16 +155,23 @@ class TorchOptimState(OptimizerState):
 
     def slices(self, named, model_slices: list, grid) -> list:
         """Each state tensor beside its parameter: a planned model slice brings the same slice of each of its
-        parameter's state tensors (same box, same writer)."""
+        parameter's state tensors (same box, same writer); a state tensor of another shape comes whole with
+        the parameter's first piece (its parameter is whole on this rank: `_this_rank`)."""
         c, L = grid.coord, grid.layout
-        tensors = self.mine(named)["tensors"]
+        tensors = self.mine(named, grid)["tensors"]
         keys: dict = {}
         for name, key in tensors:
             keys.setdefault(name, []).append(key)
         out = []
         for part, it in model_slices:
             for key in sorted(keys.get(it.name, ())):
-                t = valid_view(tensors[it.name, key].detach(), part, c.tp, L.tp)
+                t = tensors[it.name, key].detach()
+                if tuple(t.shape) != tuple(local_shape(part, L.tp)):  # not the parameter's shape
+                    if not it.flat or it.flat[0] == 0:
+                        whole = Partition(tuple(t.shape), placement=part.placement)
+                        out.append((it.state(f"optim.{key}", tuple(t.shape)), whole, t))
+                    continue
+                t = valid_view(t, part, c.tp, L.tp)
                 if it.flat:  # the planned piece of the box (the write plan cuts a stage's slice over dp)
                     t = t.reshape(-1)[it.flat[0]:it.flat[1]]
                 out.append((it.state(f"optim.{key}"), part, t))
@@ -199,7 +212,7 @@ def _scalar(v, at: str) -> dict:
     return {"value": v}
 
 
-def _this_rank(named, optimizer) -> dict:
+def _this_rank(named, optimizer, tp: int) -> dict:
     """This rank's param groups (by global name), scalar state and state tensors, checked."""
     names = {id(p): n for n, p in named}
     groups, scalars, tensors = [], {}, {}
@@ -221,18 +234,23 @@ def _this_rank(named, optimizer) -> dict:
                 if not isinstance(key, str) or not STATE_KEY.match(key):
                     raise CheckpointError(f"optimizer state key {key!r} of parameter '{name}' is not an identifier")
                 if torch.is_tensor(v) and v.dim() > 0:
-                    if v.shape != p.shape:
+                    part = partition_of(p)
+                    if v.shape != p.shape and part.dim is not None and tp > 1:
                         raise CheckpointError(f"optimizer {at} has shape {list(v.shape)}, not the parameter's "
-                                              f"{list(p.shape)} (only state tensors of their parameter's shape can "
-                                              f"be checkpointed and resharded)")
+                                              f"{list(p.shape)}, and the parameter is split over tp = {tp}: a state "
+                                              f"tensor of another shape is checkpointed only for a parameter held "
+                                              f"whole (torch.optim computed it from this rank's slice alone)")
+                    if v.numel() == 0:
+                        raise CheckpointError(f"optimizer {at} has shape {list(v.shape)}: a tensor with no "
+                                              f"elements cannot be checkpointed")
                     if v.dtype not in DTYPE_NAMES:
                         raise CheckpointError(f"optimizer {at} is {v.dtype} (expected one of {', '.join(DTYPES)})")
                     tensors[name, key] = v
                 elif torch.is_tensor(v) or (isinstance(v, (int, float)) and not isinstance(v, bool)):
                     scalars.setdefault(name, {})[key] = _scalar(v, at)
                 else:
-                    raise CheckpointError(f"optimizer {at} is a {type(v).__name__}: only tensors of the "
-                                          f"parameter's shape and numbers are checkpointed")
+                    raise CheckpointError(f"optimizer {at} is a {type(v).__name__}: only tensors and numbers "
+                                          f"are checkpointed")
         groups.append({"hyper": hyper, "params": members})
     return {"class": class_name(optimizer), "groups": groups, "scalars": scalars, "tensors": tensors}
 
@@ -242,9 +260,9 @@ def _describe(owner: TorchOptimState, named, grid) -> dict:
     parameters), so every rank returns the same one; a problem on any rank is raised on every rank.
     Collective over the grid's `cpu` group."""
     try:
-        mine, error = owner.mine(named), None
+        mine, error = owner.mine(named, grid), None
     except CheckpointError as e:
-        mine, error = None, f"rank {grid.rank}: {e}"
+        mine, error = None, f"rank {grid.rank}: {e}" if grid.layout.world_size > 1 else str(e)
     entry = (error, None if mine is None else {k: v for k, v in mine.items() if k != "tensors"})
     everyone = [entry]
     if grid.layout.world_size > 1:
@@ -309,7 +327,13 @@ def _plan_load(man: Manifest, step, plan: list, optimizer) -> list:
                 other = "no group" if name not in group_of else f"param_groups[{group_of[name]}]"
                 raise CheckpointError(f"{step.name}: parameter '{name}' is in param_groups[{k}] here but in "
                                       f"{other} in the checkpoint")
-            out.append((k, p, name, part, box, sorted(by_param.get(name, [])), sec["scalars"].get(name, {})))
+            entries = sorted(by_param.get(name, []))
+            for key, e in entries:
+                if tuple(e.shape) != tuple(part.global_shape) and box != Box.whole(part.global_shape):
+                    raise CheckpointError(f"{step.name}: optimizer state '{key}' of parameter '{name}' has shape "
+                                          f"{list(e.shape)}, not the parameter's: it loads only where the parameter "
+                                          f"is whole, and this layout splits it over tp")
+            out.append((k, p, name, part, box, entries, sec["scalars"].get(name, {})))
     return out
 
 
@@ -321,6 +345,9 @@ def _load(reader, man: Manifest, todo: list, optimizer, grid) -> None:
     for i, (_, p, name, part, box, entries, scalars) in enumerate(todo):
         s = {}
         for key, entry in entries:
+            if tuple(entry.shape) != tuple(part.global_shape):  # another shape: whole (checked in _plan_load)
+                s[key] = reader.read(entry, Box.whole(entry.shape), out=torch.empty(entry.shape, dtype=entry.torch_dtype))
+                continue
             full = torch.zeros(local_shape(part, L.tp), dtype=entry.torch_dtype)
             view = valid_view(full, part, c.tp, L.tp)
             got = reader.read(entry, box, out=view if view.is_contiguous() else None)

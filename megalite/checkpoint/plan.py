@@ -8,7 +8,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Iterable, Optional
 
-from ..parallel.data import dp_pieces
+from ..parallel.data import SPACE_BUFFER, dp_pieces
 from ..parallel.grid import Coord, Layout
 from ..parallel.partition import Box, Partition, partition_of, tp_box, valid_view
 from .manifest import MOMENTS, TensorEntry, dtype_name
@@ -20,17 +20,20 @@ from .tree import MODEL_FILE, OPTIM_FILE
 class WriteItem:
     """One slice a coordinate writes: which tensor, which part of it, into which file under which key."""
     name: str  # global parameter name
-    kind: str  # "model" | "exp_avg" | "exp_avg_sq" | "optim.<key>" (a torch.optim state tensor)
+    kind: str  # "model" | "buffer" (in the manifest's model section) | "exp_avg" | "exp_avg_sq" | "optim.<key>"
     file: str  # MODEL_FILE or OPTIM_FILE
     box: Box  # the region of the global tensor
     flat: Optional[tuple] = None  # a piece: elements [a, b) of the box, row-major (None: the whole box)
 
     @property
     def key(self) -> str:
-        return self.name if self.kind == "model" else f"{self.name}.{self.kind}"
+        return self.name if self.kind in ("model", "buffer") else f"{self.name}.{self.kind}"
 
-    def state(self, kind: str) -> "WriteItem":
-        """The same slice of this parameter's optimizer state `kind`: same box, same piece, same writer."""
+    def state(self, kind: str, shape: Optional[tuple] = None) -> "WriteItem":
+        """The same slice of this parameter's optimizer state `kind`: same box, same piece, same writer; with
+        `shape` (a state tensor of another shape than its parameter's), the whole of it."""
+        if shape is not None:
+            return WriteItem(self.name, kind, OPTIM_FILE, Box.whole(shape))
         return WriteItem(self.name, kind, OPTIM_FILE, self.box, self.flat)
 
 
@@ -42,7 +45,7 @@ def replicated_writer(tensors: Iterable[tuple[str, Partition]], tp: int) -> dict
 
 
 def plan_writes(tensors: Iterable[tuple[str, Partition]], coord: Coord, layout: Layout,
-                optimizer: bool = True) -> list[WriteItem]:
+                optimizer: bool = True, buffers: frozenset = frozenset()) -> list[WriteItem]:
     """Everything the coordinate `coord` writes, given the (name, partition) of the tensors its pipeline
     stage holds (with `optimizer`, the AdamW moments of each model slice too).
 
@@ -52,11 +55,13 @@ def plan_writes(tensors: Iterable[tuple[str, Partition]], coord: Coord, layout: 
     when the range covers the tensor). So every dp rank of a stage writes the same bytes (± one element
     per range), with or without ZeRO-1, and a ZeRO-1 rank writes its moments exactly as it holds them.
     A tp-replicated tensor is written by one tp rank (`replicated_writer`); tied copies are never written
-    (they load from their source).
+    (they load from their source). The names in `buffers` (a module's buffers: no optimizer state) are cut
+    in a flat space of their own, so the parameters' cut stays the ZeRO-1 optimizer's.
     """
     tensors = sorted(tensors)
     boxes = {n: tp_box(p, coord.tp, layout.tp) for n, p in tensors}
-    pieces = dp_pieces([(n, boxes[n].numel, bool(p.tied_to)) for n, p in tensors], coord.dp, layout.dp)
+    pieces = dp_pieces([(n, boxes[n].numel, SPACE_BUFFER if n in buffers else bool(p.tied_to))
+                        for n, p in tensors], coord.dp, layout.dp)
     writer = replicated_writer(tensors, layout.tp)
     items = []
     for name, part in tensors:
@@ -64,9 +69,11 @@ def plan_writes(tensors: Iterable[tuple[str, Partition]], coord: Coord, layout: 
         if part.tied_to or a == b or writer.get(name, coord.tp) != coord.tp:
             continue
         box = boxes[name]
-        it = WriteItem(name, "model", MODEL_FILE, box, None if (a, b) == (0, box.numel) else (a, b))
+        buffer = name in buffers
+        it = WriteItem(name, "buffer" if buffer else "model", MODEL_FILE, box,
+                       None if (a, b) == (0, box.numel) else (a, b))
         items.append(it)
-        if optimizer:
+        if optimizer and not buffer:
             items += [it.state(kind) for kind in MOMENTS]
     return items
 
@@ -83,15 +90,15 @@ class Payload:
         return [(proto.partition, it) for proto, it in self.records if it.kind == "model"]
 
 
-def collect(params, optimizer, grid, state=None) -> Payload:
+def collect(params, optimizer, grid, state=None, buffers: frozenset = frozenset()) -> Payload:
     """This coordinate's share of the live state: its planned model slices, then the same slices of the
     optimizer's state (`optimizer`: megalite's ShardedAdamW, a torch.optim optimizer, None, or the
-    optimizer.OptimizerState of one). Tensors are views (an async save holds them or copies them to host
-    buffers, see async_save.py)."""
+    optimizer.OptimizerState of one). `params` may hold buffers too (the names in `buffers`). Tensors are
+    views (an async save holds them or copies them to host buffers, see async_save.py)."""
     c, L = grid.coord, grid.layout
     live = dict(params)
     pay = Payload(files={MODEL_FILE: {}, OPTIM_FILE: {}}, state=state)
-    for it in plan_writes([(n, partition_of(p)) for n, p in params], c, L, optimizer=False):
+    for it in plan_writes([(n, partition_of(p)) for n, p in params], c, L, optimizer=False, buffers=buffers):
         part = partition_of(live[it.name])
         t = valid_view(live[it.name].detach(), part, c.tp, L.tp).reshape(-1)
         add(pay, it, part, t[it.flat[0]:it.flat[1]] if it.flat else t.view(it.box.shape))
@@ -103,5 +110,6 @@ def collect(params, optimizer, grid, state=None) -> Payload:
 def add(pay: Payload, it: WriteItem, part: Partition, tensor) -> None:
     """Put one planned slice into the payload, with its manifest record (the tensor's real dtype)."""
     pay.files.setdefault(it.file, {})[it.key] = tensor
-    proto = TensorEntry(it.key, it.kind, dtype_name(tensor.dtype), tuple(part.global_shape), part)
+    kind = "model" if it.kind == "buffer" else it.kind  # buffers live in the manifest's model section
+    proto = TensorEntry(it.key, kind, dtype_name(tensor.dtype), tuple(part.global_shape), part)
     pay.records.append((proto, it))

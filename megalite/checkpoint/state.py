@@ -18,6 +18,7 @@ import numpy as np
 import torch
 
 from ..errors import CheckpointError
+from ..jsonio import loads
 from .manifest import short
 
 
@@ -42,10 +43,7 @@ class StepState:
     @classmethod
     def from_json(cls, data: bytes, where: str) -> "StepState":
         """Parse and check the file's bytes; a one-line CheckpointError names `where` and the field."""
-        try:
-            d = json.loads(data)
-        except (json.JSONDecodeError, UnicodeDecodeError) as e:
-            raise CheckpointError(f"{where} is not valid JSON ({e})") from None
+        d = loads(data, where, CheckpointError)
         if not isinstance(d, dict):
             raise CheckpointError(f"{where} is not a JSON object")
         for key in ("step", "tokens_seen"):

@@ -22,13 +22,14 @@ from pathlib import Path
 import torch
 from crc32c import crc32c as _crc32c
 
+from ..jsonio import loads
 from .files import no_follow, open_read
 
-ST_DTYPES = {torch.float32: "F32", torch.bfloat16: "BF16", torch.float16: "F16"}
+ST_DTYPES = {torch.float32: "F32", torch.bfloat16: "BF16", torch.float16: "F16", torch.float64: "F64",
+             torch.int64: "I64", torch.int32: "I32", torch.int16: "I16", torch.int8: "I8", torch.uint8: "U8",
+             torch.bool: "BOOL"}  # safetensors' names
 _FROM_ST = {v: k for k, v in ST_DTYPES.items()}
-# what a StreamingWriter can write: also the other safetensors dtypes a foreign checkpoint holds (convert/dcp.py)
-WRITABLE = {**ST_DTYPES, torch.float64: "F64", torch.int64: "I64", torch.int32: "I32", torch.int16: "I16",
-            torch.int8: "I8", torch.uint8: "U8", torch.bool: "BOOL"}
+WRITABLE = ST_DTYPES  # what a StreamingWriter can write (convert/foreign.py): every dtype a checkpoint reads back
 
 
 def crc32c(data, value: int = 0) -> int:
@@ -228,7 +229,7 @@ def read_header(path: Path) -> tuple[dict, int, int]:
         blob = f.read(n)
     if len(blob) != n:
         raise ValueError(f"header of {n} bytes, the file ends after {len(blob)}")
-    header = json.loads(blob)
+    header = loads(blob, "its header", ValueError)
     if not isinstance(header, dict):
         raise ValueError("the header is not a JSON object")
     header.pop("__metadata__", None)

@@ -29,19 +29,26 @@ from .grid import Axis
 from .partition import partition_of, shard_range, tp_box
 
 
-def flat_spaces(tensors: Iterable[tuple[str, int, bool]]) -> list[list[tuple[str, int]]]:
+SPACE_OWN, SPACE_TIED, SPACE_BUFFER = 0, 1, 2  # (False and True are SPACE_OWN and SPACE_TIED)
+
+
+def flat_spaces(tensors: Iterable[tuple[str, int, int]]) -> list[list[tuple[str, int]]]:
     """The flat spaces a pipeline stage's tp slice is cut in over dp: [(name, numel)] in order.
 
-    `tensors` are (global name, valid elements of this tp rank's slice, is a tied copy). The stage's own
-    tensors, sorted by global name, form one concatenated space; a tied copy (the last stage's LM head
-    tied to wte) is never written and is cut on its own, so the written tensors' cut is the same whether
-    or not a stage holds a copy (an offline `split` sees no copies)."""
+    `tensors` are (global name, valid elements of this tp rank's slice, space): SPACE_OWN (or False) for the
+    stage's own parameters, SPACE_TIED (or True) for a tied copy, SPACE_BUFFER for a module's buffer. The
+    stage's own tensors, sorted by global name, form one concatenated space; a tied copy (the last stage's
+    LM head tied to wte) is never written and is cut on its own, so the written tensors' cut is the same
+    whether or not a stage holds a copy (an offline `split` sees no copies); buffers (a checkpoint writes
+    them, no optimizer holds them) form one space of their own, after the parameters'."""
     tensors = list(tensors)
-    own = sorted((n, k) for n, k, tied in tensors if not tied)
-    return [own] + [[(n, k)] for n, k, tied in sorted(tensors) if tied]
+    own = sorted((n, k) for n, k, space in tensors if space == SPACE_OWN)
+    buffers = sorted((n, k) for n, k, space in tensors if space == SPACE_BUFFER)
+    return [own] + ([buffers] if buffers else []) + [[(n, k)] for n, k, space in sorted(tensors)
+                                                      if space == SPACE_TIED]
 
 
-def dp_pieces(tensors: Iterable[tuple[str, int, bool]], dp_rank: int, dp_size: int) -> dict[str, tuple[int, int]]:
+def dp_pieces(tensors: Iterable[tuple[str, int, int]], dp_rank: int, dp_size: int) -> dict[str, tuple[int, int]]:
     """{name: [start, end) of the tensor's flattened valid elements that dp rank `dp_rank` owns}.
 
     Each flat space (`flat_spaces`) is cut into dp ceil-sized contiguous ranges; rank r owns range r, so it
