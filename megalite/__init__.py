@@ -4,7 +4,7 @@ The Python API for your own model and optimizer (README, "Bring your own model")
 
     init_distributed()                     join the torchrun job (or make a world of one)
     leave_distributed(error=None)          leave it before exit: every process group destroyed, threads joined
-    Layout(tp, pp, dp), ParallelGrid       the layout and this rank's place in it: ParallelGrid.create(layout)
+    Layout(tp, pp, dp, cp), ParallelGrid   the layout and this rank's place in it: ParallelGrid.create(layout)
     shard(param, dim, grid.tp)             split one parameter over tp (untagged parameters are replicated)
     save_checkpoint(...), load_checkpoint(...), CheckpointError
 

@@ -126,7 +126,7 @@ def _cmd_convert(args, rest) -> int:
 def _cmd_split(args, rest) -> int:
     from .convert import split
     out = split(args.model, args.out, args.tp, args.pp, args.dp, zero1=args.zero1 == "on", step=args.step,
-                force=args.force, quiet=args.quiet)
+                force=args.force, quiet=args.quiet, cp=args.cp)
     if not args.quiet:
         print(f"split: wrote {out}")
     return 0
@@ -135,7 +135,8 @@ def _cmd_split(args, rest) -> int:
 def _cmd_reshard(args, rest) -> int:
     from .convert import reshard
     zero1 = None if args.zero1 is None else args.zero1 == "on"
-    out = reshard(args.ckpt, args.out, args.tp, args.pp, args.dp, zero1=zero1, force=args.force, quiet=args.quiet)
+    out = reshard(args.ckpt, args.out, args.tp, args.pp, args.dp, zero1=zero1, force=args.force, quiet=args.quiet,
+                  cp=args.cp)
     if not args.quiet:
         print(f"reshard: wrote {out}")
     return 0
@@ -181,7 +182,7 @@ def _cmd_bench(args, rest) -> int:
         from .tools.bench.train import bench_train
         bench_train(steps=args.steps, nproc=args.nproc, n_embd=args.n_embd or 128, n_layer=args.n_layer or 4,
                     block_size=args.block_size or 128, rounds=args.rounds, wait_ms=args.bubble_wait_ms,
-                    pairs=args.pairs)
+                    cp_seq=args.cp_seq, pairs=args.pairs)
     return 0
 
 
@@ -219,7 +220,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = add("inspect", "describe a checkpoint: step, layout, tensors and bytes per coordinate", _cmd_inspect)
     p.add_argument("ckpt", help="a step folder, or a checkpoint root (the step `latest` names)")
-    p.add_argument("--tree", action="store_true", help="draw the rank-coded tree as the (tp, pp, dp) grid")
+    p.add_argument("--tree", action="store_true", help="draw the rank-coded tree as the (tp, cp, pp, dp) grid")
 
     p = add("plot", "train/val loss curves of one or more runs on one chart (needs matplotlib)", _cmd_plot)
     p.add_argument("runs", nargs="+", metavar="RUN_DIR", help="runs' out_dir folders (with metrics.jsonl)")
@@ -294,12 +295,15 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--tp", type=int, default=8, help="plan: tensor-parallel size")
     p.add_argument("--pp", type=int, default=16, help="plan: pipeline stages")
     p.add_argument("--dp", default="8,32,128", help="plan: data-parallel sizes, comma-separated (one line each)")
+    p.add_argument("--cp", type=int, default=1, help="plan: context-parallel size (ranks = tp x cp x pp x dp)")
     p.add_argument("--vpp", type=int, default=1, help="plan: virtual (interleaved) stages per pipeline rank")
     p.add_argument("--zero1", action="store_true", help="plan: ZeRO-1 optimizer-state shards")
-    p.add_argument("--reshard-to", default=None, metavar="TP,PP,DP",
+    p.add_argument("--reshard-to", default=None, metavar="TP,PP,DP[,CP]",
                    help="plan: what each rank of this layout reads to resume the last layout's checkpoint")
     p.add_argument("--rounds", type=int, default=2, help="train: alternating runs of each feature table's settings")
     p.add_argument("--pairs", type=int, default=5, help="train: table 1's megalite/plain pairs of fresh processes")
+    p.add_argument("--cp-seq", type=int, default=None,
+                   help="train: sequence length of the context-parallel table (default: 8 x --block-size)")
     p.add_argument("--bubble-wait-ms", type=float, default=None,
                    help="train: t_f of the bubble table's wait rows (default: the model's, at least 40 ms)")
 
@@ -313,6 +317,7 @@ def _layout_flags(p) -> None:
     p.add_argument("--tp", type=int, required=True)
     p.add_argument("--pp", type=int, required=True)
     p.add_argument("--dp", type=int, required=True)
+    p.add_argument("--cp", type=int, default=1, help="context-parallel size (default: 1)")
     p.add_argument("--out", required=True)
     p.add_argument("--force", action="store_true", help="replace --out if it exists")
     p.add_argument("--quiet", action="store_true")

@@ -52,7 +52,8 @@ def model_architecture(model: dict) -> dict:
 class ParallelConfig:
     tp: int = 1
     pp: int = 1
-    dp: int = 0  # 0: inferred as world_size / (tp * pp), as Megatron and torchtitan do
+    dp: int = 0  # 0: inferred as world_size / (tp * cp * pp), as Megatron and torchtitan do
+    cp: int = 1  # context parallelism: every sequence split over cp ranks (ring attention)
     schedule: str = "1f1b"  # "1f1b" | "afab"
     zero1: bool = False
     bucket_mb: float = 25.0  # size of a data-parallel gradient all-reduce bucket
@@ -287,12 +288,15 @@ def validate(cfg: Config, world_size: int | None = None) -> Config:
     on the first failure. Only reads: the config comes back as it went in."""
     check_numbers(cfg)
     m, par, t = cfg.model, cfg.parallel, cfg.train
-    if par.dp == 0 and world_size is not None and par.tp > 0 and par.pp > 0 and world_size % (par.tp * par.pp):
+    if par.dp == 0 and world_size is not None and par.tp > 0 and par.pp > 0 and par.cp > 0 \
+            and world_size % (par.tp * par.cp * par.pp):
+        what, sizes, prod = _model_axes(par)
         raise ConfigError(f"parallel.dp is not set and world size {world_size} is not divisible by "
-                          f"parallel.tp*pp = {par.tp}*{par.pp}; set tp, pp (and dp) so that tp*pp*dp = {world_size}")
+                          f"parallel.{what} = {sizes}; set {what.replace('*', ', ')} (and dp) so that "
+                          f"{what}*dp = {world_size}")
     positive = [("model.n_layer", m.n_layer), ("model.n_head", m.n_head), ("model.n_embd", m.n_embd),
                 ("model.block_size", m.block_size), ("model.vocab_size", m.vocab_size),
-                ("parallel.tp", par.tp), ("parallel.pp", par.pp), ("parallel.dp", par.dp),
+                ("parallel.tp", par.tp), ("parallel.pp", par.pp), ("parallel.dp", par.dp), ("parallel.cp", par.cp),
                 ("train.steps", t.steps), ("train.global_batch_size", t.global_batch_size),
                 ("train.micro_batch_size", t.micro_batch_size), ("train.log_interval", t.log_interval),
                 ("train.eval_interval", t.eval_interval), ("train.eval_batches", t.eval_batches)]
@@ -329,12 +333,12 @@ def validate(cfg: Config, world_size: int | None = None) -> Config:
     if m.n_embd % m.n_head:
         raise ConfigError(f"model.n_embd = {m.n_embd} is not divisible by model.n_head = {m.n_head}")
     try:
-        Layout(par.tp, par.pp, par.dp).validate(m, "parallel.")
+        Layout(par.tp, par.pp, par.dp, par.cp).validate(m, "parallel.")
     except LayoutError as e:
         raise ConfigError(str(e)) from None
-    if world_size is not None and world_size != par.tp * par.pp * par.dp:
-        raise ConfigError(f"world size {world_size} != parallel.tp*pp*dp = {par.tp}*{par.pp}*{par.dp} "
-                          f"= {par.tp * par.pp * par.dp}")
+    if world_size is not None and world_size != par.tp * par.cp * par.pp * par.dp:
+        what, sizes, prod = _model_axes(par)
+        raise ConfigError(f"world size {world_size} != parallel.{what}*dp = {sizes}*{par.dp} = {prod * par.dp}")
     per_step = t.micro_batch_size * par.dp
     if t.global_batch_size % per_step:
         raise ConfigError(f"train.global_batch_size = {t.global_batch_size} is not divisible by "
@@ -342,6 +346,13 @@ def validate(cfg: Config, world_size: int | None = None) -> Config:
     if t.min_lr > t.lr:
         raise ConfigError(f"train.min_lr = {t.min_lr} is larger than train.lr = {t.lr}")
     return cfg
+
+
+def _model_axes(par: ParallelConfig) -> tuple[str, str, int]:
+    """("tp*pp", "2*2", 4), or with cp > 1 ("tp*cp*pp", "2*2*2", 8): the axes a world is divided by before dp,
+    for error messages (cp named only when it is used, so cp = 1 runs read as they always did)."""
+    axes = [("tp", par.tp)] + ([("cp", par.cp)] if par.cp != 1 else []) + [("pp", par.pp)]
+    return "*".join(a for a, _ in axes), "*".join(str(v) for _, v in axes), math.prod(v for _, v in axes)
 
 
 def seq_len(cfg: Config) -> int:
@@ -367,6 +378,13 @@ def _validate_memory_features(cfg: Config) -> None:
         if t.global_batch_size % per_step == 0 and (t.global_batch_size // per_step) % par.pp:
             raise ConfigError(f"parallel.vpp = {par.vpp}: the interleaved schedule needs the micro-batches per "
                               f"step ({t.global_batch_size // per_step}) to be a multiple of parallel.pp = {par.pp}")
+    if par.cp > 1 and seq_len(cfg) % (2 * par.cp):
+        raise ConfigError(f"parallel.cp = {par.cp}: the sequence length (train.seq_len, 0: model.block_size) = "
+                          f"{seq_len(cfg)} is not divisible by 2 * parallel.cp = {2 * par.cp} (each sequence is cut "
+                          f"into 2*cp equal chunks, two per cp rank)")
+    if par.sp and par.cp > 1 and (seq_len(cfg) // par.cp) % par.tp:
+        raise ConfigError(f"parallel.sp with parallel.cp = {par.cp}: a cp rank's {seq_len(cfg) // par.cp} tokens "
+                          f"(train.seq_len, 0: model.block_size, / cp) are not divisible by parallel.tp = {par.tp}")
     if par.sp and seq_len(cfg) % par.tp:
         raise ConfigError(f"parallel.sp: the sequence length (train.seq_len, 0: model.block_size) = {seq_len(cfg)} "
                           f"is not divisible by parallel.tp = {par.tp}")
@@ -378,15 +396,15 @@ def checkpoint_dir(cfg: Config) -> str:
 
 
 def infer_dp(cfg: Config, world_size: int | None) -> None:
-    """parallel.dp = 0 means "whatever the world leaves": world_size / (tp * pp), or 1 without a world. A world
-    that tp * pp does not divide leaves it at 0 (validate says so)."""
+    """parallel.dp = 0 means "whatever the world leaves": world_size / (tp * cp * pp), or 1 without a world. A
+    world that tp * cp * pp does not divide leaves it at 0 (validate says so)."""
     par = cfg.parallel
     if par.dp != 0:
         return
     if world_size is None:
         par.dp = 1
-    elif par.tp > 0 and par.pp > 0 and world_size % (par.tp * par.pp) == 0:
-        par.dp = world_size // (par.tp * par.pp)
+    elif par.tp > 0 and par.pp > 0 and par.cp > 0 and world_size % (par.tp * par.cp * par.pp) == 0:
+        par.dp = world_size // (par.tp * par.cp * par.pp)
 
 
 def num_microbatches(cfg: Config) -> int:
@@ -408,9 +426,10 @@ DOCS = {
     "model.activation": "MLP activation: gelu_new (GPT-2, tanh approximation) | gelu (exact) | relu",
     "parallel.tp": "tensor-parallel size (splits heads and the MLP across ranks)",
     "parallel.pp": "pipeline-parallel size (splits the blocks into stages)",
-    "parallel.dp": "data-parallel replicas; 0 = world_size / (tp * pp)",
+    "parallel.dp": "data-parallel replicas; 0 = world_size / (tp * cp * pp)",
+    "parallel.cp": "context-parallel size: each sequence cut into 2*cp chunks over cp ranks (ring attention)",
     "parallel.schedule": "pipeline schedule: 1f1b | afab",
-    "parallel.zero1": "shard the AdamW moments across dp (ZeRO-1)",
+    "parallel.zero1": "shard the AdamW moments across dp (x cp) (ZeRO-1)",
     "parallel.bucket_mb": "size of one data-parallel gradient all-reduce bucket, MiB",
     "parallel.sp": "sequence parallelism: LayerNorm/dropout regions hold seq/tp of the tokens (needs tp > 1)",
     "parallel.vpp": "virtual pipeline stages per rank (> 1: the interleaved 1F1B schedule)",

@@ -2,7 +2,7 @@
 
     MegaliteError                  the base; `shared`: every rank raises it alike (only rank 0 prints it)
       ConfigError                  a config field or a command-line flag (always shared: every rank parses the same)
-        LayoutError                a (tp, pp, dp) layout that does not fit
+        LayoutError                a (tp, pp, dp[, cp]) layout that does not fit
       DataError                    a token file or a corpus
       CheckpointError              a checkpoint folder, file or field
         ConvertError               converter input (a model file, a foreign checkpoint, an output path)

@@ -53,7 +53,7 @@ def loads(data, where: str, error: type = MegaliteError, limit: int = MAX_DEPTH)
     try:
         value = json.loads(data)
     except RecursionError:
-        raise error(f"{where}: JSON nested too deeply to parse (at most {limit} levels are accepted)") from None
+        raise error(f"{where}: JSON nested more than {limit} levels deep") from None  # same line at any recursion limit
     except (ValueError, UnicodeDecodeError) as e:  # JSONDecodeError is a ValueError
         raise error(f"{where} is not valid JSON ({e})") from None
     if depth_over(value, limit) > limit:

@@ -218,7 +218,7 @@ def full_state(ckpt) -> dict:
 def assert_round_trip(tmp_dir, save_layout: tuple, load_layout: tuple, *, model=None, optimizer=None,
                       train_step=None, steps: int = 1, zero1: tuple = (False, False),
                       data_path: str | None = None) -> None:
-    """Train `steps` steps at save_layout (tp, pp, dp), save a checkpoint, load it into a fresh model and
+    """Train `steps` steps at save_layout (tp, pp, dp[, cp]), save a checkpoint, load it into a fresh model and
     optimizer at load_layout, save again, and assert that every tensor (parameters and optimizer state), the
     optimizer's scalars and hyperparameters, the step and the data position are bitwise what was saved.
 
@@ -247,8 +247,9 @@ def assert_round_trip(tmp_dir, save_layout: tuple, load_layout: tuple, *, model=
             raise TypeError("assert_round_trip: give `optimizer` (module, grid) -> optimizer with your `model`")
         case = _UserCase(model, optimizer, train_step)
     ckpt, resaved = tmp / "checkpoint", tmp / "resaved"
+    from .parallel.grid import Layout
     for phase, layout in (("save", save_layout), ("load", load_layout)):
-        run_parallel(_round_trip_worker, layout[0] * layout[1] * layout[2], tmp / f"rendezvous-{phase}",
+        run_parallel(_round_trip_worker, Layout(*layout).world_size, tmp / f"rendezvous-{phase}",
                      args=(case, tuple(layout), phase, str(ckpt), str(resaved), steps))
     before, after = full_state(ckpt), full_state(resaved)
     assert before.keys() == after.keys(), \
@@ -352,7 +353,7 @@ class _GPTCase:
         from .parallel.process_group import init_distributed
         from .train import build
         lay = grid.layout
-        self.cfg = Config.from_dict({**self.base, "parallel": {"tp": lay.tp, "pp": lay.pp, "dp": lay.dp,
+        self.cfg = Config.from_dict({**self.base, "parallel": {"tp": lay.tp, "pp": lay.pp, "dp": lay.dp, "cp": lay.cp,
                                                                "zero1": self.zero1[phase == "load"]}})
         device, _ = init_distributed()
         self.tr = build(self.cfg, grid, device)

@@ -3,8 +3,9 @@
     resolve and check the config -> join the torchrun job -> build the grid (parallel/process_group, grid)
     -> build this rank's stage of the model, init from the seed (full tensors, keep the slice)
     -> resume from a checkpoint (checkpointing.py: the loop's checkpoint policy)
-    -> per step: draw this dp rank's rows -> run the pipeline schedule over the micro-batches (pipeline.py)
-       -> finalize the gradients: dp mean, tied embeddings, sp sync, global norm (parallel/finalize.py)
+    -> per step: draw this dp rank's rows (with cp: keep this rank's 2 of each sequence's 2cp chunks)
+       -> run the pipeline schedule over the micro-batches (pipeline.py)
+       -> finalize the gradients: dp x cp mean, tied embeddings, sp sync, global norm (parallel/finalize.py)
        -> clip -> AdamW (ZeRO-1 optionally) -> log, eval, checkpoint
 """
 from __future__ import annotations
@@ -31,6 +32,7 @@ from .data import BatchSampler, TokenDataset, check_vocab, ensure_data, eval_bat
 from .errors import DataError, NonFiniteError
 from .model import GPTStage
 from .optim import clip_scale, lr_at
+from .parallel.context import split_sequence
 from .parallel.data import GradBuffer, ShardedAdamW, use_fused
 from .parallel.finalize import finalize_grads
 from .parallel.grid import Layout, ParallelGrid
@@ -75,8 +77,9 @@ def build(cfg: Config, grid: ParallelGrid, device: torch.device) -> Trainer:
     if t.compile:
         compile_blocks(model)
     params = sorted(model.global_parameters(), key=lambda np_: np_[0])
-    grads = GradBuffer([p for _, p in params], grid.dp, par.bucket_mb, overlap=par.overlap_grad_reduce)
-    opt = ShardedAdamW(params, grid.tp, grid.dp, par.zero1, betas=(t.beta1, t.beta2),
+    # cp ranks hold the same weights as dp replicas do: gradients are averaged, and ZeRO-1 cuts, over dp x cp
+    grads = GradBuffer([p for _, p in params], grid.dp_cp, par.bucket_mb, overlap=par.overlap_grad_reduce)
+    opt = ShardedAdamW(params, grid.tp, grid.dp_cp, par.zero1, betas=(t.beta1, t.beta2),
                        weight_decay=t.weight_decay, bucket_mb=par.bucket_mb, fused=use_fused(t.fused_adamw, device))
     train_ds, val_ds = TokenDataset(cfg.data.path, "train"), TokenDataset(cfg.data.path, "val")
     check_vocab(train_ds, cfg.model.vocab_size)
@@ -93,8 +96,9 @@ def run_pipeline(tr: Trainer, x, y, train: bool) -> float:
     """Schedule the micro-batches of (x, y) through the pipeline; return the global mean loss."""
     cfg, grid = tr.cfg, tr.grid
     m = num_microbatches(cfg)
+    x, y = split_sequence(x, grid.cp), split_sequence(y, grid.cp)  # cp: this rank's chunks of every sequence
     xs, ys = ([t.to(tr.device) for t in batch.chunk(m)] for batch in (x, y))
-    seq = seq_len(cfg) // (grid.tp.size if tr.model.sp else 1)  # sp: stages pass seq/tp positions
+    seq = seq_len(cfg) // grid.cp.size // (grid.tp.size if tr.model.sp else 1)  # sp: stages pass seq/(cp tp) positions
     shape = (cfg.train.micro_batch_size, seq, cfg.model.n_embd)
     p2p = P2P(grid, shape, torch.float32, tr.device) if grid.layout.pp > 1 else None
     vpp = len(tr.model.chunks)
@@ -107,10 +111,11 @@ def run_pipeline(tr: Trainer, x, y, train: bool) -> float:
 
     tr.model.train(train)
     losses = get_schedule(cfg.parallel.schedule, vpp, train)(stage_fn, xs, m, grid, p2p)
-    # One number for every rank: the last stage's tp-rank-0 members contribute their dp share.
+    # One number for every rank: the last stage's tp-rank-0 members contribute their dp x cp share (a cp rank's
+    # loss is the mean over its T/cp tokens of each sequence: the mean of the cp means is the mean over all T).
     total = torch.zeros(1, dtype=torch.float64)
     if grid.is_last_stage and grid.coord.tp == 0:
-        total += sum(l.double().cpu() for l in losses).item() / grid.layout.dp
+        total += sum(l.double().cpu() for l in losses).item() / grid.layout.replicas
     if grid.world is not None and grid.layout.world_size > 1:
         dist.all_reduce(total, group=grid.cpu)
     return total.item()
@@ -161,10 +166,11 @@ def train(cfg: Config, log=print, force: bool = False) -> Trainer:
     world = world_size_from_env()
     validate(resolve(cfg, world), world)
     par, t0 = cfg.parallel, time.perf_counter()
-    progress(f"starting {par.tp * par.pp * par.dp} rank(s) (tp {par.tp}, pp {par.pp}, dp {par.dp}); joining the "
-             f"process group...")
+    cp = f"cp {par.cp}, " if par.cp != 1 else ""
+    progress(f"starting {par.tp * par.cp * par.pp * par.dp} rank(s) (tp {par.tp}, {cp}pp {par.pp}, dp {par.dp}); "
+             f"joining the process group...")
     device, _ = init_distributed(par.timeout_s)
-    grid = ParallelGrid.create(Layout(par.tp, par.pp, par.dp), timeout=timedelta(seconds=par.timeout_s))
+    grid = ParallelGrid.create(Layout(par.tp, par.pp, par.dp, par.cp), timeout=timedelta(seconds=par.timeout_s))
     progress(f"{grid.layout.world_size} rank(s) joined in {time.perf_counter() - t0:.1f} s; building the model and "
              f"reading the data...")
     tr, ckpt = _start(cfg, grid, device, log, force)

@@ -78,6 +78,19 @@ def test_bench_train_prints_its_tables(tmp_path):
     for rc in ("none", "selective", "full"):
         for sp in ("off", "on"):
             assert re.search(rf"\n2 +{rc} +{sp} .* 1\.000 ", out), (rc, sp)
+    # issue 22's table: cp = 1, 2 and tp = 2 at 2 ranks; one layer's saved bytes per rank equal the formula at
+    # s/cp tokens, and cp = 2 saves half of cp = 1
+    # (and the attention and MLP regions apart: each equal to its formula, each halved by cp = 2)
+    assert "8. context parallelism at 2 ranks: 32-token sequences" in out
+    rows = {m[1]: m for m in re.finditer(r"\n(\d,\d,\d,\d)" + r" +([\d.]+)" * 9 + " ", out)}
+    assert set(rows) == {"1,1,2,1", "1,1,1,2", "2,1,1,1"}, rows.keys()
+    for m in rows.values():  # measured == formula for the layer, attention and MLP; attention + MLP = layer
+        assert m[2] == m[3] and m[5] == m[6] and m[8] == m[9], m[0]
+        assert float(m[5]) + float(m[8]) == pytest.approx(float(m[2]), abs=0.1), m[0]
+    assert [rows["1,1,1,2"][i] for i in (4, 7, 10)] == ["0.500"] * 3 and rows["1,1,2,1"][4] == "1.000"
+    # at cp = 1 by hand (s = 32, h = 32, a = 4, fp32): attention 2sh + 2s + 4sh + sa = 6336 elements = 24.75 KiB,
+    # MLP 2sh + 2s + 8sh = 10304 elements = 40.25 KiB
+    assert rows["1,1,2,1"][6] == f"{6336 * 4 / 1024:.1f}" and rows["1,1,2,1"][9] == f"{10304 * 4 / 1024:.1f}"
 
 
 def test_bench_dcp_prints_its_table(tmp_path):

@@ -1,4 +1,4 @@
-"""Rank-coded sharded checkpoints: every (tp, pp, dp) coordinate saves its own slice; one manifest describes all.
+"""Rank-coded sharded checkpoints: every (tp, pp, dp[, cp]) coordinate saves its own slice; one manifest describes all.
 
     api.py         save_checkpoint / load_checkpoint (the public calls)
     tree.py        the folder tree: coordinate <-> folder, step folders, `latest`

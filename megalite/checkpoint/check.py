@@ -39,7 +39,7 @@ def read_checked(step: Path, man: Manifest, rel: str) -> bytes:
 
 def read_state(step: Path, man: Manifest, coord) -> StepState:
     """One coordinate's state.json, checked (read_checked) and parsed (StepState.from_json)."""
-    rel = f"{coord_dir(coord)}/{STATE_FILE}"
+    rel = f"{coord_dir(coord, man.layout.cp)}/{STATE_FILE}"
     return StepState.from_json(read_checked(step, man, rel), f"{step.name}: {rel}")
 
 
@@ -52,7 +52,7 @@ def verify(path) -> tuple[Path, list[str]]:
         return Path(path), [str(e)]
     problems = []
     for c in man.layout.coords():
-        rel = coord_dir(c)
+        rel = coord_dir(c, man.layout.cp)
         if not (step / rel).is_dir():
             problems.append(f"{step.name}: folder {rel}/ is missing (layout {man.layout} expects it)")
             continue

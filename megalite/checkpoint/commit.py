@@ -243,7 +243,7 @@ def save_collective(root: Path, step: int, pay: Payload, grid, meta: StepMeta, k
     err = bcast_object(err, grid)
     if err:
         raise CheckpointError(err, shared=True)
-    rel = coord_dir(grid.coord)
+    rel = coord_dir(grid.coord, grid.layout.cp)
     try:
         report = write_rank(tmp / rel, pay, rel)
         kill_point("slices_written")

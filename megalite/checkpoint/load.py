@@ -100,5 +100,5 @@ def load_into(path, params, optimizer, grid, model_cfg: Optional[dict] = None,
         for name, p, part, entry, box in plan:
             fill(valid_view(p.data, part, c.tp, L.tp), lambda out: reader.read(entry, box, out=out))
     opt.load(reader, man, todo, grid)
-    rng = state is not None and state.restore_rng(f"{step.name}: {coord_dir(c)}/{STATE_FILE}")  # False: none
+    rng = state is not None and state.restore_rng(f"{step.name}: {coord_dir(c, L.cp)}/{STATE_FILE}")  # False: none
     return Loaded(step, man.step, man.tokens_seen, man.data, man.client_state, same, rng, man, warnings)

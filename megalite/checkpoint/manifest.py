@@ -5,7 +5,7 @@
       "manifest_crc32c": "<CRC32C of the canonical JSON of everything else>",
       "megalite_version": "...", "torch_version": "...", "created": "<ISO time>",
       "step": 200, "tokens_seen": 204800,
-      "layout": {"tp": 2, "pp": 2, "dp": 2, "zero1": true},
+      "layout": {"tp": 2, "pp": 2, "dp": 2, "zero1": true},    and "cp": N when the run had cp = N > 1
       "config": { the full run config }, "data": {"batch_index": 200}, "client_state": {}, "scheduler": null,
       "optimizer": {"type": "adamw", "step": 200, "betas": [0.9, 0.95], "eps": 1e-8, "weight_decay": 0.1},
       "checksum": {"algorithm": "crc32c", "block_bytes": 1048576},
@@ -15,7 +15,8 @@
           "class": "torch.optim.adamw.AdamW", "step": 200, "param_groups": [{"params": [<global names>], "lr": ...}],
           "scalars": {"<global name>": {"step": {"dtype": "float32", "value": 200.0}}}},
           "optimizer_state": {"<global name>.optim.<key>": TENSOR, ...}   (key: exp_avg, momentum_buffer, ...)
-      "files": { "tp00-pp00-dp00/model.safetensors": {"bytes": 123, "header_crc32c": "89abcdef"},
+      "files": { "tp00-pp00-dp00/model.safetensors": {"bytes": 123, "header_crc32c": "89abcdef"},  (cp > 1:
+                 "tp00-cp00-pp00-dp00/..."; cp ranks write disjoint shares, never the same tensor twice)
                  "tp00-pp00-dp00/state.json": {"bytes": 456, "crc32c": "01234567"}, ... }
     }
     TENSOR = {"dtype": "float32" | "bfloat16" | "float16", "shape": [global shape],
@@ -52,7 +53,7 @@ from ..parallel.partition import Box, Partition
 from .files import open_read, read_all, write_new
 from .stream import crc32c
 from .tiling import tiling_problems
-from .tree import MANIFEST, MODEL_FILE, OPTIM_FILE, STATE_FILE, coord_dir
+from .tree import COORD_PATTERN, MANIFEST, MODEL_FILE, OPTIM_FILE, STATE_FILE, coord_dir
 
 FORMAT = "megalite-checkpoint"
 FORMAT_VERSION = 2
@@ -71,7 +72,7 @@ STATE_KEY = re.compile(r"^[A-Za-z_][A-Za-z0-9_]{0,63}$")  # a torch.optim state 
 SCALAR_DTYPES = {"float64": torch.float64, "float32": torch.float32, "bfloat16": torch.bfloat16,
                  "float16": torch.float16, "int64": torch.int64, "int32": torch.int32}
 _CLASS = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z_][A-Za-z0-9_]*){0,15}$")
-_FILE_RE = re.compile(r"^(tp\d{2,}-pp\d{2,}-dp\d{2,})/(" + "|".join(
+_FILE_RE = re.compile(r"^(" + COORD_PATTERN + r")/(" + "|".join(
     re.escape(n) for n in (MODEL_FILE, OPTIM_FILE, STATE_FILE)) + r")$")
 _HEX8 = re.compile(r"^[0-9a-f]{8}$")
 _PLACEMENT = re.compile(r"^(first|last|layer\.(\d+))$")
@@ -217,7 +218,8 @@ class Manifest(StepMeta):
     def to_json(self) -> dict:
         body = {**{k: v for k, v in self.info.items() if v is not None},
                 "step": self.step, "tokens_seen": self.tokens_seen,
-                "layout": {"tp": self.layout.tp, "pp": self.layout.pp, "dp": self.layout.dp, "zero1": self.zero1},
+                "layout": {"tp": self.layout.tp, "pp": self.layout.pp, "dp": self.layout.dp, "zero1": self.zero1,
+                           **({"cp": self.layout.cp} if self.layout.cp != 1 else {})},
                 "config": self.config, "data": self.data, "optimizer": self.optimizer,
                 "client_state": self.client_state, "scheduler": self.scheduler,
                 "checksum": {"algorithm": "crc32c", "block_bytes": self.block_bytes},
@@ -309,7 +311,7 @@ class _Parser:
         config = self.dict_(d["config"], "config")
         model_cfg = self.model_config(config)
         lay = self.dict_(d["layout"], "layout")
-        layout = Layout(*(self.get(lay, k, f"layout.{k}") for k in ("tp", "pp", "dp")))
+        layout = Layout(*(self.get(lay, k, f"layout.{k}") for k in ("tp", "pp", "dp")), lay.get("cp", 1))
         try:
             layout.validate(model_cfg, "layout.")
         except LayoutError as e:
@@ -430,13 +432,14 @@ class _Parser:
         if layout.world_size > states:
             raise CheckpointError(f"{self.where}: field 'layout' ({layout}) has {layout.world_size} coordinates but "
                                   f"'files' lists {states} {STATE_FILE} (one per coordinate expected)")
-        coords = {coord_dir(c) for c in layout.coords()}
+        coords = {coord_dir(c, layout.cp) for c in layout.coords()}
         out = {}
         for rel, rec in d.items():
             m = _FILE_RE.match(rel) if isinstance(rel, str) else None
             if m is None:
                 raise CheckpointError(f"{self.where}: file name {short(rel)} in 'files' is not "
-                                      f"'tpNN-ppNN-dpNN/<{MODEL_FILE}|{OPTIM_FILE}|{STATE_FILE}>' (a plain name "
+                                      f"'tpNN-ppNN-dpNN/<{MODEL_FILE}|{OPTIM_FILE}|{STATE_FILE}>' (tpNN-cpNN-ppNN-dpNN "
+                                      f"with cp > 1; a plain name "
                                       f"inside the step folder)")
             if m[1] not in coords:
                 raise CheckpointError(f"{self.where}: file {rel} in 'files' belongs to no coordinate of layout "

@@ -49,11 +49,13 @@ def plan_writes(tensors: Iterable[tuple[str, Partition]], coord: Coord, layout: 
     """Everything the coordinate `coord` writes, given the (name, partition) of the tensors its pipeline
     stage holds (with `optimizer`, the AdamW moments of each model slice too).
 
-    The stage's tp slice is cut over dp as the ZeRO-1 optimizer cuts it (`parallel.data.dp_pieces`: one
-    flat space of the tensors sorted by name, dp equal contiguous ranges): dp rank d writes range d, i.e.
-    the weights and both moments of the piece of each tensor that range overlaps (`flat`, or the whole box
-    when the range covers the tensor). So every dp rank of a stage writes the same bytes (± one element
-    per range), with or without ZeRO-1, and a ZeRO-1 rank writes its moments exactly as it holds them.
+    The stage's tp slice is cut over the dp x cp ranks that hold it as the ZeRO-1 optimizer cuts it
+    (`parallel.data.dp_pieces`: one flat space of the tensors sorted by name, dp*cp equal contiguous ranges):
+    the rank with `layout.replica(coord)` = d (dp rank * cp + cp rank; the dp rank when cp = 1) writes range d,
+    i.e. the weights and both moments of the piece of each tensor that range overlaps (`flat`, or the whole box
+    when the range covers the tensor). So every dp and cp rank of a stage writes the same bytes (± one element
+    per range), nothing is written twice, with or without ZeRO-1, and a ZeRO-1 rank writes its moments exactly
+    as it holds them.
     A tp-replicated tensor is written by one tp rank (`replicated_writer`); tied copies are never written
     (they load from their source). The names in `buffers` (a module's buffers: no optimizer state) are cut
     in a flat space of their own, so the parameters' cut stays the ZeRO-1 optimizer's.
@@ -61,7 +63,7 @@ def plan_writes(tensors: Iterable[tuple[str, Partition]], coord: Coord, layout: 
     tensors = sorted(tensors)
     boxes = {n: tp_box(p, coord.tp, layout.tp) for n, p in tensors}
     pieces = dp_pieces([(n, boxes[n].numel, SPACE_BUFFER if n in buffers else bool(p.tied_to))
-                        for n, p in tensors], coord.dp, layout.dp)
+                        for n, p in tensors], layout.replica(coord), layout.replicas)
     writer = replicated_writer(tensors, layout.tp)
     items = []
     for name, part in tensors:

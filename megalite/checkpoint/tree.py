@@ -4,8 +4,8 @@
       latest                        one line: the name of the newest committed step folder
       step_00000200/
         manifest.json               the whole picture (manifest.py)
-        tp00-pp00-dp00/             written only by the rank at that coordinate
-          model.safetensors         its share of the (tp, pp) model slice (range dp of its flat space)
+        tp00-pp00-dp00/             written only by the rank at that coordinate (tp00-cp01-pp00-dp00 with cp > 1)
+          model.safetensors         its share of the (tp, pp) model slice (range dp*cp+cp of its flat space)
           optimizer.safetensors     its share of the optimizer state (the same share of its AdamW moments)
           state.json                RNG states, sampler position, step
       .tmp-step_00000200/           a save in progress (renamed into place on commit)
@@ -32,19 +32,24 @@ LATEST_TMP = ".latest.tmp"
 LOCK = "lock"
 TMP_PREFIX = ".tmp-"
 
-_COORD_RE = re.compile(r"^tp(\d{2,})-pp(\d{2,})-dp(\d{2,})$")
+_COORD_RE = re.compile(r"^tp(\d{2,})(?:-cp(\d{2,}))?-pp(\d{2,})-dp(\d{2,})$")
+COORD_PATTERN = r"tp\d{2,}(?:-cp\d{2,})?-pp\d{2,}-dp\d{2,}"  # for the manifest's file names
 _STEP_RE = re.compile(r"^step_(\d{8,})$")
 
 
-def coord_dir(c: Coord) -> str:
+def coord_dir(c: Coord, cp: int = 1) -> str:
+    """The folder of coordinate c in a layout with context-parallel size `cp`: the cp field is in the name only
+    when cp > 1, so a cp = 1 tree is exactly what megalite wrote before cp existed."""
+    if cp > 1:
+        return f"tp{c.tp:02d}-cp{c.cp:02d}-pp{c.pp:02d}-dp{c.dp:02d}"
     return f"tp{c.tp:02d}-pp{c.pp:02d}-dp{c.dp:02d}"
 
 
 def parse_coord_dir(name: str) -> Coord:
     m = _COORD_RE.match(name)
     if not m:
-        raise ValueError(f"'{name}' is not a coordinate folder (expected tpNN-ppNN-dpNN)")
-    return Coord(int(m[1]), int(m[2]), int(m[3]))
+        raise ValueError(f"'{name}' is not a coordinate folder (expected tpNN-ppNN-dpNN or tpNN-cpNN-ppNN-dpNN)")
+    return Coord(int(m[1]), int(m[3]), int(m[4]), int(m[2] or 0))
 
 
 def step_dir(step: int) -> str:

@@ -47,6 +47,7 @@ def inspect(path) -> str:
         key = "model" if fname == MODEL_FILE else "optim" if fname == OPTIM_FILE else "other"
         per[coord][key] += rec.bytes
     layers = _stage_layers(man)
+    w = 16 if man.layout.cp == 1 else 21  # tp00-cp00-pp00-dp00 with cp > 1
     dtypes = defaultdict(int)
     for entry in man.tensors():
         dtypes[entry.dtype] += 1
@@ -59,15 +60,15 @@ def inspect(path) -> str:
              f"{len(man.model)} model tensors, {len(man.optimizer_state)} optimizer tensors "
              f"({', '.join(f'{n} {d}' for d, n in sorted(dtypes.items()))})",
              "",
-             f"{'coordinate':<16}{'layers':<12}{'tensors':>8}{'model':>12}{'optimizer':>12}{'total':>12}"]
+             f"{'coordinate':<{w}}{'layers':<12}{'tensors':>8}{'model':>12}{'optimizer':>12}{'total':>12}"]
     total = 0
     for coord in sorted(per):
         d = per[coord]
         span = _span(layers.get(parse_coord_dir(coord).pp, []))
         t = d["model"] + d["optim"] + d["other"]
         total += t
-        lines.append(f"{coord:<16}{span:<12}{d['tensors']:>8}{_h(d['model']):>12}{_h(d['optim']):>12}{_h(t):>12}")
-    lines.append(f"{'total':<16}{'':<12}{'':>8}{'':>12}{'':>12}{_h(total):>12}")
+        lines.append(f"{coord:<{w}}{span:<12}{d['tensors']:>8}{_h(d['model']):>12}{_h(d['optim']):>12}{_h(t):>12}")
+    lines.append(f"{'total':<{w}}{'':<12}{'':>8}{'':>12}{'':>12}{_h(total):>12}")
     return "\n".join(lines)
 
 
@@ -81,23 +82,31 @@ def _h(n: int) -> str:
 
 def tree(path) -> str:
     """The rank-coded tree drawn as the grid: one row per (pipeline stage, tp rank), one column per dp
-    replica; each cell is the coordinate folder, its global rank, and the bytes it holds."""
+    replica (per (dp, cp) pair with context parallelism); each cell is the coordinate folder, its global rank,
+    and the bytes it holds."""
     step = resolve(path)
     man = read(step)
-    layout = man.layout
+    layout, cp = man.layout, man.layout.cp
     size = defaultdict(int)
     for rel, rec in man.files.items():
         size[rel.split("/", 1)[0]] += rec.bytes
     layers = _stage_layers(man)
-    cell = 34
-    lines = [f"{step}  (tp={layout.tp} pp={layout.pp} dp={layout.dp}; rank = tp + {layout.tp}*(dp + {layout.dp}*pp))",
-             " " * 22 + "".join(f"{'dp' + str(d):<{cell}}" for d in range(layout.dp))]
+    cell = 34 if cp == 1 else 39
+    columns = [(d, k) for d in range(layout.dp) for k in range(cp)]
+    if cp == 1:
+        head = f"tp={layout.tp} pp={layout.pp} dp={layout.dp}; rank = tp + {layout.tp}*(dp + {layout.dp}*pp)"
+    else:
+        head = (f"tp={layout.tp} cp={cp} pp={layout.pp} dp={layout.dp}; "
+                f"rank = tp + {layout.tp}*(cp + {cp}*(dp + {layout.dp}*pp))")
+    lines = [f"{step}  ({head})",
+             " " * 22 + "".join(f"{f'dp{d}' + (f' cp{k}' if cp > 1 else ''):<{cell}}" for d, k in columns)]
     for p in range(layout.pp):
         label = f"pp{p} layers {_span(layers.get(p, []))}"
         for t in range(layout.tp):
             row = f"{label if t == 0 else '':<22}"
-            for d in range(layout.dp):
-                c = Coord(t, p, d)
-                row += f"{coord_dir(c) + '  r' + str(layout.rank_of(c)) + '  ' + _h(size[coord_dir(c)]):<{cell}}"
+            for d, k in columns:
+                c = Coord(t, p, d, k)
+                rel = coord_dir(c, cp)
+                row += f"{rel + '  r' + str(layout.rank_of(c)) + '  ' + _h(size[rel]):<{cell}}"
             lines.append(row.rstrip())
     return "\n".join(lines)

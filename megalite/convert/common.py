@@ -150,9 +150,9 @@ def check_manifest_tensors(step: Path, man: Manifest) -> None:
             raise ConvertError(str(e)) from None
 
 
-def check_layout(m: dict, tp: int, pp: int, dp: int) -> Layout:
+def check_layout(m: dict, tp: int, pp: int, dp: int, cp: int = 1) -> Layout:
     try:
-        return Layout(tp, pp, dp).validate(m, "--")
+        return Layout(tp, pp, dp, cp).validate(m, "--")
     except LayoutError as e:
         raise ConvertError(str(e)) from None
 

@@ -56,7 +56,8 @@ def write_offline(out: Path, layout: Layout, tensors: dict[str, Partition], n_la
             for it in plan:
                 add(pay, it, tensors[it.name], read(it))
                 progress.step(nbytes(it))
-            reports.append(write_rank(tmp / coord_dir(c), pay, coord_dir(c)))
+            rel = coord_dir(c, layout.cp)
+            reports.append(write_rank(tmp / rel, pay, rel))
         commit_step(root, step, mf.build(meta, reports))
     except BaseException:
         remove_tree(root)
@@ -66,10 +67,10 @@ def write_offline(out: Path, layout: Layout, tensors: dict[str, Partition], n_la
 
 
 def split(model, out, tp: int, pp: int, dp: int, zero1: bool = False, step: int = 0, force: bool = False,
-          quiet: bool = False) -> Path:
-    """One model file (megalite or HF GPT-2) -> a committed checkpoint at (tp, pp, dp), fresh optimizer."""
+          quiet: bool = False, cp: int = 1) -> Path:
+    """One model file (megalite or HF GPT-2) -> a committed checkpoint at (tp, pp, dp, cp), fresh optimizer."""
     m, get, names = read_model_file(model)
-    layout = check_layout(m, tp, pp, dp)
+    layout = check_layout(m, tp, pp, dp, cp)
     out = Path(out)
     _check_out(out, force, [Path(model)])
     parts = model_partitions(m)
@@ -89,13 +90,13 @@ def split(model, out, tp: int, pp: int, dp: int, zero1: bool = False, step: int 
         t = cache[it.name][it.box.index]
         return t.reshape(-1)[it.flat[0]:it.flat[1]].clone() if it.flat else t.clone()
 
-    cfg = Config.from_dict({"model": m, "parallel": {"tp": tp, "pp": pp, "dp": dp, "zero1": zero1}}).to_dict()
+    cfg = Config.from_dict({"model": m, "parallel": {"tp": tp, "pp": pp, "dp": dp, "cp": cp, "zero1": zero1}}).to_dict()
     meta = mf.step_meta(step, layout, cfg, data={"batch_index": step}, zero1=zero1)
     return write_offline(out, layout, parts, m["n_layer"], read, meta, False, "split", quiet, lambda it: 4)
 
 
 def reshard(ckpt, out, tp: int, pp: int, dp: int, zero1: Optional[bool] = None, force: bool = False,
-            quiet: bool = False) -> Path:
+            quiet: bool = False, cp: int = 1) -> Path:
     """The full training state of a checkpoint (model, moments, step, data position) at a new layout.
 
     Every byte taken from the source is checked against its block checksum as it is read, so a damaged
@@ -106,7 +107,7 @@ def reshard(ckpt, out, tp: int, pp: int, dp: int, zero1: Optional[bool] = None, 
     src = resolve(ckpt)
     man = mf.read(src)
     m = man.model_config
-    layout = check_layout(m, tp, pp, dp)
+    layout = check_layout(m, tp, pp, dp, cp)
     check_manifest_tensors(src, man)
     zero1 = man.zero1 if zero1 is None else zero1
     out = Path(out)
@@ -127,9 +128,9 @@ def reshard(ckpt, out, tp: int, pp: int, dp: int, zero1: Optional[bool] = None, 
         return t if it.flat else t.view(it.box.shape)
 
     cfg = copy.deepcopy(man.config)
-    cfg.setdefault("parallel", {}).update({"tp": tp, "pp": pp, "dp": dp, "zero1": zero1})
-    source = {"layout": {"tp": man.layout.tp, "pp": man.layout.pp, "dp": man.layout.dp, "zero1": man.zero1},
-              "path": str(src)}
+    cfg.setdefault("parallel", {}).update({"tp": tp, "pp": pp, "dp": dp, "cp": cp, "zero1": zero1})
+    source = {"layout": {"tp": man.layout.tp, "pp": man.layout.pp, "dp": man.layout.dp, "zero1": man.zero1,
+                         **({"cp": man.layout.cp} if man.layout.cp != 1 else {})}, "path": str(src)}
     meta = mf.step_meta(man.step, layout, cfg, tokens_seen=man.tokens_seen, data=man.data, zero1=zero1,
                         optimizer=man.optimizer, client_state=man.client_state, scheduler=man.scheduler,
                         info={**man.info, "resharded_from": source})

@@ -4,8 +4,8 @@ Megatron's `finalize_model_grads` is the model: one call, in one place, that doe
 needs after backward, so the training step does not have to know which parameters are tied, replicated or
 split. In order:
 
-    1. data parallelism: the mean over the dp replicas (GradBuffer.finish: one all-reduce per bucket, maybe
-       already started during backward);
+    1. data and context parallelism: the mean over the dp x cp ranks that hold the same weights
+       (GradBuffer.finish over `grid.dp_cp`: one all-reduce per bucket, maybe already started during backward);
     2. the sums listed by `reductions()`: each selects parameters by their partition tag and all-reduces their
        gradients over one axis, in one collective:
          - tied embedding copies (wte on the first stage, its LM-head copy on the last) over `grid.embed`;
@@ -13,10 +13,11 @@ split. In order:
            which saw seq/tp of the tokens on each rank, over `grid.tp`;
     3. the global L2 norm (every element counted once across tp, pp and ties), for clipping and the log.
 
-A context-parallel axis (cp: every rank of a cp group holds the same weights and sees 1/cp of each sequence)
-adds exactly one entry to `reductions()`: every parameter's gradient summed over `grid.cp`. (Megatron folds
-that sum into the data-parallel buckets instead, reducing over one dp x cp group: the same numbers in one
-collective per bucket rather than two.)
+Context parallelism (cp: every rank of a cp ring holds the same weights and sees 2 of each sequence's 2cp
+chunks, computing the mean loss over its own T/cp tokens) adds its one reduction inside step 1, as Megatron
+does: the buckets are averaged over one dp x cp group instead of dp, so a gradient is the mean over dp x cp of
+per-rank means over equal token counts, i.e. the single process's mean over every token of the batch. One
+collective per bucket, overlapped like dp's, rather than a second sum over `grid.cp` after it.
 """
 from __future__ import annotations
 
@@ -52,7 +53,7 @@ def finalize_grads(params: list, buffer: GradBuffer, grid: ParallelGrid, sp: boo
     """Everything a gradient needs between the last backward and the optimizer; returns the global grad norm.
 
     `params` are (global name, parameter) in a fixed order (the same on every rank of an axis).
-    Collectives: all-reduce over dp (buckets), over embed and tp (one each, when active), over mp (the norm).
+    Collectives: all-reduce over dp x cp (buckets), over embed and tp (one each, when active), over mp (the norm).
     """
     buffer.finish()
     for r in reductions(grid, sp):
@@ -78,7 +79,7 @@ def grad_norm(named_params, grid: ParallelGrid) -> float:
 
     tp-replicated parameters (LayerNorms, row-parallel biases, wpe) are counted on tp rank 0 only and
     the tied LM-head copy is skipped; the partial sums are then added over the model-parallel group
-    (all tp and pp ranks of one dp replica). Gradients are identical across dp after the all-reduce.
+    (all tp and pp ranks of one dp x cp replica). Gradients are identical across dp and cp after the all-reduce.
     """
     sq = torch.zeros((), dtype=torch.float64, device=named_params[0][1].device)
     for _, p in named_params:

@@ -238,15 +238,22 @@ class _TimedWork:
 def patch_dist(acc: list) -> None:
     """Accumulate in acc[0] the seconds spent inside torch.distributed calls (and their waits)."""
     import torch.distributed as dist
-    for name in ("all_reduce", "all_gather", "broadcast", "send", "recv", "isend", "irecv", "barrier"):
+    originals = {}
+    for name in ("all_reduce", "all_gather", "broadcast", "send", "recv", "isend", "irecv", "barrier",
+                 "batch_isend_irecv"):
         def wrapped(*a, _f=getattr(dist, name), **k):
             t0 = time.perf_counter()
             try:
                 out = _f(*a, **k)
             finally:
                 acc[0] += time.perf_counter() - t0
+            if isinstance(out, list):  # batch_isend_irecv: one request per operation
+                return [_TimedWork(w, acc) for w in out]
             return _TimedWork(out, acc) if hasattr(out, "wait") else out
+        originals[wrapped] = getattr(dist, name)
         setattr(dist, name, wrapped)
+    real_op = dist.P2POp  # it accepts only torch's own isend/irecv (the cp ring batches its hops with it)
+    dist.P2POp = lambda op, *a, **k: real_op(originals.get(op, op), *a, **k)
 
 
 class _Held:

@@ -10,7 +10,8 @@ full validation every reader runs: every field, every slice's file, exact tiling
 would be written. Checksums are placeholders with the real count (one CRC32 per 1 MiB block of every
 slice); file sizes are the tensors' bytes.
 
-With `--reshard-to TP,PP,DP` it also plans the resume at another layout: for every destination rank, which
+`--cp N` plans a context-parallel layout (tp x cp x pp x dp ranks; the cp ranks of a stage write disjoint
+shares of it, cut over dp x cp). With `--reshard-to TP,PP,DP[,CP]` it also plans the resume at another layout: for every destination rank, which
 source files it opens and how many bytes it reads, following `checkpoint.read.SliceReader.read`'s rules
 (a region of a box stored at the same tp size reads only the overlapping ranges of its pieces; a region of
 another box reads, of each stored slice or piece, the ranges `reshard.read_ranges` says: the runs of the
@@ -101,7 +102,7 @@ def _reports(stages: list, layout) -> tuple[list, list]:
         sizes = dict.fromkeys(pay.files, 0)
         for it in items:
             add(pay, it, parts[c.pp][it.name], fp32)
-        rel = coord_dir(c)
+        rel = coord_dir(c, layout.cp)
         tensors = []
         for proto, it in pay.records:
             n = 4 * ((it.flat[1] - it.flat[0]) if it.flat else it.box.numel)
@@ -137,16 +138,21 @@ def gather_to_rank0(reports: list, layout) -> tuple[int, int]:
     return first + parts, len(stages[0]) - 1 + len(leaders) - 1
 
 
-def plan_layout(model: dict, tp: int, pp: int, dp: int, vpp: int = 1, zero1: bool = False) -> tuple[PlanRow, object]:
+def _name(layout) -> str:
+    return f"{layout.tp},{layout.pp},{layout.dp}" + (f" cp{layout.cp}" if layout.cp > 1 else "")
+
+
+def plan_layout(model: dict, tp: int, pp: int, dp: int, vpp: int = 1, zero1: bool = False,
+                cp: int = 1) -> tuple[PlanRow, object]:
     from ...checkpoint import manifest as mf
     from ...parallel.grid import Layout
-    layout = Layout(tp, pp, dp)
+    layout = Layout(tp, pp, dp, cp)
     stages = stage_tensors(model, tp, pp, vpp)
     rank_s = one_rank_plan_s(stages, layout)
     t0 = time.process_time()
     reports, written = _reports(stages, layout)
     t1 = time.process_time()
-    meta = mf.step_meta(0, (tp, pp, dp), {"model": model}, zero1=zero1)
+    meta = mf.step_meta(0, layout, {"model": model}, zero1=zero1)
     man = mf.build(meta, reports)
     d = man.to_json()  # as manifest.write: serialise, parse back (the readers' validation), write the text
     text = mf.dumps(d)
@@ -154,7 +160,7 @@ def plan_layout(model: dict, tp: int, pp: int, dp: int, vpp: int = 1, zero1: boo
     t2 = time.process_time()
     gathered, msgs = gather_to_rank0(reports, layout)
     slices = sum(len(e.slices) for e in man.tensors())
-    row = PlanRow(f"{tp},{pp},{dp}" + (f" vpp{vpp}" if vpp > 1 else ""), layout.world_size, len(man.files),
+    row = PlanRow(_name(layout) + (f" vpp{vpp}" if vpp > 1 else ""), layout.world_size, len(man.files),
                   slices, len(text), t1 - t0, rank_s, t2 - t1, max(written), statistics.fmean(written), gathered,
                   msgs, len(problems))
     return row, man
@@ -206,17 +212,18 @@ def _overlaps(pieces: list, a: int, b: int, numel: int) -> list[tuple[str, int]]
     return out
 
 
-def plan_reshard(man: dict, model: dict, tp: int, pp: int, dp: int, vpp: int = 1, zero1: bool = False) -> dict:
-    """Per destination rank of layout (tp, pp, dp): source files opened and bytes read, as load_into does."""
+def plan_reshard(man: dict, model: dict, tp: int, pp: int, dp: int, vpp: int = 1, zero1: bool = False,
+                 cp: int = 1) -> dict:
+    """Per destination rank of layout (tp, pp, dp, cp): source files opened and bytes read, as load_into does."""
     from ...parallel.data import dp_pieces
     from ...parallel.grid import Layout
     from ...parallel.partition import tp_box
-    layout = Layout(tp, pp, dp)
+    layout = Layout(tp, pp, dp, cp)
     stages = stage_tensors(model, tp, pp, vpp)
     index = {e.name: _piece_index(e) for e in man.tensors()}
     t0 = time.process_time()
     files, nbytes, needed = [], [], []
-    same_on_dp: dict = {}  # (tp, pp) -> reads that do not depend on the dp rank (weights; moments without zero1)
+    same_on_dp: dict = {}  # (tp, pp) -> reads that do not depend on the dp/cp rank (weights; moments without zero1)
     for c in layout.coords():
         tensors = stages[c.pp]
         boxes = {name: tp_box(part, c.tp, tp) for name, part in tensors}
@@ -227,7 +234,8 @@ def plan_reshard(man: dict, model: dict, tp: int, pp: int, dp: int, vpp: int = 1
         reads = list(same_on_dp[c.tp, c.pp])
         need = sum(12 * b.numel for b in boxes.values())  # its weights and its two moments
         if zero1:
-            pieces = dp_pieces([(n, boxes[n].numel, bool(p.tied_to)) for n, p in tensors], c.dp, dp)
+            pieces = dp_pieces([(n, boxes[n].numel, bool(p.tied_to)) for n, p in tensors], layout.replica(c),
+                               layout.replicas)
             need -= sum(8 * (b.numel - (pieces[n][1] - pieces[n][0])) for n, b in boxes.items())
             for name, _ in tensors:
                 for moment in ("exp_avg", "exp_avg_sq"):
@@ -235,27 +243,30 @@ def plan_reshard(man: dict, model: dict, tp: int, pp: int, dp: int, vpp: int = 1
         files.append(len({f for f, _ in reads}))
         nbytes.append(sum(b for _, b in reads))
         needed.append(need)
-    return {"layout": f"{tp},{pp},{dp}", "ranks": layout.world_size, "files_max": max(files),
+    return {"layout": _name(layout), "ranks": layout.world_size, "files_max": max(files),
             "files_mean": statistics.fmean(files), "bytes_max": max(nbytes), "bytes_mean": statistics.fmean(nbytes),
             "read_over_needed_max": max(b / n for b, n in zip(nbytes, needed)),
             "seconds": time.process_time() - t0}
 
 
 def bench_plan(n_layer: int, n_embd: int, n_head: int, vocab_size: int, tp: int, pp: int, dp: list[int],
-               vpp: int = 1, zero1: bool = False, block_size: int = 2048, reshard_to=None, log=print) -> list:
-    """One table line per layout (one per value of dp); with reshard_to, the destination reads of the last."""
+               vpp: int = 1, zero1: bool = False, block_size: int = 2048, reshard_to=None, log=print,
+               cp: int = 1) -> list:
+    """One table line per layout (one per value of dp); with reshard_to (tp, pp, dp[, cp]), the destination
+    reads of the last."""
     model = {"n_layer": n_layer, "n_head": n_head, "n_embd": n_embd, "block_size": block_size,
              "vocab_size": vocab_size, "dropout": 0.0}
     n_params = sum(math.prod(p.global_shape) for s in stage_tensors(model, 1, 1) for _, p in s if not p.tied_to)
     log(f"bench plan: GPT n_layer={n_layer} n_embd={n_embd} n_head={n_head} vocab={vocab_size} "
         f"block={block_size} ({n_params:,} parameters, fp32 weights + AdamW moments = "
-        f"{fmt_bytes(12 * n_params)}), zero1 {'on' if zero1 else 'off'}, vpp {vpp}; no tensors, one process")
+        f"{fmt_bytes(12 * n_params)}), zero1 {'on' if zero1 else 'off'}, vpp {vpp}"
+        + (f", cp {cp} (ranks = tp x cp x pp x dp)" if cp > 1 else "") + "; no tensors, one process")
     out = StreamTable(["tp,pp,dp", "ranks", "files", "slices", "manifest", "plan s", "1 rank s",
                        "manifest+validate s", "write/rank max", "mean", "max/mean", "gather to rank 0", "msgs",
                        "problems"], [8, 6, 6, 7, 10, 6, 8, 19, 14, 10, 8, 16, 6, 8], log=log)
     rows, man = [], None
     for d in dp:
-        row, man = plan_layout(model, tp, pp, d, vpp, zero1)
+        row, man = plan_layout(model, tp, pp, d, vpp, zero1, cp)
         rows.append(row)
         out.row([row.layout, f"{row.ranks:,}", f"{row.files:,}", f"{row.slices:,}", fmt_bytes(row.manifest_bytes),
                  f"{row.plan_s:.2f}", f"{row.rank_plan_s:.3f}", f"{row.manifest_s:.2f}", fmt_bytes(row.write_max),
@@ -269,8 +280,8 @@ def bench_plan(n_layer: int, n_embd: int, n_head: int, vocab_size: int, tp: int,
             f"gather bytes {b.gather_bytes / max(1, a.gather_bytes):.1f}x")
     out = {"rows": rows}
     if reshard_to:
-        t, p, d = reshard_to
-        r = plan_reshard(man, model, t, p, d, vpp=1, zero1=zero1)
+        t, p, d, *c = reshard_to
+        r = plan_reshard(man, model, t, p, d, vpp=1, zero1=zero1, cp=c[0] if c else 1)
         src = rows[-1]
         log(f"\nresume {src.layout} (zero1 {'on' if zero1 else 'off'}) at {r['layout']}: per destination rank "
             f"({r['ranks']:,}), source files opened max {r['files_max']} / mean {r['files_mean']:.1f} "
@@ -294,13 +305,16 @@ def _ints(text: str, flag: str, n: int | None = None) -> list[int]:
 
 
 def check_shape(n_layer: int, n_embd: int, n_head: int, vocab_size: int, block_size: int, tp: int, pp: int,
-                vpp: int, prefix: str = "--") -> None:
+                vpp: int, prefix: str = "--", cp: int = 1) -> None:
     """One-line errors naming the flag, before anything is planned."""
     from ...config import ConfigError
     for name, v in (("n-layer", n_layer), ("n-embd", n_embd), ("n-head", n_head), ("vocab-size", vocab_size),
-                    ("block-size", block_size), ("tp", tp), ("pp", pp), ("vpp", vpp)):
+                    ("block-size", block_size), ("tp", tp), ("pp", pp), ("vpp", vpp), ("cp", cp)):
         if v < 1:
             raise ConfigError(f"{prefix}{name} {v}: must be a positive integer")
+    if cp > 1 and block_size % (2 * cp):
+        raise ConfigError(f"{prefix}cp {cp}: {prefix}block-size {block_size} is not divisible by 2 x cp = {2 * cp} "
+                          f"(each sequence is cut into 2*cp chunks)")
     if n_embd % n_head:
         raise ConfigError(f"{prefix}n-embd {n_embd} is not divisible by {prefix}n-head {n_head}")
     if n_head % tp:
@@ -313,10 +327,12 @@ def check_shape(n_layer: int, n_embd: int, n_head: int, vocab_size: int, block_s
 def bench_plan_cli(args) -> dict:
     n_layer, n_embd, block = args.n_layer or 96, args.n_embd or 12288, args.block_size or 2048
     dps = _ints(args.dp, "--dp")
-    check_shape(n_layer, n_embd, args.n_head, args.vocab_size, block, args.tp, args.pp, args.vpp)
+    cp = getattr(args, "cp", 1)
+    check_shape(n_layer, n_embd, args.n_head, args.vocab_size, block, args.tp, args.pp, args.vpp, cp=cp)
     to = None
     if args.reshard_to:
-        to = _ints(args.reshard_to, "--reshard-to", 3)
-        check_shape(n_layer, n_embd, args.n_head, args.vocab_size, block, to[0], to[1], 1, prefix="--reshard-to ")
+        to = _ints(args.reshard_to, "--reshard-to", 4 if args.reshard_to.count(",") == 3 else 3)
+        check_shape(n_layer, n_embd, args.n_head, args.vocab_size, block, to[0], to[1], 1, prefix="--reshard-to ",
+                    cp=to[3] if len(to) == 4 else 1)
     return bench_plan(n_layer, n_embd, args.n_head, args.vocab_size, args.tp, args.pp, dps, vpp=args.vpp,
-                      zero1=args.zero1, block_size=block, reshard_to=to)
+                      zero1=args.zero1, block_size=block, reshard_to=to, cp=cp)

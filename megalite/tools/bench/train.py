@@ -9,6 +9,8 @@
 3. Every layout of `nproc` processes: tokens/s and the share of step time inside torch.distributed calls.
 4-7. Activation memory per recompute / sp setting, the interleaved schedule's bubble, exposed dp
    communication with and without overlap, bf16 vs fp32 (see features.py).
+8. Context parallelism at cp = 1, 2, 4 beside tp at the same world size: saved activation bytes per rank,
+   tokens/s and the share of step time in the cp ring's sends (see context.py).
 All processes run one thread each (the gloo workers of megalite.testing do). Each table is printed row by row
 as its rows are measured (megalite.tools.bench.StreamTable).
 """
@@ -30,6 +32,7 @@ import torch.nn.functional as F
 
 from . import SavedBytes, StreamTable, patch_dist
 from .bubble import _Stamped, idle_of
+from .context import bench_context
 from .features import bench_features
 
 
@@ -222,10 +225,13 @@ def vs_plain(o: dict, pairs: int, log=print) -> list:
 
 
 def bench_train(steps: int = 10, nproc: int = 4, n_embd: int = 128, n_layer: int = 4, n_head: int = 4,
-                block_size: int = 128, batch: int = 16, micro: int = 4, ms=(2, 4, 8), rounds: int = 2, pairs: int = 5,
-                wait_ms: Optional[float] = None, workdir: Optional[str] = None, log=print) -> dict:
+                block_size: int = 128, batch: int = 16, micro: int = 4, ms=(2, 4, 8), rounds: int = 2,
+                pairs: int = 5,
+                wait_ms: Optional[float] = None, workdir: Optional[str] = None, log=print,
+                cp_seq: Optional[int] = None) -> dict:
     """Run the benchmarks; print each table (via `log`) row by row as it is measured; return them as lists
-    of dicts. wait_ms: t_f of the bubble table's wait rows (default: calibrated to the model). pairs: table 1's
+    of dicts. wait_ms: t_f of the bubble table's wait rows (default: calibrated to the model); cp_seq: the
+    sequence length of the context-parallel table (default 8 x block_size); pairs: table 1's
     megalite/plain pairs of fresh processes; rounds: the feature tables' alternating runs."""
     from ...data import default_corpus_files, prepare
     from ...testing import run_parallel
@@ -276,6 +282,7 @@ def bench_train(steps: int = 10, nproc: int = 4, n_embd: int = 128, n_layer: int
                    f"{comm:.1%}", f"{1 - comm:.1%}"])
         worlds = [w for w in sorted({2, nproc}) if n_head % w == 0 and block_size % w == 0 and w <= n_layer]
         out.update(bench_features({**o, "bucket_mb": 0.5, "rounds": rounds}, worlds, _run_single, log=log))
+        out["context"] = bench_context(o, nproc, cp_seq or 8 * block_size, log=log)
     finally:
         shutil.rmtree(work, ignore_errors=True)
     return out
