@@ -148,9 +148,14 @@ class CheckpointManager:
             if e.errno == errno.ELOOP or os.path.islink(lock):
                 return f"checkpoint.dir: {lock} is a symlink; refusing to follow it (remove it)"
             return f"checkpoint.dir: cannot open {lock} ({e.strerror or e})"
-        if not stat.S_ISREG(os.fstat(fd).st_mode):
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):
             os.close(fd)
             return f"checkpoint.dir: {lock} is not a plain file (remove it)"
+        if st.st_nlink > 1:  # shared with another root (`cp -al`): that run's lock, not this folder's own
+            os.close(fd)
+            unlink_quietly(lock)
+            return self._take_lock()
         if not existed:
             self._created.append(lock)
         try:
@@ -190,6 +195,10 @@ class CheckpointManager:
                                       f"under '{self.root}'")
             return None, [], []
         for name in candidates:
+            if (self.root / name).is_symlink():  # as `verify ROOT` refuses it: never load from elsewhere
+                warnings.append(f"WARNING: resume=auto: skipping {self.root / name}: a symbolic link (to "
+                                f"'{os.readlink(self.root / name)}'); a step folder of this root must be a real folder")
+                continue
             _, problems = verify(self.root / name)
             if not problems:
                 return str(self.root / name), warnings, failed

@@ -58,11 +58,18 @@ class _Parser(argparse.ArgumentParser):
 
 
 def _cmd_train(args, rest) -> int:
-    from .config import load_config
-    from .parallel.process_group import leave_distributed
-    from .train import train
-    cfg = load_config(args.config, rest)  # a ConfigError is shared: every rank parsed the same flags
+    from .config import ConfigError, load_config
+    from .parallel.process_group import leave_distributed, world_size_from_env
+    from .train import refuse_start, train
     try:
+        cfg, failed = load_config(args.config, rest), None
+    except ConfigError as e:
+        if world_size_from_env() == 1:
+            raise
+        cfg, failed = None, e  # this rank's config file may not be the others': said once every rank has joined
+    try:
+        if failed is not None:
+            refuse_start(failed)
         train(cfg, log=functools.partial(print, flush=True), force=args.force)  # lines appear as they happen
     except BaseException as e:
         # The job is stopping with an error on every rank. torchrun SIGTERMs the workers still running as
@@ -84,9 +91,12 @@ def _cmd_config(args, rest) -> int:
 
 
 def _cmd_prepare(args, rest) -> int:
-    from .data import default_corpus_files, prepare
+    from pathlib import Path
+    from .data import check_out, default_corpus_files, prepare
+    check_out(Path(args.out), args.force)  # before the default corpus is even looked for
     sources = args.sources or default_corpus_files()
-    prepare(sources, args.out, val_fraction=args.val_fraction, log=(lambda *a: None) if args.quiet else print)
+    prepare(sources, args.out, val_fraction=args.val_fraction, log=(lambda *a: None) if args.quiet else print,
+            force=args.force)
     return 0
 
 
@@ -143,15 +153,9 @@ def _cmd_reshard(args, rest) -> int:
 
 
 def _cmd_generate(args, rest) -> int:
-    import math
     from .config import ConfigError
-    from .generate import sample_text
-    if args.top_k < 0:
-        raise ConfigError(f"--top-k {args.top_k}: expected 0 (off) or a positive integer")
-    if not math.isfinite(args.temperature) or args.temperature < 0:
-        raise ConfigError(f"--temperature {args.temperature}: expected a finite number >= 0 (0: greedy)")
-    if args.max_new_tokens < 0:
-        raise ConfigError(f"--max-new-tokens {args.max_new_tokens}: expected a number >= 0")
+    from .generate import check_sampling, sample_text
+    check_sampling(args.max_new_tokens, args.temperature, args.top_k, args.seed)  # before the model is read
     try:
         args.prompt.encode("utf-8")
     except UnicodeEncodeError:
@@ -216,6 +220,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("sources", nargs="*", help="files or folders (default: the Python standard library's sources)")
     p.add_argument("--out", required=True, help="output .bin path")
     p.add_argument("--val-fraction", type=float, default=0.1)
+    p.add_argument("--force", action="store_true",
+                   help="replace --out if it is a token file `megalite prepare` wrote (never any other file)")
     p.add_argument("--quiet", action="store_true")
 
     p = add("inspect", "describe a checkpoint: step, layout, tensors and bytes per coordinate", _cmd_inspect)

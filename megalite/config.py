@@ -9,7 +9,6 @@ from __future__ import annotations
 import dataclasses
 import math
 import os
-import stat
 import sys
 import typing
 from dataclasses import dataclass, field
@@ -190,12 +189,8 @@ def path_kind(p: str | Path) -> str:
         return f"a broken symlink to '{os.readlink(p)}'" if p.is_symlink() else "a path that does not exist"
     except OSError as e:
         return f"not readable ({e.strerror})"
-    for test, what in ((stat.S_ISREG, "a regular file"), (stat.S_ISDIR, "a folder"),
-                       (stat.S_ISCHR, "a character device"), (stat.S_ISBLK, "a block device"),
-                       (stat.S_ISFIFO, "a named pipe (FIFO)"), (stat.S_ISSOCK, "a socket")):
-        if test(st.st_mode):
-            return what
-    return "not a regular file"
+    from .checkpoint.files import kind_of  # here: the checkpoint package imports this module
+    return kind_of(st)
 
 
 def load_config(path: str | Path | None = None, overrides: typing.Sequence[str] = ()) -> Config:
@@ -247,18 +242,42 @@ def model_from(raw, source: str) -> dict:
     return dataclasses.asdict(m)
 
 
+# The ranges the numbers' consumers can take, checked where a number enters (config, CLI, manifest, state.json).
+MAX_COUNT = 2**53 - 1  # steps, intervals, batch sizes, seeds, stored counters: exact in any JSON reader, and a
+#                        seed plus a step still fits torch.manual_seed's int64 (a resume re-seeds from seed + step)
+MAX_SIZE = 2**31 - 1  # model sizes: a tensor's dims and element counts stay within torch's indexing kernels
+MAX_TIMEOUT_S = (2**63 - 1) // 10**9  # parallel.timeout_s: gloo and NCCL hold it in int64 nanoseconds
+FLOAT32_MAX = 3.4028234663852886e38  # the optimizer's scalars meet float32 tensors (torch.addcdiv's value)
+EVAL_STREAMS = 2**31  # eval batch i draws from PCG64([seed, 2**32 - 1 - i]), apart from training's [seed, k]
+
+
 def check_numbers(cfg: Config) -> None:
-    """Every number is finite and in its range, with the field named: a NaN learning rate must not train."""
+    """Every number is finite and in the range its consumer can take, with the field named: a NaN learning rate
+    must not train, and a value too large for the C type it ends in must not fail an hour later."""
     for s in dataclasses.fields(cfg):
         sec = getattr(cfg, s.name)
         for f in dataclasses.fields(sec):
-            v = getattr(sec, f.name)
+            v, name = getattr(sec, f.name), f"{s.name}.{_key(f.name)}"
             if isinstance(v, float) and not math.isfinite(v):
-                raise ConfigError(f"{s.name}.{_key(f.name)} = {v}: expected a finite number")
+                raise ConfigError(f"{name} = {v}: expected a finite number")
+            limit = MAX_SIZE if s.name == "model" else MAX_COUNT
+            if isinstance(v, int) and not isinstance(v, bool) and abs(v) > limit:
+                why = "torch's indexing kernels take sizes below 2**31" if s.name == "model" else \
+                    "counters and seeds stay exact in JSON and within int64"
+                raise ConfigError(f"{name} = {v}: too large, expected at most {limit} ({why})")
     t, par = cfg.train, cfg.parallel
     for name, value in (("train.beta1", t.beta1), ("train.beta2", t.beta2)):
         if not 0.0 <= value < 1.0:
             raise ConfigError(f"{name} = {value}: expected a value in [0, 1)")
+    if abs(t.lr) / (1.0 - t.beta1) > FLOAT32_MAX:  # AdamW's first update scales lr by 1 / (1 - beta1)
+        raise ConfigError(f"train.lr = {t.lr}: too large for the optimizer's float32 arithmetic (its first update "
+                          f"is lr / (1 - train.beta1) = {abs(t.lr) / (1.0 - t.beta1):.3g}, above {FLOAT32_MAX:.3g})")
+    if par.timeout_s > MAX_TIMEOUT_S:
+        raise ConfigError(f"parallel.timeout_s = {par.timeout_s}: too large, expected at most {MAX_TIMEOUT_S} "
+                          f"seconds (gloo and NCCL hold it in int64 nanoseconds)")
+    if t.eval_batches > EVAL_STREAMS:
+        raise ConfigError(f"train.eval_batches = {t.eval_batches}: too large, expected at most {EVAL_STREAMS} "
+                          f"(validation batches draw from streams apart from the training batches')")
     if par.bucket_mb <= 0:
         raise ConfigError(f"parallel.bucket_mb = {par.bucket_mb}: must be positive")
     if t.seed < 0:
@@ -346,6 +365,21 @@ def validate(cfg: Config, world_size: int | None = None) -> Config:
     if t.min_lr > t.lr:
         raise ConfigError(f"train.min_lr = {t.min_lr} is larger than train.lr = {t.lr}")
     return cfg
+
+
+def settings(cfg: Config) -> dict:
+    """What every rank of a run must agree on (train's start-up agreement), as text: every field of the
+    resolved config, and the paths as this process resolves them (against its own working directory,
+    symlinks followed): `train.out_dir (resolved)`, `checkpoint.dir (resolved)`, `data.path (resolved)` and
+    `checkpoint.resume (resolved)` when it is a path."""
+    out = {f"{sec}.{key}": repr(v) for sec, values in cfg.to_dict().items() for key, v in values.items()}
+    paths = [("train.out_dir", cfg.train.out_dir), ("checkpoint.dir", cfg.checkpoint.dir), ("data.path", cfg.data.path)]
+    if cfg.checkpoint.resume not in ("auto", "none", ""):
+        paths.append(("checkpoint.resume", cfg.checkpoint.resume))
+    for name, value in paths:
+        if value:
+            out[f"{name} (resolved)"] = os.path.realpath(value)
+    return out
 
 
 def _model_axes(par: ParallelConfig) -> tuple[str, str, int]:
@@ -459,7 +493,7 @@ DOCS = {
     "train.out_dir": "run folder (metrics.jsonl)",
     "train.precision": "auto (bf16 on GPU, fp32 on CPU) | fp32 | bf16",
     "data.path": "token file written by `megalite prepare` (uint16 .bin + .json)",
-    "data.val_fraction": "share of the tokens held out for validation, in (0, 1)",
+    "data.val_fraction": "share of the token file held out for validation (its last tokens), in (0, 1)",
     "data.auto_prepare": f"build the default corpus (stdlib sources) when data.path is '{DEFAULT_DATA_PATH}' and missing",
     "checkpoint.dir": "checkpoint root; {out_dir} is train.out_dir; '' turns checkpoints off",
     "checkpoint.interval": "save every N steps, and always at the end and on SIGTERM/SIGINT (0: only then)",

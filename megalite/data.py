@@ -13,6 +13,7 @@ a matter of restoring one integer.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import sysconfig
@@ -21,6 +22,8 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from .checkpoint.files import kind_of, open_read, read_all, replace_atomically
+from .config import MAX_COUNT
 from .errors import DataError
 
 FORMAT = "megalite-tokens"
@@ -81,33 +84,66 @@ def _expand_sources(sources: list[str | Path]) -> list[Path]:
         if path.is_dir():
             found = [p for p in path.rglob("*") if p.is_file() and p.suffix in TEXT_SUFFIXES]
             files.extend(sorted(found, key=lambda p: p.relative_to(path).as_posix()))
+        elif not path.is_file():  # a FIFO or a device (/dev/zero) would block or never end
+            raise DataError(f"prepare: source '{source}' is {kind_of(path.stat())}, expected a text file or a folder")
         else:
             files.append(path)
     return files
 
 
-def _atomic_write(path: Path, data: bytes) -> None:
-    """Write to a temp name in the same folder, then rename, so readers never see half a file."""
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    with open(tmp, "wb") as f:
-        f.write(data)
-        os.fsync(f.fileno())  # data on disk before the rename makes it visible
-    os.replace(tmp, path)
+def check_out(out: Path, force: bool) -> None:
+    """`prepare --out`: an existing token file (or a .json beside --out) is replaced only with --force, and
+    --force replaces only a token file `megalite prepare` wrote, recognised by its .json (format
+    'megalite-tokens', the .bin of the size it records): never a file of anything else."""
+    if out.suffix != ".bin":
+        raise DataError(f"prepare: output '{out}' must end with .bin")
+    present = [p for p in (out, meta_path(out)) if os.path.lexists(p)]
+    if not present:
+        return
+    what = f"--out {out}" if present[0] == out else f"'{present[0]}' (the .json beside --out {out})"
+    if not force:
+        raise DataError(f"prepare: {what} already exists (pass --force to replace a token file `megalite prepare` "
+                        f"wrote)")
+    why = _not_a_token_file(out)
+    if why:
+        raise DataError(f"prepare: {what} already exists and is not a token file `megalite prepare` wrote ({why}); "
+                        f"--force replaces only such a file: remove it yourself or choose another --out")
 
 
-def prepare(sources: list[str | Path], out: str | Path, val_fraction: float = 0.1, log=print) -> dict:
+def _not_a_token_file(out: Path) -> str:
+    """'' when `out` and its .json are a token file prepare wrote, else why not."""
+    mpath = meta_path(out)
+    for p in (out, mpath):
+        if os.path.lexists(p) and (p.is_symlink() or not p.is_file()):
+            return f"'{p}' is {kind_of(os.lstat(p))}"
+    if not mpath.exists():
+        return f"no '{mpath.name}' beside it says what it is"
+    try:
+        meta = json.loads(read_all(mpath, 1 << 20))
+    except (OSError, ValueError):
+        meta = None
+    if not isinstance(meta, dict) or meta.get("format") != FORMAT:
+        return f"'{mpath}' is not a '{FORMAT}' description"
+    size = os.lstat(out).st_size if out.exists() else None
+    if size is not None and isinstance(meta.get("num_tokens"), int) and size != 2 * meta["num_tokens"]:
+        return f"its size, {size} bytes, is not the {2 * meta['num_tokens']} its .json records"
+    return ""
+
+
+def prepare(sources: list[str | Path], out: str | Path, val_fraction: float = 0.1, log=print,
+            force: bool = False) -> dict:
     """Byte-encode text files into ``out`` (.bin) and its ``.json``; return the meta dict.
 
     The last ``val_fraction`` of tokens is the validation split.  The json is
-    written last, so a token file with a json beside it is always complete.
+    written last, so a token file with a json beside it is always complete. An existing output is replaced
+    only with `force`, and only if prepare wrote it (`check_out`).
     """
     out = Path(out)
-    if out.suffix != ".bin":
-        raise DataError(f"prepare: output '{out}' must end with .bin")
+    check_out(out, force)
     if not 0.0 <= val_fraction < 1.0:
         raise DataError(f"prepare: val_fraction must be in [0, 1), got {val_fraction}")
     files = _expand_sources(list(sources))
-    texts = [f.read_bytes().decode("utf-8", errors="replace") for f in files]
+    texts = [read_all(f, follow=True).decode("utf-8", errors="replace") for f in files]
     text = "\n\n".join(texts)
     if not text:
         raise DataError(f"prepare: no text found in sources {[str(s) for s in sources]} "
@@ -126,8 +162,10 @@ def prepare(sources: list[str | Path], out: str | Path, val_fraction: float = 0.
         "sources": [str(s) for s in sources],
     }
     out.parent.mkdir(parents=True, exist_ok=True)
-    _atomic_write(out, tokens.tobytes())
-    _atomic_write(meta_path(out), (json.dumps(meta, indent=2) + "\n").encode("utf-8"))
+    # each through a new temporary file (never a link planted there), renamed over: readers see old or new
+    replace_atomically(out, tokens.tobytes(), tmp=out.with_name(f".{out.name}.tmp-{os.getpid()}"))
+    replace_atomically(meta_path(out), (json.dumps(meta, indent=2) + "\n").encode("utf-8"),
+                       tmp=out.with_name(f".{meta_path(out).name}.tmp-{os.getpid()}"))
     log(f"prepare: wrote {num_tokens:,} tokens from {len(files)} files to {out} "
         f"(val from token {meta['val_start']:,})")
     return meta
@@ -143,13 +181,40 @@ def ensure_data(path: str | Path, log=print) -> None:
     if path.exists() and meta_path(path).exists():
         return
     log(f"data: '{path}' not found; building it from the Python standard library sources")
-    prepare(default_corpus_files(), path, log=log)
+    prepare(default_corpus_files(), path, log=log, force=True)  # replaces only an incomplete corpus of its own
+
+
+IDENTITY_BLOCKS, IDENTITY_BLOCK_BYTES = 16, 1 << 16  # what `identity` reads of a token file: 1 MiB at most
+
+
+def identity(path: str | Path) -> str:
+    """A token file's identity, the same on every host that holds the same file (unlike an inode or a
+    modification time): its size, a hash of its .json and of 16 blocks of 64 KiB spread over it (the first and
+    the last included), in milliseconds whatever its size. "missing" when there is no file; a file that cannot
+    be read says why (the run itself then reports it)."""
+    path = Path(path)
+    h = hashlib.blake2b(digest_size=8)
+    try:
+        with open_read(path, follow=True) as f:
+            size = os.fstat(f.fileno()).st_size
+            for i in range(IDENTITY_BLOCKS):
+                f.seek(max(0, size - IDENTITY_BLOCK_BYTES) * i // (IDENTITY_BLOCKS - 1))
+                h.update(f.read(IDENTITY_BLOCK_BYTES))
+        h.update(read_all(meta_path(path), 1 << 20, follow=True))
+    except FileNotFoundError:
+        return "missing"
+    except OSError as e:
+        return f"unreadable ({e.strerror or e})"
+    return f"{size} bytes, content hash {h.hexdigest()}"
 
 
 class TokenDataset:
-    """One split ("train" or "val") of a prepared token file, memory-mapped read-only."""
+    """One split ("train" or "val") of a prepared token file, memory-mapped read-only.
 
-    def __init__(self, path: str | Path, split: str):
+    `val_fraction` (a training run's data.val_fraction): the last int(num_tokens * val_fraction) tokens are the
+    validation split, as `prepare --val-fraction` computes it; None: the split the file's .json records."""
+
+    def __init__(self, path: str | Path, split: str, val_fraction: float | None = None):
         path = Path(path)
         if split not in ("train", "val"):
             raise DataError(f"TokenDataset: split must be 'train' or 'val', got '{split}'")
@@ -165,7 +230,7 @@ class TokenDataset:
             raise DataError(f"data.path: metadata '{mpath}' for token file '{path}' does not exist "
                             "(re-run `megalite prepare`)")
         try:
-            meta = json.loads(mpath.read_text(encoding="utf-8"))
+            meta = json.loads(read_all(mpath, follow=True))  # a regular file: a FIFO there would block
         except ValueError as e:
             raise DataError(f"data.path: metadata '{mpath}' is not valid JSON ({e})") from None
         if not isinstance(meta, dict) or meta.get("format") != FORMAT or meta.get("version") != VERSION:
@@ -175,15 +240,18 @@ class TokenDataset:
         num_tokens, val_start = meta.get("num_tokens"), meta.get("val_start")
         if not (isinstance(num_tokens, int) and isinstance(val_start, int) and 0 <= val_start <= num_tokens):
             raise DataError(f"data.path: metadata '{mpath}' needs integers 0 <= val_start <= num_tokens")
+        if val_fraction is not None:
+            val_start = num_tokens - int(num_tokens * val_fraction)
         size = path.stat().st_size
         if size != 2 * num_tokens:
             raise DataError(f"data.path: token file '{path}' has {size} bytes, expected "
                             f"{2 * num_tokens} for num_tokens={num_tokens} in '{mpath.name}'")
         lo, hi = (0, val_start) if split == "train" else (val_start, num_tokens)
+        how = "" if val_fraction is None else f" (data.val_fraction = {val_fraction})"
         if hi <= lo:
             raise DataError(f"data.path: the {split} split of '{path}' is empty "
-                            f"(num_tokens={num_tokens}, val_start={val_start})")
-        self.path, self.split, self.meta = path, split, meta
+                            f"(num_tokens={num_tokens}, val_start={val_start}){how}")
+        self.path, self.split, self.meta, self.how = path, split, meta, how
         vocab = meta.get("vocab_size", ByteTokenizer.vocab_size)
         if not isinstance(vocab, int) or isinstance(vocab, bool) or vocab < 1:
             raise DataError(f"data.path: metadata '{mpath}' has vocab_size {vocab!r}, expected a positive integer")
@@ -229,7 +297,7 @@ def _check_shapes(dataset: TokenDataset, block_size: int, batch_size: int, dp_ra
                   batch_field: str) -> None:
     if block_size < 1 or len(dataset) < block_size + 1:
         raise DataError(f"train.seq_len (0: model.block_size): {block_size} needs at least {block_size + 1} tokens but the "
-                        f"{dataset.split} split of '{dataset.path}' has {len(dataset)}")
+                        f"{dataset.split} split of '{dataset.path}' has {len(dataset)}{dataset.how}")
     if batch_size < 1 or dp_size < 1 or batch_size % dp_size != 0:
         raise DataError(f"{batch_field}: {batch_size} must be a positive multiple of the "
                         f"data-parallel size {dp_size}")
@@ -292,8 +360,8 @@ class BatchSampler:
 
     def load_state_dict(self, state: dict) -> None:
         k = state.get("batch_index") if isinstance(state, dict) else None
-        if not isinstance(k, int) or isinstance(k, bool) or k < 0:
-            raise DataError(f"sampler state: 'batch_index' must be a non-negative integer, got {k!r}")
+        if not isinstance(k, int) or isinstance(k, bool) or not 0 <= k <= MAX_COUNT:
+            raise DataError(f"sampler state: 'batch_index' must be an integer in [0, {MAX_COUNT}], got {k!r}")
         self.batch_index = k
 
 

@@ -8,7 +8,9 @@
         ConvertError               converter input (a model file, a foreign checkpoint, an output path)
       MetricsError                 a metrics.jsonl file
       NonFiniteError               a NaN/inf loss or gradient norm (train.on_nonfinite = "stop"; always shared)
-      StartupError                 another rank's start-up error, raised here too
+      StartupError                 another rank's start-up error, raised here too (or ranks that disagree)
+      UnsafeFileError              a file megalite manages is a symlink, a special file or shared by hard links
+                                   (also an OSError: code that handles a failed open handles this too)
 
 OSError (a full or read-only disk, a missing file) is the one outside user error the CLI also reports in one
 line. Anything else is a bug and keeps its traceback. This module imports nothing of megalite's, so every
@@ -70,6 +72,18 @@ class NonFiniteError(MegaliteError, RuntimeError):
 class StartupError(MegaliteError, RuntimeError):
     """Another rank's start-up error, raised here too so that every rank stops alike."""
     shared_by_default = True
+
+
+class UnsafeFileError(MegaliteError, OSError):
+    """A file megalite opens (to read its own state, or to append to) is not a regular file of its folder: a
+    symlink (it would read or write elsewhere), a FIFO or device (a read would block or never end), or, for a
+    file it appends to, a name shared by hard links with another file (the append would change that one too).
+    The message is one line naming the path and what was found; `errno` is ELOOP for a symlink, else EINVAL
+    (what the open of a non-regular file would have said)."""
+
+    def __init__(self, message: str, code: int | None = None):
+        super().__init__(message)
+        self.errno = code
 
 
 USER_ERRORS = (MegaliteError, OSError)  # what the CLI reports in one line (exit 2)

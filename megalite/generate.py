@@ -2,12 +2,13 @@
 from __future__ import annotations
 
 import codecs
+import math
 import sys
 from pathlib import Path
 
 import torch
 
-from .config import ModelConfig
+from .config import ConfigError, ModelConfig
 from .convert import ConvertError, read_model_file
 from .data import ByteTokenizer
 from .model import GPTStage
@@ -41,6 +42,7 @@ def generate(model: GPTStage, ids: list[int], max_new_tokens: int = 200, tempera
 
     The model has block_size positions. A longer context is cropped to its last block_size tokens (a
     sliding window; transformers refuses instead), and `warn` says so once, before the first token."""
+    check_sampling(max_new_tokens, temperature, top_k, seed)
     block = model.cfg.block_size
     if len(ids) > block:
         warn(f"the prompt has {len(ids)} tokens but model.block_size is {block}: the model sees only the "
@@ -55,7 +57,11 @@ def generate(model: GPTStage, ids: list[int], max_new_tokens: int = 200, tempera
         if temperature <= 0:
             nxt = logits.argmax(-1, keepdim=True)
         else:
-            logits = logits / temperature
+            # Shifted so that the largest is 0 before dividing, by a temperature no smaller than the logits' dtype's
+            # smallest normal number (5e-324 is 0 in float32: 0/0 would be NaN): logits <= 0 (or -inf), the largest
+            # exactly 0, and a softmax with no NaN (softmax itself is unchanged by the shift).
+            tiny = torch.finfo(logits.dtype).tiny
+            logits = (logits - logits.max(-1, keepdim=True).values) / max(temperature, tiny)
             if top_k:
                 kth = torch.topk(logits, min(top_k, logits.shape[-1])).values[:, -1:]
                 logits = logits.masked_fill(logits < kth, float("-inf"))
@@ -64,6 +70,22 @@ def generate(model: GPTStage, ids: list[int], max_new_tokens: int = 200, tempera
         if on_token is not None:
             on_token(int(nxt))
     return x[0].tolist()
+
+
+SEED_MAX = 2**64 - 1  # torch.Generator.manual_seed takes an unsigned 64-bit seed
+
+
+def check_sampling(max_new_tokens: int, temperature: float, top_k: int, seed: int) -> None:
+    """The sampling settings, each in the range its consumer takes (the CLI's flags and the Python API alike):
+    one ConfigError naming the flag."""
+    if not isinstance(top_k, int) or isinstance(top_k, bool) or top_k < 0:
+        raise ConfigError(f"--top-k {top_k}: expected 0 (off) or a positive integer")
+    if not isinstance(temperature, (int, float)) or not math.isfinite(temperature) or temperature < 0:
+        raise ConfigError(f"--temperature {temperature}: expected a finite number >= 0 (0: greedy)")
+    if not isinstance(max_new_tokens, int) or isinstance(max_new_tokens, bool) or max_new_tokens < 0:
+        raise ConfigError(f"--max-new-tokens {max_new_tokens}: expected a number >= 0")
+    if not isinstance(seed, int) or isinstance(seed, bool) or not 0 <= seed <= SEED_MAX:
+        raise ConfigError(f"--seed {seed}: expected an integer >= 0 and <= {SEED_MAX} (torch's generator seed)")
 
 
 def sample_text(path: str | Path, prompt: str, as_ids: bool = False, stream=None, **kw) -> str:

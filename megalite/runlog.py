@@ -12,6 +12,7 @@ import time
 import traceback
 from pathlib import Path
 
+from .checkpoint.files import open_append
 from .checkpoint.tree import step_dir
 from .config import Config, num_microbatches
 
@@ -28,10 +29,12 @@ def progress(msg: str) -> None:
 
 def log_traceback(out_dir: Path, rank: int) -> None:
     """Append the traceback of what ended a run to <out_dir>/errors.log (the one-line CLI error points
-    here; MEGALITE_DEBUG=1 also prints it)."""
+    here; MEGALITE_DEBUG=1 also prints it). Appended only as a regular file of the folder (files.open_append:
+    never through a symlink, a FIFO or a name shared by hard links); one that is not is left alone, silently:
+    the error being reported matters more, and its one line is printed anyway."""
     try:
         if out_dir.is_dir():
-            with open(out_dir / "errors.log", "a") as f:
+            with open_append(out_dir / "errors.log") as f:
                 f.write(f"--- rank {rank}, {time.strftime('%Y-%m-%dT%H:%M:%S')}\n{traceback.format_exc()}")
     except OSError:
         pass

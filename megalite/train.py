@@ -27,9 +27,9 @@ from . import faults, metrics, tensorboard_log
 from .checkpoint.state import seed_everything
 from .checkpointing import CheckpointManager
 from .compile import compile_blocks
-from .config import DEFAULT_DATA_PATH, Config, num_microbatches, resolve, seq_len, validate
-from .data import BatchSampler, TokenDataset, check_vocab, ensure_data, eval_batches
-from .errors import DataError, NonFiniteError
+from .config import DEFAULT_DATA_PATH, Config, ParallelConfig, num_microbatches, resolve, seq_len, settings, validate
+from .data import BatchSampler, TokenDataset, check_vocab, ensure_data, eval_batches, identity as data_identity
+from .errors import ConfigError, DataError, NonFiniteError
 from .model import GPTStage
 from .optim import clip_scale, lr_at
 from .parallel.context import split_sequence
@@ -37,7 +37,7 @@ from .parallel.data import GradBuffer, ShardedAdamW, use_fused
 from .parallel.finalize import finalize_grads
 from .parallel.grid import Layout, ParallelGrid
 from .parallel.pipeline import P2P, get_schedule
-from .parallel.process_group import agree, init_distributed, world_size_from_env
+from .parallel.process_group import agree, agree_settings, init_distributed, world_size_from_env
 from .runlog import log_traceback, progress, start_line, step_line, stop_line
 
 
@@ -81,7 +81,8 @@ def build(cfg: Config, grid: ParallelGrid, device: torch.device) -> Trainer:
     grads = GradBuffer([p for _, p in params], grid.dp_cp, par.bucket_mb, overlap=par.overlap_grad_reduce)
     opt = ShardedAdamW(params, grid.tp, grid.dp_cp, par.zero1, betas=(t.beta1, t.beta2),
                        weight_decay=t.weight_decay, bucket_mb=par.bucket_mb, fused=use_fused(t.fused_adamw, device))
-    train_ds, val_ds = TokenDataset(cfg.data.path, "train"), TokenDataset(cfg.data.path, "val")
+    frac = cfg.data.val_fraction  # the last share of the tokens is held out for validation
+    train_ds, val_ds = TokenDataset(cfg.data.path, "train", frac), TokenDataset(cfg.data.path, "val", frac)
     check_vocab(train_ds, cfg.model.vocab_size)
     check_vocab(val_ds, cfg.model.vocab_size)
     dp_rank, dp = grid.coord.dp, grid.layout.dp
@@ -164,18 +165,23 @@ def train(cfg: Config, log=print, force: bool = False) -> Trainer:
     holds every step's metrics). `force`: a fresh start (checkpoint.resume=none) may move an earlier run's
     checkpoints in checkpoint.dir aside instead of refusing."""
     world = world_size_from_env()
-    validate(resolve(cfg, world), world)
+    problem = None
+    try:
+        validate(resolve(cfg, world), world)
+    except ConfigError as e:
+        if world == 1:
+            raise
+        problem = e  # said after the ranks compared their settings: another rank may hold the right value
     par, t0 = cfg.parallel, time.perf_counter()
     cp = f"cp {par.cp}, " if par.cp != 1 else ""
-    progress(f"starting {par.tp * par.cp * par.pp * par.dp} rank(s) (tp {par.tp}, {cp}pp {par.pp}, dp {par.dp}); "
-             f"joining the process group...")
-    device, _ = init_distributed(par.timeout_s)
+    progress(f"starting {world} rank(s) (tp {par.tp}, {cp}pp {par.pp}, dp {par.dp}); joining the process group...")
+    device, _ = init_distributed(par.timeout_s if problem is None else ParallelConfig.timeout_s)
+    if world > 1:  # every rank runs the same settings, or none starts: before anything is read or written
+        agree_settings({**settings(cfg), "data.path (token file)": data_identity(cfg.data.path)}, problem)
     grid = ParallelGrid.create(Layout(par.tp, par.pp, par.dp, par.cp), timeout=timedelta(seconds=par.timeout_s))
     progress(f"{grid.layout.world_size} rank(s) joined in {time.perf_counter() - t0:.1f} s; building the model and "
              f"reading the data...")
-    tr, ckpt = _start(cfg, grid, device, log, force)
-    metrics_file = metrics.open_for_run(Path(cfg.train.out_dir), tr.step, ckpt.resumed_event, log) \
-        if grid.rank == 0 else None
+    tr, ckpt, metrics_file = _start(cfg, grid, device, log, force)
     board = tensorboard_log.Board(Path(cfg.train.out_dir), tr.step) if grid.rank == 0 and cfg.train.tensorboard \
         else None
     if grid.rank == 0:
@@ -238,6 +244,13 @@ def _loop(tr: Trainer, ckpt: CheckpointManager, log, metrics_file, board=None) -
     ckpt.finish(tr)
 
 
+def refuse_start(error: BaseException) -> None:
+    """A rank whose config did not load (a config file that differs between hosts) still joins the job and
+    says why, so that no other rank waits for it until the process-group timeout: every rank raises it."""
+    init_distributed(ParallelConfig.timeout_s)
+    agree_settings(None, error)
+
+
 def prepare_data(cfg: Config, rank: int) -> None:
     """Build the default corpus once, on rank 0, if auto_prepare is on and the *default* path is missing.
 
@@ -263,9 +276,13 @@ def prepare_data(cfg: Config, rank: int) -> None:
 def _start(cfg: Config, grid: ParallelGrid, device, log, force: bool = False) -> tuple:
     """Data, model, the checkpoint folder's lock, resume: each phase agreed by all ranks (an error on any rank
     stops every rank there, before the next collective). A failure here leaves nothing behind."""
+    out_dir = Path(cfg.train.out_dir)
+
     def build_all():
         if cfg.train.tensorboard and grid.rank == 0:
             tensorboard_log.require()  # before anything is written
+        if grid.rank == 0:
+            metrics.check_path(out_dir)  # a symlink or a FIFO there: refused before anything is written
         prepare_data(cfg, grid.rank)
         return build(cfg, grid, device), CheckpointManager(cfg, grid, log, force=force)
 
@@ -275,12 +292,14 @@ def _start(cfg: Config, grid: ParallelGrid, device, log, force: bool = False) ->
         progress(f"looking for a checkpoint to resume (checkpoint.resume={cfg.checkpoint.resume}) and loading it...")
     if explicit:  # only reads: done before anything is created or locked, so a bad PATH writes nothing
         agree(lambda: ckpt.resume(tr), grid)
-    ckpt.check_writable(Path(cfg.train.out_dir))
+    ckpt.check_writable(out_dir)
     try:
         if not explicit:
             agree(lambda: ckpt.resume(tr), grid)  # resume=auto may finish an interrupted save: under the lock
         agree(lambda: ckpt.reserve(tr), grid)
+        metrics_file = agree(lambda: metrics.open_for_run(out_dir, tr.step, ckpt.resumed_event, log)
+                             if grid.rank == 0 else None, grid)
     except BaseException:
         ckpt.abandon()
         raise
-    return tr, ckpt
+    return tr, ckpt, metrics_file

@@ -6,6 +6,7 @@ import contextlib
 import shutil
 
 import pytest
+import torch
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
@@ -189,14 +190,20 @@ def test_unknown_format_and_dtype(run111, outdir):
 
 # ---------------------------------------------------------------- output safety
 def test_existing_output_needs_force(tmp_path, outdir, run111, model_file):
+    """An existing output is replaced only with --force, and --force replaces only an output of the same kind
+    megalite wrote (issue 21: it once replaced a user's file and deleted a folder of other files)."""
     src = run111["ckpt"]
     before = H.tree_digest(src)
     out = outdir / "m.safetensors"
     out.write_bytes(b"keep me")
     with pytest.raises(ConvertError, match=r"already exists \(pass --force"):
         convert(src, out)
+    with pytest.raises(ConvertError, match=r"already exists and is not a model file written by"):
+        convert(src, out, force=True, quiet=True)
     assert out.read_bytes() == b"keep me"
-    assert convert(src, out, force=True, quiet=True) == out
+    out.unlink()
+    assert convert(src, out, quiet=True) == out
+    assert convert(src, out, force=True, quiet=True) == out  # over its own output: replaced
     assert out.read_bytes() == model_file.read_bytes()
     # a folder output (split / reshard / hf-gpt2) likewise
     ck = outdir / "ck"
@@ -207,9 +214,14 @@ def test_existing_output_needs_force(tmp_path, outdir, run111, model_file):
                lambda force: convert(src, ck, fmt="hf-gpt2", force=force, quiet=True)):
         with pytest.raises(ConvertError, match=r"already exists"):
             fn(False)
+        with pytest.raises(ConvertError, match=r"mine.txt"):
+            fn(True)
         assert (ck / "mine.txt").read_text() == "keep"
+    (ck / "mine.txt").unlink()
+    ck.rmdir()
+    reshard(src, ck, 1, 1, 1, quiet=True)
     reshard(src, ck, 2, 1, 1, force=True, quiet=True)
-    assert not (ck / "mine.txt").exists() and mf.read(resolve(ck)).layout.tp == 2
+    assert mf.read(resolve(ck)).layout.tp == 2
     assert sorted(p.name for p in outdir.iterdir()) == ["ck", "m.safetensors"]  # no temp or .old leftovers
     assert H.tree_digest(src) == before
 
@@ -220,6 +232,12 @@ def test_existing_output_via_cli(outdir, run111, model_file):
     r = H.cli("convert", run111["ckpt"], "--out", out)
     H.one_line_error(r, "megalite convert: error: ", match=r"already exists \(pass --force")
     assert out.read_bytes() == b"keep me"
+    r = H.cli("convert", run111["ckpt"], "--out", out, "--force", "--quiet")  # not megalite's: kept
+    H.one_line_error(r, "megalite convert: error: ", match=r"not a model file written by `megalite convert`")
+    assert out.read_bytes() == b"keep me"
+    with safe_open(str(model_file), framework="pt") as f:  # a model file megalite wrote, with other tensors
+        meta = f.metadata()
+    save_file({"x": torch.zeros(2)}, str(out), metadata=meta)
     r = H.cli("convert", run111["ckpt"], "--out", out, "--force", "--quiet")
     assert r.returncode == 0 and r.stdout == "" and r.stderr == "", r.stderr
     assert out.read_bytes() == model_file.read_bytes()

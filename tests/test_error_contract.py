@@ -337,11 +337,13 @@ def test_verify_names_a_hostile_latest_and_exits_1(tmp_path, world, capsys):
 
 def test_an_os_error_while_writing_is_one_line_and_leaves_no_temp(tmp_path, world, capsys, monkeypatch):
     """A read-only filesystem (EROFS) when the output is moved into place: one line naming the cause; the
-    temporary output is removed and an existing output is kept."""
+    temporary output is removed and an existing output is kept (one megalite wrote: --force replaces no
+    other file since issue 21)."""
     import megalite.convert.common as common
     out = tmp_path / "o"
     out.mkdir()
-    (out / "m.safetensors").write_bytes(b"keep me")
+    shutil.copy(world["model"], out / "m.safetensors")
+    keep = (out / "m.safetensors").read_bytes()
     real = os.replace
 
     def read_only(src, dst, *a, **k):
@@ -357,7 +359,7 @@ def test_an_os_error_while_writing_is_one_line_and_leaves_no_temp(tmp_path, worl
             continue
         assert_one_line(rc, so, se, "convert", ["Read-only file system", "m.safetensors"])
     assert sorted(p.name for p in out.iterdir()) == ["m.safetensors"]
-    assert (out / "m.safetensors").read_bytes() == b"keep me"
+    assert (out / "m.safetensors").read_bytes() == keep
 
 
 def test_debug_switch_prints_the_traceback(tmp_path, world, capsys, monkeypatch):

@@ -45,9 +45,25 @@ def _matrix(tmp_path, token_file) -> list:
          ["step 2: loss", "not finite"]),
         (*train(5, f"--checkpoint.resume={tmp_path / 'ck2'}"), ["tp00-pp00-dp01/state.json", "'rng'"]),
     ]
+    # ranks that see different settings (issue 21, class 1): two config files, one rank's own override, a
+    # config file that does not load on one rank only. Each is refused at start-up, nothing written.
+    other = CKPT.toml(tmp_path / "other.toml", token_file, model={"n_layer": 2}, train={"lr": 0.002})
+    broken = tmp_path / "broken.toml"
+    broken.write_text(toml.read_text() + "\n[train2]\nlr = 1\n")
+
+    def per_rank(i, *argvs):
+        (a0, out), (a1, _) = train(i), train(i)
+        return {"0": [*a0[:2], argvs[0], *a0[3:]], "1": [*a1[:2], argvs[1], *a1[3:]]}, out
+
+    disagree = [
+        (*per_rank(6, str(toml), str(other)), ["ranks disagree on train.lr", "rank 0 has", "rank 1 has 0.002"]),
+        ({"0": train(7)[0], "1": train(7, "--train.steps=7")[0]}, train(7)[1],
+         ["ranks disagree on train.steps", "rank 1 has 7"]),
+        (*per_rank(8, str(toml), str(broken)), ["rank 1:", "broken.toml", "train2"]),
+    ]
     cases[3] = (cases[3][0], [tmp_path / "out3"], cases[3][2])  # ck3 is the crafted input itself
     cases[4] = (cases[4][0], [], cases[4][2])  # trains a step and saves nothing: its out_dir stays (metrics)
-    return cases
+    return cases[:-1] + disagree + cases[-1:]
 
 
 def test_the_bad_input_matrix_under_a_2_process_torchrun(tmp_path, token_file):
@@ -68,7 +84,7 @@ def test_the_bad_input_matrix_under_a_2_process_torchrun(tmp_path, token_file):
     ranks = [json.loads((res / f"rank{r}.json").read_text())
              + [{"rc": 2, "stderr": last[r], "stdout": stdout[r], "threads": None}] for r in (0, 1)]
     for (argv, leftovers, fragments), r0, r1 in zip(cases, *ranks):
-        case = f"{argv[4:]}: rank 0 {r0}, rank 1 {r1}"
+        case = f"{argv if isinstance(argv, dict) else argv[4:]}: rank 0 {r0}, rank 1 {r1}"
         assert r0["rc"] == 2 and r1["rc"] == 2, case
         assert "Traceback" not in r0["stderr"] + r1["stderr"] + r0["stdout"] + r1["stdout"], case
         lines = r0["stderr"].splitlines()

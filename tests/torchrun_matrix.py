@@ -5,6 +5,9 @@ case and after this one. The last case is run as the process itself (`raise Syst
 torchrun reports its real exit code per worker.
 
     torchrun --nproc-per-node 2 tests/torchrun_matrix.py CASES.json RESULTS_DIR
+
+A case is an argv list (every rank runs it) or {"0": argv, "1": argv, ...}: each rank its own command line
+(two hosts with different config files or overrides).
 """
 import contextlib
 import io
@@ -21,6 +24,7 @@ rank = int(os.environ["RANK"])
 got = []
 threads = lambda: len(os.listdir("/proc/self/task"))  # noqa: E731 - this process's OS threads (gloo's too)
 base = threads()  # before any case: each case's (base, threads after it) is recorded
+cases = [c[str(rank)] if isinstance(c, dict) else c for c in cases]
 for i, argv in enumerate(cases[:-1]):
     # each case joins a fresh process group: a store namespace of its own (train.py keys it by this variable)
     os.environ["TORCHELASTIC_RESTART_COUNT"] = f"matrix-{i}"

@@ -18,13 +18,27 @@
     files.py       the one durable writer and the one safe opener
 
 This package imports nothing of the training loop (train, optim, checkpointing); its policy is
-megalite/checkpointing.py.
+megalite/checkpointing.py. The names below are imported on first use (_EXPORTS), so importing one light module
+(files.py: the safe opener that data.py and metrics.py use too) does not load torch.
 """
-from ..errors import CheckpointError
-from .api import global_named, load_checkpoint, save_checkpoint
-from .async_save import AsyncSaver
-from .load import Loaded
-from .tree import resolve
+_EXPORTS = {
+    "CheckpointError": "megalite.errors",
+    "save_checkpoint": "megalite.checkpoint.api",
+    "load_checkpoint": "megalite.checkpoint.api",
+    "global_named": "megalite.checkpoint.api",
+    "AsyncSaver": "megalite.checkpoint.async_save",
+    "Loaded": "megalite.checkpoint.load",
+    "resolve": "megalite.checkpoint.tree",
+}
+__all__ = list(_EXPORTS)
 
-__all__ = ["CheckpointError", "save_checkpoint", "load_checkpoint", "resolve", "AsyncSaver", "Loaded",
-           "global_named"]
+
+def __getattr__(name: str):
+    if name in _EXPORTS:
+        import importlib
+        return getattr(importlib.import_module(_EXPORTS[name]), name)
+    raise AttributeError(f"module 'megalite.checkpoint' has no attribute {name!r}")
+
+
+def __dir__():
+    return sorted(set(globals()) | set(_EXPORTS))

@@ -31,7 +31,7 @@ import torch.distributed as dist
 
 from ..errors import CheckpointError
 from ..faults import kill_point, no_rename_exchange
-from .check import complete
+from .check import complete, verify
 from .files import fsync_dir, remove_tree, unlink_quietly
 from .manifest import Manifest, StepMeta, build, write
 from .plan import Payload
@@ -178,6 +178,10 @@ def commit_step(root: Path, step: int, man: Manifest, keep_last: int = 0, keep: 
         kill_point("manifest_written")
         fsync_dir(tmp)
         kill_point("manifest_synced")
+        _, problems = verify(tmp, data=False)  # what every rank reported is here: `latest` only names steps that verify
+        if problems:
+            raise CheckpointError(f"{problems[0]}" + (f" (+{len(problems) - 1} more)" if len(problems) > 1 else "")
+                                  + "; do all ranks write to the same checkpoint.dir on one shared file system?")
         if os.path.lexists(final):  # re-saving a step (after a rollback): never a moment without step_N
             if _exchange(tmp, final):
                 kill_point("resave_swapped")
@@ -232,7 +236,7 @@ def save_collective(root: Path, step: int, pay: Payload, grid, meta: StepMeta, k
     """Steps 1-4 of the protocol above. Every rank calls it; every rank returns or raises alike."""
     root = Path(root)
     tmp = root / tmp_dir(step)
-    err = None
+    err, mine = None, os.path.realpath(root)
     if grid.rank == 0:
         try:
             root.mkdir(parents=True, exist_ok=True)
@@ -240,13 +244,18 @@ def save_collective(root: Path, step: int, pay: Payload, grid, meta: StepMeta, k
             tmp.mkdir()
         except OSError as e:
             err = f"checkpoint step {step}: cannot create {tmp} ({e.strerror or e})"
-    err = bcast_object(err, grid)
+    err, root0 = bcast_object((err, mine), grid)
     if err:
         raise CheckpointError(err, shared=True)
     rel = coord_dir(grid.coord, grid.layout.cp)
     try:
+        if mine != root0:  # this rank would write where rank 0 never looks: nothing written, the save refused
+            raise CheckpointError(f"rank {grid.rank} saves under '{mine}', rank 0 under '{root0}' (every rank must "
+                                  f"save into the same checkpoint folder)")
         report = write_rank(tmp / rel, pay, rel)
         kill_point("slices_written")
+    except CheckpointError as e:
+        report = {"error": str(e)}
     except Exception as e:  # noqa: BLE001 - every failure becomes the same error on all ranks
         report = {"error": _write_failure(grid.rank, rel, e)}
     reports = _gather(report, grid)

@@ -1,10 +1,18 @@
-"""Files on disk: the one durable writer and the one safe opener of the checkpoint engine and the converter.
+"""Files on disk: the one durable writer and the one safe opener of megalite (checkpoints, converter outputs,
+the run folder, token files).
 
     write_new(path, data)           a new plain file holding `data`, fsynced; never through what was at `path`
     replace_atomically(path, data)  `path` replaced by a file holding `data` (write_new of a temporary name,
                                     fsync, rename over, fsync the folder): readers see the old or the new
-    open_read(path), read_all(path) an existing regular file read, never through a symlink
+    open_read(path), read_all(path) an existing regular file read, never through a symlink (follow=True: a
+                                    path the user named, which may be a link, but still a regular file)
+    open_append(path)               a regular file of its folder appended to (metrics.jsonl, errors.log): never
+                                    through a symlink, never a FIFO or device, never a name shared by hard links
     fsync_dir, unlink_quietly, remove_tree
+
+What is refused (a symlink, a FIFO or device, a folder where a file is expected) is an UnsafeFileError (an
+OSError too) naming the path and what is there; a FIFO or a device is refused at open, never read from, so
+nothing blocks on one.
 
 Every fsync'd small file of a checkpoint (state.json, manifest.json, `latest`, the start-up write probe)
 goes through `write_new` or `replace_atomically`; the safetensors files are streamed (stream.py) with the same
@@ -14,11 +22,14 @@ never followed: O_CREAT | O_EXCL | O_NOFOLLOW.
 from __future__ import annotations
 
 import errno
+import fcntl
 import os
 import shutil
 import stat
 from pathlib import Path
-from typing import Optional
+from typing import Callable, Optional
+
+from ..errors import UnsafeFileError
 
 NOFOLLOW = getattr(os, "O_NOFOLLOW", 0)
 
@@ -59,26 +70,81 @@ def no_follow(path, flags: int) -> int:
     return os.open(path, flags | NOFOLLOW, 0o644)
 
 
-def _regular(path, flags: int) -> int:
-    """no_follow, for reading, of a regular file only: a FIFO or a device is refused (EINVAL) instead of
-    blocking or streaming forever (O_NONBLOCK has no effect on a regular file's reads)."""
-    fd = no_follow(path, flags | os.O_NONBLOCK)
-    if not stat.S_ISREG(os.fstat(fd).st_mode):
+def kind_of(st: os.stat_result) -> str:
+    """What a stat result describes, for a message: 'a folder', 'a named pipe (FIFO)', ..."""
+    for test, what in ((stat.S_ISREG, "a regular file"), (stat.S_ISDIR, "a folder"), (stat.S_ISLNK, "a symbolic link"),
+                       (stat.S_ISCHR, "a character device"), (stat.S_ISBLK, "a block device"),
+                       (stat.S_ISFIFO, "a named pipe (FIFO)"), (stat.S_ISSOCK, "a socket")):
+        if test(st.st_mode):
+            return what
+    return "not a regular file"
+
+
+def open_regular(path, flags: int, follow: bool = False) -> int:
+    """A descriptor of the regular file at `path`, opened with `flags` (O_NONBLOCK added: opening a FIFO
+    never waits for its other end; it does nothing to a regular file). A symlink at `path` (unless `follow`),
+    a FIFO, a device or a folder is refused with an UnsafeFileError naming it."""
+    try:
+        fd = os.open(path, flags | os.O_NONBLOCK | (0 if follow else NOFOLLOW), 0o644)
+    except OSError as e:
+        if not follow and e.errno == errno.ELOOP and os.path.islink(path):
+            raise UnsafeFileError(f"{path} is a symbolic link (to '{os.readlink(path)}'); megalite opens the files it "
+                                  f"manages only as regular files of their folder, never through a link: remove "
+                                  f"it", errno.ELOOP) from None
+        if e.errno in (errno.EISDIR, errno.ENXIO, errno.ENODEV):  # a folder; a FIFO with no reader; a device
+            try:
+                what = kind_of(os.stat(path) if follow else os.lstat(path))
+            except OSError:
+                raise e from None
+            raise UnsafeFileError(f"{path} is {what}, not a regular file", errno.EINVAL) from None
+        raise
+    st = os.fstat(fd)
+    if not stat.S_ISREG(st.st_mode):
         os.close(fd)
-        raise OSError(errno.EINVAL, "not a regular file", str(path))
+        raise UnsafeFileError(f"{path} is {kind_of(st)}, not a regular file", errno.EINVAL)
     return fd
 
 
-def open_read(path: Path, buffering: int = -1):
-    """`path` opened for reading ('rb'): a regular file, never reached through a symlink at `path` (ELOOP).
+def _regular(path, flags: int) -> int:
+    """open()'s opener: `open_regular` without following a symlink."""
+    return open_regular(path, flags)
+
+
+def _regular_follow(path, flags: int) -> int:
+    return open_regular(path, flags, follow=True)
+
+
+def open_read(path: Path, buffering: int = -1, follow: bool = False):
+    """`path` opened for reading ('rb'): a regular file (never a FIFO, a device or a folder), never reached
+    through a symlink at `path` unless `follow` (a path the user named: a config, a token file, a model).
     Callers that name a symlink in their own error check for it first; this makes the open itself safe."""
-    return open(path, "rb", buffering=buffering, opener=_regular)
+    return open(path, "rb", buffering=buffering, opener=_regular_follow if follow else _regular)
 
 
-def read_all(path: Path, limit: Optional[int] = None) -> bytes:
+def read_all(path: Path, limit: Optional[int] = None, follow: bool = False) -> bytes:
     """The bytes of a regular file (open_read), at most `limit` of them when given."""
-    with open_read(path) as f:
+    with open_read(path, follow=follow) as f:
         return f.read() if limit is None else f.read(limit)
+
+
+def open_append(path: Path, log: Optional[Callable[[str], None]] = None):
+    """`path` opened for appending text (created if missing): a regular file of its folder, never through a
+    symlink, never a FIFO or device. A file that shares its data with other names (hard links: a run folder
+    copied with `cp -al`) is first made this name's own (copied, then renamed over it; the other names keep
+    theirs), so an append never changes another run's record; `log` says so."""
+    path = Path(path)
+    flags = os.O_WRONLY | os.O_APPEND | os.O_CREAT
+    fd = open_regular(path, flags)
+    links = os.fstat(fd).st_nlink
+    if links > 1:
+        os.close(fd)
+        replace_atomically(path, read_all(path), tmp=path.with_name(f".{path.name}.unshare"))
+        fd = open_regular(path, flags)
+        if log is not None:
+            log(f"megalite: {path} had {links} hard links (a copy made with `cp -al`?): this run appends to a "
+                f"copy of its own; the other names keep theirs unchanged")
+    fcntl.fcntl(fd, fcntl.F_SETFL, fcntl.fcntl(fd, fcntl.F_GETFL) & ~os.O_NONBLOCK)  # blocking writes again
+    return open(fd, "a", encoding="utf-8")
 
 
 def fsync_dir(path: Path) -> None:

@@ -45,8 +45,8 @@ from typing import Optional
 import torch
 
 from .. import __version__
-from ..config import model_from
-from ..errors import CheckpointError, ConfigError, LayoutError
+from ..config import MAX_COUNT, model_from
+from ..errors import CheckpointError, ConfigError, LayoutError, UnsafeFileError
 from ..jsonio import decode, loads
 from ..parallel.grid import Layout
 from ..parallel.partition import Box, Partition
@@ -268,8 +268,8 @@ class _Parser:
         return d[key]
 
     def int_(self, v, fld: str, lo: int = 0) -> int:
-        if isinstance(v, bool) or not isinstance(v, int) or v < lo:
-            self.fail(fld, v, f"an integer >= {lo}")
+        if isinstance(v, bool) or not isinstance(v, int) or not lo <= v <= MAX_COUNT:
+            self.fail(fld, v, f"an integer >= {lo} and <= {MAX_COUNT}")
         return v
 
     def dict_(self, v, fld: str, optional: bool = False) -> Optional[dict]:
@@ -608,6 +608,8 @@ def read_json(step_dir: Path) -> dict:
         data = read_all(path)
     except FileNotFoundError:
         raise CheckpointError(f"{path}: manifest is missing") from None
+    except UnsafeFileError as e:  # a FIFO, a device: refused at open, reported like any damaged manifest
+        raise CheckpointError(str(e)) from None
     return loads(data, f"{path}: manifest", CheckpointError)
 
 

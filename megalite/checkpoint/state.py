@@ -17,6 +17,7 @@ from typing import Optional
 import numpy as np
 import torch
 
+from ..config import MAX_COUNT
 from ..errors import CheckpointError
 from ..jsonio import loads
 from .manifest import short
@@ -48,8 +49,9 @@ class StepState:
             raise CheckpointError(f"{where} is not a JSON object")
         for key in ("step", "tokens_seen"):
             v = d.get(key)
-            if isinstance(v, bool) or not isinstance(v, int) or v < 0:
-                raise CheckpointError(f"{where}: field '{key}' is {short(v)}, expected an integer >= 0")
+            if isinstance(v, bool) or not isinstance(v, int) or not 0 <= v <= MAX_COUNT:
+                raise CheckpointError(f"{where}: field '{key}' is {short(v)}, expected an integer >= 0 and "
+                                      f"<= {MAX_COUNT}")
         for key, optional in (("data", False), ("scheduler", True)):
             v = d.get(key)
             if not isinstance(v, dict) and not (optional and v is None):

@@ -218,9 +218,8 @@ class StreamingWriter:
         self.path.unlink(missing_ok=True)
 
 
-def read_header(path: Path) -> tuple[dict, int, int]:
-    """(header without __metadata__, byte offset where tensor data starts, CRC32C of the header bytes);
-    no tensor bytes are read. Raises ValueError on anything that is not a safetensors header."""
+def _raw_header(path: Path) -> tuple[bytes, bytes, dict]:
+    """The 8 length bytes, the header's bytes and the header parsed (a regular file read, never a link)."""
     with open_read(path) as f:
         raw = f.read(8)
         n = int.from_bytes(raw, "little") if len(raw) == 8 else -1
@@ -232,8 +231,23 @@ def read_header(path: Path) -> tuple[dict, int, int]:
     header = loads(blob, "its header", ValueError)
     if not isinstance(header, dict):
         raise ValueError("the header is not a JSON object")
+    return raw, blob, header
+
+
+def read_header(path: Path) -> tuple[dict, int, int]:
+    """(header without __metadata__, byte offset where tensor data starts, CRC32C of the header bytes);
+    no tensor bytes are read. Raises ValueError on anything that is not a safetensors header."""
+    raw, blob, header = _raw_header(path)
     header.pop("__metadata__", None)
-    return header, 8 + n, crc32c(blob, crc32c(raw))
+    return header, 8 + len(blob), crc32c(blob, crc32c(raw))
+
+
+def read_metadata(path: Path) -> dict:
+    """A safetensors file's __metadata__ (string to string); ValueError if it is not a safetensors file."""
+    meta = _raw_header(path)[2].get("__metadata__") or {}
+    if not isinstance(meta, dict):
+        raise ValueError("__metadata__ is not a JSON object")
+    return meta
 
 
 def check_header(header: dict, data_start: int, file_size: int) -> None:

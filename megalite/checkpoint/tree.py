@@ -21,7 +21,7 @@ from typing import Optional
 
 from ..errors import CheckpointError
 from ..parallel.grid import Coord
-from .files import read_all, replace_atomically
+from .files import kind_of, read_all, replace_atomically
 
 MANIFEST = "manifest.json"
 MODEL_FILE = "model.safetensors"
@@ -123,6 +123,9 @@ def resolve(path: str | os.PathLike) -> Path:
     p = Path(path)
     if is_step_dir(p):
         return p
+    if os.path.lexists(p / MANIFEST) and not (p / MANIFEST).is_symlink():  # a FIFO, a folder: named, never read
+        raise CheckpointError(f"{p / MANIFEST}: the manifest is {kind_of(os.lstat(p / MANIFEST))}, expected a "
+                              f"regular file")
     if not p.exists():
         raise CheckpointError(f"checkpoint '{p}' does not exist")
     if not p.is_dir():

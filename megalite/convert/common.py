@@ -6,19 +6,21 @@ from __future__ import annotations
 import fcntl
 import json
 import os
+import stat
 import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from typing import Iterable
+from typing import Iterable, Optional
 
 import torch
 from safetensors import safe_open
 
-from ..checkpoint.files import remove_tree
-from ..checkpoint.manifest import Manifest, entry_for
+from ..checkpoint.files import kind_of, open_regular, read_all, remove_tree
+from ..checkpoint.manifest import FORMAT as MANIFEST_FORMAT, Manifest, entry_for
 from ..checkpoint.read import SliceReader
-from ..checkpoint.tree import LOCK
+from ..checkpoint.stream import read_metadata
+from ..checkpoint.tree import LATEST, LATEST_TMP, LOCK, MANIFEST, TMP_PREFIX, parse_step_dir
 from ..config import ModelConfig
 from ..errors import CheckpointError, ConvertError, LayoutError
 from ..parallel.grid import Layout
@@ -48,9 +50,24 @@ class Progress:
 
 
 # ---------------------------------------------------------------- output safety
-def _check_out(out: Path, force: bool, sources: Iterable[Path]) -> None:
+# What each kind of output is, and the marker by which megalite recognises one it wrote (what --force may replace).
+MODEL_KIND = "model"  # safetensors metadata "megalite.kind" of a `megalite convert` model file
+FILE_KINDS = (MODEL_KIND, "dcp")  # ... of any single file convert writes (a plain DCP source's file says "dcp")
+HF_KIND = "hf-gpt2"  # ... of the model.safetensors of a `convert --format hf-gpt2` folder
+HF_FILES = {"config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json"}  # what that folder holds
+DCP_OUT = "megalite.output"  # safetensors metadata of a `convert --format dcp` folder's file: "dcp"
+HF_FILE, HF_INDEX = "model-00001-of-00001.safetensors", "model.safetensors.index.json"  # that folder's two files
+OUT_KINDS = {"megalite": "a model file written by `megalite convert`",
+             "hf-gpt2": "an HF GPT-2 folder written by `megalite convert --format hf-gpt2`",
+             "dcp": "a DCP folder written by `megalite convert --format dcp`",
+             "checkpoint": "a checkpoint root written by megalite (`latest`, step folders, its lock)"}
+
+
+def _check_out(out: Path, force: bool, sources: Iterable[Path], kind: str) -> None:
     """Refuse an output that is, contains or lies inside a source; that is `/`, `.` or holds the current
-    folder; that holds a live training run's lock; or that exists (without --force)."""
+    folder; that holds a live training run's lock; or that exists (without --force). With --force an existing
+    output is replaced only if it is of the same `kind` (OUT_KINDS) and megalite wrote it (`not_ours`): never a
+    file or folder of anything else."""
     given = out
     if given.name in ("", ".", ".."):
         raise ConvertError(f"--out '{given}': expected the path of a new file or folder, not '{given}'")
@@ -63,19 +80,80 @@ def _check_out(out: Path, force: bool, sources: Iterable[Path]) -> None:
             raise ConvertError(f"--out {out}: refusing to write into the source checkpoint {src}")
         if out in src.parents:
             raise ConvertError(f"--out {out}: refusing to replace a folder that contains the source {src}")
-    if out.exists() and not force:
+    if not os.path.lexists(given):
+        return
+    if not force:
         raise ConvertError(f"--out {out} already exists (pass --force to replace it)")
-    if out.is_dir() and not out.is_symlink():
-        for lock in [out / LOCK, *out.glob(f"*/{LOCK}")]:
+    if given.is_dir() and not given.is_symlink():
+        for lock in [given / LOCK, *given.glob(f"*/{LOCK}")]:
             if _held(lock):
                 raise ConvertError(f"--out {out}: a training run holds {lock}; refusing to replace a live run's "
                                    f"checkpoint folder")
+    why = not_ours(given, kind)
+    if why:
+        raise ConvertError(f"--out {given} already exists and is not {OUT_KINDS[kind]} ({why}); --force replaces "
+                           f"only such an output: remove it yourself or choose another --out")
+
+
+def not_ours(out: Path, kind: str) -> str:
+    """'' when `out` is an output of `kind` that megalite wrote, recognised by its marker; else what it is."""
+    if out.is_symlink():
+        return f"a symbolic link to '{os.readlink(out)}'"
+    if kind == "megalite":
+        return "" if _st_kind(out) in FILE_KINDS else _what(out, "megalite.kind")
+    if not out.is_dir():
+        return _what(out, None)
+    names = {p.name for p in out.iterdir()}
+    if kind in ("hf-gpt2", "dcp"):
+        allowed, main, marker, want = ((HF_FILES, "model.safetensors", "megalite.kind", HF_KIND) if kind == "hf-gpt2"
+                                       else ({HF_FILE, HF_INDEX}, HF_FILE, DCP_OUT, "dcp"))
+        other = sorted(names - allowed)
+        if other:
+            return f"it holds '{other[0]}'" + (f" and {len(other) - 1} more" if len(other) > 1 else "")
+        return "" if _st_kind(out / main, marker) == want else f"its {main} has no megalite marker"
+    for name in sorted(names):  # a checkpoint root: `latest`, its lock, step folders with manifests, temp names
+        p = out / name
+        if name in (LATEST, LOCK, LATEST_TMP) and not p.is_dir():
+            continue
+        if name.startswith(TMP_PREFIX):
+            continue
+        if parse_step_dir(name) is not None and p.is_dir() and not p.is_symlink() and _is_manifest(p / MANIFEST):
+            continue
+        return f"it holds '{name}', which is not part of a megalite checkpoint"
+    return ""
+
+
+def _st_kind(path: Path, key: str = "megalite.kind") -> str:
+    """The `key` of a safetensors file's metadata ('' if it is no such file)."""
+    try:
+        return str(read_metadata(path).get(key, ""))
+    except (OSError, ValueError):
+        return ""
+
+
+def _is_manifest(path: Path) -> bool:
+    try:
+        return json.loads(read_all(path)).get("format") == MANIFEST_FORMAT
+    except (OSError, ValueError, AttributeError):
+        return False
+
+
+def _what(out: Path, marker: Optional[str]) -> str:
+    try:
+        st = os.lstat(out)
+    except OSError as e:
+        return e.strerror or str(e)
+    what = kind_of(st)
+    if stat.S_ISREG(st.st_mode) and marker:
+        return f"a file without the '{marker}' marker megalite writes"
+    return what
 
 
 def _held(lock: Path) -> bool:
-    """Whether a live process holds this flock (the training run's lock), without following symlinks."""
+    """Whether a live process holds this flock (the training run's lock), without following symlinks or
+    waiting on a FIFO planted there (a lock that is not a regular file is no one's lock)."""
     try:
-        fd = os.open(lock, os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0))
+        fd = open_regular(lock, os.O_RDONLY)
     except OSError:
         return False
     try:
@@ -150,11 +228,22 @@ def check_manifest_tensors(step: Path, man: Manifest) -> None:
             raise ConvertError(str(e)) from None
 
 
+MAX_WORLD = 2**17  # ranks of a layout split/reshard writes: beyond today's largest runs (a folder per rank)
+
+
 def check_layout(m: dict, tp: int, pp: int, dp: int, cp: int = 1) -> Layout:
+    """The layout split/reshard write (--tp/--pp/--dp/--cp): valid for the model, and at most MAX_WORLD ranks
+    (a layout of 10**20 once enumerated its coordinates until killed). A manifest's layout is bounded by the
+    state.json files it lists (manifest.py)."""
     try:
-        return Layout(tp, pp, dp, cp).validate(m, "--")
+        layout = Layout(tp, pp, dp, cp).validate(m, "--")
     except LayoutError as e:
         raise ConvertError(str(e)) from None
+    if layout.world_size > MAX_WORLD:
+        axes = "--tp x --pp x --dp" + (" x --cp" if cp != 1 else "")
+        raise ConvertError(f"{axes} = {layout.world_size}: more ranks than the {MAX_WORLD} megalite "
+                           f"supports (one checkpoint folder per rank)")
+    return layout
 
 
 # ---------------------------------------------------------------- input files

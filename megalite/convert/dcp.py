@@ -31,10 +31,9 @@ from ..checkpoint.files import remove_tree
 from ..config import path_kind
 from ..errors import ConvertError
 from . import unpickle
-from .common import Progress, _replace
+from .common import DCP_OUT, HF_FILE, HF_INDEX, Progress, _replace
 
 METADATA = ".metadata"
-HF_FILE, HF_INDEX = "model-00001-of-00001.safetensors", "model.safetensors.index.json"
 
 Region = tuple  # ((start, stop), ...) per dim
 
@@ -335,7 +334,8 @@ def write_dcp(out: Path, specs: list, tensors: Iterable[tuple[str, Iterable[torc
     remove_tree(tmp)  # a stale folder, or a symlink planted there: unlinked, never followed
     tmp.mkdir(parents=True)
     sharding = {name: {"saved_offsets": [0] * len(shape)} for name, shape, _ in specs}
-    meta = {"format": "pt", "DCP_SHARDING_INFO": json.dumps(sharding), "DCP_VERSION": "1.0", **extra_meta}
+    meta = {"format": "pt", "DCP_SHARDING_INFO": json.dumps(sharding), "DCP_VERSION": "1.0", **extra_meta,
+            DCP_OUT: "dcp"}  # the marker by which `convert --force` knows a folder it may replace
     try:
         write_file(tmp / HF_FILE, specs, tensors, meta)
         index = {"metadata": {"total_size": (tmp / HF_FILE).stat().st_size},

@@ -72,7 +72,7 @@ def convert_foreign(src: Path, kind: str, out: Path, fmt: str, dtype: Optional[s
             raise ConvertError(f"--format hf-gpt2: {src} is a plain DCP checkpoint, which does not say what model "
                                f"its tensors make (a Megatron-LM checkpoint converts with --from megatron)")
         ck = DcpFolder(src)
-        _check_out(out, force, [src])
+        _check_out(out, force, [src], fmt)
         names = list(ck.tensors)
         for n in names:
             if ck.tensors[n].dtype not in WRITABLE:
@@ -92,7 +92,7 @@ def convert_foreign(src: Path, kind: str, out: Path, fmt: str, dtype: Optional[s
                   f"(bytes, never unpickled): {shown}", file=sys.stderr, flush=True)
         return done
     g = MegatronGPT(src, vocab_size)
-    _check_out(out, force, [src, g.step])
+    _check_out(out, force, [src, g.step], fmt)
     torch_dtype = torch_dtype or torch.float32
     progress = Progress("convert", len(g.names), sum(math.prod(g.shape(n)) * torch_dtype.itemsize for n in g.names),
                         quiet)

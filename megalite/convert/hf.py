@@ -13,7 +13,8 @@ from einops import EinopsError, rearrange
 from ..checkpoint.files import remove_tree, write_new
 from ..checkpoint.stream import StreamingWriter
 from ..config import ACTIVATIONS, ModelConfig, model_from
-from .common import ConvertError, Progress, _full_tensors, _replace, model_partitions, open_safetensors, parse_json
+from .common import (HF_KIND, ConvertError, Progress, _full_tensors, _replace, model_partitions, open_safetensors,
+                     parse_json)
 from ..tokenizer import write_byte_tokenizer
 
 
@@ -156,7 +157,8 @@ def write_hf(out: Path, model_config: dict, shapes: dict, tensors, dtype: torch.
         for hf_name, t in _to_hf(name, torch.empty(shape, device="meta")):
             specs.append((hf_name, list(t.shape), dtype))
     order = {n: i for i, (n, _, _) in enumerate(specs)}
-    w = StreamingWriter(tmp / "model.safetensors", specs, {"format": "pt"}, checksum=False, direct=True)
+    w = StreamingWriter(tmp / "model.safetensors", specs, {"format": "pt", "megalite.kind": HF_KIND}, checksum=False,
+                        direct=True)
     try:
         for name, t in tensors:
             for hf_name, ht in _to_hf(name, t):

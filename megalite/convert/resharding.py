@@ -16,7 +16,7 @@ from ..checkpoint.read import SliceReader
 from ..checkpoint.state import StepState
 from ..checkpoint.tree import coord_dir, resolve, step_dir, tmp_dir
 from ..checkpoint.write import write_rank
-from ..config import Config
+from ..config import MAX_COUNT, Config
 from ..parallel.grid import Layout
 from ..parallel.pipeline import stage_of
 from ..parallel.partition import Partition
@@ -69,10 +69,13 @@ def write_offline(out: Path, layout: Layout, tensors: dict[str, Partition], n_la
 def split(model, out, tp: int, pp: int, dp: int, zero1: bool = False, step: int = 0, force: bool = False,
           quiet: bool = False, cp: int = 1) -> Path:
     """One model file (megalite or HF GPT-2) -> a committed checkpoint at (tp, pp, dp, cp), fresh optimizer."""
+    if isinstance(step, bool) or not isinstance(step, int) or not 0 <= step <= MAX_COUNT:
+        raise ConvertError(f"--step {step}: expected an integer >= 0 and <= {MAX_COUNT} (the step the checkpoint "
+                           f"says it is at)")
     m, get, names = read_model_file(model)
     layout = check_layout(m, tp, pp, dp, cp)
     out = Path(out)
-    _check_out(out, force, [Path(model)])
+    _check_out(out, force, [Path(model)], "checkpoint")
     parts = model_partitions(m)
     missing = sorted(set(parts) - set(names))
     if missing:
@@ -111,7 +114,7 @@ def reshard(ckpt, out, tp: int, pp: int, dp: int, zero1: Optional[bool] = None, 
     check_manifest_tensors(src, man)
     zero1 = man.zero1 if zero1 is None else zero1
     out = Path(out)
-    _check_out(out, force, [src.parent, src])
+    _check_out(out, force, [src.parent, src], "checkpoint")
     reader = SliceReader(src, man)
     with_opt = bool(man.optimizer_state)
     if with_opt:

@@ -10,7 +10,7 @@ import torch
 from ..checkpoint import manifest as mf
 from ..checkpoint.tree import resolve
 from ..config import model_from, path_kind
-from .common import (DTYPES, ConvertError, Progress, _check_out, _full_tensors, check_manifest_tensors,
+from .common import (DTYPES, MODEL_KIND, ConvertError, Progress, _check_out, _full_tensors, check_manifest_tensors,
                      open_safetensors, parse_json)
 from .dcp import write_file
 from .foreign import convert_foreign, export_dcp, read_megatron_model, source_kind
@@ -37,7 +37,7 @@ def convert(ckpt, out, dtype: Optional[str] = None, fmt: str = "megalite", force
     man = mf.read(step)
     check_manifest_tensors(step, man)
     out = Path(out)
-    _check_out(out, force, [step.parent, step])
+    _check_out(out, force, [step.parent, step], fmt)
     total = sum(e.nbytes for e in man.model.values())
     progress = Progress("convert", len(man.model), total, quiet)
     if fmt == "hf-gpt2":
@@ -46,7 +46,7 @@ def convert(ckpt, out, dtype: Optional[str] = None, fmt: str = "megalite", force
         return export_dcp(step, man, out, DTYPES[dtype], progress)
     torch_dtype = DTYPES[dtype]
     specs = [(n, list(e.shape), torch_dtype) for n, e in man.model.items()]
-    meta = {"format": "pt", "megalite.kind": "model", "megalite.model_config": json.dumps(man.model_config, sort_keys=True),
+    meta = {"format": "pt", "megalite.kind": MODEL_KIND, "megalite.model_config": json.dumps(man.model_config, sort_keys=True),
             "megalite.partitions": json.dumps({n: e.partition.to_json() for n, e in man.model.items()},
                                               sort_keys=True)}
     tensors = ((n, [t.to(torch_dtype)]) for n, t in _full_tensors(step, man, progress))
