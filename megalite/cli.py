@@ -212,7 +212,7 @@ def _cmd_bench(args, rest) -> int:
         from .tools.bench.train import bench_train
         bench_train(steps=args.steps, nproc=args.nproc, n_embd=args.n_embd or 128, n_layer=args.n_layer or 4,
                     block_size=args.block_size or 128, rounds=args.rounds or 2, wait_ms=args.bubble_wait_ms,
-                    cp_seq=args.cp_seq)
+                    cp_seq=args.cp_seq, pairs=args.pairs)
     return 0
 
 
@@ -357,7 +357,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--reshard-to", default=None, metavar="TP,PP,DP[,CP]",
                    help="plan: what each rank of this layout reads to resume the last layout's checkpoint")
     p.add_argument("--rounds", type=int, default=None,
-                   help="train: alternating runs of megalite and plain PyTorch (2); prepare: of each (3)")
+                   help="train: alternating runs of each feature table's settings (2); prepare: of each (3)")
+    p.add_argument("--pairs", type=int, default=5, help="train: table 1's megalite/plain pairs of fresh processes")
     p.add_argument("--cp-seq", type=int, default=None,
                    help="train: sequence length of the context-parallel table (default: 8 x --block-size)")
     p.add_argument("--bubble-wait-ms", type=float, default=None,

@@ -84,6 +84,9 @@ class TrainConfig:
     out_dir: str = "runs/tiny"
     precision: str = "auto"  # "auto" (bf16 autocast on GPU, fp32 on CPU) | "fp32" | "bf16"
     recompute: str = "none"  # activation recomputation: "none" | "selective" (attention core) | "full" (blocks)
+    compile: bool = False  # torch.compile each transformer block of this rank's pipeline stage (megalite/compile.py)
+    fused_adamw: str = "auto"  # torch's fused AdamW kernel: "auto" (on CUDA) | "on" (any device that has it) | "off"
+    tensorboard: bool = False  # also write TensorBoard event files to <out_dir>/tensorboard (needs `tensorboard`)
 
 
 DEFAULT_DATA_PATH = "data/stdlib.bin"  # the only path `auto_prepare` may build (from the stdlib sources)
@@ -281,6 +284,8 @@ def check_numbers(cfg: Config) -> None:
         raise ConfigError(f"train.seed = {t.seed}: must not be negative")
     if t.on_nonfinite not in ("stop", "skip"):
         raise ConfigError(f"train.on_nonfinite = '{t.on_nonfinite}': expected 'stop' or 'skip'")
+    if t.fused_adamw not in ("auto", "on", "off"):
+        raise ConfigError(f"train.fused_adamw = '{t.fused_adamw}': expected 'auto', 'on' or 'off'")
     for name, value in (("data.path", cfg.data.path), ("train.out_dir", t.out_dir)):
         if not value.strip():
             raise ConfigError(f"{name} is empty: expected a path")
@@ -478,6 +483,9 @@ DOCS = {
     "train.grad_clip": "clip the global gradient norm to this (0: no clipping)",
     "train.on_nonfinite": "a NaN/inf loss or grad-norm: stop (one-line error) | skip (drop that update)",
     "train.recompute": "activation recomputation: none | selective (attention core) | full (each block)",
+    "train.compile": "torch.compile each transformer block (the first step pays the compilation)",
+    "train.fused_adamw": "torch's fused AdamW kernel: auto (on CUDA) | on (wherever torch has it) | off",
+    "train.tensorboard": "also write TensorBoard event files to <out_dir>/tensorboard (pip install tensorboard)",
     "train.seed": "seed of the initial weights, the data order and dropout",
     "train.log_interval": "print a log line every N steps",
     "train.eval_interval": "validation loss every N steps (and at the end)",

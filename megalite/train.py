@@ -23,9 +23,10 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
-from . import faults, metrics
+from . import faults, metrics, tensorboard_log
 from .checkpoint.state import seed_everything
 from .checkpointing import CheckpointManager
+from .compile import compile_blocks
 from .config import DEFAULT_DATA_PATH, Config, ParallelConfig, num_microbatches, resolve, seq_len, settings, validate
 from .data import (BatchSampler, TokenDataset, check_vocab, ensure_data, eval_batches, eval_tokens_per_byte,
                    identity as data_identity, tokenizer_of)
@@ -33,7 +34,7 @@ from .errors import ConfigError, DataError, NonFiniteError
 from .model import GPTStage
 from .optim import clip_scale, lr_at
 from .parallel.context import split_sequence
-from .parallel.data import GradBuffer, ShardedAdamW
+from .parallel.data import GradBuffer, ShardedAdamW, use_fused
 from .parallel.finalize import finalize_grads
 from .parallel.grid import Layout, ParallelGrid
 from .parallel.pipeline import P2P, get_schedule
@@ -83,11 +84,13 @@ def build(cfg: Config, grid: ParallelGrid, device: torch.device) -> Trainer:
     model = GPTStage(cfg.model, grid, vpp=par.vpp, sp=par.sp, recompute=t.recompute,
                      real_vocab=tok.vocab_size).to(device)
     model.init_weights(t.seed)
+    if t.compile:
+        compile_blocks(model)
     params = sorted(model.global_parameters(), key=lambda np_: np_[0])
     # cp ranks hold the same weights as dp replicas do: gradients are averaged, and ZeRO-1 cuts, over dp x cp
     grads = GradBuffer([p for _, p in params], grid.dp_cp, par.bucket_mb, overlap=par.overlap_grad_reduce)
     opt = ShardedAdamW(params, grid.tp, grid.dp_cp, par.zero1, betas=(t.beta1, t.beta2),
-                       weight_decay=t.weight_decay, bucket_mb=par.bucket_mb)
+                       weight_decay=t.weight_decay, bucket_mb=par.bucket_mb, fused=use_fused(t.fused_adamw, device))
     dp_rank, dp = grid.coord.dp, grid.layout.dp
     sampler = BatchSampler(train_ds, seq_len(cfg), t.global_batch_size, dp_rank, dp, t.seed)
     val = eval_batches(val_ds, seq_len(cfg), t.global_batch_size, dp_rank, dp, t.eval_batches, t.seed)
@@ -187,6 +190,8 @@ def train(cfg: Config, log=print, force: bool = False) -> Trainer:
     progress(f"{grid.layout.world_size} rank(s) joined in {time.perf_counter() - t0:.1f} s; building the model and "
              f"reading the data...")
     tr, ckpt, metrics_file = _start(cfg, grid, device, log, force)
+    board = tensorboard_log.Board(Path(cfg.train.out_dir), tr.step) if grid.rank == 0 and cfg.train.tensorboard \
+        else None
     if grid.rank == 0:
         log(start_line(cfg, grid.layout, device.type, tr.precision))
         if tr.step >= cfg.train.steps:
@@ -198,7 +203,7 @@ def train(cfg: Config, log=print, force: bool = False) -> Trainer:
                  f"sets up the communicators)...")
     ckpt.install_signal_handlers()
     try:
-        _loop(tr, ckpt, log, metrics_file)
+        _loop(tr, ckpt, log, metrics_file, board)
     except BaseException:
         log_traceback(Path(cfg.train.out_dir), grid.rank)
         raise
@@ -207,11 +212,14 @@ def train(cfg: Config, log=print, force: bool = False) -> Trainer:
         ckpt.release()
         if metrics_file:
             metrics_file.close()
+        if board:
+            board.close()
     return tr
 
 
-def _loop(tr: Trainer, ckpt: CheckpointManager, log, metrics_file) -> None:
-    """Steps until train.steps, a stop signal or train.stop_at_step; each logged (rank 0: `metrics_file`),
+def _loop(tr: Trainer, ckpt: CheckpointManager, log, metrics_file, board=None) -> None:
+    """Steps until train.steps, a stop signal or train.stop_at_step; each logged (rank 0: `metrics_file`,
+    and `board` with train.tensorboard),
     evaluated on schedule and offered to the checkpoint policy."""
     t = tr.cfg.train
     start, t_first = tr.step, time.perf_counter()
@@ -228,6 +236,8 @@ def _loop(tr: Trainer, ckpt: CheckpointManager, log, metrics_file) -> None:
         if metrics_file:
             metrics_file.write(json.dumps(rec) + "\n")
             metrics_file.flush()
+            if board:
+                board.write(rec)
             if tr.step == start + 1:
                 t_first = time.perf_counter()  # the ETA is timed from the end of the first step
             if tr.step % t.log_interval == 0 or tr.step in (t.steps, start + 1, stop_at):
@@ -280,6 +290,8 @@ def _start(cfg: Config, grid: ParallelGrid, device, log, force: bool = False) ->
     out_dir = Path(cfg.train.out_dir)
 
     def build_all():
+        if cfg.train.tensorboard and grid.rank == 0:
+            tensorboard_log.require()  # before anything is written
         if grid.rank == 0:
             metrics.check_path(out_dir)  # a symlink or a FIFO there: refused before anything is written
         prepare_data(cfg, grid.rank)

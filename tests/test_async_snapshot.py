@@ -90,6 +90,14 @@ def test_held_async_save_single_process(tmp_path, token_file, monkeypatch):
     _scenario(ParallelGrid.single(), CKPT.config(token_file), tmp_path, monkeypatch.setattr)
 
 
+def test_held_async_save_with_fused_adamw(tmp_path, token_file, monkeypatch):
+    """train.fused_adamw = on: a held step copies the held tensors into the spares and runs the fused kernel
+    there; bitwise the in-place twin's, and the async files equal the sync ones."""
+    cfg = CKPT.config(token_file, **{"train.fused_adamw": "on"})
+    assert build(cfg, ParallelGrid.single(), CPU).optimizer.fused
+    _scenario(ParallelGrid.single(), cfg, tmp_path, monkeypatch.setattr)
+
+
 def _zero1_worker(rank, world_size, tmp_dir, tokens):
     cfg = CKPT.config(tokens, **{"parallel.dp": 2, "parallel.zero1": True})
     _scenario(ParallelGrid.create(Layout(1, 1, 2)), cfg, Path(tmp_dir),

@@ -56,10 +56,11 @@ def test_bench_ckpt_prints_its_table(tmp_path):
 
 def test_bench_train_prints_its_tables(tmp_path):
     out, shown = _documented("bench-train", tmp_path)
-    assert "--steps 2 --nproc 2 --n-embd 32 --block-size 32 --rounds 1 --bubble-wait-ms 2" in \
+    assert "--steps 2 --nproc 2 --n-embd 32 --block-size 32 --rounds 1 --pairs 2 --bubble-wait-ms 2" in \
         transcripts.small_command("bench-train", "megalite bench train")
     assert shown == [], "docs/performance.md or docs/parallelism.md shows lines the bench no longer prints"
-    assert "megalite / plain tokens/s" in out
+    assert re.search(r"megalite / plain tokens/s: [\d.]+ \(median of 2 pairs; range [\d.]+-[\d.]+\)", out), out
+    assert re.search(r"\n1 +[\d.]+ +[\d.]+ +[\d.]+\n2 +[\d.]+ +[\d.]+ +[\d.]+\n", out), "one row per pair"
     for header in ("tokens/s", "idle measured", "theory", "saved activations", "tp,pp,dp", "comm"):
         assert header in out, header
     for row in ("\nplain ", "\nmegalite ", "1f1b", "afab", "\n1,1,2 ", "\n1,2,1 ", "\n2,1,1 "):

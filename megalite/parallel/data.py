@@ -161,6 +161,16 @@ class GradBuffer:
             b.div_(self.dp.size)
 
 
+def use_fused(setting: str, device: torch.device) -> bool:
+    """train.fused_adamw: "auto" uses torch's fused AdamW kernel on CUDA, "on" wherever torch has one for the
+    device type (CPU included, torch >= 2.4), "off" never (the elementwise ops of `ShardedAdamW.step`)."""
+    if setting == "off":
+        return False
+    from torch.optim.optimizer import _get_fused_kernels_supported_devices
+    has = hasattr(torch, "_fused_adamw_") and device.type in _get_fused_kernels_supported_devices()
+    return has and (setting == "on" or device.type == "cuda")
+
+
 @dataclass
 class _Entry:
     name: str
@@ -176,11 +186,18 @@ class ShardedAdamW:
     Without zero1 every rank keeps moments for whole parameters. With zero1 dp rank r keeps the moments of
     range r of its stage's flat space (`dp_pieces`). The arithmetic is elementwise, so both give the same
     result; only memory and traffic differ. State is keyed by global parameter name, never by position.
+
+    `fused`: an in-place step is torch's fused AdamW kernel (`torch._fused_adamw_`, the kernel behind
+    torch.optim.AdamW(fused=True)) over every piece at once, two calls (with and without decay); equal to the
+    elementwise ops within float32 rounding (the kernel computes lr / bias-corrections in another order and
+    unscales the gradient by dividing by 1 / grad_scale), tested to 1e-6 relative over several steps. A step
+    after a `hold` (async checkpoint) copies each held tensor into its spare buffer and runs the same kernel
+    there (one extra copy of the held state, in the step; bitwise the same update as without the hold).
     """
 
     def __init__(self, named_params: list, tp: Axis, dp: Axis, zero1: bool, betas=(0.9, 0.95), eps: float = 1e-8,
-                 weight_decay: float = 0.0, bucket_mb: float = 25.0):
-        self.tp, self.dp, self.zero1 = tp, dp, zero1 and dp.active
+                 weight_decay: float = 0.0, bucket_mb: float = 25.0, fused: bool = False):
+        self.tp, self.dp, self.zero1, self.fused = tp, dp, zero1 and dp.active, fused
         self.betas, self.eps, self.weight_decay = betas, eps, weight_decay
         self.step_count = 0
         self.entries: list[_Entry] = []
@@ -216,6 +233,14 @@ class ShardedAdamW:
         b1, b2 = self.betas
         bc1, bc2 = 1 - b1 ** self.step_count, 1 - b2 ** self.step_count
         held, self.held, self._writer_wait = self.held, set(), None
+        if self.fused:
+            for key in held:  # out of place: the held tensor stays the checkpoint's; the kernel updates a copy
+                old = self._live(*key)
+                self._spare_swap(*key).copy_(old)
+            self._fused_step(lr, grad_scale)
+            if self.zero1:
+                self._all_gather()
+            return
         for e in self.entries:
             w, m, v = (self._live(e.name, i) for i in range(3))
             w_new, m_new, v_new = (self._spare_swap(e.name, i) if (e.name, i) in held else x
@@ -235,6 +260,27 @@ class ShardedAdamW:
             torch.addcdiv(w, m_new, denom, value=-lr / bc1, out=out)
         if self.zero1:
             self._all_gather()
+
+    def _fused_step(self, lr: float, grad_scale: float) -> None:
+        """The same update in place, by torch's fused kernel: one call for the pieces with weight decay, one
+        for those without (biases, LayerNorms)."""
+        mine = [e for e in self.entries if e.end > e.start]
+        if not mine:
+            return
+        dev = mine[0].param.device
+        step = torch.tensor(float(self.step_count), device=dev)  # the kernel reads, never writes, the count
+        # The kernel divides gradients by grad_scale (AMP's unscale) and writes them back: pass 1 / clip scale.
+        scale = None if grad_scale == 1.0 else torch.tensor(1.0 / grad_scale, device=dev)
+        for decay in (True, False):
+            es = [e for e in mine if e.decay == decay]
+            if not es:
+                continue
+            torch._fused_adamw_([e.param.data.view(-1)[e.start:e.end] for e in es],
+                                [e.param.grad.view(-1)[e.start:e.end] for e in es],
+                                [self.exp_avg[e.name] for e in es], [self.exp_avg_sq[e.name] for e in es], [],
+                                [step] * len(es), lr=lr, beta1=self.betas[0], beta2=self.betas[1],
+                                weight_decay=self.weight_decay if decay else 0.0, eps=self.eps, amsgrad=False,
+                                maximize=False, grad_scale=scale)
 
     # ------------------------------------------------------------ zero-copy snapshots (async checkpoints)
     # A tensor is (name, i): i = 0 the parameter, 1 its exp_avg, 2 its exp_avg_sq.

@@ -197,13 +197,42 @@ def _run_single(kind, raw, steps) -> dict:
     return json.loads(r.stdout.strip().splitlines()[-1])
 
 
+def vs_plain(o: dict, pairs: int, log=print) -> list:
+    """Table 1: megalite (1,1,1) and PlainGPT, each in a fresh interpreter, in `pairs` back-to-back pairs."""
+    tokens = o["batch"] * o["model"]["block_size"]
+    single = []
+    log(f"\n1. megalite (1,1,1) vs plain PyTorch (nanoGPT-style, torch.optim.AdamW), {pairs} pairs of fresh "
+        f"processes, the order alternating; ratio = megalite / plain tokens/s within a pair")
+    runs = {"plain": [], "megalite": []}
+    t = StreamTable(["pair", "plain ms/step", "megalite ms/step", "ratio"], [4, 13, 16, 5], log=log)
+    ratios = []
+    for i in range(pairs):  # a pair runs back to back: drifts in machine speed hit both of its runs
+        for kind in (("plain", "megalite") if i % 2 == 0 else ("megalite", "plain")):
+            runs[kind].append(_run_single(kind, _raw(o, (1, 1, 1), o["micro"], o["batch"]), o["steps"]))
+        med = {k: statistics.median(runs[k][-1]["times"]) for k in runs}
+        ratios.append(med["plain"] / med["megalite"])
+        t.row([i + 1, f"{med['plain'] * 1000:.1f}", f"{med['megalite'] * 1000:.1f}", f"{ratios[-1]:.3f}"])
+    t = StreamTable(["model", "tokens/s", "ms/step (median)", "peak RSS MiB"], [8, 8, 16, 12], log=log)
+    for kind in runs:
+        med = statistics.median(x for r in runs[kind] for x in r["times"])
+        single.append({"model": kind, "tokens_per_s": tokens / med, "ms_per_step": med * 1000,
+                       "peak_rss_mib": max(r["maxrss_mib"] for r in runs[kind])})
+        t.row([kind, f"{tokens / med:,.0f}", f"{med * 1000:.1f}", f"{single[-1]['peak_rss_mib']:.0f}"])
+    single[1].update(vs_plain=statistics.median(ratios), vs_plain_range=(min(ratios), max(ratios)), pairs=ratios)
+    log(f"megalite / plain tokens/s: {statistics.median(ratios):.3f} (median of {pairs} pairs; range "
+        f"{min(ratios):.3f}-{max(ratios):.3f})")
+    return single
+
+
 def bench_train(steps: int = 10, nproc: int = 4, n_embd: int = 128, n_layer: int = 4, n_head: int = 4,
                 block_size: int = 128, batch: int = 16, micro: int = 4, ms=(2, 4, 8), rounds: int = 2,
+                pairs: int = 5,
                 wait_ms: Optional[float] = None, workdir: Optional[str] = None, log=print,
                 cp_seq: Optional[int] = None) -> dict:
     """Run the benchmarks; print each table (via `log`) row by row as it is measured; return them as lists
     of dicts. wait_ms: t_f of the bubble table's wait rows (default: calibrated to the model); cp_seq: the
-    sequence length of the context-parallel table (default 8 x block_size)."""
+    sequence length of the context-parallel table (default 8 x block_size); pairs: table 1's
+    megalite/plain pairs of fresh processes; rounds: the feature tables' alternating runs."""
     from ...data import default_corpus_files, prepare
     from ...testing import run_parallel
     work = tempfile.mkdtemp(prefix="megalite-bench-train-", dir=workdir)
@@ -218,19 +247,7 @@ def bench_train(steps: int = 10, nproc: int = 4, n_embd: int = 128, n_layer: int
         prepare(default_corpus_files(max_bytes=300_000), data, log=lambda *a: None)
         o = {"model": model, "data": data, "work": work, "steps": steps, "micro": micro, "batch": batch,
              "ms": list(ms), "bubble": True, "layouts": [], "wait_ms": wait_ms}
-        log("\n1. megalite (1,1,1) vs plain PyTorch (nanoGPT-style, torch.optim.AdamW), fresh process each")
-        runs = {"plain": [], "megalite": []}
-        for _ in range(rounds):  # alternate the two, pool the step times: drifts in machine speed hit both
-            for kind in runs:
-                runs[kind].append(_run_single(kind, _raw(o, (1, 1, 1), micro, batch), steps))
-        t = StreamTable(["model", "tokens/s", "ms/step (median)", "peak RSS MiB"], [8, 8, 16, 12], log=log)
-        for kind in runs:
-            med = statistics.median(x for r in runs[kind] for x in r["times"])
-            out["single"].append({"model": kind, "tokens_per_s": tokens / med, "ms_per_step": med * 1000,
-                                  "peak_rss_mib": max(r["maxrss_mib"] for r in runs[kind])})
-            t.row([kind, f"{tokens / med:,.0f}", f"{med * 1000:.1f}", f"{out['single'][-1]['peak_rss_mib']:.0f}"])
-        out["single"][1]["vs_plain"] = out["single"][1]["tokens_per_s"] / out["single"][0]["tokens_per_s"]
-        log(f"megalite / plain tokens/s: {out['single'][1]['vs_plain']:.3f}")
+        out["single"] = vs_plain(o, pairs, log)
 
         log("\n2. pipeline bubble: idle = 1 - busy / window (window: first stage's start to last stage's end; "
             "busy: schedule time outside torch.distributed), mean over stages, step with the shortest window; activations = peak bytes saved "
