@@ -82,7 +82,8 @@ def test_validation_names_a_broken_manifest():
     assert validate(d) and "was edited" in validate(d)[0]
     assert any("overlap" in p for p in validate(mf.sign(d)))
     del d["files"]["tp01-pp01-dp01/state.json"]
-    assert any("tp01-pp01-dp01 has no state.json" in p for p in validate(mf.sign(d)))
+    # a coordinate without state.json: the layout is checked against the listed state.json files first
+    assert any("has 8 coordinates but 'files' lists 7 state.json" in p for p in validate(mf.sign(d)))
 
 
 def test_interleaved_stages_hold_every_pp_th_chunk():

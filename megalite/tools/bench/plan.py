@@ -326,13 +326,14 @@ def check_shape(n_layer: int, n_embd: int, n_head: int, vocab_size: int, block_s
 
 def bench_plan_cli(args) -> dict:
     n_layer, n_embd, block = args.n_layer or 96, args.n_embd or 12288, args.block_size or 2048
+    vocab = args.vocab_size or 50304  # the flag is shared with bench prepare, whose default differs
     dps = _ints(args.dp, "--dp")
     cp = getattr(args, "cp", 1)
-    check_shape(n_layer, n_embd, args.n_head, args.vocab_size, block, args.tp, args.pp, args.vpp, cp=cp)
+    check_shape(n_layer, n_embd, args.n_head, vocab, block, args.tp, args.pp, args.vpp, cp=cp)
     to = None
     if args.reshard_to:
         to = _ints(args.reshard_to, "--reshard-to", 4 if args.reshard_to.count(",") == 3 else 3)
-        check_shape(n_layer, n_embd, args.n_head, args.vocab_size, block, to[0], to[1], 1, prefix="--reshard-to ",
+        check_shape(n_layer, n_embd, args.n_head, vocab, block, to[0], to[1], 1, prefix="--reshard-to ",
                     cp=to[3] if len(to) == 4 else 1)
-    return bench_plan(n_layer, n_embd, args.n_head, args.vocab_size, args.tp, args.pp, dps, vpp=args.vpp,
+    return bench_plan(n_layer, n_embd, args.n_head, vocab, args.tp, args.pp, dps, vpp=args.vpp,
                       zero1=args.zero1, block_size=block, reshard_to=to, cp=cp)
