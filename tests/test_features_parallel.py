@@ -8,6 +8,7 @@ in this process. Tolerances: fp32 loss 1e-5 relative per step and parameters 1e-
 test_layouts.py); bf16 see BF16_LOSS_RTOL.
 """
 import json
+from pathlib import Path
 
 import pytest
 import torch
@@ -172,7 +173,9 @@ def test_features_alone_and_together_match_single_process_and_reshard(tmp_path, 
     cfg = H.TINY.config(token_file, tmp / "run-resave")
     tr = build(cfg, ParallelGrid.single(), torch.device("cpu"))
     load_checkpoint(step2, tr.model, tr.optimizer, tr.grid)
-    save_checkpoint(tmp / "ckpt-111", 2, tr.model, tr.optimizer, tr.grid, config=cfg.to_dict())
+    from megalite.checkpoint.tree import tokenizer_rel
+    save_checkpoint(tmp / "ckpt-111", 2, tr.model, tr.optimizer, tr.grid, config=cfg.to_dict(),
+                    tokenizer=(Path(step2) / tokenizer_rel(1)).read_bytes())  # the run's tokenizer travels too
     f_a = convert(step2, tmp / "a.safetensors", quiet=True)
     f_one = convert(tmp / "ckpt-111" / "step_00000002", tmp / "one.safetensors", quiet=True)
     assert f_a.read_bytes() == f_one.read_bytes()

@@ -97,7 +97,7 @@ def run(dry_run: bool, config: str, window_s: float, out: Path, log=print, compi
             "--parallel.dp=1", f"--data.path={out / 'tokens.bin'}"]
     if dry_run:
         over += ["--model.n_layer=2", "--model.n_head=2", "--model.n_embd=64", "--model.block_size=32",
-                 "--train.global_batch_size=4", "--train.micro_batch_size=2"]
+                 "--model.vocab_size=256", "--train.global_batch_size=4", "--train.micro_batch_size=2"]
     else:
         over += ["--model.vocab_size=50304"]  # GPT-2's 50,257 padded to a multiple of 128: the real 124M
     cfg = load_config(config, over)
