@@ -151,6 +151,8 @@ def _freeze_host1_mid_save(cluster, ckpt: Path, agent0: Agent, timeout: float = 
     raise AssertionError(f"no async save caught in flight:\n{agent0.output()}")
 
 
+@pytest.mark.slow  # rare and long (~60 s: three 4-process launches on two simulated hosts, each loss waits out
+# timeout_s); the default run keeps test_two_hosts_match_one_process (two hosts) and test_faults' restart + resume
 def test_losing_a_host_then_restarting(cluster, uninterrupted, toml, tmp_path):
     ckpt, out = tmp_path / "ckpt", tmp_path / "run"
     host1 = cluster.hosts[1]
