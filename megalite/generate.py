@@ -97,6 +97,7 @@ def generate(model: GPTStage, ids: list[int], max_new_tokens: int = 200, tempera
 
 
 SEED_MAX = 2**64 - 1  # torch.Generator.manual_seed takes an unsigned 64-bit seed
+NEW_TOKENS_MAX = 2**24  # the sampled ids are held in memory and re-read each step: 16 M of them is hours already
 
 
 def check_sampling(max_new_tokens: int, temperature: float, top_k: int, seed: int) -> None:
@@ -106,8 +107,9 @@ def check_sampling(max_new_tokens: int, temperature: float, top_k: int, seed: in
         raise ConfigError(f"--top-k {top_k}: expected 0 (off) or a positive integer")
     if not isinstance(temperature, (int, float)) or not math.isfinite(temperature) or temperature < 0:
         raise ConfigError(f"--temperature {temperature}: expected a finite number >= 0 (0: greedy)")
-    if not isinstance(max_new_tokens, int) or isinstance(max_new_tokens, bool) or max_new_tokens < 0:
-        raise ConfigError(f"--max-new-tokens {max_new_tokens}: expected a number >= 0")
+    if (not isinstance(max_new_tokens, int) or isinstance(max_new_tokens, bool)
+            or not 0 <= max_new_tokens <= NEW_TOKENS_MAX):
+        raise ConfigError(f"--max-new-tokens {max_new_tokens}: expected a number >= 0 and <= {NEW_TOKENS_MAX}")
     if not isinstance(seed, int) or isinstance(seed, bool) or not 0 <= seed <= SEED_MAX:
         raise ConfigError(f"--seed {seed}: expected an integer >= 0 and <= {SEED_MAX} (torch's generator seed)")
 

@@ -232,6 +232,8 @@ CASES = [
      ["--temperature nan", "finite"], None),
     ("generate-max-new-negative", ["generate", "--model", "{model}", "--max-new-tokens", "-1"],
      ["--max-new-tokens -1"], None),
+    ("generate-max-new-huge", ["generate", "--model", "{model}", "--max-new-tokens", str(10**15)],
+     [f"--max-new-tokens {10**15}", "<= 16777216"], None),
     # manifests and safetensors headers of the wrong types (read through the typed manifest of issue 10)
     ("inspect-manifest-files-key", ["inspect", "{case}/ck"], ["manifest.json"],
      _edit_json("manifest.json", lambda m: m["files"].update({"x.safetensors": {"bytes": 1, "crc32": "0"}}))),
