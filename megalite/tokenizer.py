@@ -281,7 +281,6 @@ def train_folder(files: list[Path], vocab_size: int, out, force: bool = False, q
     """`megalite tokenizer train`: train_bpe on the files (each read in pieces, see read_text_pieces) and write
     the HF tokenizer folder `out`, built next to it and moved into place when complete (an existing `out`
     only with `force`, and only then replaced)."""
-    import shutil
     out = Path(out)
     if out.name in ("", ".", ".."):
         raise DataError(f"--out '{out}': expected the path of a new folder")
@@ -301,24 +300,16 @@ def train_folder(files: list[Path], vocab_size: int, out, force: bool = False, q
     if tok.vocab_size < vocab_size and not quiet:
         log(f"tokenizer: WARNING: the text gives only {tok.vocab_size:,} ids (pairs seen fewer than "
             f"{min_frequency} times are not merged), not {vocab_size:,}")
+    from .checkpoint.files import remove_tree, replace_output
     tmp = out.with_name(f".{out.name}.tmp-{os.getpid()}")
-    shutil.rmtree(tmp, ignore_errors=True)
+    remove_tree(tmp)
     tmp.mkdir(parents=True)
     try:
         write_hf_folder(tok, tmp, None)
-        if os.path.lexists(out):  # --force: the old folder goes only once the new one is complete
-            old = out.with_name(f".{out.name}.old-{os.getpid()}")
-            os.replace(out, old)
-            os.replace(tmp, out)
-            if old.is_dir() and not old.is_symlink():
-                shutil.rmtree(old, ignore_errors=True)
-            else:
-                os.unlink(old)
-        else:
-            os.replace(tmp, out)
     except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
+        remove_tree(tmp)
         raise
+    replace_output(tmp, out)  # --force: the old folder goes only once the new one is in place
     return out
 
 

@@ -169,3 +169,27 @@ def remove_tree(path: Path) -> None:
         unlink_quietly(path)
     elif os.path.isdir(path):
         shutil.rmtree(path)
+
+
+def replace_output(tmp: Path, out: Path) -> None:
+    """Move a finished temporary output (a file or a folder) into place at `out`; an old output there is
+    removed only after the move (a symlink at `out` is replaced itself, never followed). If the move fails, the
+    temporary output is removed and the old output is where it was. The folder is fsynced after."""
+    tmp, out = Path(tmp), Path(out)
+    try:
+        if os.path.lexists(out):
+            old = out.with_name(out.name + ".old-megalite")
+            remove_tree(old)
+            os.replace(out, old)
+            try:
+                os.replace(tmp, out)
+            except BaseException:
+                os.replace(old, out)
+                raise
+            remove_tree(old)
+        else:
+            os.replace(tmp, out)
+    except BaseException:
+        remove_tree(tmp)
+        raise
+    fsync_dir(out.parent)

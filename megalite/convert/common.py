@@ -16,7 +16,7 @@ from typing import Iterable, Optional
 import torch
 from safetensors import safe_open
 
-from ..checkpoint.files import kind_of, open_regular, read_all, remove_tree
+from ..checkpoint.files import kind_of, open_regular, read_all
 from ..checkpoint.manifest import FORMAT as MANIFEST_FORMAT, Manifest, entry_for
 from ..checkpoint.read import SliceReader
 from ..checkpoint.stream import read_metadata
@@ -163,28 +163,6 @@ def _held(lock: Path) -> bool:
     finally:
         os.close(fd)
     return False
-
-
-def _replace(tmp: Path, out: Path) -> None:
-    """Move a finished temporary output into place; the old output is removed only after it is done.
-    A symlink at --out is replaced itself, never followed. If the move fails, the temporary output is removed
-    and the old output is where it was."""
-    try:
-        if os.path.lexists(out):
-            old = out.with_name(out.name + ".old-megalite")
-            remove_tree(old)
-            os.replace(out, old)
-            try:
-                os.replace(tmp, out)
-            except BaseException:
-                os.replace(old, out)
-                raise
-            remove_tree(old)
-        else:
-            os.replace(tmp, out)
-    except BaseException:
-        remove_tree(tmp)
-        raise
 
 
 def _full_tensors(step: Path, man: Manifest, progress: Progress):

@@ -27,11 +27,11 @@ from typing import Iterable, Iterator, Optional
 import torch
 
 from ..checkpoint.stream import StreamingWriter, raw_bytes
-from ..checkpoint.files import remove_tree
+from ..checkpoint.files import remove_tree, replace_output
 from ..config import path_kind
 from ..errors import ConvertError
 from . import unpickle
-from .common import DCP_OUT, HF_FILE, HF_INDEX, Progress, _replace
+from .common import DCP_OUT, HF_FILE, HF_INDEX, Progress
 
 METADATA = ".metadata"
 
@@ -323,7 +323,7 @@ def write_file(out: Path, specs: list, tensors: Iterable[tuple[str, Iterable[tor
     except BaseException:
         w.abort()
         raise
-    _replace(tmp, out)
+    replace_output(tmp, out)
     return out
 
 
@@ -344,7 +344,7 @@ def write_dcp(out: Path, specs: list, tensors: Iterable[tuple[str, Iterable[torc
     except BaseException:
         remove_tree(tmp)
         raise
-    _replace(tmp, out)
+    replace_output(tmp, out)
     return out
 
 

@@ -10,10 +10,10 @@ from typing import Optional
 import torch
 from einops import EinopsError, rearrange
 
-from ..checkpoint.files import remove_tree, write_new
+from ..checkpoint.files import remove_tree, write_new, replace_output
 from ..checkpoint.stream import StreamingWriter
 from ..config import ACTIVATIONS, ModelConfig, model_from
-from .common import (HF_KIND, ConvertError, Progress, _full_tensors, _replace, model_partitions, open_safetensors,
+from .common import (HF_KIND, ConvertError, Progress, _full_tensors, model_partitions, open_safetensors,
                      parse_json)
 from ..tokenizer import TOKENIZER_JSON, Tokenizer, byte_tokenizer, load as load_tokenizer, write_hf_folder
 
@@ -189,7 +189,7 @@ def write_hf(out: Path, model_config: dict, shapes: dict, tensors, dtype: torch.
         w.abort()
         shutil.rmtree(tmp, ignore_errors=True)
         raise
-    _replace(tmp, out)
+    replace_output(tmp, out)
     return out
 
 

@@ -11,7 +11,7 @@ from typing import Callable, Optional
 from ..checkpoint import manifest as mf
 from ..checkpoint.check import read_tokenizer
 from ..checkpoint.commit import commit_step
-from ..checkpoint.files import remove_tree
+from ..checkpoint.files import remove_tree, replace_output
 from ..checkpoint.plan import Payload, add, plan_writes
 from ..checkpoint.read import SliceReader
 from ..checkpoint.state import StepState
@@ -21,7 +21,7 @@ from ..config import MAX_COUNT, Config
 from ..parallel.grid import Layout
 from ..parallel.pipeline import stage_of
 from ..parallel.partition import Partition
-from .common import ConvertError, Progress, _check_out, _replace, check_layout, check_manifest_tensors, \
+from .common import ConvertError, Progress, _check_out, check_layout, check_manifest_tensors, \
     model_partitions
 from .single import model_tokenizer, read_model_file
 
@@ -66,7 +66,7 @@ def write_offline(out: Path, layout: Layout, tensors: dict[str, Partition], n_la
     except BaseException:
         remove_tree(root)
         raise
-    _replace(root, out)
+    replace_output(root, out)
     return out / step_dir(step)
 
 
