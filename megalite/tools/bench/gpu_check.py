@@ -103,7 +103,8 @@ def run(dry_run: bool, config: str, window_s: float, out: Path, log=print, compi
             "--parallel.dp=1", f"--data.path={out / 'tokens.bin'}"]
     if dry_run:
         over += ["--model.n_layer=2", "--model.n_head=2", "--model.n_embd=64", "--model.block_size=32",
-                 "--model.vocab_size=256", "--train.global_batch_size=4", "--train.micro_batch_size=2"]
+                 "--model.vocab_size=256", "--train.global_batch_size=4", "--train.micro_batch_size=2",
+                 "--train.seq_len=0", "--model.n_kv_head=0", "--model.intermediate_size=0"]  # (Llama's: defaults)
     cfg = load_config(config, over)  # the config's own vocab: gpt2-124m.toml's 50304, llama3-1b.toml's 128256
     prepare(default_corpus_files(max_bytes=200_000 if dry_run else 2_000_000), out / "tokens.bin",
             log=lambda *a: None)
@@ -142,7 +143,8 @@ def _train_window(cfg, grid, device, window_s: float, peaks: tuple, t, label: st
     measured, sheet = peaks
     m = cfg.model
     t.row([f"2. {label}: warm-up ({'2 steps, compiling' if cfg.train.compile else '1 step'})", f"{warm:.1f} s"])
-    t.row([f"2. {label}: train {m.n_layer}x{m.n_embd} V{m.vocab_size} bf16 (1,1,1), {steps} steps in {dt:.1f} s",
+    family = "Llama " if m.arch == "llama" else ""  # GPT-2's rows read as they always did
+    t.row([f"2. {label}: train {family}{m.n_layer}x{m.n_embd} V{m.vocab_size} bf16 (1,1,1), {steps} steps in {dt:.1f} s",
            f"{tok_s:,.0f} tokens/s/GPU"])
     t.row([f"2. {label}: MFU vs datasheet peak (6N + 12LhT flops/token)",
            f"{flops / (sheet * 1e12):.1%}" if sheet else "unknown chip"])
