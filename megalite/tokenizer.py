@@ -105,8 +105,16 @@ class Tokenizer:
             return True
         d = json.loads(self.json)
         pre = d.get("pre_tokenizer") or {}
-        return (d.get("normalizer") is None and pre.get("type") == "ByteLevel"
-                and pre.get("use_regex", True) and not pre.get("add_prefix_space", False)
+        steps = pre.get("pretokenizers", []) if pre.get("type") == "Sequence" else []
+        # Llama 3's split (megalite's own --pre-tokenizer llama3) cuts no pre-token across such a point either:
+        # every whitespace run begins a pre-token of its own or one (" word", " ;") that starts with it
+        llama3 = (len(steps) == 2 and steps[0].get("type") == "Split"
+                  and steps[0].get("pattern", {}).get("Regex") == LLAMA3_SPLIT
+                  and steps[0].get("behavior") == "Isolated" and not steps[0].get("invert")
+                  and steps[1].get("type") == "ByteLevel" and not steps[1].get("use_regex", True)
+                  and not steps[1].get("add_prefix_space", False))
+        gpt2 = pre.get("type") == "ByteLevel" and pre.get("use_regex", True) and not pre.get("add_prefix_space", False)
+        return (d.get("normalizer") is None and (gpt2 or llama3)
                 and not any(any(c.isspace() for c in t.get("content", "")) for t in d.get("added_tokens", [])))
 
     def token_bytes(self) -> list[int]:
@@ -244,11 +252,24 @@ def write_hf_folder(tok: Tokenizer, folder: Path, max_length: Optional[int]) -> 
 
 
 # ---------------------------------------------------------------- training a BPE
-def gpt2_style_bpe():
-    """An untrained GPT-2-style byte-level BPE (the tokenizers library's parts, GPT-2's settings)."""
-    from tokenizers import Tokenizer as Backend, decoders, models, pre_tokenizers
+# Llama 3's split (tiktoken's cl100k-style pattern, as Meta's tokenizer.json writes it for the tokenizers library):
+# contractions, letters with one leading non-letter, digits in groups of at most 3, punctuation runs, newlines.
+LLAMA3_SPLIT = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*|"
+                r"\s*[\r\n]+|\s+(?!\S)|\s+")
+PRE_TOKENIZERS = ("gpt2", "llama3")
+
+
+def gpt2_style_bpe(pre_tokenizer: str = "gpt2"):
+    """An untrained byte-level BPE (the tokenizers library's parts): GPT-2's regex inside its ByteLevel
+    pre-tokenizer, or ("llama3") Llama 3's split pattern before a ByteLevel step without a regex of its own."""
+    from tokenizers import Regex, Tokenizer as Backend, decoders, models, pre_tokenizers
     backend = Backend(models.BPE())
-    backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
+    if pre_tokenizer == "llama3":
+        backend.pre_tokenizer = pre_tokenizers.Sequence([
+            pre_tokenizers.Split(Regex(LLAMA3_SPLIT), behavior="isolated", invert=False),
+            pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
+    else:
+        backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
     backend.decoder = decoders.ByteLevel()
     return backend
 
@@ -263,13 +284,16 @@ def check_vocab_size(vocab_size) -> None:
 
 
 def train_bpe(texts: Iterable[str], vocab_size: int, show_progress: bool = False, length: Optional[int] = None,
-              min_frequency: int = 2) -> Tokenizer:
-    """Train a GPT-2-style byte-level BPE of `vocab_size` ids (<|endoftext|> is id 0, the 256 byte characters
-    next, then the merges in the order learned) on `texts`. Deterministic: the same texts give the same
-    tokenizer.json. Fewer ids come out when the texts hold fewer distinct pairs worth merging."""
+              min_frequency: int = 2, pre_tokenizer: str = "gpt2") -> Tokenizer:
+    """Train a byte-level BPE of `vocab_size` ids (<|endoftext|> is id 0, the 256 byte characters next, then the
+    merges in the order learned) on `texts`, with GPT-2's or Llama 3's pre-tokenizer (`gpt2_style_bpe`).
+    Deterministic: the same texts give the same tokenizer.json. Fewer ids come out when the texts hold fewer
+    distinct pairs worth merging."""
     from tokenizers import pre_tokenizers, trainers
     check_vocab_size(vocab_size)
-    backend = gpt2_style_bpe()
+    if pre_tokenizer not in PRE_TOKENIZERS:
+        raise DataError(f"--pre-tokenizer '{pre_tokenizer}': expected one of {', '.join(PRE_TOKENIZERS)}")
+    backend = gpt2_style_bpe(pre_tokenizer)
     trainer = trainers.BpeTrainer(vocab_size=vocab_size, min_frequency=min_frequency, special_tokens=[EOT],
                                   initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=show_progress)
     backend.train_from_iterator(texts, trainer, length=length)
@@ -277,7 +301,7 @@ def train_bpe(texts: Iterable[str], vocab_size: int, show_progress: bool = False
 
 
 def train_folder(files: list[Path], vocab_size: int, out, force: bool = False, quiet: bool = False,
-                 min_frequency: int = 2, log=print) -> Path:
+                 min_frequency: int = 2, log=print, pre_tokenizer: str = "gpt2") -> Path:
     """`megalite tokenizer train`: train_bpe on the files (each read in pieces, see read_text_pieces) and write
     the HF tokenizer folder `out`, built next to it and moved into place when complete (an existing `out`
     only with `force`, and only then replaced)."""
@@ -291,12 +315,14 @@ def train_folder(files: list[Path], vocab_size: int, out, force: bool = False, q
     if not files:
         raise DataError("tokenizer train: no text files to train on")
     check_vocab_size(vocab_size)
+    if pre_tokenizer not in PRE_TOKENIZERS:
+        raise DataError(f"--pre-tokenizer '{pre_tokenizer}': expected one of {', '.join(PRE_TOKENIZERS)}")
     total = sum(Path(f).stat().st_size for f in files)
     if not quiet:
-        log(f"tokenizer: training a byte-level BPE of {vocab_size:,} ids on {len(files):,} files "
-            f"({total / 1e6:,.1f} MB)")
+        log(f"tokenizer: training a byte-level BPE of {vocab_size:,} ids ({pre_tokenizer} pre-tokenizer) on "
+            f"{len(files):,} files ({total / 1e6:,.1f} MB)")
     tok = train_bpe((piece for f in files for piece in read_text_pieces(Path(f))), vocab_size,
-                    show_progress=progress_on(quiet), min_frequency=min_frequency)
+                    show_progress=progress_on(quiet), min_frequency=min_frequency, pre_tokenizer=pre_tokenizer)
     if tok.vocab_size < vocab_size and not quiet:
         log(f"tokenizer: WARNING: the text gives only {tok.vocab_size:,} ids (pairs seen fewer than "
             f"{min_frequency} times are not merged), not {vocab_size:,}")
