@@ -103,7 +103,7 @@ def test_prepare_in_small_pieces_gives_the_librarys_ids_of_the_whole_text(tmp_pa
 def test_compile_blocks_compiles_every_block_of_the_stage():
     """nn.Module.compile marks the module it compiled (torch's `_compiled_call_impl`): every block of the stage,
     and nothing else (the embeddings, final norm and head stay eager, as compile.py says)."""
-    from megalite.compile import compile_blocks
+    from megalite.run.compile import compile_blocks
     cfg = ModelConfig(n_layer=3, n_head=2, n_embd=16, block_size=8, vocab_size=64)
     model = GPTStage(cfg, ParallelGrid.single())
     assert compile_blocks(model) == 3
