@@ -483,6 +483,40 @@ def _draw(dataset, block_size, batch_size, dp_rank, dp_size, rng):
     return torch.from_numpy(rows[:, :-1].copy()), torch.from_numpy(rows[:, 1:].copy())
 
 
+# ---------------------------------------------------------------- the batch hash (metrics.jsonl's batch_hash)
+HASH_BITS = 32
+_SPLITMIX = (np.uint64(0x9E3779B97F4A7C15), np.uint64(0xBF58476D1CE4E5B9), np.uint64(0x94D049BB133111EB))
+
+
+def _splitmix64(z: np.ndarray) -> np.ndarray:
+    """SplitMix64's finalizer, elementwise on uint64 (wrapping arithmetic): a well-mixed 64-bit value per input."""
+    golden, m1, m2 = _SPLITMIX
+    z = z + golden
+    z = (z ^ (z >> np.uint64(30))) * m1
+    z = (z ^ (z >> np.uint64(27))) * m2
+    return z ^ (z >> np.uint64(31))
+
+
+def token_hash(ids, rows, positions, stream: int) -> int:
+    """This rank's share of a global batch's hash: the sum, mod 2**32, of one 32-bit hash per token of
+    `ids` (n, t), keyed by the token's place in the global batch: its row `rows` (n,), its position in
+    the sequence `positions` (t,) and `stream` (0: the inputs x, 1: the targets y).
+
+        h(row, pos, stream, id) = top 32 bits of splitmix64(splitmix64(row * 2**32 + pos) ^ (2 id + stream))
+
+    A sum of keyed hashes does not depend on which rank holds which tokens, nor in what order: the shares of
+    any layout (dp rows, cp chunks, micro-batches, pipeline stages) add up to the single process's number,
+    so combining them is one more float64 in the loss's all-reduce (exact: each share < 2**32, and 2**21
+    shares stay below 2**53), never a gather of the ids. A changed id, a row moved to another place or a
+    different batch changes it (but for a 2**-32 chance)."""
+    ids = np.asarray(ids, dtype=np.uint64)
+    if ids.size == 0:
+        return 0
+    key = (np.asarray(rows, dtype=np.uint64)[:, None] << np.uint64(32)) + np.asarray(positions, dtype=np.uint64)
+    h = _splitmix64(_splitmix64(key) ^ ((ids << np.uint64(1)) + np.uint64(stream))) >> np.uint64(32)
+    return int(h.sum(dtype=np.uint64)) % (1 << HASH_BITS)
+
+
 class BatchSampler:
     """Random (x, y) training batches, a pure function of (seed, batch index).
 
