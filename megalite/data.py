@@ -26,12 +26,12 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from .checkpoint.files import (folder_locked, fsync_dir, identity, kind_of, no_follow, open_read, read_all,
-                               unlink_quietly, write_new)
-from . import limits
+from .base.fs import (folder_locked, fsync_dir, identity, kind_of, no_follow, open_read, read_all,
+                      unlink_quietly, write_new)
+from .base import limits
 from .config import MAX_COUNT
-from .errors import DataError
-from .jsonio import loads
+from .base.errors import DataError
+from .base.jsonio import loads
 from .tokenizer import (BYTE, FORCED_CUT, Tokenizer, byte_tokenizer, from_json, load as load_tokenizer,
                         read_text_pieces)
 

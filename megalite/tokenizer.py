@@ -28,9 +28,9 @@ import sys
 from pathlib import Path
 from typing import Iterable, Iterator, Optional
 
-from . import limits
-from .errors import DataError
-from .jsonio import loads
+from .base import limits
+from .base.errors import DataError
+from .base.jsonio import loads
 
 EOT = "<|endoftext|>"  # GPT-2's end-of-text token
 BYTE = "byte"
@@ -270,7 +270,7 @@ def not_our_folder(out: Path) -> str:
     if out.is_symlink():
         return f"a symbolic link to '{os.readlink(out)}'"
     if not out.is_dir():
-        from .checkpoint.files import kind_of
+        from .base.fs import kind_of
         return kind_of(os.lstat(out))
     names = sorted(p.name for p in out.iterdir())
     ours = {TOKENIZER_JSON, "tokenizer_config.json", SPECIAL_MAP}
@@ -327,7 +327,7 @@ def train_folder(files: list[Path], vocab_size: int, out, force: bool = False, q
     """`megalite tokenizer train`: train_bpe on the files (each read in pieces, see read_text_pieces) and write
     the HF tokenizer folder `out`, built next to it and moved into place when complete (an existing `out`
     only with `force`, and only then replaced)."""
-    from .checkpoint.files import identity
+    from .base.fs import identity
     out = Path(out)
     if out.name in ("", ".", ".."):
         raise DataError(f"--out '{out}': expected the path of a new folder")
@@ -354,7 +354,7 @@ def train_folder(files: list[Path], vocab_size: int, out, force: bool = False, q
     if tok.vocab_size < vocab_size and not quiet:
         log(f"tokenizer: WARNING: the text gives only {tok.vocab_size:,} ids (pairs seen fewer than "
             f"{min_frequency} times are not merged), not {vocab_size:,}")
-    from .checkpoint.files import folder_locked, remove_tree, replace_output
+    from .base.fs import folder_locked, remove_tree, replace_output
     tmp = out.with_name(f".{out.name}.tmp-{os.getpid()}")
     remove_tree(tmp)
     tmp.mkdir(parents=True)

@@ -11,8 +11,8 @@ from typing import Optional
 import torch
 from einops import EinopsError, rearrange
 
-from .. import limits
-from ..checkpoint.files import remove_tree, write_new, replace_output
+from ..base import limits
+from ..base.fs import remove_tree, write_new, replace_output
 from ..checkpoint.stream import StreamingWriter
 from ..config import ACTIVATIONS, ModelConfig, model_from
 from .common import (HF_KIND, ConvertError, Progress, _full_tensors, model_partitions, open_safetensors,

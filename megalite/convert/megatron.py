@@ -31,11 +31,11 @@ from typing import Optional
 import torch
 from einops import rearrange
 
-from .. import limits
-from ..checkpoint.files import read_all
+from ..base import limits
+from ..base.fs import read_all
 from ..config import ModelConfig, model_from, path_kind
-from ..errors import ConfigError, ConvertError
-from ..jsonio import loads
+from ..base.errors import ConfigError, ConvertError
+from ..base.jsonio import loads
 from . import unpickle
 from .common import model_partitions
 from .dcp import DcpFolder

@@ -26,8 +26,8 @@ from typing import Callable, Optional
 
 import torch
 
-from .. import limits
-from ..errors import MegaliteError
+from ..base import limits
+from ..base.errors import MegaliteError
 
 
 class Record:

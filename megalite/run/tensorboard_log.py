@@ -20,8 +20,8 @@ import os
 import stat
 from pathlib import Path
 
-from .checkpoint.files import kind_of
-from .errors import ConfigError, UnsafeFileError
+from ..base.fs import kind_of
+from ..base.errors import ConfigError, UnsafeFileError
 
 DIR = "tensorboard"
 SCALARS = {"loss": "train/loss", "lr": "train/lr", "grad_norm": "train/grad_norm",

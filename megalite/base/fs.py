@@ -32,7 +32,7 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Callable, Iterator, Optional
 
-from ..errors import UnsafeFileError
+from .errors import UnsafeFileError
 
 NOFOLLOW = getattr(os, "O_NOFOLLOW", 0)
 
