@@ -309,6 +309,7 @@ def _start(cfg: Config, grid: ParallelGrid, device, log, force: bool = False) ->
     def build_all():
         if cfg.train.tensorboard and grid.rank == 0:
             tensorboard_log.require()  # before anything is written
+            tensorboard_log.check_path(out_dir)  # a symlink or a file there: refused before anything is written
         if grid.rank == 0:
             metrics.check_path(out_dir)  # a symlink or a FIFO there: refused before anything is written
         prepare_data(cfg, grid.rank)
