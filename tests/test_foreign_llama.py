@@ -46,11 +46,12 @@ def hf_model(src):
     transformers' under a rename: LLAMA_NAMES)."""
     m = src.m
     rope = dict(m["rope_scaling"] or {"rope_type": "default"}, rope_theta=m["rope_theta"])
+    qkv_bias = getattr(src, "qkv_bias", False)
     kw = dict(vocab_size=m["vocab_size"], hidden_size=m["n_embd"], intermediate_size=m["intermediate_size"],
               num_hidden_layers=m["n_layer"], num_attention_heads=m["n_head"], num_key_value_heads=m["n_kv_head"],
               rms_norm_eps=m["layer_norm_eps"], max_position_embeddings=max(m["block_size"], 16384),
               tie_word_embeddings=m["tie_embeddings"], rope_parameters=rope)
-    if m.get("qkv_bias"):  # Qwen-style: biases on q, k and v only
+    if qkv_bias:  # Qwen-style: biases on q, k and v only
         model = transformers.Qwen2ForCausalLM(transformers.Qwen2Config(**kw, use_sliding_window=False))
     else:
         model = transformers.LlamaForCausalLM(transformers.LlamaConfig(**kw))
@@ -230,3 +231,94 @@ def test_a_dcp_folder_that_does_not_fit_the_named_sizes_is_one_line(ttref, tmp_p
     with pytest.raises(ConvertError, match=r"rope_scaling rope_type = 'yarn': megalite models only Llama 3's"):
         cfg = llama_config(tmp_path, num_attention_heads=4, rope_parameters={"rope_type": "yarn", "factor": 4.0})
         TorchtitanLlama(ttref / "step-10", hn.merge_config(hn.Hints(), cfg))
+
+
+# ---------------------------------------------------------------- through the CLI: one file, split, train
+def cli(*args) -> tuple[int, str, str]:
+    import contextlib
+    import io
+    from megalite.cli import main
+    out, err = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        rc = main([str(a) for a in args])
+    return rc, out.getvalue(), err.getvalue()
+
+
+@needs_megatron
+def test_megatron_llama_split_212_trains_from_transformers_loss(mref, tmp_path, convert_tokens):
+    """convert (vocab cut) -> one megalite file -> split at (tp 2, pp 1, dp 2) -> one training step under
+    torchrun: its loss is transformers' on megatron's weights for the same batch."""
+    import helpers as H
+    from megalite.data import BatchSampler, TokenDataset
+    from megalite.generate import load_model
+    rc, _, err = cli("convert", mref / "llama_tp2pp2", "--vocab-size", VOCAB, "--out", tmp_path / "m.safetensors")
+    assert rc == 0, err
+    ref = torch.load(mref / "llama_tp2pp2.pt")
+    with torch.no_grad():  # the one file, run by megalite's own model
+        d = (load_model(tmp_path / "m.safetensors")(ref["ids"]).double() - ref["logits"][..., :VOCAB]).abs().max()
+    print(f"megatron tp2pp2 -> megalite file -> megalite's Llama: max |d logit| {d:.2e}")
+    assert d < TOL
+    rc, _, err = cli("split", tmp_path / "m.safetensors", "--tp", 2, "--pp", 1, "--dp", 2, "--out", tmp_path / "ck")
+    assert rc == 0, err
+    src = MegatronGPT(mref / "llama_tp2pp2", vocab_size=VOCAB)
+    model = {k: v for k, v in src.m.items() if k not in ("dropout", "rope_scaling")}
+    toml = H.CONVERT.toml(tmp_path / "llama.toml", convert_tokens, model=model)
+    recs = H.torchrun_train(4, toml, tmp_path / "run", **{"parallel.tp": 2, "parallel.dp": 2, "train.steps": 1,
+                                                           "checkpoint.resume": tmp_path / "ck",
+                                                           "checkpoint.dir": tmp_path / "ck2"})
+    cfg = H.CONVERT.config(convert_tokens, tmp_path / "run")
+    s = BatchSampler(TokenDataset(convert_tokens, "train"), model["block_size"], cfg.train.global_batch_size, 0, 1,
+                     cfg.train.seed)
+    x, y = s.batch_at(0)
+    with torch.no_grad():
+        logits = hf_model(src)(x).logits
+    want = torch.nn.functional.cross_entropy(logits.reshape(-1, VOCAB), y.reshape(-1)).item()
+    print(f"split (2,1,2) -> first training loss {recs[0]['loss']:.6f}; transformers on megatron's weights {want:.6f}")
+    assert abs(recs[0]["loss"] - want) <= 1e-5 * abs(want)
+
+
+@needs_torchtitan
+def test_torchtitan_convert_cli_lists_what_it_skips_and_refuses_bad_input(ttref, tmp_path):
+    cfg = titan_hints(ttref, tmp_path).config
+    rc, out, err = cli("convert", ttref / "step-10", "--from", "dcp", "--arch", "llama", "--config", cfg,
+                       "--out", tmp_path / "t.safetensors")
+    assert rc == 0 and "convert: skipped 243 training entries (torchtitan >= 0.2): dataloader.dp_rank_0" in err, err
+    from megalite.generate import load_model
+    ref = torch.load(ttref / "ref.pt")
+    with torch.no_grad():
+        d = (load_model(tmp_path / "t.safetensors")(ref["ids"]) - ref["logits"]).abs().max().item()
+    print(f"torchtitan step-10 -> megalite file -> megalite's Llama: max |d logit| {d:.2e}")
+    assert d < TOL
+    for args, pattern in ((["--num-heads", "3"], "--num-heads 3 does not divide the hidden size 64"),
+                          (["--num-heads", "4", "--num-kv-heads", "4"], "--num-kv-heads 4 contradicts tensor"),
+                          (["--config", cfg, "--num-heads", "2"], "--num-heads 2 contradicts --config"),
+                          ([], "the number of attention heads cannot be read from the tensors")):
+        rc, _, err = cli("convert", ttref / "step-10", "--from", "dcp", "--arch", "llama", *args,
+                         "--out", tmp_path / "bad.safetensors")
+        assert rc == 2 and len(err.strip().splitlines()) == 1 and pattern in err, (args, err)
+        assert not list(tmp_path.glob("bad*"))
+
+
+@needs_megatron
+def test_megatron_moe_and_unmodelled_rope_are_one_line_and_nothing_written(mref, tmp_path):
+    import shutil
+    import sys
+    sys.path.insert(0, str(Path(__file__).parent))
+    from megatron_ref import LLAMA_FFN, LLAMA_LAYERS, LLAMA_PADDED, megatron_args
+    sys.path.pop(0)
+    base = dict(num_layers=LLAMA_LAYERS, ffn_hidden_size=LLAMA_FFN, position_embedding_type="rope",
+                normalization="RMSNorm", swiglu=True, add_bias_linear=False, add_qkv_bias=False,
+                group_query_attention=True, num_query_groups=2, untie_embeddings_and_output_weights=True,
+                padded_vocab_size=LLAMA_PADDED)
+    cases = {"moe": (dict(num_experts=8), r"num_experts = 8: megalite does not model a mixture of experts \(MoE\)"),
+             "yarn": (dict(position_embedding_type="yarn"), r"position_embedding_type = 'yarn': megalite does not "
+                                                            r"model rotary position embeddings \(YaRN RoPE\)"),
+             "partial": (dict(rotary_percent=0.5), r"rotary_percent = 0\.5: megalite does not model RoPE on part")}
+    for name, (change, pattern) in cases.items():
+        src = tmp_path / name
+        shutil.copytree(mref / "llama_tp2pp2", src)
+        torch.save({"args": megatron_args(**{**base, **change}), "iteration": 10}, src / "iter_0000010" / "common.pt")
+        rc, _, err = cli("convert", src, "--out", tmp_path / f"{name}.safetensors")
+        import re
+        assert rc == 2 and len(err.strip().splitlines()) == 1 and re.search(pattern, err), (name, err)
+        assert not list(tmp_path.glob(f"{name}.safetensors*"))

@@ -101,8 +101,8 @@ def heads(h: Hints, hidden: int, q_rows: int, kv_rows: int, where: str, q_name: 
                            f"--num-heads (and --num-kv-heads for grouped-query attention), or --config config.json")
     H = h.num_heads
     if hidden % H or q_rows % H:
-        raise ConvertError(f"--num-heads {H} does not divide the hidden size {hidden} (tensor '{q_name}' has "
-                           f"{q_rows} rows)")
+        raise ConvertError(f"--num-heads {H} does not divide the hidden size {hidden} (the query width of tensor "
+                           f"'{q_name}' is {q_rows})")
     hd = q_rows // H
     if kv_rows % hd:
         raise ConvertError(f"--num-heads {H} gives a head width of {hd}, which does not divide the key width "
@@ -124,20 +124,20 @@ def check_told(h: Hints, name: str, told, read, tensor: str, what: str) -> None:
 
 # ---------------------------------------------------------------- the Llama family under megalite's names
 def llama_model(n_layer: int, n_head: int, n_kv_head: int, n_embd: int, ffn: int, vocab: int, tied: bool,
-                theta: float, scaling: Optional[dict], eps: float, block_size: int, qkv_bias: bool = False) -> dict:
-    """megalite's [model] dict for a Llama (LLAMA_NAMES: arch, n_kv_head, intermediate_size, rope_theta,
-    rope_scaling; layer_norm_eps doubles as RMSNorm's eps)."""
-    m = dict(arch="llama", n_layer=n_layer, n_head=n_head, n_kv_head=n_kv_head, n_embd=n_embd,
-             intermediate_size=ffn, vocab_size=vocab, block_size=block_size, dropout=0.0, tie_embeddings=tied,
-             rope_theta=float(theta), rope_scaling=rope_scaling(scaling), layer_norm_eps=float(eps))
-    if qkv_bias:
-        m["qkv_bias"] = True
-    return m
+                theta: float, scaling: Optional[dict], eps: float, block_size: int) -> dict:
+    """megalite's [model] dict for a Llama (arch, n_kv_head, intermediate_size, rope_theta, rope_scaling;
+    layer_norm_eps is RMSNorm's eps), every other key at ModelConfig's default."""
+    from ..config import ModelConfig
+    m = ModelConfig(arch="llama", n_layer=n_layer, n_head=n_head, n_kv_head=n_kv_head, n_embd=n_embd,
+                    intermediate_size=ffn, vocab_size=vocab, block_size=block_size, dropout=0.0, tie_embeddings=tied,
+                    rope_theta=float(theta), rope_scaling=rope_scaling(scaling), layer_norm_eps=float(eps))
+    return dataclasses.asdict(m)
 
 
-def rope_scaling(s: Optional[dict]) -> Optional[dict]:
+def rope_scaling(s: Optional[dict]) -> dict:
+    """A transformers / torchtitan rope scaling table as megalite's ({}: none); what it does not model refused."""
     if not s:
-        return None
+        return {}
     kind = s.get("rope_type", s.get("type"))
     if kind != "llama3":
         raise ConvertError(f"rope_scaling rope_type = {kind!r}: megalite models only Llama 3's ('llama3'), or none")
@@ -146,8 +146,9 @@ def rope_scaling(s: Optional[dict]) -> Optional[dict]:
             "original_max_position_embeddings": int(s["original_max_position_embeddings"])}
 
 
-def llama_shapes(m: dict) -> dict:
-    """Global shape of every megalite Llama tensor, in the model's order."""
+def llama_shapes(m: dict, qkv_bias: bool = False) -> dict:
+    """Global shape of every megalite Llama tensor, in the model's order (with Qwen-style q/k/v biases, which
+    transformers' Qwen2 has and megalite's model does not)."""
     C, hd, F, V = m["n_embd"], m["n_embd"] // m["n_head"], m["intermediate_size"], m["vocab_size"]
     q, kv = m["n_head"] * hd, m["n_kv_head"] * hd
     out = {"wte.weight": (V, C)}
@@ -155,7 +156,7 @@ def llama_shapes(m: dict) -> dict:
         b = f"blocks.{i}."
         out.update({b + "ln_1.weight": (C,), b + "attn.q.weight": (q, C), b + "attn.k.weight": (kv, C),
                     b + "attn.v.weight": (kv, C)})
-        if m.get("qkv_bias"):
+        if qkv_bias:
             out.update({b + "attn.q.bias": (q,), b + "attn.k.bias": (kv,), b + "attn.v.bias": (kv,)})
         out.update({b + "attn.proj.weight": (C, q), b + "ln_2.weight": (C,), b + "mlp.gate.weight": (F, C),
                     b + "mlp.up.weight": (F, C), b + "mlp.proj.weight": (C, F)})

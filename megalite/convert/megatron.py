@@ -246,9 +246,11 @@ class MegatronGPT:
                                f"{padded}")
         m["vocab_size"] = vocab_size or padded
         self.interleaved = m.pop("_interleaved", False)
+        self.qkv_bias = m.pop("_qkv_bias", False)
         self.m = m
         if m.get("arch") == "llama":
-            self.shapes = hn.llama_shapes(m)
+            self.shapes = hn.llama_shapes(m, self.qkv_bias)
+            self.parts = None if self.qkv_bias else model_partitions(m)  # megalite's model has no q/k/v biases
             self.src = megatron_llama.llama_sources(dict(m, _interleaved=self.interleaved), set(self.ck.tensors))
             self._check_llama(where, padded)
         else:
@@ -259,7 +261,7 @@ class MegatronGPT:
         self.names = list(self.shapes)
 
     def _check_llama(self, where: str, padded: int) -> None:
-        want = megatron_llama.their_shapes(self.m, padded)
+        want = megatron_llama.their_shapes(self.m, padded, self.qkv_bias)
         for name in self.shapes:
             theirs = self.src[name][0]
             want.setdefault(theirs, None)

@@ -76,8 +76,9 @@ def llama_from_args(a: dict, where: str) -> dict:
     eps = get("norm_epsilon", get("layernorm_epsilon", 1e-5))
     m = hn.llama_model(get("num_layers"), H, G, C, get("ffn_hidden_size"), 1,
                        not get("untie_embeddings_and_output_weights"), get("rotary_base", 10000), scaling, eps,
-                       get("max_position_embeddings"), qkv_bias=bool(get("add_qkv_bias")))
-    m["_interleaved"] = bool(get("rotary_interleaved"))
+                       get("max_position_embeddings"))
+    m["_interleaved"] = bool(get("rotary_interleaved"))  # the reader's business, not the model's: popped there
+    m["_qkv_bias"] = bool(get("add_qkv_bias"))
     return m
 
 
@@ -192,7 +193,7 @@ def llama_sources(m: dict, names: set) -> dict:
     return out
 
 
-def their_shapes(m: dict, padded: int) -> dict:
+def their_shapes(m: dict, padded: int, qkv_bias: bool) -> dict:
     """The global shape each megatron tensor of this Llama must have (stacked over layers)."""
     L, C, H, G, F = m["n_layer"], m["n_embd"], m["n_head"], m["n_kv_head"], m["intermediate_size"]
     hd = C // H
@@ -200,7 +201,7 @@ def their_shapes(m: dict, padded: int) -> dict:
            LAYERS + "self_attention.linear_qkv.weight": (L, (H + 2 * G) * hd, C),
            LAYERS + "self_attention.linear_proj.weight": (L, C, H * hd),
            LAYERS + "mlp.linear_fc1.weight": (L, 2 * F, C), LAYERS + "mlp.linear_fc2.weight": (L, C, F)}
-    if m.get("qkv_bias"):
+    if qkv_bias:
         out[LAYERS + "self_attention.linear_qkv.bias"] = (L, (H + 2 * G) * hd)
     if not m["tie_embeddings"]:
         out["output_layer.weight"] = (padded, C)

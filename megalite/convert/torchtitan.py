@@ -23,6 +23,7 @@ import torch
 
 from ..errors import ConvertError
 from . import hints as hn
+from .common import model_partitions
 from .dcp import METADATA, DcpFolder
 
 TRAINING = ("optimizer.", "lr_scheduler.", "dataloader.", "train_state.")
@@ -93,6 +94,7 @@ class TorchtitanLlama:
                                 h.norm_eps or 1e-5, h.block_size or 2048)
         self.shapes = hn.llama_shapes(self.m)
         self.names = list(self.shapes)
+        self.parts = model_partitions(self.m)
         self.permute = permute
         for ours, want in self.shapes.items():
             info = self.ck.tensors.get(self.src[ours])
