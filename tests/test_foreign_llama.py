@@ -23,7 +23,7 @@ from megalite.convert import hints as hn
 from megalite.convert import megatron_llama
 from megalite.convert.megatron import MegatronGPT
 from megalite.convert.torchtitan import TorchtitanLlama
-from megalite.errors import ConvertError
+from megalite.base.errors import ConvertError
 
 transformers = pytest.importorskip("transformers")
 needs_megatron = pytest.mark.skipif(importlib.util.find_spec("megatron") is None

@@ -19,7 +19,7 @@ from typing import Optional
 
 import torch
 
-from ..errors import ConvertError
+from ..base.errors import ConvertError
 
 NORMS, MLPS = ("rms", "layer"), ("swiglu", "gelu", "gelu_tanh")
 

@@ -32,7 +32,7 @@ import torch
 from einops import rearrange
 
 from ..config import ModelConfig, path_kind
-from ..errors import ConvertError
+from ..base.errors import ConvertError
 from . import hints as hn
 from . import megatron_llama, unpickle
 from .common import model_partitions

@@ -18,7 +18,7 @@ from __future__ import annotations
 import torch
 from einops import rearrange
 
-from ..errors import ConvertError
+from ..base.errors import ConvertError
 from . import hints as hn
 
 LAYERS = "decoder.layers."

@@ -21,7 +21,7 @@ from pathlib import Path
 
 import torch
 
-from ..errors import ConvertError
+from ..base.errors import ConvertError
 from . import hints as hn
 from .common import model_partitions
 from .dcp import METADATA, DcpFolder
