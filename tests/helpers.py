@@ -25,6 +25,8 @@ from megalite.config import Config
 TIMEOUT = 180  # seconds for one training launch
 CLI_TIMEOUT = 120  # seconds for any other `megalite` command
 TORCHRUN_TIMEOUT = 240  # seconds for a launch of 4-8 processes that must succeed
+MEGATRON_REF = Path(__file__).with_name("megatron_ref.py")  # megatron-core run as an outside reference
+TORCHTITAN_REF = Path(__file__).with_name("torchtitan_ref.py")  # torchtitan run as an outside reference
 
 MEGALITE = [sys.executable, "-m", "megalite"]
 TORCHRUN = [sys.executable, "-m", "torch.distributed.run"]
