@@ -210,7 +210,7 @@ def test_architectures_megalite_does_not_model_are_refused_in_one_line(tmp_path,
 def test_a_llama_shaped_checkpoint_whose_args_claim_a_gpt2_is_refused_by_its_tensors(tmp_path, mref):
     src = tmp_path / "lying"  # arguments that claim a GPT-2 do not get a Llama's tensors through
     shutil.copytree(mref / "llama_tp2pp2", src)
-    _common_pt(src / "iter_0000010", _args(untie_embeddings_and_output_weights=True))
+    _common_pt(src / "iter_0000010", _args(num_layers=4, untie_embeddings_and_output_weights=True))  # its 4 layers
     rc, _, err = cli("convert", src, "--out", tmp_path / "b")
     assert rc == 2 and "tensor 'embedding.position_embeddings.weight' is missing" in err and "RoPE?" in err, err
     assert not any(tmp_path.glob("b*"))
