@@ -26,9 +26,9 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from .checkpoint.files import kind_of, no_follow, open_read, read_all, replace_atomically, unlink_quietly
+from .base.fs import kind_of, no_follow, open_read, read_all, replace_atomically, unlink_quietly
 from .config import MAX_COUNT
-from .errors import DataError
+from .base.errors import DataError
 from .tokenizer import BYTE, Tokenizer, byte_tokenizer, from_json, load as load_tokenizer, read_text_pieces
 
 if TYPE_CHECKING:  # torch is imported where batches are made: `megalite prepare` never loads it

@@ -28,7 +28,7 @@ import sys
 from pathlib import Path
 from typing import Iterable, Iterator, Optional
 
-from .errors import DataError
+from .base.errors import DataError
 
 EOT = "<|endoftext|>"  # GPT-2's end-of-text token
 BYTE = "byte"
@@ -326,7 +326,7 @@ def train_folder(files: list[Path], vocab_size: int, out, force: bool = False, q
     if tok.vocab_size < vocab_size and not quiet:
         log(f"tokenizer: WARNING: the text gives only {tok.vocab_size:,} ids (pairs seen fewer than "
             f"{min_frequency} times are not merged), not {vocab_size:,}")
-    from .checkpoint.files import remove_tree, replace_output
+    from .base.fs import remove_tree, replace_output
     tmp = out.with_name(f".{out.name}.tmp-{os.getpid()}")
     remove_tree(tmp)
     tmp.mkdir(parents=True)

@@ -19,7 +19,7 @@ import helpers as H
 from megalite.config import Config, ConfigError, ModelConfig, load_config, resolve, validate
 from megalite.data import BatchSampler, TokenDataset
 from megalite.model import GPTStage
-from megalite.optim import lr_at
+from megalite.run.schedule import lr_at
 from megalite.parallel.grid import ParallelGrid
 
 LLAMA3 = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
@@ -224,7 +224,7 @@ def test_bf16_fused_adamw_async_save_and_resume(token_file, tmp_path):
 def test_compile_equals_eager():
     """train.compile on a Llama block (rotary, GQA, SwiGLU): the same losses as eager within 1e-5."""
     from torch._dynamo.utils import counters
-    from megalite.compile import compile_blocks
+    from megalite.run.compile import compile_blocks
     m = tiny(2, False, rope_scaling=LLAMA3)
     x, y = torch.randint(0, m.vocab_size, (2, 2, m.block_size))
     losses = {}
@@ -251,7 +251,7 @@ def test_llama3_1b_config_is_llama_3_2_1b(tmp_path):
     """configs/llama3-1b.toml: transformers' count of the same LlamaConfig (built on the meta device), megalite's
     own model's, and the number gpu-check's FLOPs use agree: 1,235,814,400; 6N + 12 L C T at T = 2048."""
     from pathlib import Path
-    from megalite.tools.bench import gpu_check
+    from megalite.bench import gpu_check
     cfg = validate(resolve(load_config(Path(__file__).parents[1] / "configs" / "llama3-1b.toml"), 8), 8)
     m = cfg.model
     assert (m.n_layer, m.n_embd, m.n_head, m.kv_heads, m.ffn_size, m.vocab_size, m.tie_embeddings) == (
@@ -272,7 +272,7 @@ def test_gpu_check_dry_run_takes_the_llama_config(tmp_path):
     import io
     from contextlib import redirect_stdout
     from pathlib import Path
-    from megalite.tools.bench import gpu_check
+    from megalite.bench import gpu_check
     buf = io.StringIO()
     with redirect_stdout(buf):
         rc = gpu_check.main(["--dry-run", "--window", "0.5", "--dir", str(tmp_path),

@@ -13,7 +13,7 @@ import torch
 
 import helpers as H
 from megalite.testing import assert_round_trip, gather_full_model, run_parallel
-from megalite.train import train
+from megalite.run.train import train
 
 GQA = {"model.arch": "llama", "model.n_kv_head": 2, "model.rope_theta": 500000.0}  # 4 heads, 2 kv heads
 MQA = {**GQA, "model.n_kv_head": 1}

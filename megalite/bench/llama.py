@@ -34,9 +34,9 @@ def _transformers_step(cfg):
     """A training step of transformers' LlamaForCausalLM with the config's dims and recipe (torch AdamW, clipping,
     megalite's batches and schedule)."""
     import transformers
-    from ...config import num_microbatches
-    from ...data import BatchSampler, TokenDataset
-    from ...optim import lr_at
+    from ..config import num_microbatches
+    from ..data import BatchSampler, TokenDataset
+    from ..run.schedule import lr_at
     m, t, n_micro = cfg.model, cfg.train, num_microbatches(cfg)
     torch.manual_seed(t.seed)
     model = transformers.LlamaForCausalLM(transformers.LlamaConfig(
@@ -111,9 +111,9 @@ def block_layouts(world: int, n_head: int, seq: int) -> list[tuple]:
 
 def _worker(rank: int, world: int, tmp: str, o: dict) -> None:
     import torch.distributed as dist
-    from ...config import Config
-    from ...model import GPTStage
-    from ...parallel.grid import Layout, ParallelGrid
+    from ..config import Config
+    from ..model import GPTStage
+    from ..parallel.grid import Layout, ParallelGrid
     out = []
     for lay in o["layouts"]:
         grid = ParallelGrid.create(Layout(*lay))
@@ -140,8 +140,8 @@ def _worker(rank: int, world: int, tmp: str, o: dict) -> None:
 
 def block_activations(o: dict, world: int, seq: int, log=print) -> list:
     """Table 10 at `world` ranks for one `seq`-token sequence; printed row by row."""
-    from ...config import Config
-    from ...testing import run_parallel
+    from ..config import Config
+    from ..testing import run_parallel
     llama = {**llama_model(o), "n_layer": 1, "block_size": seq}
     m = Config.from_dict({"model": llama}).model
     layouts = block_layouts(world, m.n_head, seq)
