@@ -67,9 +67,10 @@ def _transformers_step(cfg):
 
 def vs_transformers(o: dict, pairs: int, run_single, log=print) -> list:
     """Table 9 (see the module docstring); run_single(kind, raw, steps) runs one in a fresh interpreter."""
-    from .train import _raw
     tokens = o["batch"] * o["model"]["block_size"]
-    raw = {**_raw(o, (1, 1, 1), o["micro"], o["batch"]), "model": llama_model(o)}
+    raw = {"model": llama_model(o), "parallel": {"tp": 1, "pp": 1, "dp": 1},  # as table 1's (1,1,1) runs
+           "train": {"global_batch_size": o["batch"], "micro_batch_size": o["micro"], "steps": 1000,
+                     "warmup_steps": 10, "eval_batches": 1, "out_dir": o["work"]}, "data": {"path": o["data"]}}
     log(f"\n9. Llama (model.arch = llama, {raw['model']['n_kv_head']} kv heads of {o['model']['n_head']}): megalite "
         f"(1,1,1) vs transformers' LlamaForCausalLM (same dims and batch, eager, SDPA, torch.optim.AdamW), {pairs} "
         f"pairs of fresh processes, the order alternating; ratio = megalite / transformers tokens/s within a pair")
