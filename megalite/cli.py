@@ -210,7 +210,7 @@ def _cmd_bench(args, rest) -> int:
         from .bench.train import bench_train
         bench_train(steps=args.steps, nproc=args.nproc, n_embd=args.n_embd or 128, n_layer=args.n_layer or 4,
                     block_size=args.block_size or 128, rounds=args.rounds or 2, wait_ms=args.bubble_wait_ms,
-                    cp_seq=args.cp_seq, pairs=args.pairs)
+                    cp_seq=args.cp_seq, pairs=args.pairs, llama_only=args.llama_only)
     return 0
 
 
@@ -363,6 +363,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--pairs", type=int, default=5, help="train: table 1's megalite/plain pairs of fresh processes")
     p.add_argument("--cp-seq", type=int, default=None,
                    help="train: sequence length of the context-parallel table (default: 8 x --block-size)")
+    p.add_argument("--llama-only", action="store_true",
+                   help="train: only the Llama tables (9: vs transformers' LlamaForCausalLM, 10: a block's "
+                        "saved bytes per rank)")
     p.add_argument("--bubble-wait-ms", type=float, default=None,
                    help="train: t_f of the bubble table's wait rows (default: the model's, at least 40 ms)")
 
