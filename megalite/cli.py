@@ -37,6 +37,8 @@ EPILOGS = {
                "  megalite convert runs/demo/checkpoints --format hf-gpt2 --out runs/demo/hf/\n"
                "  megalite convert megatron/ckpts --vocab-size 50257 --format hf-gpt2 --out hf/   (Megatron-LM)\n"
                "  megalite convert dcp_ckpt/step-100 --out step-100.safetensors   (PyTorch DCP, e.g. torchtitan)\n"
+               "  megalite convert step-100 --from dcp --arch llama --config config.json --out llama.safetensors"
+               "   (torchtitan's Llama 3)\n"
                "  megalite convert runs/demo/checkpoints --format dcp --out runs/demo/dcp/",
     "split": "example:\n  megalite split runs/demo/model.safetensors --tp 2 --pp 2 --dp 1 --out runs/split-221/",
     "reshard": "example:\n  megalite reshard runs/demo/checkpoints --tp 1 --pp 4 --dp 2 --out runs/reshard-142/",
