@@ -28,7 +28,7 @@ import torch
 
 from ..checkpoint.stream import StreamingWriter, raw_bytes
 from ..base.fs import remove_tree, replace_output
-from ..config import path_kind
+from ..base.fs import path_kind
 from ..base.errors import ConvertError
 from . import unpickle
 from .common import DCP_OUT, HF_FILE, HF_INDEX, Progress

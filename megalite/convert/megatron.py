@@ -31,7 +31,8 @@ from typing import Optional
 import torch
 from einops import rearrange
 
-from ..config import ModelConfig, path_kind
+from ..base.fs import path_kind
+from ..config import ModelConfig
 from ..base.errors import ConvertError
 from . import unpickle
 from .common import model_partitions
