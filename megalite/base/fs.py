@@ -16,6 +16,8 @@ folder, token files, tokenizer folders). The run lock is lock.py's, on top of th
                                     `<stem>.<time><suffix>`); nothing is ever deleted
     replace_output(tmp, out)        a finished output moved into place; the old one removed only after
     output_refusal(out, sources)    why a command must not write `out` (the current folder, `/`, a source)
+    identity(path), folder_locked   what is at a path now (to see another writer's output appear), and a lock
+                                    on a folder held while outputs are moved into it (one writer at a time)
 
 What is refused (a symlink, a FIFO or device, a folder where a file is expected) is an UnsafeFileError (an
 OSError too) naming the path and what is there; a FIFO or a device is refused at open, never read from, so
@@ -34,8 +36,9 @@ import os
 import shutil
 import stat
 import time
+from contextlib import contextmanager
 from pathlib import Path
-from typing import Callable, Iterable, Optional
+from typing import Callable, Iterable, Iterator, Optional
 
 from .errors import UnsafeFileError
 
@@ -262,3 +265,26 @@ def output_refusal(out: Path, sources: Iterable[Path] = ()) -> str:
         if out in src.parents:
             return f"--out {out}: refusing to replace a folder that contains the source {src}"
     return ""
+
+
+def identity(path: Path) -> Optional[tuple]:
+    """What is at `path` (not following a symlink), as (device, inode, size, mtime in ns, mode), or None:
+    two writers of one output each note it when they start, and the second to finish sees it changed."""
+    try:
+        st = os.lstat(path)
+    except FileNotFoundError:
+        return None
+    return st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns, st.st_mode
+
+
+@contextmanager
+def folder_locked(folder: Path) -> Iterator[None]:
+    """An exclusive flock on `folder` itself (no file is created), held while a writer checks that its output
+    is still as it found it and moves its new one into place: two megalite writers of one folder commit one
+    after the other, so the second sees the first's output (and is refused) instead of silently replacing it."""
+    fd = os.open(folder, os.O_RDONLY | getattr(os, "O_DIRECTORY", 0))
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        yield
+    finally:
+        os.close(fd)  # releases the lock

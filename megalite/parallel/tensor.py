@@ -197,27 +197,37 @@ class ColumnParallelLinear(nn.Module):
     forward: copy_to_tp on the input (its backward all-reduces the input gradient); output stays split
     unless gather_output (only meaningful for stack == 1: a gathered stacked output is ordered per rank).
     With sp the input is this rank's sequence chunk (B, T/tp, in), all-gathered inside _SPColumnLinear.
-    `placement` and `init` (the weight's; the bias starts at zero) go into the parameters' tags.
+    `placement` and `init` (the weight's; the bias starts at zero) go into the parameters' tags. `units`: the
+    outputs are that many blocks tp never cuts (GQA's kv heads, partition.Partition.units); with tp > units a
+    rank computes the block its tp/units group shares.
     """
 
     def __init__(self, in_features: int, out_features: int, tp: Axis, bias: bool = True, stack: int = 1,
-                 gather_output: bool = False, sp: bool = False, placement: str = "first", init: str = "normal"):
+                 gather_output: bool = False, sp: bool = False, placement: str = "first", init: str = "normal",
+                 units: int = 0):
         super().__init__()
         self.tp, self.gather_output, self.sp = tp, gather_output, sp
         lead = (stack,) if stack > 1 else ()
         split = len(lead)
-        self.weight = _param(Partition(lead + (out_features, in_features), split, placement=placement, init=init), tp)
+        self.weight = _param(Partition(lead + (out_features, in_features), split, placement=placement, init=init,
+                                       units=units), tp)
         self.bias = _param(Partition(lead + (out_features,), split, placement=placement, init="zeros", decay=False),
                            tp) if bias else None
         self.in_features = in_features
 
     def forward(self, x):  # (..., in) -> (..., stack * out / tp)
         w, b = self.weight.reshape(-1, self.in_features), None if self.bias is None else self.bias.reshape(-1)
-        if self.sp and self.tp.active:  # x: (B, T/tp, in)
-            y = _SPColumnLinear.apply(x, w, b, self.tp)
-        else:
-            y = F.linear(copy_to_tp(x, self.tp), w, b)
+        y = column_parallel(x, w, b, self.tp, self.sp)
         return gather_from_tp(y, self.tp) if self.gather_output else y
+
+
+def column_parallel(x, weight, bias, tp: Axis, sp: bool = False):
+    """x W^T + b for this rank's rows of a column-parallel W (ColumnParallelLinear's product; also for several
+    layers' local weights concatenated, e.g. q, k, v or gate, up: one gather and one matmul for all of them).
+    forward: copy_to_tp (sp: all-gather the sequence); backward: all-reduce (sp: reduce-scatter) of grad x."""
+    if sp and tp.active:  # x: (B, T/tp, in)
+        return _SPColumnLinear.apply(x, weight, bias, tp)
+    return F.linear(copy_to_tp(x, tp), weight, bias)
 
 
 class RowParallelLinear(nn.Module):
