@@ -12,7 +12,6 @@ from __future__ import annotations
 import argparse
 import functools
 import os
-import signal
 import sys
 import traceback
 
@@ -68,26 +67,15 @@ class _Parser(argparse.ArgumentParser):
 
 def _cmd_train(args, rest) -> int:
     from .config import ConfigError, load_config
-    from .parallel.process_group import leave_distributed, world_size_from_env
+    from .parallel.process_group import world_size_from_env
     from .run.train import refuse_start, train
     try:
-        cfg, failed = load_config(args.config, rest), None
+        cfg = load_config(args.config, rest)
     except ConfigError as e:
         if world_size_from_env() == 1:
             raise
-        cfg, failed = None, e  # this rank's config file may not be the others': said once every rank has joined
-    try:
-        if failed is not None:
-            refuse_start(failed)
-        train(cfg, log=functools.partial(print, flush=True), force=args.force)  # lines appear as they happen
-    except BaseException as e:
-        # The job is stopping with an error on every rank. torchrun SIGTERMs the workers still running as
-        # soon as one has exited; ignoring that lets each rank finish with its own exit code (2).
-        if int(os.environ.get("WORLD_SIZE", "1")) > 1:
-            signal.signal(signal.SIGTERM, signal.SIG_IGN)
-        leave_distributed(error=e)  # at once, without a barrier: it could wait the whole timeout on a gone peer
-        raise
-    leave_distributed()
+        refuse_start(e)  # this rank's config file may not be the others': said once every rank has joined
+    train(cfg, log=functools.partial(print, flush=True), force=args.force)  # joins and leaves the job itself
     return 0
 
 

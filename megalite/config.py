@@ -16,6 +16,7 @@ from pathlib import Path
 
 from .base.errors import ConfigError, LayoutError
 from .base.limits import MAX_COUNT, MAX_SIZE  # noqa: F401 (re-exported: config.MAX_COUNT is read elsewhere)
+from .base.fs import path_kind
 from .parallel.grid import Layout
 
 if sys.version_info >= (3, 11):
@@ -89,6 +90,11 @@ class ParallelConfig:
     vpp: int = 1  # virtual pipeline stages per rank (interleaved 1F1B when > 1)
     overlap_grad_reduce: bool = False  # all-reduce dp gradient buckets during backward, as they fill
     timeout_s: float = 1800.0  # how long a collective waits for a silent peer (the process-group timeout)
+
+    @property
+    def layout(self) -> Layout:
+        """The grid's sizes (dp as resolved: 0 until `resolve` fills it in). Built here only."""
+        return Layout(self.tp, self.pp, self.dp, self.cp)
 
 
 @dataclass
@@ -230,20 +236,6 @@ def _set(cfg: Config, dotted: str, value, source: str, from_text: bool = False) 
     sec, f = _field(cfg, dotted, source)
     typ = f.type if isinstance(f.type, str) else f.type.__name__
     setattr(sec, f.name, _coerce(value, typ, dotted, source, from_text))
-
-
-def path_kind(p: str | Path) -> str:
-    """What is at `p`, for an error message about a path that is not the regular file expected: 'a folder',
-    'a character device' (/dev/null), 'a named pipe', 'a broken symlink to X', 'missing (no such file)', ..."""
-    p = Path(p)
-    try:
-        st = p.stat()
-    except FileNotFoundError:
-        return f"a broken symlink to '{os.readlink(p)}'" if p.is_symlink() else "a path that does not exist"
-    except OSError as e:
-        return f"not readable ({e.strerror})"
-    from .base.fs import kind_of  # here: the checkpoint package imports this module
-    return kind_of(st)
 
 
 def load_config(path: str | Path | None = None, overrides: typing.Sequence[str] = ()) -> Config:
@@ -456,7 +448,7 @@ def validate(cfg: Config, world_size: int | None = None) -> Config:
         raise ConfigError(f"model.n_embd = {m.n_embd} is not divisible by model.n_head = {m.n_head}")
     check_family(m)
     try:
-        Layout(par.tp, par.pp, par.dp, par.cp).validate(m, "parallel.")
+        par.layout.validate(m, "parallel.")
     except LayoutError as e:
         raise ConfigError(str(e)) from None
     if world_size is not None and world_size != par.tp * par.cp * par.pp * par.dp:

@@ -26,14 +26,13 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from .base.fs import (folder_locked, fsync_dir, identity, kind_of, no_follow, open_read, read_all,
+from .base.fs import (folder_locked, fsync_dir, identity, kind_of, no_follow, open_read, path_kind, read_all,
                       unlink_quietly, write_new)
 from .base import limits
 from .config import MAX_COUNT
 from .base.errors import DataError
 from .base.jsonio import loads
-from .tokenizer import (BYTE, FORCED_CUT, Tokenizer, byte_tokenizer, from_json, load as load_tokenizer,
-                        read_text_pieces)
+from .tokenizer import FORCED_CUT, Tokenizer, load as load_tokenizer, of_token_file, read_text_pieces
 
 if TYPE_CHECKING:  # torch is imported where batches are made: `megalite prepare` never loads it
     import torch
@@ -43,19 +42,6 @@ FORMAT = "megalite-tokens"
 VERSION = 1
 TEXT_SUFFIXES = (".py", ".txt", ".md", ".rst", ".json", ".toml", ".c", ".h")
 _SKIP_STDLIB_DIRS = {"site-packages", "test", "tests", "idlelib", "lib2to3"}
-
-
-class ByteTokenizer:
-    """UTF-8 bytes as token ids: lossless for any text, no vocabulary file needed."""
-
-    vocab_size = 256
-
-    def encode(self, text: str) -> list[int]:
-        return list(text.encode("utf-8"))
-
-    def decode(self, ids) -> str:
-        # A sampled sequence may cut a multi-byte character; replace, don't fail.
-        return bytes(int(i) for i in ids).decode("utf-8", errors="replace")
 
 
 def meta_path(path: str | Path) -> Path:
@@ -389,7 +375,6 @@ class TokenDataset:
             raise DataError(f"data.path: token file '{path}' does not exist "
                             "(run `megalite prepare` or remove data.path to use the default corpus)")
         if not path.is_file():
-            from .config import path_kind
             raise DataError(f"data.path: '{path}' is {path_kind(path)}, expected a token file written by "
                             f"`megalite prepare`")
         mpath = meta_path(path)
@@ -419,7 +404,7 @@ class TokenDataset:
             raise DataError(f"data.path: the {split} split of '{path}' is empty "
                             f"(num_tokens={num_tokens}, val_start={val_start}){how}")
         self.path, self.split, self.meta, self.how = path, split, meta, how
-        vocab = meta.get("vocab_size", ByteTokenizer.vocab_size)
+        vocab = meta.get("vocab_size", 256)  # a file that records none is the byte tokenizer's
         if not isinstance(vocab, int) or isinstance(vocab, bool) or vocab < 1:
             raise DataError(f"data.path: metadata '{mpath}' has vocab_size {vocab!r}, expected a positive integer")
         self.vocab_size = vocab
@@ -429,38 +414,9 @@ class TokenDataset:
     def __len__(self) -> int:
         return int(self.tokens.shape[0])
 
-
-def tokenizer_of(dataset: TokenDataset) -> Tokenizer:
-    """The tokenizer that made a token file: the `tokenizer_file` its json names (its bytes checked against
-    the recorded `tokenizer_sha256`), or the byte tokenizer for a file that names none and records at most
-    256 ids (every token file written before tokenizers were recorded is one)."""
-    meta, mpath = dataset.meta, meta_path(dataset.path)
-    name = meta.get("tokenizer_file")
-    if name is None:
-        if meta.get("tokenizer", BYTE) != BYTE or dataset.vocab_size > 256:
-            raise DataError(f"data.path: '{mpath}' records vocab_size {dataset.vocab_size} (tokenizer "
-                            f"{meta.get('tokenizer', BYTE)!r}) but names no tokenizer_file; add \"tokenizer_file\": "
-                            f"the path of the tokenizer.json that made it (docs/tokenizers.md)")
-        return byte_tokenizer()
-    if not isinstance(name, str) or not name:
-        raise DataError(f"data.path: '{mpath}' has tokenizer_file {name!r}, expected the path of a tokenizer.json")
-    tpath = mpath.parent / name
-    if not tpath.is_file():
-        from .config import path_kind
-        raise DataError(f"data.path: tokenizer_file '{tpath}' named by '{mpath.name}' is {path_kind(tpath)}, "
-                        f"expected the tokenizer.json that made the token file")
-    limits.within(tpath.stat().st_size, "tokenizer", f"data.path: tokenizer_file '{tpath}'", DataError)
-    raw = tpath.read_bytes()
-    sha = meta.get("tokenizer_sha256")
-    if sha is not None and sha != hashlib.sha256(raw).hexdigest():
-        raise DataError(f"data.path: tokenizer_file '{tpath}' has sha256 {hashlib.sha256(raw).hexdigest()[:16]}..., "
-                        f"not the tokenizer_sha256 {str(sha)[:16]}... recorded in '{mpath.name}' (the tokenizer was "
-                        f"changed after `megalite prepare`; prepare the data again)")
-    tok = from_json(raw.decode("utf-8", errors="replace"), f"data.path: tokenizer_file '{tpath}'")
-    if dataset.vocab_size > tok.vocab_size:
-        raise DataError(f"data.path: '{mpath}' records vocab_size {dataset.vocab_size} but its tokenizer "
-                        f"'{tpath}' has {tok.vocab_size} ids")
-    return tok
+    def tokenizer(self) -> Tokenizer:
+        """The tokenizer that made this token file (tokenizer.of_token_file: the one owner of that question)."""
+        return of_token_file(meta_path(self.path), self.meta, self.vocab_size)
 
 
 SAMPLE_TOKENS = 1 << 20  # tokens read at start-up to check a recorded max_token (a strided sample)

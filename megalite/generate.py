@@ -12,10 +12,9 @@ import torch
 
 from .config import ConfigError, ModelConfig
 from .convert import ConvertError, read_model_file
-from .convert.single import model_tokenizer
 from .model import GPTStage
 from .parallel.grid import ParallelGrid
-from .tokenizer import Tokenizer, byte_tokenizer
+from .tokenizer import Tokenizer, byte_tokenizer, carried_by
 
 
 def load_model(path) -> GPTStage:
@@ -23,7 +22,7 @@ def load_model(path) -> GPTStage:
     none, as every model did before tokenizers were carried). Ids past the tokenizer's vocabulary are
     padding rows: `generate` never draws them (`.real_vocab`)."""
     m, get, names = read_model_file(path)
-    tok = model_tokenizer(path)
+    tok = carried_by(path)
     if tok is None:
         if m["vocab_size"] > 256:
             _warn(f"{path} carries no tokenizer; its ids are read as bytes (ids 256 and up are never drawn)")

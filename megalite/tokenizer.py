@@ -8,6 +8,8 @@ a run carries them in: a `tokenizer.json` of the `tokenizers` library.
     train_bpe(...)     `megalite tokenizer train`: a GPT-2-style byte-level BPE over some files
     write_hf_folder    tokenizer.json + tokenizer_config.json (+ special_tokens_map.json) that
                        transformers' AutoTokenizer loads as is
+    carried_by(path)   which tokenizer an artifact carries (a checkpoint, a converted model file, an HF
+                       folder), of_token_file(...) which one made a token file: the one owner of that question
 
 The byte tokenizer is token id = byte value (0..255), built with `tokenizers` as a BPE with no merges over
 GPT-2's byte-to-character alphabet and the ByteLevel pre-tokenizer without its regex split or a prefix
@@ -29,10 +31,16 @@ from pathlib import Path
 from typing import Iterable, Iterator, Optional
 
 from .base import limits
-from .base.errors import DataError
+from .base.errors import CheckpointError, DataError
+from .base.fs import folder_locked, output_refusal, path_kind, remove_tree, replace_output
 from .base.jsonio import loads
+from .checkpoint.check import read_tokenizer
+from .checkpoint.manifest import read as read_manifest
+from .checkpoint.stream import read_metadata
+from .checkpoint.tree import LATEST, MANIFEST, resolve, tokenizer_rel
 
 EOT = "<|endoftext|>"  # GPT-2's end-of-text token
+TOKENIZER_KEY = "megalite.tokenizer"  # safetensors metadata of a converted model file: the run's tokenizer.json
 BYTE = "byte"
 TOKENIZER_JSON = "tokenizer.json"
 
@@ -183,7 +191,6 @@ def from_json(text: str, where: str) -> Tokenizer:
 
 def _read_text(path: Path, what: str) -> str:
     if not path.is_file():
-        from .config import path_kind
         raise DataError(f"{what} '{path}' is {path_kind(path)}, expected a file")
     limits.within(path.stat().st_size, "tokenizer", f"{what} '{path}'", DataError)
     data = path.read_bytes()
@@ -353,8 +360,9 @@ def train_folder(files: list[Path], vocab_size: int, out, force: bool = False, q
     only with `force`, and only then replaced)."""
     from .base.fs import identity
     out = Path(out)
-    if out.name in ("", ".", ".."):
-        raise DataError(f"--out '{out}': expected the path of a new folder")
+    refused = output_refusal(out)  # no name, the current folder or one holding it
+    if refused:
+        raise DataError(refused)
     if os.path.lexists(out) and not force:
         raise DataError(f"--out '{out}' already exists (pass --force to replace it)")
     if os.path.lexists(out):
@@ -380,7 +388,6 @@ def train_folder(files: list[Path], vocab_size: int, out, force: bool = False, q
     if tok.vocab_size < vocab_size and not quiet:
         log(f"tokenizer: WARNING: the text gives only {tok.vocab_size:,} ids (pairs seen fewer than "
             f"{min_frequency} times are not merged), not {vocab_size:,}")
-    from .base.fs import folder_locked, remove_tree, replace_output
     tmp = out.with_name(f".{out.name}.tmp-{os.getpid()}")
     remove_tree(tmp)
     tmp.mkdir(parents=True)
@@ -469,3 +476,71 @@ def _clear_of(text: str, at: int, specials: tuple) -> int:
             if 0 <= i < at < i + len(s):
                 at, moved = i, True
     return at
+
+
+# ---------------------------------------------------------------- which tokenizer an artifact carries
+def carried_by(path) -> Optional[Tokenizer]:
+    """The tokenizer a model artifact carries, or None where it carries none: a checkpoint (root or step
+    folder: its tokenizer.json, checked against the manifest), a converted model file (its safetensors metadata
+    TOKENIZER_KEY), an HF folder (its tokenizer.json, else GPT-2's vocab.json + merges.txt)."""
+    p = Path(path)
+    if p.is_dir() and ((p / MANIFEST).exists() or (p / LATEST).exists()):  # a checkpoint, not an HF folder
+        step = resolve(p)
+        man = read_manifest(step)
+        text, where = read_tokenizer(step, man), f"{step / tokenizer_rel(man.layout.cp)}"
+    elif p.is_dir():
+        return load(p, "model folder") if (p / TOKENIZER_JSON).exists() or (p / "vocab.json").exists() else None
+    else:
+        try:
+            text = read_metadata(p).get(TOKENIZER_KEY)
+        except (OSError, ValueError) as e:
+            raise DataError(f"{p}: cannot read its safetensors metadata ({e})") from None
+        where = f"{p}: metadata '{TOKENIZER_KEY}'"
+    if text is None:
+        return None
+    return from_json(text if isinstance(text, str) else text.decode("utf-8", errors="replace"), where)
+
+
+def of_token_file(path: Path, meta: dict, vocab_size: int) -> Tokenizer:
+    """The tokenizer that made a token file (its .json `meta` at `path`): the `tokenizer_file` it names (its bytes
+    checked against the recorded `tokenizer_sha256`), or the byte tokenizer for a file that names none and
+    records at most 256 ids (every token file written before tokenizers were recorded is one)."""
+    mpath = Path(path)
+    name = meta.get("tokenizer_file")
+    if name is None:
+        if meta.get("tokenizer", BYTE) != BYTE or vocab_size > 256:
+            raise DataError(f"data.path: '{mpath}' records vocab_size {vocab_size} (tokenizer "
+                            f"{meta.get('tokenizer', BYTE)!r}) but names no tokenizer_file; add \"tokenizer_file\": "
+                            f"the path of the tokenizer.json that made it (docs/tokenizers.md)")
+        return byte_tokenizer()
+    if not isinstance(name, str) or not name:
+        raise DataError(f"data.path: '{mpath}' has tokenizer_file {name!r}, expected the path of a tokenizer.json")
+    tpath = mpath.parent / name
+    if not tpath.is_file():
+        raise DataError(f"data.path: tokenizer_file '{tpath}' named by '{mpath.name}' is {path_kind(tpath)}, "
+                        f"expected the tokenizer.json that made the token file")
+    limits.within(tpath.stat().st_size, "tokenizer", f"data.path: tokenizer_file '{tpath}'", DataError)
+    raw = tpath.read_bytes()
+    sha = meta.get("tokenizer_sha256")
+    if sha is not None and sha != hashlib.sha256(raw).hexdigest():
+        raise DataError(f"data.path: tokenizer_file '{tpath}' has sha256 {hashlib.sha256(raw).hexdigest()[:16]}..., "
+                        f"not the tokenizer_sha256 {str(sha)[:16]}... recorded in '{mpath.name}' (the tokenizer was "
+                        f"changed after `megalite prepare`; prepare the data again)")
+    tok = from_json(raw.decode("utf-8", errors="replace"), f"data.path: tokenizer_file '{tpath}'")
+    if vocab_size > tok.vocab_size:
+        raise DataError(f"data.path: '{mpath}' records vocab_size {vocab_size} but its tokenizer "
+                        f"'{tpath}' has {tok.vocab_size} ids")
+    return tok
+
+
+def check_same(saved: Optional[Tokenizer], ours: Optional[Tokenizer], where: str, data_path: str) -> None:
+    """On resume: the token file must come from the checkpoint's tokenizer (compared as re-serialized by this
+    tokenizers library, so a library upgrade alone changes nothing); a checkpoint without one (older, or saved
+    by the API) is not checked."""
+    if saved is None or ours is None or saved.sha256 == ours.sha256:
+        return
+    raise CheckpointError(
+        f"checkpoint.resume: {where} ({saved.kind}, vocab {saved.vocab_size}, sha256 {saved.sha256[:12]}) is not "
+        f"the tokenizer of data.path '{data_path}' ({ours.kind}, vocab {ours.vocab_size}, sha256 "
+        f"{ours.sha256[:12]}); prepare the data with the checkpoint's tokenizer: megalite prepare FILES "
+        f"--tokenizer {where} --out X.bin")

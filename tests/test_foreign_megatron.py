@@ -15,9 +15,7 @@ parallel layers' outputs and gradients, and its interleaved-1F1B schedule table.
 """
 from __future__ import annotations
 
-import contextlib
 import importlib.util
-import io
 import json
 import re
 import shutil
@@ -31,6 +29,7 @@ import torch.distributed as dist
 import helpers as H
 from megalite.convert import convert, split
 from megalite.testing import run_parallel
+from helpers import cli_in_process as cli  # `megalite ARGS` in this process
 
 pytestmark = pytest.mark.skipif(importlib.util.find_spec("megatron") is None
                                 or importlib.util.find_spec("megatron.core") is None,
@@ -40,12 +39,6 @@ REF_SCRIPT = H.MEGATRON_REF  # the `mref` fixture (conftest.py) runs it once per
 VOCAB = 256  # the real vocabulary; megatron's tensors hold 384 rows (padded)
 
 
-def cli(*args) -> tuple[int, str, str]:
-    from megalite.cli import main
-    out, err = io.StringIO(), io.StringIO()
-    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
-        rc = main([str(a) for a in args])
-    return rc, out.getvalue(), err.getvalue()
 
 
 def max_rel(a: torch.Tensor, b: torch.Tensor) -> float:
