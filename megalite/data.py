@@ -26,8 +26,8 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from .base.fs import (folder_locked, fsync_dir, identity, kind_of, no_follow, open_read, path_kind, read_all,
-                      unlink_quietly, write_new)
+from .base.fs import (folder_locked, fsync_dir, identity as file_identity, kind_of, no_follow, open_read,
+                      path_kind, read_all, unlink_quietly, write_new)
 from .base import limits
 from .config import MAX_COUNT
 from .base.errors import DataError
@@ -230,7 +230,7 @@ def prepare(sources: list[str | Path], out: str | Path, val_fraction: float = 0.
         raise DataError(f"prepare: val_fraction must be in [0, 1), got {val_fraction}")
     tok = tokenizer if isinstance(tokenizer, Tokenizer) else load_tokenizer(tokenizer)
     check_out(out, force, sidecar=not tok.is_byte)
-    found = {p: identity(p) for p in outputs(out, not tok.is_byte)}  # a writer finishing first changes these
+    found = {p: file_identity(p) for p in outputs(out, not tok.is_byte)}  # a writer finishing first changes these
     files = expand_sources(list(sources))
     if not files:
         raise DataError(f"prepare: no text found in sources {[str(s) for s in sources]} "
@@ -241,7 +241,8 @@ def prepare(sources: list[str | Path], out: str | Path, val_fraction: float = 0.
     if not tok.streams_by_words():
         piece_chars = 1 << 62  # each file whole: a cut could change its ids
     out.parent.mkdir(parents=True, exist_ok=True)
-    temps = {p: p.with_name(f".{p.name}.tmp-{os.getpid()}") for p in outputs(out, not tok.is_byte)}
+    run_id = f"{os.getpid()}-{os.urandom(3).hex()}"  # two writers never share a temporary name
+    temps = {p: p.with_name(f".{p.name}.tmp-{run_id}") for p in outputs(out, not tok.is_byte)}
     tmp = temps[out]
     bar = _Progress(sum(f.stat().st_size for f in files), progress)
     num_tokens, top, chars, done_bytes, last_doc, forced = 0, -1, 0, 0, -1, []
@@ -314,7 +315,7 @@ def _commit(out: Path, temps: dict, found: dict) -> None:
     started: of two `prepare` runs to one --out, the second to finish is refused instead of replacing the
     first's file (or a file that appeared meanwhile) without a word."""
     with folder_locked(out.parent):
-        changed = [p for p, was in found.items() if identity(p) != was]
+        changed = [p for p, was in found.items() if file_identity(p) != was]
         if changed:
             raise DataError(f"prepare: '{changed[0]}' was written by another process while this one ran (two "
                             f"prepare runs to one --out?); this run's output is discarded and the other's kept: "

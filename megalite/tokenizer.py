@@ -82,11 +82,7 @@ class Tokenizer:
         ids = backend.get_vocab(with_added_tokens=True).values()
         # the largest id + 1, not the count of ids: a vocabulary with holes (ids 0..255 and 70000) would
         # otherwise be stored as uint16 and its id 70000 lost
-        self.vocab_size = max(ids, default=-1) + 1
-        if self.vocab_size > limits.HOLES * len(ids) + limits.SLACK:
-            raise DataError(f"{source}: the largest token id is {self.vocab_size - 1:,}, but the tokenizer lists only "
-                            f"{len(ids):,} ids; expected ids numbered from 0 with at most {limits.HOLES}x as many "
-                            f"unused ones (per-id tables are sized by the largest id)")
+        self.vocab_size = check_ids(ids, source) + 1
         self.is_byte = self.sha256 == _byte_sha256()
         self.eot_id = None if self.is_byte else backend.token_to_id(EOT)
 
@@ -168,6 +164,20 @@ def sha256_text(text: str) -> str:
 
 
 # ---------------------------------------------------------------- loading
+def check_ids(ids, where: str) -> int:
+    """The largest of a vocabulary's `ids`, which must lie within limits.HOLES x their count (+ SLACK): per-id
+    tables (the token dtype, bytes per token) are sized by the largest id, and the tokenizers library itself
+    walks every id up to it when it writes a tokenizer out (an id of 2**31 - 1 among 27: minutes)."""
+    ids = [i for i in ids if isinstance(i, int) and not isinstance(i, bool)]
+    top = max(ids, default=-1)
+    if top + 1 > limits.HOLES * len(set(ids)) + limits.SLACK:
+        shown = f"{top:,}" if top.bit_length() <= 128 else limits.describe(top)
+        raise DataError(f"{where}: the largest token id is {shown}, but the tokenizer lists only "
+                        f"{len(set(ids)):,} ids; expected ids numbered from 0 with at most {limits.HOLES}x as many "
+                        f"unused ones (per-id tables are sized by the largest id)")
+    return top
+
+
 def from_json(text: str, where: str) -> Tokenizer:
     """A Tokenizer from tokenizer.json text; `where` names its source in a one-line error."""
     from tokenizers import Tokenizer as Backend
@@ -175,6 +185,9 @@ def from_json(text: str, where: str) -> Tokenizer:
     if not isinstance(d, dict) or not isinstance(d.get("model"), dict):
         raise DataError(f"{where}: not a tokenizer.json (no 'model' object; expected a file saved by the "
                         f"tokenizers library, e.g. `megalite tokenizer train` or an HF tokenizer folder)")
+    vocab = d["model"].get("vocab")  # checked before the library builds anything from it
+    check_ids([*(vocab.values() if isinstance(vocab, dict) else range(len(vocab)) if isinstance(vocab, list) else []),
+               *(t.get("id") for t in d.get("added_tokens") or [] if isinstance(t, dict))], where)
     try:
         backend = Backend.from_str(text)
     except Exception as e:  # noqa: BLE001 - the library's own parse error (a Rust message)
@@ -208,6 +221,7 @@ def gpt2_from_files(vocab: Path, merges: Path) -> Tokenizer:
     if not isinstance(table, dict) or not table or not all(
             isinstance(k, str) and isinstance(v, int) and not isinstance(v, bool) and v >= 0 for k, v in table.items()):
         raise DataError(f"{vocab}: expected GPT-2's vocab.json, a JSON object of token -> non-negative id")
+    check_ids(table.values(), str(vocab))
     _read_text(merges, "merges.txt")
     try:
         backend = Backend(models.BPE.from_file(str(vocab), str(merges)))
