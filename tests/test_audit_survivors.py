@@ -146,6 +146,18 @@ def test_prepare_records_the_largest_id_written_separators_included(tmp_path):
     check_vocab(TokenDataset(tmp_path / "t.bin", "train"), 5)
 
 
+# ---------------------------------------------------------------- the allow-list unpickler: package prefixes
+@pytest.mark.parametrize("module", ["megatron_tools", "megatronx.core", "megatron2", "megatron-evil"])
+def test_a_package_prefix_allows_that_package_only_not_every_module_name_starting_so(module):
+    """MEGATRON_COMMON lets megatron's own enums through as inert records: `megatron` and `megatron.*` (Python's
+    package paths), never another top-level module whose name merely starts with those letters."""
+    from megalite.convert.unpickle import MEGATRON_COMMON, Record, RefusedGlobal, load
+    for inside in ("megatron", "megatron.core.enums"):
+        assert issubclass(load(f"c{inside}\nModelType\n.".encode(), MEGATRON_COMMON), Record)
+    with pytest.raises(RefusedGlobal, match=module):
+        load(f"c{module}\nrun\n.".encode(), MEGATRON_COMMON)
+
+
 # ---------------------------------------------------------------- train.compile: every block
 def test_compile_blocks_compiles_every_block_of_the_stage():
     """nn.Module.compile marks the module it compiled (torch's `_compiled_call_impl`): every block of the stage,
