@@ -104,6 +104,19 @@ def test_bits_per_byte_counts_no_bytes_for_end_of_text(tmp_path):
     assert eval_tokens_per_byte(val, 16, 8, 2, 7, tok) == pytest.approx(by_hand, rel=1e-12)
 
 
+def test_bytes_per_id_of_a_tokenizer_without_byte_level_decoding_are_utf8_bytes():
+    """A word-level vocabulary with accents, CJK and an emoji: each id stands for its word's UTF-8 bytes
+    (str.encode), not its characters; the special end-of-text token for none."""
+    from tokenizers import Tokenizer as Backend, models, pre_tokenizers
+    from megalite.tokenizer import from_json
+    words = ["[UNK]", "cat", "café", "日本語", "🚀", "naïve"]
+    lib = Backend(models.WordLevel({w: i for i, w in enumerate(words)}, unk_token="[UNK]"))
+    lib.pre_tokenizer = pre_tokenizers.Whitespace()
+    lib.add_special_tokens([EOT])
+    tok = from_json(lib.to_str(), "test")
+    assert tok.token_bytes() == [len(w.encode("utf-8")) for w in words] + [0] == [5, 3, 5, 9, 4, 6, 0]
+
+
 # ---------------------------------------------------------------- prepare: where a corpus may be cut
 @pytest.mark.parametrize("prefix_space", [False, True])
 def test_prepare_in_small_pieces_gives_the_librarys_ids_of_the_whole_text(tmp_path, prefix_space):
