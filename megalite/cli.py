@@ -44,6 +44,8 @@ EPILOGS = {
              "  megalite bench plan --tp 8 --pp 16 --dp 8,32,128 --reshard-to 8,8,256   (GPT-3 175B shape)\n"
              "  megalite bench dcp --size-mb 300\n"
              "  megalite bench prepare --size-mb 64 --rounds 3",
+    "torchrun": "example:\n  megalite torchrun --standalone --nproc-per-node 8 -m megalite train --config configs/tiny-cpu.toml "
+                "--parallel.tp=2 --parallel.pp=2 --parallel.dp=2",
     "stress": "example:\n  megalite stress ckpt --trials 10",
     "generate": "examples:\n"
                 "  megalite generate --model runs/demo/model.safetensors --prompt 'def ' --max-new-tokens 60\n"
@@ -236,6 +238,11 @@ def build_parser() -> argparse.ArgumentParser:
                    help="with --checkpoint.resume=none: move an earlier run's checkpoints aside (never deleted)")
     p.set_defaults(allow_rest=True)
 
+    add("torchrun", "torchrun itself, with the same arguments (`megalite torchrun --nproc-per-node 2 -m megalite "
+                    "train ...`), except that Ctrl-C or SIGTERM ends with megalite's stop line (exit 128 + signal) "
+                    "instead of torchrun's SignalException traceback; `megalite torchrun --help`: torchrun's help",
+        None)
+
     p = add("config", "`config show`: print the resolved config (file + overrides, validated) as TOML",
             _cmd_config)
     p.add_argument("what", choices=["show"])
@@ -308,7 +315,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--model", required=True, help="a checkpoint (root or step folder), a `megalite convert` file "
                                                   "or an HF GPT-2 folder")
     p.add_argument("--prompt", default="\n", help="the text to continue (default: a newline)")
-    p.add_argument("--max-new-tokens", type=int, default=200, help="tokens to sample (default: %(default)s)")
+    p.add_argument("--max-new-tokens", type=int, default=None,
+                   help="tokens to sample (default: 200, or fewer so that prompt + sample fit the model's "
+                        "block_size)")
     p.add_argument("--temperature", type=float, default=0.8,
                    help="softmax temperature; 0: greedy, the likeliest token each time (default: %(default)s)")
     p.add_argument("--top-k", type=int, default=0,
@@ -410,6 +419,9 @@ def _stdout_reader_gone() -> bool:
 
 def _main(argv=None) -> int:
     argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["torchrun"]:  # torchrun's own arguments follow, passed on untouched (its --help included)
+        from .parallel.launch import torchrun
+        return torchrun(argv[1:])
     ap = build_parser()
     args, rest = ap.parse_known_args(argv)
     if args.command is None:

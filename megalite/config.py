@@ -310,6 +310,9 @@ def validate(cfg: Config, world_size: int | None = None) -> Config:
     if par.dp == 0 and world_size is not None and par.tp > 0 and par.pp > 0 and par.cp > 0 \
             and world_size % (par.tp * par.cp * par.pp):
         what, sizes, prod = _model_axes(par)
+        if world_size == 1:  # one process: the user meant a parallel run and forgot the launcher
+            raise ConfigError(f"world size 1: parallel.{what} = {sizes} needs {prod} processes (dp = 1); "
+                              f"{launch_hint(prod)}")
         raise ConfigError(f"parallel.dp is not set and world size {world_size} is not divisible by "
                           f"parallel.{what} = {sizes}; set {what.replace('*', ', ')} (and dp) so that "
                           f"{what}*dp = {world_size}")
@@ -357,7 +360,8 @@ def validate(cfg: Config, world_size: int | None = None) -> Config:
         raise ConfigError(str(e)) from None
     if world_size is not None and world_size != par.tp * par.cp * par.pp * par.dp:
         what, sizes, prod = _model_axes(par)
-        raise ConfigError(f"world size {world_size} != parallel.{what}*dp = {sizes}*{par.dp} = {prod * par.dp}")
+        raise ConfigError(f"world size {world_size} != parallel.{what}*dp = {sizes}*{par.dp} = {prod * par.dp}; "
+                          f"{launch_hint(prod * par.dp)}")
     per_step = t.micro_batch_size * par.dp
     if t.global_batch_size % per_step:
         raise ConfigError(f"train.global_batch_size = {t.global_batch_size} is not divisible by "
@@ -427,6 +431,13 @@ def _validate_memory_features(cfg: Config) -> None:
 def checkpoint_dir(cfg: Config) -> str:
     """checkpoint.dir with `{out_dir}` replaced by train.out_dir ("" stays "": no checkpoints)."""
     return cfg.checkpoint.dir.replace(OUT_DIR, cfg.train.out_dir.rstrip("/") or ".")
+
+
+def launch_hint(processes: int) -> str:
+    """What to type for a layout of `processes` ranks: torchrun starts them (on one machine; several machines
+    split them with --nnodes, docs/training.md)."""
+    return (f"launch {processes} processes with `torchrun --nproc-per-node {processes} -m megalite train ...` "
+            f"(the same arguments after `train`)")
 
 
 def infer_dp(cfg: Config, world_size: int | None) -> None:
