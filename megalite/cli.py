@@ -107,7 +107,8 @@ def _cmd_prepare(args, rest) -> int:
     check_out(Path(args.out), args.force)  # before the default corpus is even looked for
     sources = args.sources or default_corpus_files()
     prepare(sources, args.out, val_fraction=args.val_fraction, log=(lambda *a: None) if args.quiet else print,
-            tokenizer=args.tokenizer, progress=progress_on(args.quiet), force=args.force)
+            tokenizer=args.tokenizer, progress=progress_on(args.quiet), force=args.force, val_split=args.val_split,
+            text_field=args.text_field)
     return 0
 
 
@@ -250,14 +251,22 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(allow_rest=True)
 
     p = add("prepare", "turn text files or folders into a token file (.bin, uint16 or uint32 ids, + .json) with a "
-                       "val split; each file is a document, separated by the tokenizer's end-of-text token",
+                       "val split; each text file is a document, and so is each record of a .jsonl or .parquet "
+                       "file, separated by the tokenizer's end-of-text token",
             _cmd_prepare)
     p.add_argument("sources", nargs="*", help="files or folders (default: the Python standard library's sources)")
     p.add_argument("--out", required=True, help="output .bin path")
     p.add_argument("--tokenizer", default="byte",
                    help="byte (the default: UTF-8 bytes, vocab 256) | a tokenizer.json | an HF tokenizer folder "
                         "(tokenizer.json, or GPT-2's vocab.json + merges.txt)")
-    p.add_argument("--val-fraction", type=float, default=0.1)
+    p.add_argument("--val-fraction", type=float, default=0.1, help="share held out for validation (default: "
+                                                                   "%(default)s)")
+    p.add_argument("--val-split", choices=["documents", "tail"], default="documents",
+                   help="documents: whole documents drawn across the corpus by a fixed hash of their index; "
+                        "tail: the last tokens (default: %(default)s)")
+    p.add_argument("--text-field", default="text",
+                   help="the field of a .jsonl record or the column of a .parquet file that holds each "
+                        "document's text (default: %(default)s)")
     p.add_argument("--force", action="store_true",
                    help="replace --out if it is a token file `megalite prepare` wrote (never any other file)")
     p.add_argument("--quiet", action="store_true", help="no progress bar, no summary line")

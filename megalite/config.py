@@ -95,7 +95,7 @@ DEFAULT_DATA_PATH = "data/stdlib.bin"  # the only path `auto_prepare` may build 
 @dataclass
 class DataConfig:
     path: str = DEFAULT_DATA_PATH
-    val_fraction: float = 0.1
+    val_fraction: float = 0.0  # 0: the split the token file records (prepare's); else its last share of tokens
     auto_prepare: bool = False  # build the default corpus when `path` is the default path and missing
 
 
@@ -343,8 +343,9 @@ def validate(cfg: Config, world_size: int | None = None) -> Config:
         raise ConfigError(f"parallel.timeout_s = {par.timeout_s}: must be a positive number of seconds")
     if not 0.0 <= m.dropout < 1.0:
         raise ConfigError(f"model.dropout = {m.dropout}: expected a value in [0, 1)")
-    if not 0.0 < cfg.data.val_fraction < 1.0:
-        raise ConfigError(f"data.val_fraction = {cfg.data.val_fraction}: expected a value in (0, 1)")
+    if not 0.0 <= cfg.data.val_fraction < 1.0:
+        raise ConfigError(f"data.val_fraction = {cfg.data.val_fraction}: expected 0 (the token file's own split) "
+                          f"or a value in (0, 1)")
     if par.schedule not in ("1f1b", "afab"):
         raise ConfigError(f"parallel.schedule = '{par.schedule}': expected '1f1b' or 'afab'")
     if cfg.checkpoint.on_error not in ("stop", "continue"):
@@ -504,7 +505,8 @@ DOCS = {
     "train.out_dir": "run folder (metrics.jsonl)",
     "train.precision": "auto (bf16 on GPU, fp32 on CPU) | fp32 | bf16",
     "data.path": "token file written by `megalite prepare` (uint16 .bin + .json)",
-    "data.val_fraction": "share of the token file held out for validation (its last tokens), in (0, 1)",
+    "data.val_fraction": "0: the validation split the token file records (prepare's: whole documents drawn "
+                         "across the corpus); in (0, 1): that share of its last tokens instead",
     "data.auto_prepare": f"build the default corpus (stdlib sources) when data.path is '{DEFAULT_DATA_PATH}' and missing",
     "checkpoint.dir": "checkpoint root; {out_dir} is train.out_dir; '' turns checkpoints off",
     "checkpoint.interval": "save every N steps, and always at the end and on SIGTERM/SIGINT (0: only then)",

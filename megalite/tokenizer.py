@@ -325,6 +325,20 @@ def progress_on(quiet: bool = False) -> bool:
 _CUT = re.compile(r"(?<=\S)[ \n\t]")
 
 
+def text_pieces(text: str, piece_chars: int = 1 << 20) -> Iterator[str]:
+    """`text` in pieces of at least `piece_chars` characters, cut as read_text_pieces cuts a file's text (one
+    record of a jsonl or parquet corpus)."""
+    start = 0
+    while len(text) - start > piece_chars:
+        m = _CUT.search(text, start + piece_chars)
+        if m is None:
+            break
+        yield text[start:m.start()]
+        start = m.start()
+    if start < len(text):
+        yield text[start:]
+
+
 def read_text_pieces(path: Path, piece_chars: int = 1 << 20, block: int = 1 << 20) -> Iterator[str]:
     """The text of one file in pieces of at least `piece_chars` characters (the last may be shorter), read
     `block` bytes at a time: UTF-8 decoded with invalid bytes as U+FFFD (as `bytes.decode(errors="replace")`

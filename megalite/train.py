@@ -76,7 +76,7 @@ class Trainer:
 
 def build(cfg: Config, grid: ParallelGrid, device: torch.device) -> Trainer:
     t, par = cfg.train, cfg.parallel
-    frac = cfg.data.val_fraction  # the last share of the tokens is held out for validation
+    frac = cfg.data.val_fraction or None  # 0: the file's own split; else the last share of its tokens
     train_ds, val_ds = TokenDataset(cfg.data.path, "train", frac), TokenDataset(cfg.data.path, "val", frac)
     check_vocab(train_ds, cfg.model.vocab_size)
     check_vocab(val_ds, cfg.model.vocab_size)
