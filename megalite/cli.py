@@ -17,7 +17,7 @@ import sys
 import traceback
 
 from . import __version__
-from .errors import USER_ERRORS, is_shared, one_line
+from .base.errors import USER_ERRORS, is_shared, one_line
 
 EPILOGS = {
     "train": "example:\n  torchrun --nproc-per-node 8 -m megalite train --config configs/tiny-cpu.toml "
@@ -46,7 +46,6 @@ EPILOGS = {
              "  megalite bench prepare --size-mb 64 --rounds 3",
     "torchrun": "example:\n  megalite torchrun --standalone --nproc-per-node 8 -m megalite train --config configs/tiny-cpu.toml "
                 "--parallel.tp=2 --parallel.pp=2 --parallel.dp=2",
-    "stress": "example:\n  megalite stress ckpt --trials 10",
     "generate": "examples:\n"
                 "  megalite generate --model runs/demo/model.safetensors --prompt 'def ' --max-new-tokens 60\n"
                 "  megalite generate --model runs/demo/checkpoints --prompt 'def ' --temperature 0   # greedy\n"
@@ -70,7 +69,7 @@ class _Parser(argparse.ArgumentParser):
 def _cmd_train(args, rest) -> int:
     from .config import ConfigError, load_config
     from .parallel.process_group import leave_distributed, world_size_from_env
-    from .train import refuse_start, train
+    from .run.train import refuse_start, train
     try:
         cfg, failed = load_config(args.config, rest), None
     except ConfigError as e:
@@ -130,7 +129,7 @@ def _cmd_inspect(args, rest) -> int:
 
 
 def _cmd_plot(args, rest) -> int:
-    from .plot import plot
+    from .run.plot import plot
     print(f"plot: wrote {plot(args.runs, args.out)}")
     return 0
 
@@ -190,29 +189,23 @@ def _cmd_generate(args, rest) -> int:
     return 0
 
 
-def _cmd_stress(args, rest) -> int:
-    from .tools.stress import stress_ckpt
-    r = stress_ckpt(trials=args.trials, steps=args.steps, width=args.width, workdir=args.workdir, seed=args.seed)
-    return 0 if r["valid_latest"] == r["trials"] == r["resumed_exactly"] else 1
-
-
 def _cmd_bench(args, rest) -> int:
     if args.what == "ckpt":
-        from .tools.bench.ckpt import bench_ckpt
+        from .bench.ckpt import bench_ckpt
         bench_ckpt(size_mb=args.size_mb or 1024, world=args.world, repeats=args.repeats, dir=args.dir)
     elif args.what == "dcp":
-        from .tools.bench.dcp import bench_dcp
+        from .bench.dcp import bench_dcp
         bench_dcp(size_mb=args.size_mb or 300, repeats=args.repeats, dir=args.dir)
     elif args.what == "plan":
-        from .tools.bench.plan import bench_plan_cli
+        from .bench.plan import bench_plan_cli
         args.vocab_size = args.vocab_size or 50304
         bench_plan_cli(args)
     elif args.what == "prepare":
-        from .tools.bench.prepare import bench_prepare
+        from .bench.prepare import bench_prepare
         bench_prepare(size_mb=args.size_mb or 32, vocab_size=args.vocab_size or 4096, tokenizer=args.tokenizer,
                       rounds=args.rounds or 3, dir=args.dir)
     else:
-        from .tools.bench.train import bench_train
+        from .bench.train import bench_train
         bench_train(steps=args.steps, nproc=args.nproc, n_embd=args.n_embd or 128, n_layer=args.n_layer or 4,
                     block_size=args.block_size or 128, rounds=args.rounds or 2, wait_ms=args.bubble_wait_ms,
                     cp_seq=args.cp_seq, pairs=args.pairs)
@@ -335,15 +328,6 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--ids", action="store_true", help="print the token ids (prompt + new), not the text")
     p.add_argument("--ignore-eot", action="store_true",
                    help="sample on past the end-of-text token (by default it ends the text, as in transformers)")
-
-    p = add("stress", "fault injection: `stress ckpt` kills a random rank mid-save, N times, and checks that "
-                      "latest stays valid and resumes exactly", _cmd_stress)
-    p.add_argument("what", choices=["ckpt"])
-    p.add_argument("--trials", type=int, default=5)
-    p.add_argument("--steps", type=int, default=12)
-    p.add_argument("--width", type=int, default=64, help="model n_embd (bigger: longer saves)")
-    p.add_argument("--workdir", default=None)
-    p.add_argument("--seed", type=int, default=0)
 
     p = add("bench", "benchmarks: `bench ckpt` (saves/loads vs DCP, torch.save and the disk), `bench train` "
                      "(vs plain PyTorch, pipeline bubbles, layouts), `bench plan` (checkpoint write plan and "

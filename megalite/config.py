@@ -14,7 +14,7 @@ import typing
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from .errors import ConfigError, LayoutError
+from .base.errors import ConfigError, LayoutError
 from .parallel.grid import Layout
 
 if sys.version_info >= (3, 11):
@@ -84,7 +84,7 @@ class TrainConfig:
     out_dir: str = "runs/tiny"
     precision: str = "auto"  # "auto" (bf16 autocast on GPU, fp32 on CPU) | "fp32" | "bf16"
     recompute: str = "none"  # activation recomputation: "none" | "selective" (attention core) | "full" (blocks)
-    compile: bool = False  # torch.compile each transformer block of this rank's pipeline stage (megalite/compile.py)
+    compile: bool = False  # torch.compile each transformer block of this rank's pipeline stage (megalite/run/compile.py)
     fused_adamw: str = "auto"  # torch's fused AdamW kernel: "auto" (on CUDA) | "on" (any device that has it) | "off"
     tensorboard: bool = False  # also write TensorBoard event files to <out_dir>/tensorboard (needs `tensorboard`)
 
@@ -189,7 +189,7 @@ def path_kind(p: str | Path) -> str:
         return f"a broken symlink to '{os.readlink(p)}'" if p.is_symlink() else "a path that does not exist"
     except OSError as e:
         return f"not readable ({e.strerror})"
-    from .checkpoint.files import kind_of  # here: the checkpoint package imports this module
+    from .base.fs import kind_of  # here: the checkpoint package imports this module
     return kind_of(st)
 
 

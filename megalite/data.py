@@ -27,10 +27,10 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from .checkpoint.files import kind_of, no_follow, open_read, read_all, replace_atomically, unlink_quietly
+from .base.fs import kind_of, no_follow, open_read, read_all, replace_atomically, unlink_quietly
 from .config import MAX_COUNT
-from .errors import DataError
-from .corpus import DEFAULT_TEXT_FIELD, RECORD_SUFFIXES, documents
+from .base.errors import DataError
+from .base.corpus import DEFAULT_TEXT_FIELD, RECORD_SUFFIXES, documents
 from .tokenizer import BYTE, Tokenizer, byte_tokenizer, from_json, load as load_tokenizer
 
 if TYPE_CHECKING:  # torch is imported where batches are made: `megalite prepare` never loads it

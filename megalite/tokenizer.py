@@ -18,17 +18,16 @@ special token, and the ByteLevel decoder. Identity is the sha256 of the canonica
 """
 from __future__ import annotations
 
-import codecs
 import functools
 import hashlib
 import json
 import os
-import re
 import sys
 from pathlib import Path
-from typing import Iterable, Iterator, Optional
+from typing import Iterable, Optional
 
-from .errors import DataError
+from .base.corpus import read_text_pieces  # tokenizer train reads its files in pieces too
+from .base.errors import DataError
 
 EOT = "<|endoftext|>"  # GPT-2's end-of-text token
 BYTE = "byte"
@@ -300,7 +299,7 @@ def train_folder(files: list[Path], vocab_size: int, out, force: bool = False, q
     if tok.vocab_size < vocab_size and not quiet:
         log(f"tokenizer: WARNING: the text gives only {tok.vocab_size:,} ids (pairs seen fewer than "
             f"{min_frequency} times are not merged), not {vocab_size:,}")
-    from .checkpoint.files import remove_tree, replace_output
+    from .base.fs import remove_tree, replace_output
     tmp = out.with_name(f".{out.name}.tmp-{os.getpid()}")
     remove_tree(tmp)
     tmp.mkdir(parents=True)
@@ -318,47 +317,3 @@ def progress_on(quiet: bool = False) -> bool:
     or MEGALITE_PROGRESS=0."""
     want = os.environ.get("MEGALITE_PROGRESS", "")
     return not quiet and (want == "1" if want in ("0", "1") else sys.stderr.isatty())
-
-
-# A cut before a space, newline or tab that follows a non-whitespace character (Python's isspace covers
-# every character the regex's \s may mean, and more): no GPT-2 pre-token spans it, none looks behind its start.
-_CUT = re.compile(r"(?<=\S)[ \n\t]")
-
-
-def text_pieces(text: str, piece_chars: int = 1 << 20) -> Iterator[str]:
-    """`text` in pieces of at least `piece_chars` characters, cut as read_text_pieces cuts a file's text (one
-    record of a jsonl or parquet corpus)."""
-    start = 0
-    while len(text) - start > piece_chars:
-        m = _CUT.search(text, start + piece_chars)
-        if m is None:
-            break
-        yield text[start:m.start()]
-        start = m.start()
-    if start < len(text):
-        yield text[start:]
-
-
-def read_text_pieces(path: Path, piece_chars: int = 1 << 20, block: int = 1 << 20) -> Iterator[str]:
-    """The text of one file in pieces of at least `piece_chars` characters (the last may be shorter), read
-    `block` bytes at a time: UTF-8 decoded with invalid bytes as U+FFFD (as `bytes.decode(errors="replace")`
-    does on the whole file), each piece cut only where a word-streaming tokenizer (Tokenizer.streams_by_words)
-    gives the ids of the whole text. Memory: about a piece and a block, unless a run of piece_chars holds no
-    cut (a long line without spaces), which is read on until one comes."""
-    decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
-    buf, scanned = "", 0
-    with open(path, "rb") as f:
-        while True:
-            raw = f.read(block)
-            buf += decoder.decode(raw, final=not raw)
-            while len(buf) > piece_chars:
-                m = _CUT.search(buf, max(piece_chars, scanned))
-                if m is None:
-                    scanned = len(buf)  # nothing up to here: the next search starts where this one ended
-                    break
-                yield buf[:m.start()]
-                buf, scanned = buf[m.start():], 0
-            if not raw:
-                break
-    if buf:
-        yield buf

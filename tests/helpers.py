@@ -126,9 +126,9 @@ CONVERT = Tiny(steps=10, global_batch_size=8, seed=7)  # the converter tests
 
 # ---------------------------------------------------------------- training in this process
 def train_in_process(cfg: Config, log=None):
-    """megalite.train.train(cfg) in this process (a world of one), single-threaded like the workers; the
+    """megalite.run.train.train(cfg) in this process (a world of one), single-threaded like the workers; the
     Trainer. Logs are dropped unless `log` is given."""
-    from megalite.train import train as train_fn
+    from megalite.run.train import train as train_fn
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
@@ -231,7 +231,7 @@ def one_line_error(p: subprocess.CompletedProcess, prefix: str | tuple = "megali
 # ---------------------------------------------------------------- metrics
 def metrics(out_dir: Path) -> list[dict]:
     """The step records of out_dir/metrics.jsonl as megalite reads them: the last one of each step."""
-    from megalite.metrics import read
+    from megalite.run.metrics import read
     return read(out_dir)
 
 

@@ -7,7 +7,7 @@ import shlex
 import pytest
 
 from helpers import cli, ok
-from megalite.tools import transcripts
+from benchmarks import transcripts
 
 
 def _run(*args, cwd) -> str:
@@ -114,7 +114,7 @@ def test_bench_dcp_prints_its_table(tmp_path):
 
 def test_stream_table_prints_each_row_when_it_is_measured():
     """A long bench is not silent until the end: the header and each row reach the log as they come."""
-    from megalite.tools.bench import StreamTable, table
+    from megalite.bench import StreamTable, table
     lines = []
     t = StreamTable(["operation", "bytes", "s"], [10, 8, 6], log=lines.append)
     assert lines == []

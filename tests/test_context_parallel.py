@@ -22,7 +22,7 @@ from megalite.config import ConfigError, resolve, validate
 from megalite.parallel.context import dropout_keep, local_positions, ring_attention, split_sequence
 from megalite.parallel.grid import Axis, Coord, Layout
 from megalite.testing import gather_full_model, run_parallel
-from megalite.train import train
+from megalite.run.train import train
 
 # ---------------------------------------------------------------- rank order and groups
 # megatron-core 0.16.1: RankGenerator(tp=2, ep=1, dp=2, pp=2, cp=2, order="tp-cp-ep-dp-pp").get_ranks(axis),
@@ -215,7 +215,7 @@ def test_cp_layout_errors_are_one_line(tiny_config):
 def test_write_plan_writes_each_element_once_and_names_cp_folders():
     from megalite.checkpoint.plan import plan_writes
     from megalite.checkpoint.tree import coord_dir, parse_coord_dir
-    from megalite.tools.bench.plan import stage_tensors
+    from megalite.bench.plan import stage_tensors
     model = dict(n_layer=4, n_head=4, n_embd=32, block_size=32, vocab_size=256, dropout=0.0)
     lay = Layout(2, 2, 2, cp=2)
     stages = stage_tensors(model, lay.tp, lay.pp)
@@ -334,7 +334,7 @@ def test_cp_layouts_match_single_process_and_resume_across_cp(tmp_path, token_fi
     assert "rank = tp + 2*(cp + 2*(dp + 2*pp))" in picture and "tp01-cp01-pp00-dp01  r7" in picture
     # a crafted manifest: a cp of the wrong type, or a cp folder listed under a cp = 1 layout, is one line
     from megalite.checkpoint.manifest import Manifest, sign
-    from megalite.errors import CheckpointError
+    from megalite.base.errors import CheckpointError
     for cp, want in (("2", r"layout\.cp = '2': must be a positive integer"),
                      (0, r"layout\.cp = 0: must be a positive integer"),
                      (1, r"file tp00-cp00-pp00-dp00/\S+ in 'files' belongs to no coordinate of layout tp=2 pp=1"),
@@ -367,7 +367,7 @@ def test_bench_plan_plans_cp_layouts(capsys):
     """`megalite bench plan --cp`: the real write plan and manifest of a cp layout validate (every tensor tiled
     once over its tp x cp x pp x dp ranks), and a resume of it at cp = 1 reads what each rank needs."""
     from megalite.cli import build_parser
-    from megalite.tools.bench.plan import bench_plan_cli, plan_layout, plan_reshard
+    from megalite.bench.plan import bench_plan_cli, plan_layout, plan_reshard
     flags = ["--n-layer", "4", "--n-embd", "32", "--n-head", "4", "--vocab-size", "256", "--block-size", "32"]
     bench_plan_cli(build_parser().parse_args(["bench", "plan", *flags, "--tp", "2", "--pp", "2", "--dp", "1,2",
                                               "--cp", "2", "--reshard-to", "1,1,2,4"]))
@@ -391,7 +391,7 @@ def test_the_long_context_example_is_what_train_prints():
     import shlex
     from pathlib import Path
     from megalite.config import load_config
-    from megalite.runlog import start_line
+    from megalite.run.runlog import start_line
     root = Path(__file__).resolve().parents[1]
     text = (root / "docs/parallelism.md").read_text()
     marker = "tested-by: tests/test_context_parallel.py::test_the_long_context_example_is_what_train_prints"

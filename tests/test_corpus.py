@@ -138,7 +138,7 @@ def test_bad_records_are_one_line_naming_the_file_the_place_and_the_field(tmp_pa
 
 
 def test_a_jsonl_line_past_the_record_cap_is_refused_without_reading_it_whole(tmp_path, monkeypatch):
-    import megalite.corpus as C
+    import megalite.base.corpus as C
     monkeypatch.setattr(C, "MAX_RECORD_BYTES", 1000)
     msg = _bad(tmp_path, "big.jsonl", lambda p: p.write_text(json.dumps({"text": "x" * 5000}) + "\n"))
     assert "line 1 is longer than" in msg
@@ -147,7 +147,7 @@ def test_a_jsonl_line_past_the_record_cap_is_refused_without_reading_it_whole(tm
 def test_bad_parquet_files_are_one_line(tmp_path, monkeypatch):
     pa = pytest.importorskip("pyarrow")
     pq = pytest.importorskip("pyarrow.parquet")
-    import megalite.corpus as C
+    import megalite.base.corpus as C
     msg = _bad(tmp_path, "n.parquet", lambda p: pq.write_table(pa.table({"text": ["a", "b", None, "d"]}), p,
                                                                 row_group_size=2))
     assert "row group 1, row 0: field 'text' is null" in msg

@@ -106,7 +106,7 @@ def test_the_bad_input_matrix_under_a_2_process_torchrun(tmp_path, token_file):
 def test_sigterm_to_the_torchrun_agent_mid_slow_step_commits_a_checkpoint(tmp_path, token_file):
     """Start-up progress lines (MEGALITE_PROGRESS=1) come from rank 0 in order. Then
     launch/local.sh (torchrun) is sent SIGTERM in the middle of a slow step (3 s, injected from step 3:
-    megalite/faults.py slow_step). torchrun 2.13 forwards it to every worker and SIGKILLs them after its
+    megalite/base/faults.py slow_step). torchrun 2.13 forwards it to every worker and SIGKILLs them after its
     shutdown timeout, which local.sh raises from torch's 30 s to 120 s (TORCH_ELASTIC_SHUTDOWN_TIMEOUT); the
     workers finish the step, commit it, print one line with the resume command and exit 0; torchrun then
     re-raises the signal as SignalException (exit 1, its traceback: its code, not megalite's). The checkpoint

@@ -47,11 +47,11 @@ import torch
 
 from .. import __version__
 from ..config import MAX_COUNT, model_from
-from ..errors import CheckpointError, ConfigError, LayoutError, UnsafeFileError
-from ..jsonio import decode, loads
+from ..base.errors import CheckpointError, ConfigError, LayoutError, UnsafeFileError
+from ..base.jsonio import decode, loads
 from ..parallel.grid import Layout
 from ..parallel.partition import Box, Partition
-from .files import open_read, read_all, write_new
+from ..base.fs import open_read, read_all, write_new
 from .stream import crc32c
 from .tiling import tiling_problems
 from .tree import COORD_PATTERN, MANIFEST, MODEL_FILE, OPTIM_FILE, STATE_FILE, TOKENIZER_FILE, coord_dir

@@ -16,13 +16,13 @@ from typing import Iterable, Optional
 import torch
 from safetensors import safe_open
 
-from ..checkpoint.files import kind_of, open_regular, read_all
+from ..base.fs import kind_of, open_regular, read_all
 from ..checkpoint.manifest import FORMAT as MANIFEST_FORMAT, Manifest, entry_for
 from ..checkpoint.read import SliceReader
 from ..checkpoint.stream import read_metadata
 from ..checkpoint.tree import LATEST, LATEST_TMP, LOCK, MANIFEST, TMP_PREFIX, parse_step_dir
 from ..config import ModelConfig
-from ..errors import CheckpointError, ConvertError, LayoutError
+from ..base.errors import CheckpointError, ConvertError, LayoutError
 from ..parallel.grid import Layout
 from ..parallel.partition import Box, Partition
 

@@ -27,9 +27,9 @@ from typing import Iterable, Iterator, Optional
 import torch
 
 from ..checkpoint.stream import StreamingWriter, raw_bytes
-from ..checkpoint.files import remove_tree, replace_output
+from ..base.fs import remove_tree, replace_output
 from ..config import path_kind
-from ..errors import ConvertError
+from ..base.errors import ConvertError
 from . import unpickle
 from .common import DCP_OUT, HF_FILE, HF_INDEX, Progress
 

@@ -22,7 +22,7 @@ from typing import Optional
 import torch
 
 from ..checkpoint.stream import WRITABLE
-from ..errors import ConvertError
+from ..base.errors import ConvertError
 from .common import DTYPES, Progress, _check_out
 from .dcp import METADATA, DcpFolder, stream, write_dcp, write_file
 from .megatron import MegatronGPT, is_megatron

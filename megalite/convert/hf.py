@@ -10,7 +10,7 @@ from typing import Optional
 import torch
 from einops import EinopsError, rearrange
 
-from ..checkpoint.files import remove_tree, write_new, replace_output
+from ..base.fs import remove_tree, write_new, replace_output
 from ..checkpoint.stream import StreamingWriter
 from ..config import ACTIVATIONS, ModelConfig, model_from
 from .common import (HF_KIND, ConvertError, Progress, _full_tensors, model_partitions, open_safetensors,

@@ -32,7 +32,7 @@ import torch
 from einops import rearrange
 
 from ..config import ModelConfig, path_kind
-from ..errors import ConvertError
+from ..base.errors import ConvertError
 from . import unpickle
 from .common import model_partitions
 from .dcp import DcpFolder

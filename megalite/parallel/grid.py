@@ -29,7 +29,7 @@ from typing import NamedTuple, Optional
 
 import torch.distributed as dist
 
-from ..errors import LayoutError
+from ..base.errors import LayoutError
 
 
 class Coord(NamedTuple):

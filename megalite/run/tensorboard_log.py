@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from .errors import ConfigError
+from ..base.errors import ConfigError
 
 DIR = "tensorboard"
 SCALARS = {"loss": "train/loss", "lr": "train/lr", "grad_norm": "train/grad_norm",

@@ -5,7 +5,7 @@ then its steps; a step that an interrupted launch logged after its last checkpoi
 launch that redoes it, and readers keep the *last* record of each step. A fresh start never overwrites an
 earlier run's file: it moves it aside to `metrics.<time>.jsonl` first.
 
-The file is appended only as a regular file of the run folder (checkpoint/files.open_append): a symlink, a
+The file is appended only as a regular file of the run folder (base/fs.open_append): a symlink, a
 FIFO or a device there is refused before the first step, and a file shared by hard links with another run's
 (`cp -al`) becomes this run's own copy first, so no run ever writes into another's record.
 """
@@ -18,8 +18,8 @@ import stat
 import time
 from pathlib import Path
 
-from .checkpoint.files import kind_of, open_append, read_all
-from .errors import MetricsError, UnsafeFileError
+from ..base.fs import kind_of, open_append, read_all
+from ..base.errors import MetricsError, UnsafeFileError
 
 NAME = "metrics.jsonl"
 

@@ -2,7 +2,7 @@
 
     resolve and check the config -> join the torchrun job -> build the grid (parallel/process_group, grid)
     -> build this rank's stage of the model, init from the seed (full tensors, keep the slice)
-    -> resume from a checkpoint (checkpointing.py: the loop's checkpoint policy)
+    -> resume from a checkpoint (ckpt_policy.py: the loop's checkpoint policy)
     -> per step: draw this dp rank's rows (with cp: keep this rank's 2 of each sequence's 2cp chunks)
        -> run the pipeline schedule over the micro-batches (pipeline.py)
        -> finalize the gradients: dp x cp mean, tied embeddings, sp sync, global norm (parallel/finalize.py)
@@ -23,24 +23,25 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
-from . import faults, metrics, tensorboard_log
-from .checkpoint.state import seed_everything
-from .checkpointing import CheckpointManager
+from ..base import faults
+from . import metrics, tensorboard_log
+from ..checkpoint.state import seed_everything
+from .ckpt_policy import CheckpointManager
 from .compile import compile_blocks
-from .config import DEFAULT_DATA_PATH, Config, ParallelConfig, num_microbatches, resolve, seq_len, settings, validate
-from .data import (BatchSampler, TokenDataset, check_vocab, ensure_data, eval_batches, eval_tokens_per_byte,
+from ..config import DEFAULT_DATA_PATH, Config, ParallelConfig, num_microbatches, resolve, seq_len, settings, validate
+from ..data import (BatchSampler, TokenDataset, check_vocab, ensure_data, eval_batches, eval_tokens_per_byte,
                    identity as data_identity, tokenizer_of)
-from .errors import ConfigError, DataError, NonFiniteError
-from .model import GPTStage
-from .optim import clip_scale, lr_at
-from .parallel.context import split_sequence
-from .parallel.data import GradBuffer, ShardedAdamW, use_fused
-from .parallel.finalize import finalize_grads
-from .parallel.grid import Layout, ParallelGrid
-from .parallel.pipeline import P2P, get_schedule
-from .parallel.process_group import agree, agree_settings, init_distributed, world_size_from_env
+from ..base.errors import ConfigError, DataError, NonFiniteError
+from ..model import GPTStage
+from .schedule import clip_scale, lr_at
+from ..parallel.context import split_sequence
+from ..parallel.data import GradBuffer, ShardedAdamW, use_fused
+from ..parallel.finalize import finalize_grads
+from ..parallel.grid import Layout, ParallelGrid
+from ..parallel.pipeline import P2P, get_schedule
+from ..parallel.process_group import agree, agree_settings, init_distributed, world_size_from_env
 from .runlog import log_traceback, progress, start_line, step_line, stop_line
-from .tokenizer import Tokenizer
+from ..tokenizer import Tokenizer
 
 
 # ---------------------------------------------------------------- what a run is made of

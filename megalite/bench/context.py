@@ -35,7 +35,7 @@ def cp_layouts(world: int, n_head: int, seq: int) -> list[tuple]:
 
 
 def _cfg(o: dict, layout):
-    from ...config import Config
+    from ..config import Config
     tp, pp, dp, cp = layout
     return Config.from_dict({"model": {**o["model"], "block_size": o["seq"]},
                              "parallel": {"tp": tp, "pp": pp, "dp": dp, "cp": cp},
@@ -55,7 +55,7 @@ def region_formula_bytes(s: int, b: int, h: int, a: int, t: int, bytes_per: int 
 def _layer_bytes(grid, cfg) -> tuple[int, int, int]:
     """Bytes one layer saves for backward on this rank for one sequence (its T/cp tokens): (the whole layer,
     its attention region, its MLP region), each from a forward of its own."""
-    from ...model import GPTStage
+    from ..model import GPTStage
     model = GPTStage(cfg.model, grid)
     model.init_weights(0)
     blk = model.blocks[str(model.layers[0])]
@@ -75,9 +75,9 @@ def _layer_bytes(grid, cfg) -> tuple[int, int, int]:
 
 def _worker(rank: int, world: int, tmp: str, o: dict) -> None:
     import torch.distributed as dist
-    from ... import train as train_mod
-    from ...parallel.context import Ring
-    from ...parallel.grid import Layout, ParallelGrid
+    from ..run import train as train_mod
+    from ..parallel.context import Ring
+    from ..parallel.grid import Layout, ParallelGrid
     acc, out = [0.0], []
     patch_dist(acc)
     for lay in o["layouts"]:
@@ -103,7 +103,7 @@ def _worker(rank: int, world: int, tmp: str, o: dict) -> None:
 
 def bench_context(o: dict, world: int, seq: int, log=print) -> list:
     """Table 8 for the bench's model at `world` ranks and sequence length `seq`; printed row by row."""
-    from ...testing import run_parallel
+    from ..testing import run_parallel
     m = o["model"]
     h, a = m["n_embd"], m["n_head"]
     o = {**o, "seq": seq, "batch": world, "layouts": cp_layouts(world, a, seq)}

@@ -4,7 +4,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from . import metrics
-from .config import ConfigError
+from ..config import ConfigError
 
 
 def read_metrics(run_dir) -> list[dict]:

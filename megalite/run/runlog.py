@@ -12,9 +12,9 @@ import time
 import traceback
 from pathlib import Path
 
-from .checkpoint.files import open_append
-from .checkpoint.tree import step_dir
-from .config import Config, num_microbatches
+from ..base.fs import open_append
+from ..checkpoint.tree import step_dir
+from ..config import Config, num_microbatches
 
 
 def progress(msg: str) -> None:

@@ -61,7 +61,7 @@ def korthikanti_table2_bytes(recompute: str, s: int, b: int, h: int, a: int, t: 
 
 
 def _measure_layer(grid, model_cfg, micro: int, sp: bool, recompute: str) -> int:
-    from ...model import GPTStage
+    from ..model import GPTStage
     model = GPTStage(model_cfg, grid, sp=sp, recompute=recompute)
     model.init_weights(0)
     seq = model_cfg.block_size // (grid.tp.size if sp else 1)
@@ -75,7 +75,7 @@ def _measure_layer(grid, model_cfg, micro: int, sp: bool, recompute: str) -> int
 
 # ---------------------------------------------------------------- the gloo worker
 def _cfg(o: dict, layout, micro: int, batch: int, **parallel):
-    from ...config import Config
+    from ..config import Config
     tp, pp, dp = layout
     return Config.from_dict({"model": o["model"], "parallel": {"tp": tp, "pp": pp, "dp": dp, **parallel},
                              "train": {"global_batch_size": batch, "micro_batch_size": micro, "steps": 1000,
@@ -84,8 +84,8 @@ def _cfg(o: dict, layout, micro: int, batch: int, **parallel):
 
 
 def _overlap(o: dict, layouts: list) -> list:
-    from ... import train as train_mod
-    from ...parallel.grid import Layout, ParallelGrid
+    from ..run import train as train_mod
+    from ..parallel.grid import Layout, ParallelGrid
     rows = []
     for lay in layouts:
         grid = ParallelGrid.create(Layout(*lay))
@@ -114,8 +114,8 @@ def _overlap(o: dict, layouts: list) -> list:
 def _worker(rank: int, world: int, tmp: str, o: dict, part: str) -> None:
     """One table's measurements on `world` gloo ranks; rank 0 writes every rank's rows to features-<part>-<world>.json."""
     import torch.distributed as dist
-    from ...config import ModelConfig
-    from ...parallel.grid import Layout, ParallelGrid
+    from ..config import ModelConfig
+    from ..parallel.grid import Layout, ParallelGrid
     acc, out = [0.0], []
     if part == "memory":
         grid = ParallelGrid.create(Layout(world, 1, 1))
@@ -136,7 +136,7 @@ def _worker(rank: int, world: int, tmp: str, o: dict, part: str) -> None:
 
 # ---------------------------------------------------------------- the driver
 def _launch(o: dict, world: int, part: str) -> list:
-    from ...testing import run_parallel
+    from ..testing import run_parallel
     run_parallel(_worker, world, tmp_dir=o["work"], args=(o, part))
     with open(os.path.join(o["work"], f"features-{part}-{world}.json")) as f:
         return json.load(f)
@@ -155,7 +155,7 @@ def bench_features(o: dict, worlds: list, run_single, parts=("memory", "interlea
     if "memory" in parts:
         log(f"\n4. activation bytes saved for backward by one layer (micro-batch {b}, seq {s}, hidden {h}, {a} heads, "
             f"fp32, dropout 0): saved_tensors_hooks vs Korthikanti et al. adapted "
-            f"(megalite.tools.bench.features.layer_activation_bytes); Table 2 KiB: the paper's own formula "
+            f"(megalite.bench.features.layer_activation_bytes); Table 2 KiB: the paper's own formula "
             f"(16-bit, dropout masks, s x s attention scores; korthikanti_table2_bytes)")
         t = StreamTable(["tp", "recompute", "sp", "measured KiB", "formula KiB", "measured/formula", "vs sp off",
                          "Table 2 KiB"], [2, 9, 3, 12, 11, 16, 9, 11], log=log)
@@ -172,7 +172,7 @@ def bench_features(o: dict, worlds: list, run_single, parts=("memory", "interlea
     if "interleaved" in parts:
         log("\n5. interleaved 1F1B bubble: idle = 1 - busy / window, window = first start to last end over the "
             "stages (after a barrier), busy = schedule time outside torch.distributed; mean over stages, of "
-            "the step with the shortest window (megalite.tools.bench.bubble). wait rows: the real schedule and gloo p2p with each chunk's "
+            "the step with the shortest window (megalite.bench.bubble). wait rows: the real schedule and gloo p2p with each chunk's "
             "forward a sleep of t_f/V and backward 2t_f/V (the formula's assumptions: equal stages, no CPU "
             "contention); model rows: the real GPT stages, p processes sharing this machine's cores. "
             "'idle in dist/own' is the older measure (time in torch.distributed / the stage's own schedule time)")

@@ -72,8 +72,8 @@ def _reference(tok, files: list[Path]) -> tuple[int, int]:
 
 def bench_prepare(size_mb: float = 32, vocab_size: int = 4096, tokenizer: Optional[str] = None, rounds: int = 3,
                   dir: Optional[str] = None, log=print) -> dict:
-    from ...data import prepare
-    from ...tokenizer import load, read_text_pieces, train_bpe
+    from ..data import prepare
+    from ..tokenizer import load, read_text_pieces, train_bpe
     work = Path(tempfile.mkdtemp(prefix="megalite-bench-prepare-", dir=dir))
     try:
         files = make_corpus(work / "corpus", size_mb)

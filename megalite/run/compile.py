@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import torch
 
-from .errors import ConfigError
+from ..base.errors import ConfigError
 
 
 def compile_blocks(model: torch.nn.Module) -> int:

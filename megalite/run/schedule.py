@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import math
 
-from .config import TrainConfig
+from ..config import TrainConfig
 
 
 def lr_at(step: int, t: TrainConfig) -> float:

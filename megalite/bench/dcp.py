@@ -56,7 +56,7 @@ def _save(rank: int, world: int, tmp: str, out: str, size_mb: float) -> None:
 
 def bench_dcp(size_mb: float = 300, repeats: int = 3, dir: Optional[str] = None, log=print) -> list[dict]:
     """Make the DCP checkpoint, convert it `repeats` times with each tool, print the table; return its rows."""
-    from ...testing import run_parallel
+    from ..testing import run_parallel
     if dir is not None:
         Path(dir).mkdir(parents=True, exist_ok=True)
     root = Path(tempfile.mkdtemp(prefix="megalite-bench-dcp-", dir=dir))

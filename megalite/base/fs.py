@@ -29,7 +29,7 @@ import stat
 from pathlib import Path
 from typing import Callable, Optional
 
-from ..errors import UnsafeFileError
+from .errors import UnsafeFileError
 
 NOFOLLOW = getattr(os, "O_NOFOLLOW", 0)
 

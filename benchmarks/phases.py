@@ -1,4 +1,4 @@
-"""`python -m megalite.tools.bench.phases`: where a (1,1,1) step's time goes, megalite beside plain PyTorch.
+"""`python -m benchmarks.phases`: where a (1,1,1) step's time goes, megalite beside plain PyTorch.
 
 Both models (megalite's GPTStage + ShardedAdamW, and bench.train.PlainGPT + torch.optim.AdamW) are built in
 one process on one thread and step alternately on the same batch, so a drift in machine speed hits both;
@@ -19,14 +19,14 @@ import torch
 
 def phases(steps: int = 30, n_layer: int = 4, n_embd: int = 128, block_size: int = 128, batch: int = 16,
            micro: int = 4, fused_adamw: str = "off", log=print) -> dict:
-    from ...config import Config, num_microbatches
-    from ...data import default_corpus_files, prepare
-    from ...optim import clip_scale
-    from ...parallel.finalize import finalize_grads
-    from ...parallel.grid import ParallelGrid
-    from ...train import build, run_pipeline
-    from . import StreamTable
-    from .train import PlainGPT
+    from megalite.config import Config, num_microbatches
+    from megalite.data import default_corpus_files, prepare
+    from megalite.run.schedule import clip_scale
+    from megalite.parallel.finalize import finalize_grads
+    from megalite.parallel.grid import ParallelGrid
+    from megalite.run.train import build, run_pipeline
+    from megalite.bench import StreamTable
+    from megalite.bench.train import PlainGPT
     torch.set_num_threads(1)
     work = tempfile.mkdtemp(prefix="megalite-bench-phases-")
     data = os.path.join(work, "tok.bin")
@@ -79,7 +79,7 @@ def phases(steps: int = 30, n_layer: int = 4, n_embd: int = 128, block_size: int
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(prog="python -m megalite.tools.bench.phases", description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(prog="python -m benchmarks.phases", description=__doc__.split("\n\n")[0])
     p.add_argument("--steps", type=int, default=30)
     p.add_argument("--fused-adamw", default="off", choices=("off", "on"))
     a = p.parse_args(argv)

@@ -1,6 +1,6 @@
 """Fault-injection hooks: environment-driven no-ops in production paths, for tests to trigger.
 
-This module imports nothing of megalite's (the harness that uses it is `megalite/tools/stress.py`).
+This module imports nothing of megalite's (the harness that uses it is `benchmarks/stress.py`).
 
 The training loop calls one hook, `step_end(step, rank)`, after each step; it runs the two step hooks:
 

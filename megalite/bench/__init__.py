@@ -1,4 +1,5 @@
-"""`megalite bench ckpt|train`: measurements of the checkpoint path and of training throughput.
+"""`megalite bench ckpt|train|plan|dcp|prepare`: what a user measures on their own system (the checkpoint path,
+training throughput, a cluster's checkpoint before it exists, DCP conversion, prepare).
 
     ckpt.py    sync/async saves, loads (same layout and resharded), DCP and torch.save baselines,
                conversion to one file, and the disk's own bandwidth, in one run

@@ -76,8 +76,8 @@ def _same(live: dict, other: dict, what: str, dtype=None) -> list:
 
 
 def run(dry_run: bool, config: str, window_s: float, out: Path, log=print, compile_modes=("off",)) -> int:
-    from ...config import load_config
-    from ...data import default_corpus_files, prepare
+    from ..config import load_config
+    from ..data import default_corpus_files, prepare
     device = torch.device("cuda") if torch.cuda.is_available() and not dry_run else torch.device("cpu")
     if not dry_run and device.type != "cuda":
         log("gpu-check: no CUDA device visible (use --dry-run for the CPU rehearsal)")
@@ -109,7 +109,7 @@ def run(dry_run: bool, config: str, window_s: float, out: Path, log=print, compi
         return _checks(cfg, device, window_s, peaks, out, t, log, compile_modes)
     dist.init_process_group("nccl" if device.type == "cuda" else "gloo", store=dist.HashStore(), rank=0,
                             world_size=1)
-    from ...parallel.process_group import leave_distributed
+    from ..parallel.process_group import leave_distributed
     try:
         return _checks(cfg, device, window_s, peaks, out, t, log, compile_modes)
     finally:
@@ -118,8 +118,8 @@ def run(dry_run: bool, config: str, window_s: float, out: Path, log=print, compi
 
 def _train_window(cfg, grid, device, window_s: float, peaks: tuple, t, label: str):
     """Step 2 for one train.compile setting: warm up, train for `window_s`, print its rows; the Trainer."""
-    from ...config import seq_len
-    from ...train import build, train_step
+    from ..config import seq_len
+    from ..run.train import build, train_step
     tr = build(cfg, grid, device)
     sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
     t0 = time.perf_counter()
@@ -150,13 +150,13 @@ def _train_window(cfg, grid, device, window_s: float, peaks: tuple, t, label: st
 def _checks(cfg, device: torch.device, window_s: float, peaks: tuple, out: Path, t, log,
             compile_modes=("off",)) -> int:
     """Steps 2 and 3 in a world of one (the process group is the caller's)."""
-    from ...checkpoint import AsyncSaver, load_checkpoint, save_checkpoint
-    from ...checkpoint.plan import collect
-    from ...checkpoint.verify import verify
-    from ...convert import convert
-    from ...parallel.grid import Layout, ParallelGrid
-    from ...testing import gather_full_model
-    from ...train import build
+    from ..checkpoint import AsyncSaver, load_checkpoint, save_checkpoint
+    from ..checkpoint.plan import collect
+    from ..checkpoint.verify import verify
+    from ..convert import convert
+    from ..parallel.grid import Layout, ParallelGrid
+    from ..testing import gather_full_model
+    from ..run.train import build
     from safetensors.torch import load_file
     grid = ParallelGrid.create(Layout(1, 1, 1))
     sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
@@ -215,7 +215,7 @@ def _checks(cfg, device: torch.device, window_s: float, peaks: tuple, out: Path,
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(prog="launch/gpu-check.sh", description=__doc__.split("\n\n")[0])
     p.add_argument("--dry-run", action="store_true", help="tiny model on the CPU (seconds)")
-    p.add_argument("--config", default=str(Path(__file__).resolve().parents[3] / "configs" / "gpt2-124m.toml"))
+    p.add_argument("--config", default=str(Path(__file__).resolve().parents[2] / "configs" / "gpt2-124m.toml"))
     p.add_argument("--window", type=float, default=None,
                    help="training window in seconds, per compile setting (default 60, dry 2)")
     p.add_argument("--compile", choices=("off", "on", "both"), default=None,

@@ -1,7 +1,7 @@
 """The documents of a corpus, as `megalite prepare` reads them: a plain text file is one document; a `.jsonl`
 file holds one document per line (a JSON object whose `text_field` is a string) and a `.parquet` file one per
 row (its `text_field` column, strings), as most open corpora ship (FineWeb, The Pile, RedPajama: parquet or
-jsonl). Every document comes out in pieces (`tokenizer.text_pieces`), so that memory stays bounded by what is
+jsonl). Every document comes out in pieces (`text_pieces`, `read_text_pieces`), so that memory stays bounded by what is
 in flight: a piece of a plain file, one jsonl line (at most MAX_RECORD_BYTES), or one parquet row group's text
 column (at most MAX_ROW_GROUP_BYTES uncompressed, as its own footer declares before it is read; pyarrow reads
 the file one row group at a time). A bad record is one line naming the file, the line or row group and row,
@@ -9,12 +9,13 @@ and the field.
 """
 from __future__ import annotations
 
+import codecs
 import json
+import re
 from pathlib import Path
 from typing import Iterator
 
 from .errors import DataError
-from .tokenizer import read_text_pieces, text_pieces
 
 RECORD_SUFFIXES = (".jsonl", ".parquet")
 MAX_RECORD_BYTES = 1 << 26  # 64 MiB: a jsonl line is parsed whole
@@ -120,3 +121,47 @@ def _text(value, where: str, field: str) -> str:
 
 
 _JSON_KINDS = {bool: "a boolean", int: "a number", float: "a number", list: "an array", dict: "an object"}
+
+
+# A cut before a space, newline or tab that follows a non-whitespace character (Python's isspace covers
+# every character the regex's \s may mean, and more): no GPT-2 pre-token spans it, none looks behind its start.
+_CUT = re.compile(r"(?<=\S)[ \n\t]")
+
+
+def text_pieces(text: str, piece_chars: int = 1 << 20) -> Iterator[str]:
+    """`text` in pieces of at least `piece_chars` characters, cut as read_text_pieces cuts a file's text (one
+    record of a jsonl or parquet corpus)."""
+    start = 0
+    while len(text) - start > piece_chars:
+        m = _CUT.search(text, start + piece_chars)
+        if m is None:
+            break
+        yield text[start:m.start()]
+        start = m.start()
+    if start < len(text):
+        yield text[start:]
+
+
+def read_text_pieces(path: Path, piece_chars: int = 1 << 20, block: int = 1 << 20) -> Iterator[str]:
+    """The text of one file in pieces of at least `piece_chars` characters (the last may be shorter), read
+    `block` bytes at a time: UTF-8 decoded with invalid bytes as U+FFFD (as `bytes.decode(errors="replace")`
+    does on the whole file), each piece cut only where a word-streaming tokenizer (Tokenizer.streams_by_words)
+    gives the ids of the whole text. Memory: about a piece and a block, unless a run of piece_chars holds no
+    cut (a long line without spaces), which is read on until one comes."""
+    decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
+    buf, scanned = "", 0
+    with open(path, "rb") as f:
+        while True:
+            raw = f.read(block)
+            buf += decoder.decode(raw, final=not raw)
+            while len(buf) > piece_chars:
+                m = _CUT.search(buf, max(piece_chars, scanned))
+                if m is None:
+                    scanned = len(buf)  # nothing up to here: the next search starts where this one ended
+                    break
+                yield buf[:m.start()]
+                buf, scanned = buf[m.start():], 0
+            if not raw:
+                break
+    if buf:
+        yield buf

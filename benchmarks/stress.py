@@ -1,9 +1,9 @@
-"""`megalite stress ckpt`: kill a random rank mid-save, N times, and check that nothing is lost.
+"""`python -m benchmarks stress ckpt`: kill a random rank mid-save, N times, and check that nothing is lost.
 
 Each trial launches a real `torchrun` (4 gloo ranks, a save every step) and SIGKILLs one worker at a random
 moment inside a save; `latest` must then verify and a resume must continue the uninterrupted run's losses
 exactly. The deterministic twin, one kill at each step of the commit protocol, is tests/test_kill_points.py
-(the points are megalite.faults.KILL_POINTS).
+(the points are megalite.base.faults.KILL_POINTS).
 """
 from __future__ import annotations
 
@@ -47,7 +47,7 @@ def _torchrun(work: Path, cfg: Path, out: str, extra: list[str], nproc: int = 4)
 
 
 def _losses(run_dir: Path) -> dict[int, float]:
-    from ..metrics import read
+    from megalite.run.metrics import read
     return {r["step"]: r["loss"] for r in read(run_dir)}
 
 
@@ -62,8 +62,8 @@ def stress_ckpt(trials: int = 5, steps: int = 12, width: int = 64, workdir: str 
     """Each trial: train with a save every step (sync and async alternating), SIGKILL a random rank at a
     random moment once saving has begun, then check that `latest` names a checkpoint that verifies and
     that resuming from it reproduces the uninterrupted run's losses exactly."""
-    from ..checkpoint.verify import verify
-    from ..data import default_corpus_files, prepare
+    from megalite.checkpoint.verify import verify
+    from megalite.data import default_corpus_files, prepare
     rng = random.Random(seed)
     work = Path(workdir or tempfile.mkdtemp(prefix="megalite-stress-"))
     work.mkdir(parents=True, exist_ok=True)
@@ -126,3 +126,27 @@ def stress_ckpt(trials: int = 5, steps: int = 12, width: int = 64, workdir: str 
     log(f"{results['trials']:>8}{results['valid_latest']:>14}{results['resumed_exactly']:>17}"
         f"{results['killed_mid_save']:>17}{lost:>11}")
     return results
+
+
+def main(argv=None) -> int:
+    """`python -m benchmarks stress ckpt [--trials N]`: exit 0 when every trial left a valid `latest` that
+    resumed exactly, 1 otherwise."""
+    import argparse
+    p = argparse.ArgumentParser(prog="python -m benchmarks stress",
+                                description="fault injection: `stress ckpt` kills a random rank mid-save, N times, "
+                                            "and checks that latest stays valid and resumes exactly",
+                                epilog="example:\n  python -m benchmarks stress ckpt --trials 10",
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("what", choices=["ckpt"])
+    p.add_argument("--trials", type=int, default=5)
+    p.add_argument("--steps", type=int, default=12)
+    p.add_argument("--width", type=int, default=64, help="model n_embd (bigger: longer saves)")
+    p.add_argument("--workdir", default=None)
+    p.add_argument("--seed", type=int, default=0)
+    a = p.parse_args(argv)
+    r = stress_ckpt(trials=a.trials, steps=a.steps, width=a.width, workdir=a.workdir, seed=a.seed)
+    return 0 if r["valid_latest"] == r["trials"] == r["resumed_exactly"] else 1
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -14,15 +14,15 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from .checkpoint import AsyncSaver, load_checkpoint, save_checkpoint
-from .checkpoint.check import read_tokenizer, verify
-from .checkpoint.commit import bcast_object, recover
-from .checkpoint.files import unlink_quietly, write_new
-from .checkpoint.plan import collect
-from .checkpoint.state import seed_everything
-from .checkpoint.tree import LATEST, LOCK, committed_steps, parse_step_dir, read_latest, step_dir, tokenizer_rel
-from .errors import CheckpointError
-from .tokenizer import from_json
+from ..checkpoint import AsyncSaver, load_checkpoint, save_checkpoint
+from ..checkpoint.check import read_tokenizer, verify
+from ..checkpoint.commit import bcast_object, recover
+from ..base.fs import unlink_quietly, write_new
+from ..checkpoint.plan import collect
+from ..checkpoint.state import seed_everything
+from ..checkpoint.tree import LATEST, LOCK, committed_steps, parse_step_dir, read_latest, step_dir, tokenizer_rel
+from ..base.errors import CheckpointError
+from ..tokenizer import from_json
 
 
 DEFAULT_SHUTDOWN_TIMEOUT_S = 120  # what launch/*.sh export as TORCH_ELASTIC_SHUTDOWN_TIMEOUT (unless set)
@@ -50,7 +50,7 @@ def signal_grace(cfg) -> tuple:
 
 class CheckpointManager:
     def __init__(self, cfg, grid, log=print, force: bool = False):
-        from .config import checkpoint_dir
+        from ..config import checkpoint_dir
         self.cfg, self.grid, self.c = cfg, grid, cfg.checkpoint
         self.root = Path(checkpoint_dir(cfg)) if self.c.dir else None
         self.force = force  # a fresh start may move an earlier run's checkpoints aside (never deletes them)
@@ -286,7 +286,7 @@ class CheckpointManager:
     def _schedule_note(self, saved: dict, step: int) -> None:
         """The LR schedule is a function of (step, train.steps, warmup, lr, min_lr): changing train.steps on
         resume re-shapes it from here on. That is deliberate (the new total is the run's length); say so."""
-        from .optim import lr_at
+        from .schedule import lr_at
         t = self.cfg.train
         if not isinstance(saved.get("steps"), int) or saved["steps"] == t.steps or step >= t.steps:
             return

@@ -17,7 +17,7 @@ non-fragment block reads must be bound in the block itself or be a builtin (`und
 walk): an import the reader would need is never supplied by the code around the check.
 
 The blocks of a session run in one scratch folder, in document order (README.md, then docs/*.md by name).
-`python3 -m megalite.tools.transcripts --write` runs them as written and rewrites each transcript's output;
+`python3 -m benchmarks.transcripts --write` runs them as written and rewrites each transcript's output;
 sessions whose transcripts carry `measured=` are measurements kept with their commit and date, rewritten only
 when named (`--write bench-ckpt`). The test suite runs the same commands small (the SMALL tables below:
 config files shrunk, arguments replaced) and compares the *shape* of every output line with the document's:
@@ -45,7 +45,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[1]
 MARKER = re.compile(r"^<!--\s*(transcript|run|tested-by|fragment):\s*(.*?)\s*-->\n```(\w*)\n(.*?)^```$", re.M | re.S)
 FENCE = re.compile(r"^```(\w*)\n(.*?)^```$", re.M | re.S)
 COMMAND_LANGS = ("bash", "sh", "console", "python")  # a fenced block in one of these must carry a marker
@@ -501,10 +501,10 @@ def sessions(root: Path = ROOT) -> list:
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(prog="python3 -m megalite.tools.transcripts", description=__doc__.split("\n")[0],
+    ap = argparse.ArgumentParser(prog="python3 -m benchmarks.transcripts", description=__doc__.split("\n")[0],
                                  formatter_class=argparse.RawDescriptionHelpFormatter,
-                                 epilog="examples:\n  python3 -m megalite.tools.transcripts --write\n"
-                                        "  python3 -m megalite.tools.transcripts --check walk ft")
+                                 epilog="examples:\n  python3 -m benchmarks.transcripts --write\n"
+                                        "  python3 -m benchmarks.transcripts --check walk ft")
     ap.add_argument("sessions", nargs="*", help="sessions to run (default: --write every unmeasured one, "
                                                 "--check all)")
     what = ap.add_mutually_exclusive_group(required=True)

@@ -4,7 +4,7 @@
    torch.optim.AdamW), each in a fresh interpreter: tokens/s (median step after warm-up), peak RSS.
 2. Pipeline bubble per schedule: 1 - busy / window, the window running from the first stage's start to the
    last stage's end (after a barrier), busy = a stage's schedule time outside torch.distributed calls, mean
-   over stages (megalite.tools.bench.bubble.idle_of), vs (pp-1)/(m+pp-1); and the peak bytes saved for backward
+   over stages (megalite.bench.bubble.idle_of), vs (pp-1)/(m+pp-1); and the peak bytes saved for backward
    (a saved_tensors_hooks counter), per stage.
 3. Every layout of `nproc` processes: tokens/s and the share of step time inside torch.distributed calls.
 4-7. Activation memory per recompute / sp setting, the interleaved schedule's bubble, exposed dp
@@ -12,7 +12,7 @@
 8. Context parallelism at cp = 1, 2, 4 beside tp at the same world size: saved activation bytes per rank,
    tokens/s and the share of step time in the cp ring's sends (see context.py).
 All processes run one thread each (the gloo workers of megalite.testing do). Each table is printed row by row
-as its rows are measured (megalite.tools.bench.StreamTable).
+as its rows are measured (megalite.bench.StreamTable).
 """
 from __future__ import annotations
 
@@ -83,11 +83,11 @@ class PlainGPT(nn.Module):
 def _single(kind: str, raw: dict, steps: int, warmup: int = 2) -> None:
     """In a fresh interpreter: time `steps` steps of one model; print one JSON line."""
     import resource
-    from ...config import Config, num_microbatches
-    from ...data import BatchSampler, TokenDataset
-    from ...optim import lr_at
-    from ...parallel.grid import ParallelGrid
-    from ...train import build, train_step
+    from ..config import Config, num_microbatches
+    from ..data import BatchSampler, TokenDataset
+    from ..run.schedule import lr_at
+    from ..parallel.grid import ParallelGrid
+    from ..run.train import build, train_step
     torch.set_num_threads(1)
     cfg = Config.from_dict(raw)
     t, m = cfg.train, num_microbatches(cfg)
@@ -133,10 +133,10 @@ def _raw(o: dict, layout, micro: int, batch: int, schedule: str = "1f1b") -> dic
 
 def _worker(rank: int, world: int, tmp: str, o: dict) -> None:
     import torch.distributed as dist
-    from ...config import Config
-    from ...parallel.grid import Layout, ParallelGrid
-    from ...parallel.pipeline import SCHEDULES
-    from ...train import build, train_step
+    from ..config import Config
+    from ..parallel.grid import Layout, ParallelGrid
+    from ..parallel.pipeline import SCHEDULES
+    from ..run.train import build, train_step
     acc = [0.0]
     patch_dist(acc)
     out = {"bubble": [], "layouts": []}
@@ -188,7 +188,7 @@ def layouts_of(world: int, n_head: int, n_layer: int, batch: int, micro: int) ->
 
 
 def _run_single(kind, raw, steps) -> dict:
-    code = ("import json, sys; from megalite.tools.bench.train import _single; "
+    code = ("import json, sys; from megalite.bench.train import _single; "
             "_single(sys.argv[1], json.loads(sys.argv[2]), int(sys.argv[3]))")
     r = subprocess.run([sys.executable, "-c", code, kind, json.dumps(raw), str(steps)], capture_output=True,
                        text=True, env=dict(os.environ, OMP_NUM_THREADS="1"))
@@ -233,8 +233,8 @@ def bench_train(steps: int = 10, nproc: int = 4, n_embd: int = 128, n_layer: int
     of dicts. wait_ms: t_f of the bubble table's wait rows (default: calibrated to the model); cp_seq: the
     sequence length of the context-parallel table (default 8 x block_size); pairs: table 1's
     megalite/plain pairs of fresh processes; rounds: the feature tables' alternating runs."""
-    from ...data import default_corpus_files, prepare
-    from ...testing import run_parallel
+    from ..data import default_corpus_files, prepare
+    from ..testing import run_parallel
     work = tempfile.mkdtemp(prefix="megalite-bench-train-", dir=workdir)
     model = dict(n_layer=n_layer, n_head=n_head, n_embd=n_embd, block_size=block_size, vocab_size=256, dropout=0.0)
     tokens = batch * block_size

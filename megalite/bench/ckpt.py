@@ -24,8 +24,8 @@ import time
 from pathlib import Path
 from typing import Optional
 
-from ...checkpoint.tree import resolve
-from ...checkpoint.manifest import read as read_manifest
+from ..checkpoint.tree import resolve
+from ..checkpoint.manifest import read as read_manifest
 
 from . import (CACHE_HOW, StreamTable, drop_page_cache, du, fmt_bytes, peak_rss_mib, read_file, reset_peak_rss,
                resident_bytes, rss_mib, spread, table, write_file)
@@ -45,7 +45,7 @@ def layouts(world: int) -> tuple[tuple, Optional[tuple]]:
     if world == 1:
         return (1, 1, 1), None
     if world % 2:
-        from ...config import ConfigError
+        from ..config import ConfigError
         raise ConfigError(f"bench ckpt: --world {world} must be 1 or even (layout tp=2 x pp=world/2)")
     return (2, world // 2, 1), ((world, 1, 1) if world > 2 else (1, 2, 1))
 
@@ -63,9 +63,9 @@ def model_config(size_mb: float, world: int) -> dict:
 def _state(mcfg, layout, seed: int):
     """This rank's GPTStage slice (random weights) and a ShardedAdamW with non-zero moments."""
     import torch
-    from ...model import GPTStage
-    from ...parallel.data import ShardedAdamW
-    from ...parallel.grid import Layout, ParallelGrid
+    from ..model import GPTStage
+    from ..parallel.data import ShardedAdamW
+    from ..parallel.grid import Layout, ParallelGrid
     grid = ParallelGrid.create(Layout(*layout))
     model = GPTStage(mcfg, grid)
     g = torch.Generator().manual_seed(seed)
@@ -100,10 +100,10 @@ def _worker(rank: int, world: int, tmp: str, o: dict) -> None:
     import torch
     import torch.distributed as dist
     import torch.distributed.checkpoint as dcp
-    from ...checkpoint import AsyncSaver, global_named as _named, load_checkpoint, save_checkpoint
-    from ...checkpoint.tree import MODEL_FILE
-    from ...checkpoint.plan import collect
-    from ...config import ModelConfig
+    from ..checkpoint import AsyncSaver, global_named as _named, load_checkpoint, save_checkpoint
+    from ..checkpoint.tree import MODEL_FILE
+    from ..checkpoint.plan import collect
+    from ..config import ModelConfig
     root, mcfg, cfgd = Path(o["root"]), ModelConfig(**o["model"]), {"model": o["model"]}
     grid, model, opt = _state(mcfg, o["save_layout"], rank)
     other = _state(mcfg, o["reshard_layout"], 100 + rank) if o["reshard_layout"] else None
@@ -237,7 +237,7 @@ def _worker(rank: int, world: int, tmp: str, o: dict) -> None:
 
 _CONVERT = r"""
 import json, os, sys, time
-from megalite.tools.bench import peak_rss_mib, sample_rss
+from megalite.bench import peak_rss_mib, sample_rss
 kind, src, out = sys.argv[1:4]
 if kind == "megalite convert":
     from megalite.convert import convert
@@ -322,8 +322,8 @@ def format_rows(rows: list[dict]) -> str:
 def bench_ckpt(size_mb: float = 1024, world: int = 4, repeats: int = 3, dir: Optional[str] = None,
                log=print) -> list[dict]:
     """Run every measurement; print the table (via `log`) and return its rows."""
-    from ...testing import run_parallel
-    from ...parallel.grid import Layout
+    from ..testing import run_parallel
+    from ..parallel.grid import Layout
     save_layout, reshard_layout = layouts(world)
     mcfg = model_config(size_mb, world)
     for lay in filter(None, (save_layout, reshard_layout)):

@@ -64,8 +64,8 @@ class _Stamped:
 
 
 def _model_rows(o: dict, world: int, grid, acc: list, vpp: int, m: int, cfg_of) -> list:
-    from ... import train as train_mod
-    from ...parallel.pipeline import SCHEDULES, schedule_name
+    from ..run import train as train_mod
+    from ..parallel.pipeline import SCHEDULES, schedule_name
     model = {**o["model"], "n_layer": max(o["model"]["n_layer"], 2 * world)}  # every chunk needs a layer
     tr = train_mod.build(cfg_of({**o, "model": model}, (1, world, 1), o["micro"], o["micro"] * m, vpp=vpp),
                          grid, torch.device("cpu"))
@@ -82,7 +82,7 @@ def _model_rows(o: dict, world: int, grid, acc: list, vpp: int, m: int, cfg_of) 
 
 
 def _wait_rows(o: dict, world: int, grid, acc: list, vpp: int, m: int, t_f: float) -> list:
-    from ...parallel.pipeline import P2P, interleaved, one_f_one_b
+    from ..parallel.pipeline import P2P, interleaved, one_f_one_b
     shape = (o["micro"], o["model"]["block_size"], o["model"]["n_embd"])
     w = torch.zeros((), requires_grad=True)
     last = grid.is_last_stage
@@ -106,7 +106,7 @@ def measure(o: dict, world: int, acc: list, cfg_of) -> list:
     """On each of `world` gloo ranks (pp = world): model rows, then wait rows calibrated to them (or with
     t_f = o["wait_ms"]), for V = 1, 2 and the m of o["ms"] that interleaving allows (m % pp == 0, m >= 4).
     Returns this rank's rows with their raw (start, end, seconds in torch.distributed) per step."""
-    from ...parallel.grid import Layout, ParallelGrid
+    from ..parallel.grid import Layout, ParallelGrid
     grid = ParallelGrid.create(Layout(1, world, 1))
     ms = [m for m in o["ms"] if m % world == 0 and m >= 4]
     rows = []

@@ -30,9 +30,9 @@ from dataclasses import dataclass
 
 import torch
 
-from ...parallel.partition import Box
-from ...checkpoint.manifest import BLOCK_BYTES
-from ...checkpoint.read import read_ranges
+from ..parallel.partition import Box
+from ..checkpoint.manifest import BLOCK_BYTES
+from ..checkpoint.read import read_ranges
 from . import StreamTable, fmt_bytes
 
 
@@ -58,11 +58,11 @@ def stage_tensors(model: dict, tp: int, pp: int, vpp: int = 1) -> list[list]:
 
     vpp > 1 (interleaved virtual stages): stage s holds the layer chunks s, s + pp, s + 2 pp, ... of
     pp * vpp contiguous chunks (Megatron's placement)."""
-    from ...config import ModelConfig
-    from ...model import GPTStage
-    from ...parallel.grid import Axis, Coord, Layout, ParallelGrid
-    from ...parallel.pipeline import partition_layers
-    from ...parallel.partition import partition_of
+    from ..config import ModelConfig
+    from ..model import GPTStage
+    from ..parallel.grid import Axis, Coord, Layout, ParallelGrid
+    from ..parallel.pipeline import partition_layers
+    from ..parallel.partition import partition_of
     cfg = ModelConfig(**model)
     layout = Layout(tp, pp, 1)
     chunks = partition_layers(cfg.n_layer, pp * vpp)
@@ -80,8 +80,8 @@ def stage_tensors(model: dict, tp: int, pp: int, vpp: int = 1) -> list[list]:
 
 def one_rank_plan_s(stages: list, layout) -> float:
     """Seconds one rank spends planning its writes at every save (the largest stage, uncached)."""
-    from ...checkpoint.plan import plan_writes
-    from ...parallel.grid import Coord
+    from ..checkpoint.plan import plan_writes
+    from ..parallel.grid import Coord
     s = max(range(len(stages)), key=lambda i: len(stages[i]))
     t0 = time.process_time()
     plan_writes(stages[s], Coord(0, s, 0), layout)
@@ -90,9 +90,9 @@ def one_rank_plan_s(stages: list, layout) -> float:
 
 def _reports(stages: list, layout) -> tuple[list, list]:
     """Every rank's report as `write.write_rank` returns it (placeholder checksums), and its bytes written."""
-    from ...checkpoint import manifest as mf
-    from ...checkpoint.tree import MODEL_FILE, OPTIM_FILE, STATE_FILE, coord_dir
-    from ...checkpoint.plan import Payload, add, plan_writes
+    from ..checkpoint import manifest as mf
+    from ..checkpoint.tree import MODEL_FILE, OPTIM_FILE, STATE_FILE, coord_dir
+    from ..checkpoint.plan import Payload, add, plan_writes
     fp32 = torch.empty((), device="meta")
     parts = [dict(s) for s in stages]
     reports, written = [], []
@@ -118,8 +118,8 @@ def _reports(stages: list, layout) -> tuple[list, list]:
 
 def validate(d: dict) -> list[str]:
     """What every reader checks (`Manifest.from_json`): the first problem, or nothing."""
-    from ...checkpoint import manifest as mf
-    from ...errors import CheckpointError
+    from ..checkpoint import manifest as mf
+    from ..base.errors import CheckpointError
     try:
         mf.Manifest.from_json(d, "bench plan")
     except CheckpointError as e:
@@ -130,7 +130,7 @@ def validate(d: dict) -> list[str]:
 def gather_to_rank0(reports: list, layout) -> tuple[int, int]:
     """(bytes, messages) rank 0 receives in the commit's two-level gather (`commit._gather`): the pickled
     reports of the other ranks of stage 0, then the merged part of every other stage from its leader."""
-    from ...checkpoint.commit import merge_reports
+    from ..checkpoint.commit import merge_reports
     leaders = layout.leader_ranks()  # reports are in rank order (layout.coords())
     stages = [layout.stage_ranks(layout.coord_of(r)) for r in leaders]
     first = sum(len(pickle.dumps(reports[r])) for r in stages[0][1:])
@@ -144,8 +144,8 @@ def _name(layout) -> str:
 
 def plan_layout(model: dict, tp: int, pp: int, dp: int, vpp: int = 1, zero1: bool = False,
                 cp: int = 1) -> tuple[PlanRow, object]:
-    from ...checkpoint import manifest as mf
-    from ...parallel.grid import Layout
+    from ..checkpoint import manifest as mf
+    from ..parallel.grid import Layout
     layout = Layout(tp, pp, dp, cp)
     stages = stage_tensors(model, tp, pp, vpp)
     rank_s = one_rank_plan_s(stages, layout)
@@ -215,9 +215,9 @@ def _overlaps(pieces: list, a: int, b: int, numel: int) -> list[tuple[str, int]]
 def plan_reshard(man: dict, model: dict, tp: int, pp: int, dp: int, vpp: int = 1, zero1: bool = False,
                  cp: int = 1) -> dict:
     """Per destination rank of layout (tp, pp, dp, cp): source files opened and bytes read, as load_into does."""
-    from ...parallel.data import dp_pieces
-    from ...parallel.grid import Layout
-    from ...parallel.partition import tp_box
+    from ..parallel.data import dp_pieces
+    from ..parallel.grid import Layout
+    from ..parallel.partition import tp_box
     layout = Layout(tp, pp, dp, cp)
     stages = stage_tensors(model, tp, pp, vpp)
     index = {e.name: _piece_index(e) for e in man.tensors()}
@@ -293,7 +293,7 @@ def bench_plan(n_layer: int, n_embd: int, n_head: int, vocab_size: int, tp: int,
 
 
 def _ints(text: str, flag: str, n: int | None = None) -> list[int]:
-    from ...config import ConfigError
+    from ..config import ConfigError
     try:
         vals = [int(x) for x in str(text).split(",")]
     except ValueError:
@@ -307,7 +307,7 @@ def _ints(text: str, flag: str, n: int | None = None) -> list[int]:
 def check_shape(n_layer: int, n_embd: int, n_head: int, vocab_size: int, block_size: int, tp: int, pp: int,
                 vpp: int, prefix: str = "--", cp: int = 1) -> None:
     """One-line errors naming the flag, before anything is planned."""
-    from ...config import ConfigError
+    from ..config import ConfigError
     for name, v in (("n-layer", n_layer), ("n-embd", n_embd), ("n-head", n_head), ("vocab-size", vocab_size),
                     ("block-size", block_size), ("tp", tp), ("pp", pp), ("vpp", vpp), ("cp", cp)):
         if v < 1:
