@@ -24,7 +24,7 @@ import torch
 import torch.distributed as dist
 
 from ..base import faults
-from . import metrics, tensorboard_log
+from . import metrics, tensorboard_log, wandb_log
 from ..checkpoint.state import seed_everything
 from .ckpt_policy import CheckpointManager
 from .compile import compile_blocks
@@ -191,8 +191,9 @@ def train(cfg: Config, log=print, force: bool = False) -> Trainer:
     progress(f"{grid.layout.world_size} rank(s) joined in {time.perf_counter() - t0:.1f} s; building the model and "
              f"reading the data...")
     tr, ckpt, metrics_file = _start(cfg, grid, device, log, force)
-    board = tensorboard_log.Board(Path(cfg.train.out_dir), tr.step) if grid.rank == 0 and cfg.train.tensorboard \
-        else None
+    board = _Boards(tensorboard_log.Board(Path(cfg.train.out_dir), tr.step)
+                    if grid.rank == 0 and cfg.train.tensorboard else None,
+                    wandb_log.WandbRun(cfg, tr.step) if grid.rank == 0 and cfg.train.wandb else None)
     if grid.rank == 0:
         log(start_line(cfg, grid.layout, device.type, tr.precision))
         if tr.step >= cfg.train.steps:
@@ -216,6 +217,24 @@ def train(cfg: Config, log=print, force: bool = False) -> Trainer:
         if board:
             board.close()
     return tr
+
+
+class _Boards:
+    """TensorBoard and W&B, either or both (or neither: falsy), written and closed together."""
+
+    def __init__(self, *boards):
+        self.boards = [b for b in boards if b is not None]
+
+    def __bool__(self) -> bool:
+        return bool(self.boards)
+
+    def write(self, rec: dict) -> None:
+        for b in self.boards:
+            b.write(rec)
+
+    def close(self) -> None:
+        for b in self.boards:
+            b.close()
 
 
 def _loop(tr: Trainer, ckpt: CheckpointManager, log, metrics_file, board=None) -> None:
@@ -293,6 +312,8 @@ def _start(cfg: Config, grid: ParallelGrid, device, log, force: bool = False) ->
     def build_all():
         if cfg.train.tensorboard and grid.rank == 0:
             tensorboard_log.require()  # before anything is written
+        if cfg.train.wandb and grid.rank == 0:
+            wandb_log.require(cfg)
         if grid.rank == 0:
             metrics.check_path(out_dir)  # a symlink or a FIFO there: refused before anything is written
         prepare_data(cfg, grid.rank)
