@@ -11,7 +11,8 @@ export OMP_NUM_THREADS=${OMP_NUM_THREADS:-1}
 export TORCH_ELASTIC_SHUTDOWN_TIMEOUT="${TORCH_ELASTIC_SHUTDOWN_TIMEOUT:-120}"
 RUN=${RUN:-runs/demo}
 rm -rf "$RUN"
-torchrun --standalone --nproc-per-node 8 -m megalite train --config configs/tiny-cpu.toml \
+# `megalite torchrun` is torchrun (its own agent) whose Ctrl-C ends with megalite's stop line, no traceback
+python3 -m megalite torchrun --standalone --nproc-per-node 8 -m megalite train --config configs/tiny-cpu.toml \
     --parallel.tp=2 --parallel.pp=2 --parallel.dp=2 \
     --train.out_dir="$RUN" --checkpoint.dir="$RUN/checkpoints" "$@"
 python3 -m megalite inspect "$RUN/checkpoints" --tree

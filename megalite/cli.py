@@ -234,7 +234,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     add("torchrun", "torchrun itself, with the same arguments (`megalite torchrun --nproc-per-node 2 -m megalite "
                     "train ...`), except that Ctrl-C or SIGTERM ends with megalite's stop line (exit 128 + signal) "
-                    "instead of torchrun's SignalException traceback; `megalite torchrun --help`: torchrun's help",
+                    "instead of torchrun's SignalException traceback; its options: `torchrun --help`",
         None)
 
     p = add("config", "`config show`: print the resolved config (file + overrides, validated) as TOML",
@@ -412,7 +412,7 @@ def _stdout_reader_gone() -> bool:
 
 def _main(argv=None) -> int:
     argv = sys.argv[1:] if argv is None else argv
-    if argv[:1] == ["torchrun"]:  # torchrun's own arguments follow, passed on untouched (its --help included)
+    if argv[:1] == ["torchrun"] and argv[1:] not in (["-h"], ["--help"]):  # torchrun's own arguments follow
         from .parallel.launch import torchrun
         return torchrun(argv[1:])
     ap = build_parser()
