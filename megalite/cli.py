@@ -26,7 +26,9 @@ EPILOGS = {
               "  megalite config show > my.toml   # every field with its default, ready to edit",
     "prepare": "examples:\n  megalite prepare ~/books/ notes.txt --out data/mine.bin                # byte tokens\n"
                "  megalite prepare ~/books/ --tokenizer data/bpe-4k --out data/mine-bpe.bin   # a BPE folder\n"
-               "  megalite prepare ~/books/ --tokenizer gpt2/ --out data/gpt2.bin   # GPT-2's vocab.json + merges.txt",
+               "  megalite prepare ~/books/ --tokenizer gpt2/ --out data/gpt2.bin   # GPT-2's vocab.json + merges.txt\n"
+               "  megalite prepare fineweb/sample/ --tokenizer gpt2/ --out data/fw.bin   # its *.parquet, column text\n"
+               "  megalite prepare dump.jsonl --text-field content --out data/dump.bin   # one document per line",
     "tokenizer": "examples:\n  megalite tokenizer train ~/books/ notes.txt --vocab-size 8192 --out data/bpe-8k\n"
                  "  megalite tokenizer train --vocab-size 4096 --out data/bpe-4k   # on the default corpus",
     "inspect": "examples:\n  megalite inspect runs/demo/checkpoints\n  megalite inspect runs/demo/checkpoints --tree",
