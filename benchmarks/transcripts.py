@@ -10,8 +10,9 @@ A fenced block is marked by an HTML comment on the line before it (GitHub does n
     <!-- fragment: WHY -->               a ```python block that is part of a program, not one (names it uses come
           from around it); WHY says so and where the whole is tested. The only python blocks not run
 
-Every other ```python block runs as its own script in a fresh interpreter (`python3 BLOCK.py`, nothing
-imported for it): a `run:` block in its session's folder, a pytest block (one that defines `test_*`) under
+Every other ```python block runs as its own script in a fresh interpreter (as `python3 BLOCK.py`, nothing
+imported for it): a `run:` block in its session's folder (forked from a zygote that imported only torch:
+`Scripts`), a pytest block (one that defines `test_*`) under
 `python3 -m pytest` (tests/test_docs.py), the rest by the test that names it. Before any run, every name a
 non-fragment block reads must be bound in the block itself or be a builtin (`undefined_names`, a symtable
 walk): an import the reader would need is never supplied by the code around the check.
@@ -204,6 +205,87 @@ def run_script(body: str, work: Path, name: str, root: Path = ROOT, timeout: flo
         kept = torch.load(work / f"{name}.kept.pt", weights_only=True)
         (work / f"{name}.kept.pt").unlink()
     return p.returncode, p.stdout, kept
+
+
+class Scripts:
+    """Python blocks run as scripts, each in a fresh interpreter forked from one that has imported torch and
+    nothing else (a zygote, as run_parallel's fork server): each block gets a new process with an empty
+    `__main__` namespace, its own working folder and argv, as `python3 BLOCK.py` would, while `import torch`
+    (~2 s, most of a block's start) is paid once per session instead of once per block. What the zygote
+    imported is exactly what any block's own `import torch` loads, so a block that forgets an import still
+    fails (the name is unbound; a submodule torch does not import by itself is not there either)."""
+
+    def __init__(self, root: Path = ROOT):
+        self.root, self.proc = root, None
+
+    def run(self, body: str, work: Path, name: str, keep: bool = False, timeout: float = 600) -> tuple:
+        """(exit code, printed text, the plain values it left when `keep`), as run_script."""
+        import json
+        import select
+        if self.proc is None:
+            self.proc = subprocess.Popen([sys.executable, "-c", _ZYGOTE], env=_env(self.root), text=True,
+                                         stdin=subprocess.PIPE, stdout=subprocess.PIPE)
+        script, log, kept_at = work / f"{name}.py", work / f"{name}.log", work / f"{name}.kept.pt"
+        script.write_text(body, encoding="utf-8")
+        self.proc.stdin.write(json.dumps({"script": str(script), "cwd": str(work), "log": str(log),
+                                          "keep": str(kept_at) if keep else ""}) + "\n")
+        self.proc.stdin.flush()
+        if not select.select([self.proc.stdout], [], [], timeout)[0]:
+            self.close()
+            return 124, f"timed out after {timeout:g} s", {}
+        rc = json.loads(self.proc.stdout.readline() or '{"rc": 1}')["rc"]
+        text = log.read_text(errors="replace")
+        kept = {}
+        if keep and rc == 0:
+            import torch
+            kept = torch.load(kept_at, weights_only=True)
+        for p in (script, log, kept_at):
+            p.unlink(missing_ok=True)
+        return rc, text, kept
+
+    def close(self) -> None:
+        if self.proc is not None:
+            self.proc.kill()
+            self.proc.wait()
+            self.proc = None
+
+
+_ZYGOTE = """import json, os, runpy, sys, traceback
+import torch  # what every block that uses torch imports first; nothing else is loaded here
+for line in sys.stdin:
+    req = json.loads(line)
+    pid = os.fork()
+    if pid == 0:
+        code = 1
+        try:
+            fd = os.open(req["log"], os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+            os.dup2(fd, 1)
+            os.dup2(fd, 2)
+            os.dup2(os.open(os.devnull, os.O_RDONLY), 0)
+            os.chdir(req["cwd"])
+            sys.argv = [req["script"]]
+            sys.path[0] = os.path.dirname(req["script"])
+            ns = runpy.run_path(req["script"], run_name="__main__")
+            if req["keep"]:
+                def plain(v):
+                    if isinstance(v, (bool, int, float, str, torch.Tensor)):
+                        return True
+                    if isinstance(v, (list, tuple)):
+                        return all(map(plain, v))
+                    return isinstance(v, dict) and all(isinstance(k, str) and plain(x) for k, x in v.items())
+                torch.save({k: v for k, v in ns.items() if not k.startswith("_") and plain(v)}, req["keep"])
+            code = 0
+        except SystemExit as e:
+            code = e.code if isinstance(e.code, int) else (0 if e.code is None else 1)
+        except BaseException:
+            traceback.print_exc()
+        finally:
+            sys.stdout.flush()
+            sys.stderr.flush()
+            os._exit(code)
+    _, status = os.waitpid(pid, 0)
+    print(json.dumps({"rc": os.waitstatus_to_exitcode(status)}), flush=True)
+"""
 
 
 _KEEP = """import runpy, sys
@@ -425,13 +507,20 @@ class Result:
 def run_session(session: str, work: Path, small: bool = True, root: Path = ROOT, log=None) -> Result:
     """Run every block of `session` in `work` (set up here), in document order."""
     setup(session, work, small, root)
+    scripts = Scripts(root)
+    try:
+        return _run_blocks(session, work, small, root, log, scripts)
+    finally:
+        scripts.close()
+
+
+def _run_blocks(session, work, small, root, log, scripts) -> Result:
     res = Result(session, work, small)
     for i, b in enumerate(session_blocks(session, root)):
         if b.lang == "python":  # its own script in a fresh interpreter: nothing of this process leaks in
             t0 = time.perf_counter()
-            name = f".block-{Path(b.file).stem}-{b.line}"
-            rc, text, res.namespaces[i] = run_script(b.body, work, name, root, keep=True)
-            (work / f"{name}.py").unlink()
+            rc, text, res.namespaces[i] = scripts.run(b.body, work, f".block-{Path(b.file).stem}-{b.line}",
+                                                      keep=True)
             if log:
                 log(f"[{session}] {time.perf_counter() - t0:5.1f} s  python block {b.file}:{b.line}")
             res.runs[i] = [(f"python3 {b.file}:{b.line}", rc, text)]

@@ -67,6 +67,27 @@ def test_undefined_names_finds_a_missing_import_and_a_variable_from_elsewhere():
     assert T.undefined_names("import os.path\nfor i in range(3):\n    j = i\nprint(os, j, [k for k in 'ab'])") == []
 
 
+def test_each_script_gets_a_fresh_interpreter_forked_from_one_that_imported_torch(tmp_path):
+    """T.Scripts (the session runner's python blocks): a forgotten import fails as in `python3 BLOCK.py`, nothing
+    one block binds or sets reaches the next, the working folder is the block's, the values come back."""
+    scripts = T.Scripts()
+    try:
+        rc, out, _ = scripts.run("x = torch.ones(1)\n", tmp_path, "a")
+        assert rc == 1 and "NameError: name 'torch' is not defined" in out, out
+        rc, out, kept = scripts.run("import colorsys, os, torch\ntorch.manual_seed(7)\n"
+                                    "secret = 1\nprint(os.getcwd())\nt = torch.rand(2)\n", tmp_path, "b", keep=True)
+        assert rc == 0 and out.strip() == str(tmp_path) and kept["secret"] == 1, out
+        assert torch.equal(kept["t"], torch.rand(2, generator=torch.Generator().manual_seed(7)))
+        rc, out, kept = scripts.run("import sys, torch\nseen = ['secret' in globals(), 'colorsys' in sys.modules]\n"
+                                    "t = torch.rand(2)\n", tmp_path, "c", keep=True)
+        assert rc == 0 and kept["seen"] == [False, False], (out, kept)  # b's import stayed in b
+        assert not torch.equal(kept["t"], torch.rand(2, generator=torch.Generator().manual_seed(7)))  # b's seed
+        assert scripts.run("raise SystemExit(3)\n", tmp_path, "d")[0] == 3
+        assert sorted(p.name for p in tmp_path.iterdir()) == []  # its files are removed
+    finally:
+        scripts.close()
+
+
 def test_every_pytest_block_passes_as_its_own_file(tmp_path):
     """docs/testing.md's examples are test files: each runs as its own file under `python3 -m pytest` in a fresh
     interpreter (two at a time), so the page's imports are the only ones it gets."""
