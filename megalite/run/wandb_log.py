@@ -57,4 +57,6 @@ class WandbRun:
         self.run.log({tag: rec[key] for key, tag in SCALARS.items() if key in rec}, step=rec["step"])
 
     def close(self) -> None:
+        import wandb
         self.run.finish()
+        wandb.teardown()  # stops W&B's service process, which writes the run's file: complete once this returns
