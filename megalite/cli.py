@@ -39,6 +39,8 @@ EPILOGS = {
                "  megalite convert runs/demo/checkpoints --format hf-gpt2 --out runs/demo/hf/\n"
                "  megalite convert megatron/ckpts --vocab-size 50257 --format hf-gpt2 --out hf/   (Megatron-LM)\n"
                "  megalite convert dcp_ckpt/step-100 --out step-100.safetensors   (PyTorch DCP, e.g. torchtitan)\n"
+               "  megalite convert step-100 --from dcp --arch llama --config config.json --out llama.safetensors"
+               "   (torchtitan's Llama 3)\n"
                "  megalite convert runs/demo/checkpoints --format dcp --out runs/demo/dcp/",
     "split": "example:\n  megalite split runs/demo/model.safetensors --tp 2 --pp 2 --dp 1 --out runs/split-221/",
     "reshard": "example:\n  megalite reshard runs/demo/checkpoints --tp 1 --pp 4 --dp 2 --out runs/reshard-142/",
@@ -118,7 +120,7 @@ def _cmd_tokenizer(args, rest) -> int:
     from .tokenizer import train_folder
     files = expand_sources(args.sources) if args.sources else default_corpus_files()
     out = train_folder(files, args.vocab_size, args.out, force=args.force, quiet=args.quiet,
-                       min_frequency=args.min_frequency)
+                       min_frequency=args.min_frequency, pre_tokenizer=args.pre_tokenizer)
     if not args.quiet:
         print(f"tokenizer: wrote {out}")
     return 0
@@ -150,8 +152,13 @@ def _cmd_verify(args, rest) -> int:
 
 def _cmd_convert(args, rest) -> int:
     from .convert import convert
+    from .convert.hints import Hints, merge_config
+    hints = Hints(num_heads=args.num_heads, num_kv_heads=args.num_kv_heads, rope_theta=args.rope_theta,
+                  norm=args.norm, mlp=args.mlp, norm_eps=args.norm_eps)
+    if args.config is not None:
+        hints = merge_config(hints, args.config)
     out = convert(args.ckpt, args.out, dtype=args.dtype, fmt=args.format, force=args.force, quiet=args.quiet,
-                  source=args.source, vocab_size=args.vocab_size)
+                  source=args.source, vocab_size=args.vocab_size, arch=args.arch, hints=hints)
     if not args.quiet:
         print(f"convert: wrote {out}")
     return 0
@@ -210,7 +217,7 @@ def _cmd_bench(args, rest) -> int:
         from .bench.train import bench_train
         bench_train(steps=args.steps, nproc=args.nproc, n_embd=args.n_embd or 128, n_layer=args.n_layer or 4,
                     block_size=args.block_size or 128, rounds=args.rounds or 2, wait_ms=args.bubble_wait_ms,
-                    cp_seq=args.cp_seq, pairs=args.pairs)
+                    cp_seq=args.cp_seq, pairs=args.pairs, llama_only=args.llama_only)
     return 0
 
 
@@ -274,6 +281,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--out", required=True, help="the folder to write (tokenizer.json, tokenizer_config.json, "
                                                 "special_tokens_map.json)")
     p.add_argument("--min-frequency", type=int, default=2, help="a pair merges only if seen this often")
+    p.add_argument("--pre-tokenizer", default="gpt2", choices=["gpt2", "llama3"],
+                   help="how text is cut before merging: GPT-2's regex, or Llama 3's split (tiktoken-style: "
+                        "digits in groups of 3, a letter run with one leading non-letter)")
     p.add_argument("--force", action="store_true", help="replace --out if it exists")
     p.add_argument("--quiet", action="store_true")
 
@@ -298,6 +308,16 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--from", dest="source", default=None, metavar="KIND",
                    help="megalite | dcp | megatron (default: recognised from the folder)")
     p.add_argument("--vocab-size", type=int, default=None, help="megatron: cut the padded vocabulary to this")
+    p.add_argument("--arch", default=None, help="gpt2 | llama: what model a DCP folder holds (llama: torchtitan's "
+                                                "Llama 3); for a Megatron folder, checked against it")
+    hint = p.add_argument_group("what the tensors cannot tell (a Megatron checkpoint without args, a DCP folder)")
+    hint.add_argument("--num-heads", type=int, default=None)
+    hint.add_argument("--num-kv-heads", type=int, default=None, help="(default: read from the key width)")
+    hint.add_argument("--rope-theta", type=float, default=None, help="(default 10000)")
+    hint.add_argument("--norm", default=None, help="rms | layer (default: read from the norms' biases)")
+    hint.add_argument("--mlp", default=None, help="swiglu | gelu | gelu_tanh (default: read from the MLP's rows)")
+    hint.add_argument("--norm-eps", type=float, default=None, help="(default 1e-5)")
+    hint.add_argument("--config", default=None, help="a transformers config.json giving all of the above")
     p.add_argument("--force", action="store_true", help="replace --out if it exists")
     p.add_argument("--quiet", action="store_true")
 
@@ -365,6 +385,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--pairs", type=int, default=5, help="train: table 1's megalite/plain pairs of fresh processes")
     p.add_argument("--cp-seq", type=int, default=None,
                    help="train: sequence length of the context-parallel table (default: 8 x --block-size)")
+    p.add_argument("--llama-only", action="store_true",
+                   help="train: only the Llama tables (9: vs transformers' LlamaForCausalLM, 10: a block's "
+                        "saved bytes per rank)")
     p.add_argument("--bubble-wait-ms", type=float, default=None,
                    help="train: t_f of the bubble table's wait rows (default: the model's, at least 40 ms)")
 

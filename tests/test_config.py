@@ -258,6 +258,12 @@ def config_readers(package=None) -> dict:
                 visit(child, skipped)
 
         visit(tree)
+        for cls in ast.walk(tree):  # a section's own properties (ModelConfig.ffn_size reads self.intermediate_size)
+            if isinstance(cls, ast.ClassDef) and cls.name in by_class:
+                for node in ast.walk(cls):
+                    if (isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name)
+                            and node.value.id == "self" and node.attr in fields[by_class[cls.name]]):
+                        found[f"{by_class[cls.name]}.{node.attr}"].add(mod)
     return found
 
 

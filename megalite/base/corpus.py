@@ -1,17 +1,14 @@
-"""The documents of a corpus, as `megalite prepare` reads them: a plain text file is one document; a `.jsonl`
-file holds one document per line (a JSON object whose `text_field` is a string) and a `.parquet` file one per
-row (its `text_field` column, strings), as most open corpora ship (FineWeb, The Pile, RedPajama: parquet or
-jsonl). Every document comes out in pieces (`text_pieces`, `read_text_pieces`), so that memory stays bounded by what is
-in flight: a piece of a plain file, one jsonl line (at most MAX_RECORD_BYTES), or one parquet row group's text
-column (at most MAX_ROW_GROUP_BYTES uncompressed, as its own footer declares before it is read; pyarrow reads
-the file one row group at a time). A bad record is one line naming the file, the line or row group and row,
-and the field.
+"""The records of a corpus file, as `megalite prepare` reads them: a `.jsonl` file holds one document per line
+(a JSON object whose `text_field` is a string) and a `.parquet` file one per row (its `text_field` column,
+strings), as most open corpora ship (FineWeb, The Pile, RedPajama: parquet or jsonl); a plain text file is one
+document (data.prepare reads it in pieces). Memory stays bounded by what is in flight: one jsonl line (at most
+MAX_RECORD_BYTES) or one parquet row group's text column (at most MAX_ROW_GROUP_BYTES uncompressed, as its own
+footer declares before it is read; pyarrow reads the file one row group at a time). A bad record is one line
+naming the file, the line or row group and row, and the field.
 """
 from __future__ import annotations
 
-import codecs
 import json
-import re
 from pathlib import Path
 from typing import Iterator
 
@@ -23,24 +20,12 @@ MAX_ROW_GROUP_BYTES = 1 << 30  # 1 GiB: a parquet row group's text column is rea
 DEFAULT_TEXT_FIELD = "text"
 
 
-def documents(files: list[Path], piece_chars: int, text_field: str = DEFAULT_TEXT_FIELD) -> Iterator[tuple]:
-    """(document index, text piece) for every document of `files` in order, numbered from 0 across files;
-    each document ends with a (index, "") mark, so an empty one is still a document."""
-    doc = 0
-    for path in files:
-        for text in _texts(path, text_field) if path.suffix in RECORD_SUFFIXES else [None]:
-            pieces = read_text_pieces(path, piece_chars) if text is None else text_pieces(text, piece_chars)
-            for piece in pieces:
-                yield doc, piece
-            yield doc, ""
-            doc += 1
-
-
-def _texts(path: Path, field: str) -> Iterator[str]:
+def records(path: Path, field: str = DEFAULT_TEXT_FIELD) -> Iterator[bytes]:
+    """The text of each record of a .jsonl or .parquet file, in order, as UTF-8."""
     return _jsonl(path, field) if path.suffix == ".jsonl" else _parquet(path, field)
 
 
-def _jsonl(path: Path, field: str) -> Iterator[str]:
+def _jsonl(path: Path, field: str) -> Iterator[bytes]:
     """Each non-blank line's `field`; one line is held at a time (read with a cap: a line without an end is
     never read whole)."""
     with open(path, "rb") as f:
@@ -64,7 +49,7 @@ def _jsonl(path: Path, field: str) -> Iterator[str]:
             yield _text(record.get(field, _MISSING), where, field)
 
 
-def _parquet(path: Path, field: str) -> Iterator[str]:
+def _parquet(path: Path, field: str) -> Iterator[bytes]:
     """Each row's `field`, one row group at a time (its declared size checked before it is read)."""
     try:
         import pyarrow
@@ -106,14 +91,13 @@ def _parquet(path: Path, field: str) -> Iterator[str]:
 _MISSING = object()
 
 
-def _text(value, where: str, field: str) -> str:
+def _text(value, where: str, field: str) -> bytes:
     if isinstance(value, str):
         try:
-            value.encode("utf-8")  # JSON may spell a lone surrogate (\\ud800): not text any tokenizer reads
+            return value.encode("utf-8")  # JSON may spell a lone surrogate (\\ud800): not text any tokenizer reads
         except UnicodeEncodeError as e:
             raise DataError(f"{where}: field '{field}' holds {value[e.start]!r} at character {e.start}, which is "
                             f"not text (a lone surrogate)") from None
-        return value
     if value is _MISSING:
         raise DataError(f"{where}: field '{field}' is missing, expected a string (--text-field names another)")
     what = "null" if value is None else _JSON_KINDS.get(type(value), type(value).__name__)
@@ -121,47 +105,3 @@ def _text(value, where: str, field: str) -> str:
 
 
 _JSON_KINDS = {bool: "a boolean", int: "a number", float: "a number", list: "an array", dict: "an object"}
-
-
-# A cut before a space, newline or tab that follows a non-whitespace character (Python's isspace covers
-# every character the regex's \s may mean, and more): no GPT-2 pre-token spans it, none looks behind its start.
-_CUT = re.compile(r"(?<=\S)[ \n\t]")
-
-
-def text_pieces(text: str, piece_chars: int = 1 << 20) -> Iterator[str]:
-    """`text` in pieces of at least `piece_chars` characters, cut as read_text_pieces cuts a file's text (one
-    record of a jsonl or parquet corpus)."""
-    start = 0
-    while len(text) - start > piece_chars:
-        m = _CUT.search(text, start + piece_chars)
-        if m is None:
-            break
-        yield text[start:m.start()]
-        start = m.start()
-    if start < len(text):
-        yield text[start:]
-
-
-def read_text_pieces(path: Path, piece_chars: int = 1 << 20, block: int = 1 << 20) -> Iterator[str]:
-    """The text of one file in pieces of at least `piece_chars` characters (the last may be shorter), read
-    `block` bytes at a time: UTF-8 decoded with invalid bytes as U+FFFD (as `bytes.decode(errors="replace")`
-    does on the whole file), each piece cut only where a word-streaming tokenizer (Tokenizer.streams_by_words)
-    gives the ids of the whole text. Memory: about a piece and a block, unless a run of piece_chars holds no
-    cut (a long line without spaces), which is read on until one comes."""
-    decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
-    buf, scanned = "", 0
-    with open(path, "rb") as f:
-        while True:
-            raw = f.read(block)
-            buf += decoder.decode(raw, final=not raw)
-            while len(buf) > piece_chars:
-                m = _CUT.search(buf, max(piece_chars, scanned))
-                if m is None:
-                    scanned = len(buf)  # nothing up to here: the next search starts where this one ended
-                    break
-                yield buf[:m.start()]
-                buf, scanned = buf[m.start():], 0
-            if not raw:
-                break
-    if buf:
-        yield buf
