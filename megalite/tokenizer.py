@@ -21,6 +21,7 @@ special token, and the ByteLevel decoder. Identity is the sha256 of the canonica
 from __future__ import annotations
 
 import codecs
+import contextlib
 import functools
 import hashlib
 import json
@@ -438,9 +439,9 @@ _CUT_IN_WORDS = re.compile(rf"(?<=[A-Za-z])[0-9{_PUNCT}]|(?<=[0-9])[A-Za-z{_PUNC
 FORCED_CUT = 2  # a run of FORCED_CUT x piece_chars characters with no cut at all is cut anyway (see below)
 
 
-def read_text_pieces(path: Path, piece_chars: int = 1 << 20, block: int = 1 << 20, specials: tuple = (),
+def read_text_pieces(path, piece_chars: int = 1 << 20, block: int = 1 << 20, specials: tuple = (),
                      on_forced_cut=None) -> Iterator[str]:
-    """The text of one file in pieces of at least `piece_chars` characters (the last may be shorter), read
+    """The text of one file (a path, or a binary file object: a jsonl or parquet record) in pieces of at least `piece_chars` characters (the last may be shorter), read
     `block` bytes at a time: UTF-8 decoded with invalid bytes as U+FFFD (as `bytes.decode(errors="replace")`
     does on the whole file), each piece cut only where a word-streaming tokenizer (Tokenizer.streams_by_words)
     gives the ids of the whole text: before whitespace that follows a non-whitespace character, else at the
@@ -455,7 +456,7 @@ def read_text_pieces(path: Path, piece_chars: int = 1 << 20, block: int = 1 << 2
     decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
     buf, scanned, offset = "", 0, 0
     hard = FORCED_CUT * piece_chars
-    with open(path, "rb") as f:
+    with open(path, "rb") if isinstance(path, (str, os.PathLike)) else contextlib.nullcontext(path) as f:
         while True:
             raw = f.read(block)
             buf += decoder.decode(raw, final=not raw)
