@@ -36,6 +36,8 @@ EPILOGS = {
                "  megalite convert runs/demo/checkpoints --format hf-gpt2 --out runs/demo/hf/\n"
                "  megalite convert megatron/ckpts --vocab-size 50257 --format hf-gpt2 --out hf/   (Megatron-LM)\n"
                "  megalite convert dcp_ckpt/step-100 --out step-100.safetensors   (PyTorch DCP, e.g. torchtitan)\n"
+               "  megalite convert step-100 --from dcp --arch llama --config config.json --out llama.safetensors"
+               "   (torchtitan's Llama 3)\n"
                "  megalite convert runs/demo/checkpoints --format dcp --out runs/demo/dcp/",
     "split": "example:\n  megalite split runs/demo/model.safetensors --tp 2 --pp 2 --dp 1 --out runs/split-221/",
     "reshard": "example:\n  megalite reshard runs/demo/checkpoints --tp 1 --pp 4 --dp 2 --out runs/reshard-142/",
@@ -198,7 +200,7 @@ def _cmd_bench(args, rest) -> int:
         from .bench.train import bench_train
         bench_train(steps=args.steps, nproc=args.nproc, n_embd=args.n_embd or 128, n_layer=args.n_layer or 4,
                     block_size=args.block_size or 128, rounds=args.rounds or 2, wait_ms=args.bubble_wait_ms,
-                    cp_seq=args.cp_seq, pairs=args.pairs)
+                    cp_seq=args.cp_seq, pairs=args.pairs, llama_only=args.llama_only)
     return 0
 
 
@@ -351,6 +353,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--pairs", type=int, default=5, help="train: table 1's megalite/plain pairs of fresh processes")
     p.add_argument("--cp-seq", type=int, default=None,
                    help="train: sequence length of the context-parallel table (default: 8 x --block-size)")
+    p.add_argument("--llama-only", action="store_true",
+                   help="train: only the Llama tables (9: vs transformers' LlamaForCausalLM, 10: a block's "
+                        "saved bytes per rank)")
     p.add_argument("--bubble-wait-ms", type=float, default=None,
                    help="train: t_f of the bubble table's wait rows (default: the model's, at least 40 ms)")
 

@@ -107,6 +107,19 @@ def test_megatron_llama_matches_megatron_cores_forward(mref, case):
 
 
 @needs_megatron
+def test_megatron_llama_without_args_converts_through_the_cli_with_flags(mref, tmp_path):
+    from megalite.generate import load_model
+    rc, _, err = cli("convert", mref / "llama_tp2pp2_noargs", "--num-heads", 4, "--num-kv-heads", 2,
+                     "--vocab-size", VOCAB, "--out", tmp_path / "m.safetensors")
+    assert rc == 0, err
+    ref = torch.load(mref / "llama_tp2pp2.pt")
+    with torch.no_grad():
+        d = (load_model(tmp_path / "m.safetensors")(ref["ids"]).double() - ref["logits"][..., :VOCAB]).abs().max()
+    print(f"megatron tp2pp2 no args, CLI flags -> megalite file -> megalite's Llama: max |d logit| {d:.2e}")
+    assert d < TOL
+
+
+@needs_megatron
 def test_megatron_llama_without_args_takes_a_transformers_config(mref, tmp_path):
     cfg = llama_config(tmp_path, num_attention_heads=4, num_key_value_heads=2, vocab_size=VOCAB,
                        rope_parameters={"rope_type": "default", "rope_theta": 10000.0})
