@@ -37,6 +37,8 @@ EPILOGS = {
                "  megalite convert runs/demo/checkpoints --format hf-gpt2 --out runs/demo/hf/\n"
                "  megalite convert megatron/ckpts --vocab-size 50257 --format hf-gpt2 --out hf/   (Megatron-LM)\n"
                "  megalite convert dcp_ckpt/step-100 --out step-100.safetensors   (PyTorch DCP, e.g. torchtitan)\n"
+               "  megalite convert step-100 --from dcp --arch llama --config config.json --out llama.safetensors"
+               "   (torchtitan's Llama 3)\n"
                "  megalite convert runs/demo/checkpoints --format dcp --out runs/demo/dcp/",
     "split": "example:\n  megalite split runs/demo/model.safetensors --tp 2 --pp 2 --dp 1 --out runs/split-221/",
     "reshard": "example:\n  megalite reshard runs/demo/checkpoints --tp 1 --pp 4 --dp 2 --out runs/reshard-142/",
@@ -145,8 +147,13 @@ def _cmd_verify(args, rest) -> int:
 
 def _cmd_convert(args, rest) -> int:
     from .convert import convert
+    from .convert.hints import Hints, merge_config
+    hints = Hints(num_heads=args.num_heads, num_kv_heads=args.num_kv_heads, rope_theta=args.rope_theta,
+                  norm=args.norm, mlp=args.mlp, norm_eps=args.norm_eps)
+    if args.config is not None:
+        hints = merge_config(hints, args.config)
     out = convert(args.ckpt, args.out, dtype=args.dtype, fmt=args.format, force=args.force, quiet=args.quiet,
-                  source=args.source, vocab_size=args.vocab_size)
+                  source=args.source, vocab_size=args.vocab_size, arch=args.arch, hints=hints)
     if not args.quiet:
         print(f"convert: wrote {out}")
     return 0
@@ -283,6 +290,16 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--from", dest="source", default=None, metavar="KIND",
                    help="megalite | dcp | megatron (default: recognised from the folder)")
     p.add_argument("--vocab-size", type=int, default=None, help="megatron: cut the padded vocabulary to this")
+    p.add_argument("--arch", default=None, help="gpt2 | llama: what model a DCP folder holds (llama: torchtitan's "
+                                                "Llama 3); for a Megatron folder, checked against it")
+    hint = p.add_argument_group("what the tensors cannot tell (a Megatron checkpoint without args, a DCP folder)")
+    hint.add_argument("--num-heads", type=int, default=None)
+    hint.add_argument("--num-kv-heads", type=int, default=None, help="(default: read from the key width)")
+    hint.add_argument("--rope-theta", type=float, default=None, help="(default 10000)")
+    hint.add_argument("--norm", default=None, help="rms | layer (default: read from the norms' biases)")
+    hint.add_argument("--mlp", default=None, help="swiglu | gelu | gelu_tanh (default: read from the MLP's rows)")
+    hint.add_argument("--norm-eps", type=float, default=None, help="(default 1e-5)")
+    hint.add_argument("--config", default=None, help="a transformers config.json giving all of the above")
     p.add_argument("--force", action="store_true", help="replace --out if it exists")
     p.add_argument("--quiet", action="store_true")
 
