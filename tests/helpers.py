@@ -25,6 +25,8 @@ from megalite.config import Config
 TIMEOUT = 180  # seconds for one training launch
 CLI_TIMEOUT = 120  # seconds for any other `megalite` command
 TORCHRUN_TIMEOUT = 240  # seconds for a launch of 4-8 processes that must succeed
+MEGATRON_REF = Path(__file__).with_name("megatron_ref.py")  # megatron-core run as an outside reference
+TORCHTITAN_REF = Path(__file__).with_name("torchtitan_ref.py")  # torchtitan run as an outside reference
 
 MEGALITE = [sys.executable, "-m", "megalite"]
 TORCHRUN = [sys.executable, "-m", "torch.distributed.run"]
@@ -199,6 +201,17 @@ def run(argv: list, *, cwd=None, timeout: float = CLI_TIMEOUT, text: bool = True
     """Run a command to completion with env(), capturing its output."""
     return subprocess.run([str(a) for a in argv], cwd=cwd, env=env(extra_env), capture_output=True, text=text,
                           timeout=timeout)
+
+
+def cli_in_process(*args) -> tuple[int, str, str]:
+    """`megalite ARGS` in this process (no interpreter start): (exit code, stdout, stderr)."""
+    import contextlib
+    import io
+    from megalite.cli import main
+    out, err = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        rc = main([str(a) for a in args])
+    return rc, out.getvalue(), err.getvalue()
 
 
 def cli(*args, cwd=None, timeout: float = CLI_TIMEOUT) -> subprocess.CompletedProcess:
