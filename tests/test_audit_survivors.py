@@ -171,6 +171,19 @@ def test_a_package_prefix_allows_that_package_only_not_every_module_name_startin
         load(f"c{module}\nrun\n.".encode(), MEGATRON_COMMON)
 
 
+# ---------------------------------------------------------------- metrics.jsonl: a redone step's last record
+def test_metrics_read_keeps_the_last_record_of_a_redone_step(tmp_path):
+    """A launch killed after logging steps 1-3 with its checkpoint at step 1, resumed: it logs a resume event
+    and steps 2-3 again. `read` (what `megalite plot` draws) gives steps 1, 2, 3 with the redone values, as
+    metrics.py's docstring says, written out here by hand."""
+    from megalite.run.metrics import events, read
+    lines = [{"step": 1, "loss": 5.0}, {"step": 2, "loss": 4.0}, {"step": 3, "loss": 3.0},
+             {"event": "resume", "step": 1}, {"step": 2, "loss": 4.5}, {"step": 3, "loss": 3.5}]
+    (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in lines))
+    assert read(tmp_path) == [lines[0], lines[4], lines[5]]
+    assert events(tmp_path) == [lines[3]]
+
+
 # ---------------------------------------------------------------- train.compile: every block
 def test_compile_blocks_compiles_every_block_of_the_stage():
     """nn.Module.compile marks the module it compiled (torch's `_compiled_call_impl`): every block of the stage,
