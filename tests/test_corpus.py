@@ -187,3 +187,21 @@ def test_records_are_read_one_jsonl_line_and_one_parquet_row_group_at_a_time(tmp
     prepare([tmp_path / "r.parquet"], tmp_path / "r.bin", log=quiet, val_split="tail")
     assert groups == [0, 1, 2, 3]
     assert decode(tmp_path / "r.bin") == EOT.join(texts(10))
+
+
+def test_tokenizer_train_reads_records_as_prepare_does(tmp_path):
+    """`megalite tokenizer train` on a .jsonl and a .parquet file learns from their texts, not their bytes: the
+    same tokenizer as from the same texts in plain files (JSON's quotes and parquet's binary never seen)."""
+    pa = pytest.importorskip("pyarrow")
+    pq = pytest.importorskip("pyarrow.parquet")
+    docs = [f"the cat {i} sat on the mat; " * 40 for i in range(8)]
+    (tmp_path / "plain").mkdir()
+    for i, t in enumerate(docs):
+        (tmp_path / "plain" / f"{i}.txt").write_text(t)
+    (tmp_path / "a.jsonl").write_text("".join(json.dumps({"body": t}) + "\n" for t in docs[:4]))
+    pq.write_table(pa.table({"body": docs[4:]}), tmp_path / "b.parquet", row_group_size=2)
+    assert main(["tokenizer", "train", str(tmp_path / "plain"), "--vocab-size", "300", "--out",
+                 str(tmp_path / "t1"), "--quiet"]) == 0
+    assert main(["tokenizer", "train", str(tmp_path / "a.jsonl"), str(tmp_path / "b.parquet"), "--text-field", "body",
+                 "--vocab-size", "300", "--out", str(tmp_path / "t2"), "--quiet"]) == 0
+    assert (tmp_path / "t1" / "tokenizer.json").read_text() == (tmp_path / "t2" / "tokenizer.json").read_text()
