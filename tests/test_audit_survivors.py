@@ -171,6 +171,30 @@ def test_a_package_prefix_allows_that_package_only_not_every_module_name_startin
         load(f"c{module}\nrun\n.".encode(), MEGATRON_COMMON)
 
 
+# ---------------------------------------------------------------- jsonio's exact codec: types come back
+def _same(a, b) -> bool:
+    """Equal with the same types all the way down (Python's == takes 1 == 1.0 == True, but not (1,) == [1])."""
+    if type(a) is not type(b):
+        return False
+    if isinstance(a, dict):
+        return list(a) == list(b) and all(_same(a[k], b[k]) for k in a)
+    if isinstance(a, (list, tuple)):
+        return len(a) == len(b) and all(_same(x, y) for x, y in zip(a, b))
+    return a == b or (a != a and b != b)  # NaN
+
+
+def test_the_scheduler_codec_gives_back_every_type_it_promises():
+    """jsonio.encode -> JSON text -> jsonio.decode returns the value with the same types (its docstring's
+    list: a Counter of int milestones, tuples, int keys, an OrderedDict, inf and NaN), checked type by type."""
+    import math
+    from collections import Counter, OrderedDict
+    from megalite.base.jsonio import decode, encode
+    value = {"milestones": Counter({30: 1, 80: 2}), "betas": (0.9, 0.95), 3: [1, (2, (3, "x")), None, True],
+             "od": OrderedDict(b=1, a=2), "hi": math.inf, "lo": -math.inf, "nan": math.nan, "f": 1.0}
+    back = decode(json.loads(json.dumps(encode(value, "state"))), "state")
+    assert _same(back, value), back
+
+
 # ---------------------------------------------------------------- metrics.jsonl: a redone step's last record
 def test_metrics_read_keeps_the_last_record_of_a_redone_step(tmp_path):
     """A launch killed after logging steps 1-3 with its checkpoint at step 1, resumed: it logs a resume event
