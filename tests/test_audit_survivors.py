@@ -117,6 +117,20 @@ def test_bytes_per_id_of_a_tokenizer_without_byte_level_decoding_are_utf8_bytes(
     assert tok.token_bytes() == [len(w.encode("utf-8")) for w in words] + [0] == [5, 3, 5, 9, 4, 6, 0]
 
 
+def test_a_tokenizer_folder_with_both_formats_is_read_from_its_tokenizer_json(tmp_path):
+    """HF tokenizer folders often hold tokenizer.json beside vocab.json + merges.txt; tokenizer.json is the whole
+    tokenizer (added tokens, pre-tokenizer), so it is what a folder means, as transformers' fast tokenizers
+    read it. Here the two files disagree: the ids are the `tokenizers` library's from tokenizer.json."""
+    from tokenizers import Tokenizer as Backend
+    from megalite.tokenizer import load, train_bpe
+    text = "the cat sat on the mat"
+    (tmp_path / "tokenizer.json").write_text(train_bpe(_docs(40), 300).json)
+    (tmp_path / "vocab.json").write_text(json.dumps({c: i for i, c in enumerate([*"abcdefghijklmnopqrstuvwxyzĠ", "th"])}))
+    (tmp_path / "merges.txt").write_text("#version: 0.2\nt h\n")
+    want = Backend.from_file(str(tmp_path / "tokenizer.json")).encode(text).ids
+    assert load(tmp_path).encode(text) == want
+
+
 # ---------------------------------------------------------------- prepare: where a corpus may be cut
 @pytest.mark.parametrize("prefix_space", [False, True])
 def test_prepare_in_small_pieces_gives_the_librarys_ids_of_the_whole_text(tmp_path, prefix_space):
