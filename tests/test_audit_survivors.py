@@ -33,15 +33,16 @@ class FixedLogits(torch.nn.Module):
         return self.logits.expand(x.shape[0], x.shape[1], -1).clone()
 
 
-@pytest.mark.parametrize("k", [1, 3, 5])
+@pytest.mark.parametrize("k", [1, 3, 5, 20])
 def test_top_k_draws_exactly_the_k_ids_torch_topk_keeps(k):
     """At a temperature that makes the kept ids about equally likely, 300 draws reach every id of
-    torch.topk(logits, k) and no other (keeping k - 1, or k + 1, shows at once)."""
+    torch.topk(logits, k) and no other (keeping k - 1, or k + 1, shows at once); a k above the vocabulary (20
+    of 10) keeps every id, as transformers' TopKLogitsWarper does (min(top_k, vocab))."""
     from megalite.generate import generate
     logits = torch.tensor([0.3, 2.0, -1.0, 1.5, 1.9, 0.0, 1.0, -0.5, 0.7, 1.2])
     out = generate(FixedLogits(logits), [0], max_new_tokens=300, temperature=50.0, top_k=k, seed=5,
                    warn=lambda msg: None)
-    assert set(out[1:]) == set(torch.topk(logits, k).indices.tolist())
+    assert set(out[1:]) == set(torch.topk(logits, min(k, logits.numel())).indices.tolist())
 
 
 class Recorder(FixedLogits):
