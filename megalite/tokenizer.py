@@ -21,6 +21,7 @@ special token, and the ByteLevel decoder. Identity is the sha256 of the canonica
 from __future__ import annotations
 
 import codecs
+import contextlib
 import functools
 import hashlib
 import json
@@ -82,11 +83,7 @@ class Tokenizer:
         ids = backend.get_vocab(with_added_tokens=True).values()
         # the largest id + 1, not the count of ids: a vocabulary with holes (ids 0..255 and 70000) would
         # otherwise be stored as uint16 and its id 70000 lost
-        self.vocab_size = max(ids, default=-1) + 1
-        if self.vocab_size > limits.HOLES * len(ids) + limits.SLACK:
-            raise DataError(f"{source}: the largest token id is {self.vocab_size - 1:,}, but the tokenizer lists only "
-                            f"{len(ids):,} ids; expected ids numbered from 0 with at most {limits.HOLES}x as many "
-                            f"unused ones (per-id tables are sized by the largest id)")
+        self.vocab_size = check_ids(ids, source) + 1
         self.is_byte = self.sha256 == _byte_sha256()
         self.eot_id = None if self.is_byte else backend.token_to_id(EOT)
 
@@ -168,6 +165,20 @@ def sha256_text(text: str) -> str:
 
 
 # ---------------------------------------------------------------- loading
+def check_ids(ids, where: str) -> int:
+    """The largest of a vocabulary's `ids`, which must lie within limits.HOLES x their count (+ SLACK): per-id
+    tables (the token dtype, bytes per token) are sized by the largest id, and the tokenizers library itself
+    walks every id up to it when it writes a tokenizer out (an id of 2**31 - 1 among 27: minutes)."""
+    ids = [i for i in ids if isinstance(i, int) and not isinstance(i, bool)]
+    top = max(ids, default=-1)
+    if top + 1 > limits.HOLES * len(set(ids)) + limits.SLACK:
+        shown = f"{top:,}" if top.bit_length() <= 128 else limits.describe(top)
+        raise DataError(f"{where}: the largest token id is {shown}, but the tokenizer lists only "
+                        f"{len(set(ids)):,} ids; expected ids numbered from 0 with at most {limits.HOLES}x as many "
+                        f"unused ones (per-id tables are sized by the largest id)")
+    return top
+
+
 def from_json(text: str, where: str) -> Tokenizer:
     """A Tokenizer from tokenizer.json text; `where` names its source in a one-line error."""
     from tokenizers import Tokenizer as Backend
@@ -175,6 +186,9 @@ def from_json(text: str, where: str) -> Tokenizer:
     if not isinstance(d, dict) or not isinstance(d.get("model"), dict):
         raise DataError(f"{where}: not a tokenizer.json (no 'model' object; expected a file saved by the "
                         f"tokenizers library, e.g. `megalite tokenizer train` or an HF tokenizer folder)")
+    vocab = d["model"].get("vocab")  # checked before the library builds anything from it
+    check_ids([*(vocab.values() if isinstance(vocab, dict) else range(len(vocab)) if isinstance(vocab, list) else []),
+               *(t.get("id") for t in d.get("added_tokens") or [] if isinstance(t, dict))], where)
     try:
         backend = Backend.from_str(text)
     except Exception as e:  # noqa: BLE001 - the library's own parse error (a Rust message)
@@ -208,6 +222,7 @@ def gpt2_from_files(vocab: Path, merges: Path) -> Tokenizer:
     if not isinstance(table, dict) or not table or not all(
             isinstance(k, str) and isinstance(v, int) and not isinstance(v, bool) and v >= 0 for k, v in table.items()):
         raise DataError(f"{vocab}: expected GPT-2's vocab.json, a JSON object of token -> non-negative id")
+    check_ids(table.values(), str(vocab))
     _read_text(merges, "merges.txt")
     try:
         backend = Backend(models.BPE.from_file(str(vocab), str(merges)))
@@ -424,9 +439,9 @@ _CUT_IN_WORDS = re.compile(rf"(?<=[A-Za-z])[0-9{_PUNCT}]|(?<=[0-9])[A-Za-z{_PUNC
 FORCED_CUT = 2  # a run of FORCED_CUT x piece_chars characters with no cut at all is cut anyway (see below)
 
 
-def read_text_pieces(path: Path, piece_chars: int = 1 << 20, block: int = 1 << 20, specials: tuple = (),
+def read_text_pieces(path, piece_chars: int = 1 << 20, block: int = 1 << 20, specials: tuple = (),
                      on_forced_cut=None) -> Iterator[str]:
-    """The text of one file in pieces of at least `piece_chars` characters (the last may be shorter), read
+    """The text of one file (a path, or a binary file object: a jsonl or parquet record) in pieces of at least `piece_chars` characters (the last may be shorter), read
     `block` bytes at a time: UTF-8 decoded with invalid bytes as U+FFFD (as `bytes.decode(errors="replace")`
     does on the whole file), each piece cut only where a word-streaming tokenizer (Tokenizer.streams_by_words)
     gives the ids of the whole text: before whitespace that follows a non-whitespace character, else at the
@@ -441,7 +456,7 @@ def read_text_pieces(path: Path, piece_chars: int = 1 << 20, block: int = 1 << 2
     decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
     buf, scanned, offset = "", 0, 0
     hard = FORCED_CUT * piece_chars
-    with open(path, "rb") as f:
+    with open(path, "rb") if isinstance(path, (str, os.PathLike)) else contextlib.nullcontext(path) as f:
         while True:
             raw = f.read(block)
             buf += decoder.decode(raw, final=not raw)

@@ -32,7 +32,7 @@ def corpus(tmp_path):
 @pytest.fixture
 def token_file(tmp_path, corpus):
     out = tmp_path / "data" / "tokens.bin"
-    prepare([corpus], out, val_fraction=0.25, log=quiet)
+    prepare([corpus], out, val_fraction=0.25, log=quiet, val_split="tail")  # corpus order (test_corpus: documents)
     return out
 
 

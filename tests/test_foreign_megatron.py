@@ -110,6 +110,24 @@ def test_untied_checkpoint_cut_to_the_real_vocabulary_gives_megatrons_first_logi
     assert max_rel(hf_logits(hf, ref["ids"]), want) < 1e-5
 
 
+def test_args_without_bias_gelu_fusion_mean_megatrons_default_fused_tanh_gelu(tmp_path, mref):
+    """Megatron-LM fuses bias + GeLU unless told not to (`--no-bias-gelu-fusion`: the field defaults to true, and
+    args saved before the flag existed have no such field). The untied checkpoint was made fused; with the field
+    deleted from its args it still converts to megatron's logits (the tanh GeLU), 1e-5."""
+    from megalite.generate import load_model
+    src = tmp_path / "untied"
+    shutil.copytree(mref / "untied_tp2", src)
+    common = next(src.rglob("common.pt"))
+    saved = torch.load(common, weights_only=False)  # our own reference file
+    assert saved["args"].bias_gelu_fusion is True
+    del saved["args"].bias_gelu_fusion
+    torch.save(saved, common)
+    ref = torch.load(mref / "untied_tp2.pt")
+    f = convert(src, tmp_path / "m.safetensors", quiet=True)
+    with torch.no_grad():
+        assert max_rel(load_model(f)(ref["ids"]), ref["logits"]) < 1e-5
+
+
 def _pipeline_logits(rank, world, tmp, step, model_cfg, ids, out):
     """megalite at (2,2,1) on the split checkpoint: the pipeline's forward, the vocab-parallel logits gathered."""
     from megalite.checkpoint import load_checkpoint

@@ -25,7 +25,7 @@ import torch
 import torch.distributed as dist
 
 from ..base import faults
-from . import metrics, tensorboard_log
+from . import metrics, tensorboard_log, wandb_log
 from ..parallel.rng import seed_everything
 from .ckpt_policy import CheckpointManager
 from .compile import compile_blocks
@@ -79,7 +79,7 @@ class Trainer:
 
 def build(cfg: Config, grid: ParallelGrid, device: torch.device) -> Trainer:
     t, par = cfg.train, cfg.parallel
-    frac = cfg.data.val_fraction  # the last share of the tokens is held out for validation
+    frac = cfg.data.val_fraction or None  # 0: the file's own split; else the last share of its tokens
     train_ds, val_ds = TokenDataset(cfg.data.path, "train", frac), TokenDataset(cfg.data.path, "val", frac)
     check_vocab(train_ds, cfg.model.vocab_size)
     check_vocab(val_ds, cfg.model.vocab_size)
@@ -214,8 +214,9 @@ def _run(cfg: Config, world: int, problem, device, t0: float, log, force: bool) 
     progress(f"{grid.layout.world_size} rank(s) joined in {time.perf_counter() - t0:.1f} s; building the model and "
              f"reading the data...")
     tr, ckpt, metrics_file = _start(cfg, grid, device, log, force)
-    board = tensorboard_log.Board(Path(cfg.train.out_dir), tr.step) if grid.rank == 0 and cfg.train.tensorboard \
-        else None
+    board = _Boards(tensorboard_log.Board(Path(cfg.train.out_dir), tr.step)
+                    if grid.rank == 0 and cfg.train.tensorboard else None,
+                    wandb_log.WandbRun(cfg, tr.step) if grid.rank == 0 and cfg.train.wandb else None)
     if grid.rank == 0:
         log(start_line(cfg, grid.layout, device.type, tr.precision))
         if tr.step >= cfg.train.steps:
@@ -239,6 +240,24 @@ def _run(cfg: Config, world: int, problem, device, t0: float, log, force: bool) 
         if board:
             board.close()
     return tr
+
+
+class _Boards:
+    """TensorBoard and W&B, either or both (or neither: falsy), written and closed together."""
+
+    def __init__(self, *boards):
+        self.boards = [b for b in boards if b is not None]
+
+    def __bool__(self) -> bool:
+        return bool(self.boards)
+
+    def write(self, rec: dict) -> None:
+        for b in self.boards:
+            b.write(rec)
+
+    def close(self) -> None:
+        for b in self.boards:
+            b.close()
 
 
 def _loop(tr: Trainer, ckpt: CheckpointManager, log, metrics_file, board=None) -> None:
@@ -317,6 +336,8 @@ def _start(cfg: Config, grid: ParallelGrid, device, log, force: bool = False) ->
         if cfg.train.tensorboard and grid.rank == 0:
             tensorboard_log.require()  # before anything is written
             tensorboard_log.check_path(out_dir)  # a symlink or a file there: refused before anything is written
+        if cfg.train.wandb and grid.rank == 0:
+            wandb_log.require(cfg)
         if grid.rank == 0:
             metrics.check_path(out_dir)  # a symlink or a FIFO there: refused before anything is written
         prepare_data(cfg, grid.rank)
