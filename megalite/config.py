@@ -16,6 +16,7 @@ from pathlib import Path
 
 from .base.errors import ConfigError, LayoutError
 from .base.limits import MAX_COUNT, MAX_SIZE  # noqa: F401 (re-exported: config.MAX_COUNT is read elsewhere)
+from .base.fs import path_kind
 from .parallel.grid import Layout
 
 if sys.version_info >= (3, 11):
@@ -33,11 +34,39 @@ class ModelConfig:
     vocab_size: int = 256
     dropout: float = 0.0  # a training setting kept here for the layers: it may change on resume or fine-tuning
     tie_embeddings: bool = True  # the LM head is wte.weight (GPT-2); false: a separate lm_head.weight
-    layer_norm_eps: float = 1e-5
-    activation: str = "gelu_new"  # "gelu_new" (GPT-2's tanh approximation) | "gelu" (exact, erf) | "relu"
+    layer_norm_eps: float = 1e-5  # LayerNorm's epsilon (gpt2); RMSNorm's (llama)
+    activation: str = "gelu_new"  # GPT-2's MLP: "gelu_new" (tanh approximation) | "gelu" (exact, erf) | "relu"
+    # The family (model.py): GPT-2, or Llama (RMSNorm, rotary positions, SwiGLU, grouped-query attention).
+    # The keys below shape Llama only; each has a default, so `--model.arch=llama` trains any config as is.
+    arch: str = "gpt2"  # "gpt2" | "llama"
+    n_kv_head: int = 0  # key/value heads, dividing n_head (GQA; 1: MQA); 0: n_head (MHA)
+    intermediate_size: int = 0  # SwiGLU's hidden width; 0: Llama's rule from the width (`ffn_size`)
+    rope_theta: float = 10000.0  # rotary base (transformers' LlamaConfig default; Llama 3: 500000)
+    rope_scaling: dict = field(default_factory=dict)  # {}: none; {rope_type = "llama3", factor, low_freq_factor,
+    #                                                   high_freq_factor, original_max_position_embeddings}
+
+    @property
+    def head_dim(self) -> int:
+        return self.n_embd // self.n_head
+
+    @property
+    def kv_heads(self) -> int:
+        """Key/value heads: n_kv_head, or n_head when 0 (and always for GPT-2)."""
+        return self.n_kv_head or self.n_head
+
+    @property
+    def ffn_size(self) -> int:
+        """The MLP's hidden width: GPT-2's 4C; Llama's intermediate_size, or its own rule from the width when 0
+        (Meta's: two thirds of 4C, rounded up to a multiple of 256)."""
+        if self.arch != "llama":
+            return 4 * self.n_embd
+        return self.intermediate_size or 256 * -(-(8 * self.n_embd // 3) // 256)
 
 
 ACTIVATIONS = ("gelu_new", "gelu", "relu")
+ARCHS = ("gpt2", "llama")
+ROPE_SCALING = {"llama3": ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")}
+FAMILY_DEFAULTS = {"llama": {"tie_embeddings": False}}  # where a family's default differs from the dataclass's
 SIZE_FIELDS = ("n_layer", "n_head", "n_embd", "block_size", "vocab_size")  # positive integers
 TRAINING_ONLY = ("dropout",)  # [model] keys that do not define the model: never compared with a checkpoint
 
@@ -61,6 +90,11 @@ class ParallelConfig:
     vpp: int = 1  # virtual pipeline stages per rank (interleaved 1F1B when > 1)
     overlap_grad_reduce: bool = False  # all-reduce dp gradient buckets during backward, as they fill
     timeout_s: float = 1800.0  # how long a collective waits for a silent peer (the process-group timeout)
+
+    @property
+    def layout(self) -> Layout:
+        """The grid's sizes (dp as resolved: 0 until `resolve` fills it in). Built here only."""
+        return Layout(self.tp, self.pp, self.dp, self.cp)
 
 
 @dataclass
@@ -88,6 +122,8 @@ class TrainConfig:
     compile: bool = False  # torch.compile each transformer block of this rank's pipeline stage (megalite/run/compile.py)
     fused_adamw: str = "auto"  # torch's fused AdamW kernel: "auto" (on CUDA) | "on" (any device that has it) | "off"
     tensorboard: bool = False  # also write TensorBoard event files to <out_dir>/tensorboard (needs `tensorboard`)
+    wandb: bool = False  # also log to a Weights & Biases run, files in <out_dir>/wandb (needs `wandb`)
+    wandb_project: str = "megalite"
 
 
 DEFAULT_DATA_PATH = "data/stdlib.bin"  # the only path `auto_prepare` may build (from the stdlib sources)
@@ -96,7 +132,7 @@ DEFAULT_DATA_PATH = "data/stdlib.bin"  # the only path `auto_prepare` may build 
 @dataclass
 class DataConfig:
     path: str = DEFAULT_DATA_PATH
-    val_fraction: float = 0.1
+    val_fraction: float = 0.0  # 0: the split the token file records (prepare's); else its last share of tokens
     auto_prepare: bool = False  # build the default corpus when `path` is the default path and missing
 
 
@@ -128,14 +164,29 @@ class Config:
                 for s in dataclasses.fields(self)}
 
     @classmethod
-    def from_dict(cls, d: dict, source: str = "config") -> "Config":
+    def from_dict(cls, d: dict, source: str = "config", family_defaults: bool = True) -> "Config":
         cfg = cls()
         for section, values in d.items():
             if not isinstance(values, dict):
                 raise ConfigError(f"{source}: [{section}] must be a table of keys, got {values!r}")
             for key, value in values.items():
                 _set(cfg, f"{section}.{key}", value, source)
+        if family_defaults:
+            apply_family_defaults(cfg, given(d))
         return cfg
+
+
+def given(d: dict) -> set:
+    """The `section.key`s a raw table sets."""
+    return {f"{sec}.{k}" for sec, values in d.items() if isinstance(values, dict) for k in values}
+
+
+def apply_family_defaults(cfg: Config, named: set) -> None:
+    """The model family's own defaults for the keys the config did not name (Llama's LM head is untied,
+    GPT-2's tied), so `--model.arch=llama` on a GPT-2 config is a Llama as transformers makes one."""
+    for key, value in FAMILY_DEFAULTS.get(cfg.model.arch, {}).items():
+        if f"model.{key}" not in named:
+            setattr(cfg.model, key, value)
 
 
 def _key(name: str) -> str:
@@ -156,8 +207,17 @@ def _field(cfg: Config, dotted: str, source: str):
 
 def _coerce(value, typ, dotted: str, source: str, from_text: bool = False):
     """Turn a command-line string into the field's declared type; TOML values must already have it."""
-    want = {"int": int, "float": float, "bool": bool, "str": str}[typ]
-    if from_text and isinstance(value, str) and want is not str:
+    want = {"int": int, "float": float, "bool": bool, "str": str, "dict": dict}[typ]
+    if from_text and isinstance(value, str) and want is dict:  # a TOML inline table; "none" or "" for {}
+        text = value.strip()
+        if text.lower() in ("", "none", "{}"):
+            return {}
+        try:
+            value = tomllib.loads(f"v = {text}")["v"]
+        except tomllib.TOMLDecodeError:
+            raise ConfigError(f"{source}: {dotted} = {text!r} is not a TOML inline table "
+                              f"(e.g. {{rope_type = \"llama3\", factor = 32.0}}) or 'none'") from None
+    elif from_text and isinstance(value, str) and want is not str:
         text = value.strip()
         try:
             if want is bool:
@@ -180,20 +240,6 @@ def _set(cfg: Config, dotted: str, value, source: str, from_text: bool = False) 
     setattr(sec, f.name, _coerce(value, typ, dotted, source, from_text))
 
 
-def path_kind(p: str | Path) -> str:
-    """What is at `p`, for an error message about a path that is not the regular file expected: 'a folder',
-    'a character device' (/dev/null), 'a named pipe', 'a broken symlink to X', 'missing (no such file)', ..."""
-    p = Path(p)
-    try:
-        st = p.stat()
-    except FileNotFoundError:
-        return f"a broken symlink to '{os.readlink(p)}'" if p.is_symlink() else "a path that does not exist"
-    except OSError as e:
-        return f"not readable ({e.strerror})"
-    from .base.fs import kind_of  # here: the checkpoint package imports this module
-    return kind_of(st)
-
-
 def load_config(path: str | Path | None = None, overrides: typing.Sequence[str] = ()) -> Config:
     """Read a TOML file (or the defaults when path is None), then apply `--section.key=value` overrides."""
     if path is None:
@@ -208,13 +254,16 @@ def load_config(path: str | Path | None = None, overrides: typing.Sequence[str] 
             raw = tomllib.loads(p.read_text())
         except tomllib.TOMLDecodeError as e:
             raise ConfigError(f"{p}: not valid TOML ({e})") from None
-        cfg = Config.from_dict(raw, source=str(p))
+        cfg = Config.from_dict(raw, source=str(p), family_defaults=False)
+    named = given(raw) if path is not None else set()
     for item in overrides:
         text = item[2:] if item.startswith("--") else item
         if "=" not in text or "." not in text.split("=", 1)[0]:
             raise ConfigError(f"override '{item}': expected --section.key=value")
         key, value = text.split("=", 1)
         _set(cfg, key, value, "command line", from_text=True)
+        named.add(key)
+    apply_family_defaults(cfg, named)
     return cfg
 
 
@@ -240,7 +289,56 @@ def model_from(raw, source: str) -> dict:
         raise ConfigError(f"{source}: model.dropout = {m.dropout}: expected a value in [0, 1)")
     if m.n_embd % m.n_head:
         raise ConfigError(f"{source}: model.n_embd = {m.n_embd} is not divisible by model.n_head = {m.n_head}")
+    check_family(m, f"{source}: ")
     return dataclasses.asdict(m)
+
+
+def check_family(m: ModelConfig, where: str = "") -> None:
+    """The family and its keys: one line naming the field. GPT-2 takes none of Llama's keys (a GPT-2 with
+    grouped-query attention or rotary positions is not a model megalite has)."""
+    if m.arch not in ARCHS:
+        raise ConfigError(f"{where}model.arch = '{m.arch}': expected one of {', '.join(ARCHS)}")
+    for name in ("n_kv_head", "intermediate_size"):
+        if getattr(m, name) < 0:
+            raise ConfigError(f"{where}model.{name} = {getattr(m, name)}: must not be negative (0: the default)")
+    if m.arch != "llama":
+        for name, default in (("n_kv_head", (0, m.n_head)), ("intermediate_size", (0, 4 * m.n_embd)),
+                              ("rope_theta", (10000.0,)), ("rope_scaling", ({},))):
+            if getattr(m, name) not in default:
+                raise ConfigError(f"{where}model.{name} = {getattr(m, name)!r} applies to model.arch = 'llama' "
+                                  f"only (model.arch is '{m.arch}')")
+        return
+    if m.n_head % m.kv_heads:
+        raise ConfigError(f"{where}model.n_kv_head = {m.n_kv_head} does not divide model.n_head = {m.n_head} "
+                          f"(each key/value head serves n_head / n_kv_head query heads)")
+    if m.head_dim % 2:
+        raise ConfigError(f"{where}model.n_embd / model.n_head = {m.head_dim} is odd: rotary positions rotate "
+                          f"pairs of a head's dims")
+    if not (math.isfinite(m.rope_theta) and m.rope_theta > 1.0):
+        raise ConfigError(f"{where}model.rope_theta = {m.rope_theta}: expected a finite number above 1")
+    check_rope_scaling(m.rope_scaling, where)
+
+
+def check_rope_scaling(rs: dict, where: str = "") -> None:
+    """{} or transformers' llama3 rope_scaling with every number it needs (positive, finite; high > low)."""
+    if not rs:
+        return
+    kind = rs.get("rope_type", rs.get("type"))
+    if kind not in ROPE_SCALING:
+        raise ConfigError(f"{where}model.rope_scaling.rope_type = {kind!r}: megalite models none ({{}}) or "
+                          f"{', '.join(repr(k) for k in ROPE_SCALING)}")
+    need = ROPE_SCALING[kind]
+    extra = sorted(set(rs) - set(need) - {"rope_type", "type"})
+    if extra:
+        raise ConfigError(f"{where}model.rope_scaling.{extra[0]}: not a key of rope_type '{kind}' "
+                          f"(expected {', '.join(need)})")
+    for key in need:
+        v = rs.get(key)
+        if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or v <= 0:
+            raise ConfigError(f"{where}model.rope_scaling.{key} = {v!r}: expected a positive number")
+    if not rs["high_freq_factor"] > rs["low_freq_factor"]:
+        raise ConfigError(f"{where}model.rope_scaling.high_freq_factor = {rs['high_freq_factor']}: must be larger "
+                          f"than low_freq_factor = {rs['low_freq_factor']}")
 
 
 # The ranges the numbers' consumers can take, checked where a number enters (config, CLI, manifest, state.json).
@@ -309,6 +407,9 @@ def validate(cfg: Config, world_size: int | None = None) -> Config:
     if par.dp == 0 and world_size is not None and par.tp > 0 and par.pp > 0 and par.cp > 0 \
             and world_size % (par.tp * par.cp * par.pp):
         what, sizes, prod = _model_axes(par)
+        if world_size == 1:  # one process: the user meant a parallel run and forgot the launcher
+            raise ConfigError(f"world size 1: parallel.{what} = {sizes} needs {prod} processes (dp = 1); "
+                              f"{launch_hint(prod)}")
         raise ConfigError(f"parallel.dp is not set and world size {world_size} is not divisible by "
                           f"parallel.{what} = {sizes}; set {what.replace('*', ', ')} (and dp) so that "
                           f"{what}*dp = {world_size}")
@@ -339,8 +440,9 @@ def validate(cfg: Config, world_size: int | None = None) -> Config:
         raise ConfigError(f"parallel.timeout_s = {par.timeout_s}: must be a positive number of seconds")
     if not 0.0 <= m.dropout < 1.0:
         raise ConfigError(f"model.dropout = {m.dropout}: expected a value in [0, 1)")
-    if not 0.0 < cfg.data.val_fraction < 1.0:
-        raise ConfigError(f"data.val_fraction = {cfg.data.val_fraction}: expected a value in (0, 1)")
+    if not 0.0 <= cfg.data.val_fraction < 1.0:
+        raise ConfigError(f"data.val_fraction = {cfg.data.val_fraction}: expected 0 (the token file's own split) "
+                          f"or a value in (0, 1)")
     if par.schedule not in ("1f1b", "afab"):
         raise ConfigError(f"parallel.schedule = '{par.schedule}': expected '1f1b' or 'afab'")
     if cfg.checkpoint.on_error not in ("stop", "continue"):
@@ -350,13 +452,15 @@ def validate(cfg: Config, world_size: int | None = None) -> Config:
     _validate_memory_features(cfg)
     if m.n_embd % m.n_head:
         raise ConfigError(f"model.n_embd = {m.n_embd} is not divisible by model.n_head = {m.n_head}")
+    check_family(m)
     try:
-        Layout(par.tp, par.pp, par.dp, par.cp).validate(m, "parallel.")
+        par.layout.validate(m, "parallel.")
     except LayoutError as e:
         raise ConfigError(str(e)) from None
     if world_size is not None and world_size != par.tp * par.cp * par.pp * par.dp:
         what, sizes, prod = _model_axes(par)
-        raise ConfigError(f"world size {world_size} != parallel.{what}*dp = {sizes}*{par.dp} = {prod * par.dp}")
+        raise ConfigError(f"world size {world_size} != parallel.{what}*dp = {sizes}*{par.dp} = {prod * par.dp}; "
+                          f"{launch_hint(prod * par.dp)}")
     per_step = t.micro_batch_size * par.dp
     if t.global_batch_size % per_step:
         raise ConfigError(f"train.global_batch_size = {t.global_batch_size} is not divisible by "
@@ -428,6 +532,13 @@ def checkpoint_dir(cfg: Config) -> str:
     return cfg.checkpoint.dir.replace(OUT_DIR, cfg.train.out_dir.rstrip("/") or ".")
 
 
+def launch_hint(processes: int) -> str:
+    """What to type for a layout of `processes` ranks: torchrun starts them (on one machine; several machines
+    split them with --nnodes, docs/training.md)."""
+    return (f"launch {processes} processes with `torchrun --nproc-per-node {processes} -m megalite train ...` "
+            f"(the same arguments after `train`)")
+
+
 def infer_dp(cfg: Config, world_size: int | None) -> None:
     """parallel.dp = 0 means "whatever the world leaves": world_size / (tp * cp * pp), or 1 without a world. A
     world that tp * cp * pp does not divide leaves it at 0 (validate says so)."""
@@ -454,9 +565,16 @@ DOCS = {
     "model.block_size": "context length: the position table and the training window",
     "model.vocab_size": "token ids 0..vocab_size-1 (byte tokens: 256)",
     "model.dropout": "dropout probability in [0, 1); a training setting (may change on resume or fine-tuning)",
-    "model.tie_embeddings": "the LM head is wte.weight (GPT-2); false: a separate lm_head.weight",
-    "model.layer_norm_eps": "LayerNorm epsilon (GPT-2: 1e-5)",
-    "model.activation": "MLP activation: gelu_new (GPT-2, tanh approximation) | gelu (exact) | relu",
+    "model.tie_embeddings": "the LM head is wte.weight; false: a separate lm_head.weight (default: gpt2 true, "
+                            "llama false)",
+    "model.layer_norm_eps": "LayerNorm's epsilon (GPT-2: 1e-5); RMSNorm's for llama",
+    "model.activation": "GPT-2's MLP activation: gelu_new (tanh approximation) | gelu (exact) | relu",
+    "model.arch": "model family: gpt2 | llama (RMSNorm, rotary positions, SwiGLU, grouped-query attention)",
+    "model.n_kv_head": "llama: key/value heads, dividing model.n_head (1: MQA); 0 = model.n_head",
+    "model.intermediate_size": "llama: SwiGLU hidden width; 0 = two thirds of 4*n_embd rounded up to 256",
+    "model.rope_theta": "llama: rotary base (Llama 3: 500000)",
+    "model.rope_scaling": "llama: {} or {rope_type = \"llama3\", factor, low_freq_factor, high_freq_factor, "
+                          "original_max_position_embeddings}",
     "parallel.tp": "tensor-parallel size (splits heads and the MLP across ranks)",
     "parallel.pp": "pipeline-parallel size (splits the blocks into stages)",
     "parallel.dp": "data-parallel replicas; 0 = world_size / (tp * cp * pp)",
@@ -485,6 +603,9 @@ DOCS = {
     "train.compile": "torch.compile each transformer block (the first step pays the compilation)",
     "train.fused_adamw": "torch's fused AdamW kernel: auto (on CUDA) | on (wherever torch has it) | off",
     "train.tensorboard": "also write TensorBoard event files to <out_dir>/tensorboard (pip install tensorboard)",
+    "train.wandb": "also log the same scalars to a Weights & Biases run, its files in <out_dir>/wandb (pip install "
+                   "wandb; WANDB_MODE=offline works without a login)",
+    "train.wandb_project": "the W&B project of train.wandb's runs",
     "train.seed": "seed of the initial weights, the data order and dropout",
     "train.log_interval": "print a log line every N steps",
     "train.eval_interval": "validation loss every N steps (and at the end)",
@@ -492,7 +613,8 @@ DOCS = {
     "train.out_dir": "run folder (metrics.jsonl)",
     "train.precision": "auto (bf16 on GPU, fp32 on CPU) | fp32 | bf16",
     "data.path": "token file written by `megalite prepare` (uint16 .bin + .json)",
-    "data.val_fraction": "share of the token file held out for validation (its last tokens), in (0, 1)",
+    "data.val_fraction": "0: the validation split the token file records (prepare's: whole documents drawn "
+                         "across the corpus); in (0, 1): that share of its last tokens instead",
     "data.auto_prepare": f"build the default corpus (stdlib sources) when data.path is '{DEFAULT_DATA_PATH}' and missing",
     "checkpoint.dir": "checkpoint root; {out_dir} is train.out_dir; '' turns checkpoints off",
     "checkpoint.interval": "save every N steps, and always at the end and on SIGTERM/SIGINT (0: only then)",
@@ -538,6 +660,8 @@ def _toml_value(v) -> str:
         return "true" if v else "false"
     if isinstance(v, str):
         return '"' + v.replace("\\", "\\\\").replace('"', '\\"') + '"'
+    if isinstance(v, dict):  # an inline table
+        return "{" + ", ".join(f"{k} = {_toml_value(x)}" for k, x in v.items()) + "}"
     return repr(v)
 
 

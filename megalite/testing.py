@@ -181,7 +181,7 @@ def gather_full_model(named_params, grid) -> dict:
     split dim (padding dropped); pipeline stages exchange their parameters over the model-parallel group.
     """
     import torch
-    from .parallel.partition import partition_of, valid_view
+    from .parallel.partition import partition_of, tp_replicas, valid_view
     mine = {}
     for name, p in named_params:
         part = partition_of(p)
@@ -191,7 +191,7 @@ def gather_full_model(named_params, grid) -> dict:
         if part.dim is not None and grid.tp.active:
             pieces = [None] * grid.tp.size
             dist.all_gather_object(pieces, local, group=grid.tp.group)
-            local = torch.cat(pieces, dim=part.dim)
+            local = torch.cat(pieces[::tp_replicas(part, grid.tp.size)], dim=part.dim)  # one per shared piece
         mine[name] = local
     if grid.mp.active:
         everyone = [None] * grid.mp.size

@@ -8,6 +8,8 @@ a run carries them in: a `tokenizer.json` of the `tokenizers` library.
     train_bpe(...)     `megalite tokenizer train`: a GPT-2-style byte-level BPE over some files
     write_hf_folder    tokenizer.json + tokenizer_config.json (+ special_tokens_map.json) that
                        transformers' AutoTokenizer loads as is
+    carried_by(path)   which tokenizer an artifact carries (a checkpoint, a converted model file, an HF
+                       folder), of_token_file(...) which one made a token file: the one owner of that question
 
 The byte tokenizer is token id = byte value (0..255), built with `tokenizers` as a BPE with no merges over
 GPT-2's byte-to-character alphabet and the ByteLevel pre-tokenizer without its regex split or a prefix
@@ -19,6 +21,7 @@ special token, and the ByteLevel decoder. Identity is the sha256 of the canonica
 from __future__ import annotations
 
 import codecs
+import contextlib
 import functools
 import hashlib
 import json
@@ -29,10 +32,16 @@ from pathlib import Path
 from typing import Iterable, Iterator, Optional
 
 from .base import limits
-from .base.errors import DataError
+from .base.errors import CheckpointError, DataError
+from .base.fs import folder_locked, output_refusal, path_kind, remove_tree, replace_output
 from .base.jsonio import loads
+from .checkpoint.check import read_tokenizer
+from .checkpoint.manifest import read as read_manifest
+from .checkpoint.stream import read_metadata
+from .checkpoint.tree import LATEST, MANIFEST, resolve, tokenizer_rel
 
 EOT = "<|endoftext|>"  # GPT-2's end-of-text token
+TOKENIZER_KEY = "megalite.tokenizer"  # safetensors metadata of a converted model file: the run's tokenizer.json
 BYTE = "byte"
 TOKENIZER_JSON = "tokenizer.json"
 
@@ -110,8 +119,16 @@ class Tokenizer:
             return True
         d = json.loads(self.json)
         pre = d.get("pre_tokenizer") or {}
-        return (d.get("normalizer") is None and pre.get("type") == "ByteLevel"
-                and pre.get("use_regex", True) and not pre.get("add_prefix_space", False)
+        steps = pre.get("pretokenizers", []) if pre.get("type") == "Sequence" else []
+        # Llama 3's split (megalite's own --pre-tokenizer llama3) cuts no pre-token across such a point either:
+        # every whitespace run begins a pre-token of its own or one (" word", " ;") that starts with it
+        llama3 = (len(steps) == 2 and steps[0].get("type") == "Split"
+                  and steps[0].get("pattern", {}).get("Regex") == LLAMA3_SPLIT
+                  and steps[0].get("behavior") == "Isolated" and not steps[0].get("invert")
+                  and steps[1].get("type") == "ByteLevel" and not steps[1].get("use_regex", True)
+                  and not steps[1].get("add_prefix_space", False))
+        gpt2 = pre.get("type") == "ByteLevel" and pre.get("use_regex", True) and not pre.get("add_prefix_space", False)
+        return (d.get("normalizer") is None and (gpt2 or llama3)
                 and not any(any(c.isspace() for c in t.get("content", "")) for t in d.get("added_tokens", [])))
 
     def specials(self) -> tuple:
@@ -188,7 +205,6 @@ def from_json(text: str, where: str) -> Tokenizer:
 
 def _read_text(path: Path, what: str) -> str:
     if not path.is_file():
-        from .config import path_kind
         raise DataError(f"{what} '{path}' is {path_kind(path)}, expected a file")
     limits.within(path.stat().st_size, "tokenizer", f"{what} '{path}'", DataError)
     data = path.read_bytes()
@@ -304,11 +320,24 @@ def not_our_folder(out: Path) -> str:
 
 
 # ---------------------------------------------------------------- training a BPE
-def gpt2_style_bpe():
-    """An untrained GPT-2-style byte-level BPE (the tokenizers library's parts, GPT-2's settings)."""
-    from tokenizers import Tokenizer as Backend, decoders, models, pre_tokenizers
+# Llama 3's split (tiktoken's cl100k-style pattern, as Meta's tokenizer.json writes it for the tokenizers library):
+# contractions, letters with one leading non-letter, digits in groups of at most 3, punctuation runs, newlines.
+LLAMA3_SPLIT = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*|"
+                r"\s*[\r\n]+|\s+(?!\S)|\s+")
+PRE_TOKENIZERS = ("gpt2", "llama3")
+
+
+def gpt2_style_bpe(pre_tokenizer: str = "gpt2"):
+    """An untrained byte-level BPE (the tokenizers library's parts): GPT-2's regex inside its ByteLevel
+    pre-tokenizer, or ("llama3") Llama 3's split pattern before a ByteLevel step without a regex of its own."""
+    from tokenizers import Regex, Tokenizer as Backend, decoders, models, pre_tokenizers
     backend = Backend(models.BPE())
-    backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
+    if pre_tokenizer == "llama3":
+        backend.pre_tokenizer = pre_tokenizers.Sequence([
+            pre_tokenizers.Split(Regex(LLAMA3_SPLIT), behavior="isolated", invert=False),
+            pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
+    else:
+        backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
     backend.decoder = decoders.ByteLevel()
     return backend
 
@@ -323,13 +352,16 @@ def check_vocab_size(vocab_size) -> None:
 
 
 def train_bpe(texts: Iterable[str], vocab_size: int, show_progress: bool = False, length: Optional[int] = None,
-              min_frequency: int = 2) -> Tokenizer:
-    """Train a GPT-2-style byte-level BPE of `vocab_size` ids (<|endoftext|> is id 0, the 256 byte characters
-    next, then the merges in the order learned) on `texts`. Deterministic: the same texts give the same
-    tokenizer.json. Fewer ids come out when the texts hold fewer distinct pairs worth merging."""
+              min_frequency: int = 2, pre_tokenizer: str = "gpt2") -> Tokenizer:
+    """Train a byte-level BPE of `vocab_size` ids (<|endoftext|> is id 0, the 256 byte characters next, then the
+    merges in the order learned) on `texts`, with GPT-2's or Llama 3's pre-tokenizer (`gpt2_style_bpe`).
+    Deterministic: the same texts give the same tokenizer.json. Fewer ids come out when the texts hold fewer
+    distinct pairs worth merging."""
     from tokenizers import pre_tokenizers, trainers
     check_vocab_size(vocab_size)
-    backend = gpt2_style_bpe()
+    if pre_tokenizer not in PRE_TOKENIZERS:
+        raise DataError(f"--pre-tokenizer '{pre_tokenizer}': expected one of {', '.join(PRE_TOKENIZERS)}")
+    backend = gpt2_style_bpe(pre_tokenizer)
     trainer = trainers.BpeTrainer(vocab_size=vocab_size, min_frequency=min_frequency, special_tokens=[EOT],
                                   initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=show_progress)
     backend.train_from_iterator(texts, trainer, length=length)
@@ -337,14 +369,15 @@ def train_bpe(texts: Iterable[str], vocab_size: int, show_progress: bool = False
 
 
 def train_folder(files: list[Path], vocab_size: int, out, force: bool = False, quiet: bool = False,
-                 min_frequency: int = 2, log=print) -> Path:
+                 min_frequency: int = 2, log=print, pre_tokenizer: str = "gpt2") -> Path:
     """`megalite tokenizer train`: train_bpe on the files (each read in pieces, see read_text_pieces) and write
     the HF tokenizer folder `out`, built next to it and moved into place when complete (an existing `out`
     only with `force`, and only then replaced)."""
     from .base.fs import identity
     out = Path(out)
-    if out.name in ("", ".", ".."):
-        raise DataError(f"--out '{out}': expected the path of a new folder")
+    refused = output_refusal(out)  # no name, the current folder or one holding it
+    if refused:
+        raise DataError(refused)
     if os.path.lexists(out) and not force:
         raise DataError(f"--out '{out}' already exists (pass --force to replace it)")
     if os.path.lexists(out):
@@ -359,16 +392,17 @@ def train_folder(files: list[Path], vocab_size: int, out, force: bool = False, q
     if not files:
         raise DataError("tokenizer train: no text files to train on")
     check_vocab_size(vocab_size)
+    if pre_tokenizer not in PRE_TOKENIZERS:
+        raise DataError(f"--pre-tokenizer '{pre_tokenizer}': expected one of {', '.join(PRE_TOKENIZERS)}")
     total = sum(Path(f).stat().st_size for f in files)
     if not quiet:
-        log(f"tokenizer: training a byte-level BPE of {vocab_size:,} ids on {len(files):,} files "
-            f"({total / 1e6:,.1f} MB)")
+        log(f"tokenizer: training a byte-level BPE of {vocab_size:,} ids ({pre_tokenizer} pre-tokenizer) on "
+            f"{len(files):,} files ({total / 1e6:,.1f} MB)")
     tok = train_bpe((piece for f in files for piece in read_text_pieces(Path(f))), vocab_size,
-                    show_progress=progress_on(quiet), min_frequency=min_frequency)
+                    show_progress=progress_on(quiet), min_frequency=min_frequency, pre_tokenizer=pre_tokenizer)
     if tok.vocab_size < vocab_size and not quiet:
         log(f"tokenizer: WARNING: the text gives only {tok.vocab_size:,} ids (pairs seen fewer than "
             f"{min_frequency} times are not merged), not {vocab_size:,}")
-    from .base.fs import folder_locked, remove_tree, replace_output
     tmp = out.with_name(f".{out.name}.tmp-{os.getpid()}")
     remove_tree(tmp)
     tmp.mkdir(parents=True)
@@ -405,9 +439,9 @@ _CUT_IN_WORDS = re.compile(rf"(?<=[A-Za-z])[0-9{_PUNCT}]|(?<=[0-9])[A-Za-z{_PUNC
 FORCED_CUT = 2  # a run of FORCED_CUT x piece_chars characters with no cut at all is cut anyway (see below)
 
 
-def read_text_pieces(path: Path, piece_chars: int = 1 << 20, block: int = 1 << 20, specials: tuple = (),
+def read_text_pieces(path, piece_chars: int = 1 << 20, block: int = 1 << 20, specials: tuple = (),
                      on_forced_cut=None) -> Iterator[str]:
-    """The text of one file in pieces of at least `piece_chars` characters (the last may be shorter), read
+    """The text of one file (a path, or a binary file object: a jsonl or parquet record) in pieces of at least `piece_chars` characters (the last may be shorter), read
     `block` bytes at a time: UTF-8 decoded with invalid bytes as U+FFFD (as `bytes.decode(errors="replace")`
     does on the whole file), each piece cut only where a word-streaming tokenizer (Tokenizer.streams_by_words)
     gives the ids of the whole text: before whitespace that follows a non-whitespace character, else at the
@@ -422,7 +456,7 @@ def read_text_pieces(path: Path, piece_chars: int = 1 << 20, block: int = 1 << 2
     decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
     buf, scanned, offset = "", 0, 0
     hard = FORCED_CUT * piece_chars
-    with open(path, "rb") as f:
+    with open(path, "rb") if isinstance(path, (str, os.PathLike)) else contextlib.nullcontext(path) as f:
         while True:
             raw = f.read(block)
             buf += decoder.decode(raw, final=not raw)
@@ -457,3 +491,71 @@ def _clear_of(text: str, at: int, specials: tuple) -> int:
             if 0 <= i < at < i + len(s):
                 at, moved = i, True
     return at
+
+
+# ---------------------------------------------------------------- which tokenizer an artifact carries
+def carried_by(path) -> Optional[Tokenizer]:
+    """The tokenizer a model artifact carries, or None where it carries none: a checkpoint (root or step
+    folder: its tokenizer.json, checked against the manifest), a converted model file (its safetensors metadata
+    TOKENIZER_KEY), an HF folder (its tokenizer.json, else GPT-2's vocab.json + merges.txt)."""
+    p = Path(path)
+    if p.is_dir() and ((p / MANIFEST).exists() or (p / LATEST).exists()):  # a checkpoint, not an HF folder
+        step = resolve(p)
+        man = read_manifest(step)
+        text, where = read_tokenizer(step, man), f"{step / tokenizer_rel(man.layout.cp)}"
+    elif p.is_dir():
+        return load(p, "model folder") if (p / TOKENIZER_JSON).exists() or (p / "vocab.json").exists() else None
+    else:
+        try:
+            text = read_metadata(p).get(TOKENIZER_KEY)
+        except (OSError, ValueError) as e:
+            raise DataError(f"{p}: cannot read its safetensors metadata ({e})") from None
+        where = f"{p}: metadata '{TOKENIZER_KEY}'"
+    if text is None:
+        return None
+    return from_json(text if isinstance(text, str) else text.decode("utf-8", errors="replace"), where)
+
+
+def of_token_file(path: Path, meta: dict, vocab_size: int) -> Tokenizer:
+    """The tokenizer that made a token file (its .json `meta` at `path`): the `tokenizer_file` it names (its bytes
+    checked against the recorded `tokenizer_sha256`), or the byte tokenizer for a file that names none and
+    records at most 256 ids (every token file written before tokenizers were recorded is one)."""
+    mpath = Path(path)
+    name = meta.get("tokenizer_file")
+    if name is None:
+        if meta.get("tokenizer", BYTE) != BYTE or vocab_size > 256:
+            raise DataError(f"data.path: '{mpath}' records vocab_size {vocab_size} (tokenizer "
+                            f"{meta.get('tokenizer', BYTE)!r}) but names no tokenizer_file; add \"tokenizer_file\": "
+                            f"the path of the tokenizer.json that made it (docs/tokenizers.md)")
+        return byte_tokenizer()
+    if not isinstance(name, str) or not name:
+        raise DataError(f"data.path: '{mpath}' has tokenizer_file {name!r}, expected the path of a tokenizer.json")
+    tpath = mpath.parent / name
+    if not tpath.is_file():
+        raise DataError(f"data.path: tokenizer_file '{tpath}' named by '{mpath.name}' is {path_kind(tpath)}, "
+                        f"expected the tokenizer.json that made the token file")
+    limits.within(tpath.stat().st_size, "tokenizer", f"data.path: tokenizer_file '{tpath}'", DataError)
+    raw = tpath.read_bytes()
+    sha = meta.get("tokenizer_sha256")
+    if sha is not None and sha != hashlib.sha256(raw).hexdigest():
+        raise DataError(f"data.path: tokenizer_file '{tpath}' has sha256 {hashlib.sha256(raw).hexdigest()[:16]}..., "
+                        f"not the tokenizer_sha256 {str(sha)[:16]}... recorded in '{mpath.name}' (the tokenizer was "
+                        f"changed after `megalite prepare`; prepare the data again)")
+    tok = from_json(raw.decode("utf-8", errors="replace"), f"data.path: tokenizer_file '{tpath}'")
+    if vocab_size > tok.vocab_size:
+        raise DataError(f"data.path: '{mpath}' records vocab_size {vocab_size} but its tokenizer "
+                        f"'{tpath}' has {tok.vocab_size} ids")
+    return tok
+
+
+def check_same(saved: Optional[Tokenizer], ours: Optional[Tokenizer], where: str, data_path: str) -> None:
+    """On resume: the token file must come from the checkpoint's tokenizer (compared as re-serialized by this
+    tokenizers library, so a library upgrade alone changes nothing); a checkpoint without one (older, or saved
+    by the API) is not checked."""
+    if saved is None or ours is None or saved.sha256 == ours.sha256:
+        return
+    raise CheckpointError(
+        f"checkpoint.resume: {where} ({saved.kind}, vocab {saved.vocab_size}, sha256 {saved.sha256[:12]}) is not "
+        f"the tokenizer of data.path '{data_path}' ({ours.kind}, vocab {ours.vocab_size}, sha256 "
+        f"{ours.sha256[:12]}); prepare the data with the checkpoint's tokenizer: megalite prepare FILES "
+        f"--tokenizer {where} --out X.bin")

@@ -2,6 +2,7 @@
 reference, and the converter tests' training runs, built once per session. Plain functions are in helpers.py."""
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import pytest
@@ -21,6 +22,32 @@ def token_file(tmp_path_factory) -> Path:
 def convert_tokens(tmp_path_factory) -> Path:
     """~50 KB of synthetic text as byte tokens (the converter tests)."""
     return H.make_token_file(tmp_path_factory.mktemp("convert_tokens"), H.synthetic_text())
+
+
+# ---------------------------------------------------------------- read-only inputs of the bad-input tests
+@pytest.fixture(scope="session")
+def inputs_world(tmp_path_factory, token_file) -> dict:
+    """One folder of read-only inputs, trained once per session for the bad-input and error-contract tests
+    (each snapshots the folder to check that a refused command touched none of it): a tiny config, token
+    files (a normal one and one of 44 tokens), a checkpoint (step 1) of the tiny model (n_layer=2, n_head=4),
+    its model file and HF folder, an empty folder, a random file and a file that must not change."""
+    import os
+    from megalite.convert import convert
+    from megalite.data import prepare
+    d = tmp_path_factory.mktemp("inputs-world")
+    toml = H.CKPT.toml(d / "tiny.toml", token_file, model={"n_layer": 2})
+    (d / "small.txt").write_text("0123456789\n" * 4)  # 44 byte tokens: 40 for train, 4 for val
+    prepare([d / "small.txt"], d / "small.bin", log=lambda *a: None)
+    H.train_in_process(H.CKPT.config(token_file, d / "run", **{"model.n_layer": 2, "train.steps": 1,
+                                                                "checkpoint.dir": str(d / "ckpt")}))
+    convert(d / "ckpt", d / "model.safetensors", quiet=True)
+    convert(d / "ckpt", d / "hf", fmt="hf-gpt2", quiet=True)
+    (d / "empty").mkdir()
+    (d / "random.bin").write_bytes(os.urandom(300))
+    (d / "victim.txt").write_text("must not change\n")
+    return {"toml": toml, "tokens": Path(token_file), "small": d / "small.bin", "ckpt": d / "ckpt",
+            "model": d / "model.safetensors", "hf": d / "hf", "empty": d / "empty", "random": d / "random.bin",
+            "victim": d / "victim.txt", "dir": d}
 
 
 # ---------------------------------------------------------------- the tiny config
@@ -99,3 +126,33 @@ def run222_stop5(run222) -> dict:
 def run222_full(run222) -> list[dict]:
     """The uninterrupted 10-step (2,2,2) zero1 run's metrics (the reference for resumed runs)."""
     return run222["metrics"]
+
+
+# ---------------------------------------------------------------- other trainers as outside references
+def _reference(tmp_path_factory, script: Path, env_var: str, name: str) -> Path:
+    """A reference folder made once per session by `python3 SCRIPT DIR` (env_var=DIR reuses one made earlier:
+    the same deterministic files, without the CPU time). Its log is a file, not a pipe: a helper process
+    megatron starts cannot hold it."""
+    import subprocess
+    import sys
+    cached = os.environ.get(env_var)
+    if cached and (Path(cached) / "done").exists():
+        return Path(cached)
+    d = tmp_path_factory.mktemp(name)
+    with open(d / "log.txt", "w") as log:
+        rc = subprocess.run([sys.executable, str(script), str(d)], env=H.env(), stdout=log, stderr=log,
+                            timeout=900).returncode
+    assert rc == 0 and (d / "done").exists(), (d / "log.txt").read_text()[-5000:]
+    return d
+
+
+@pytest.fixture(scope="session")
+def mref(tmp_path_factory) -> Path:
+    """megatron-core 0.16's checkpoints, logits, layer outputs and schedule tables (tests/megatron_ref.py)."""
+    return _reference(tmp_path_factory, H.MEGATRON_REF, "MEGALITE_MEGATRON_REF", "megatron_ref")
+
+
+@pytest.fixture(scope="session")
+def ttref(tmp_path_factory) -> Path:
+    """torchtitan 0.3.0's Llama 3: logits and DCP step folders under each naming (tests/torchtitan_ref.py)."""
+    return _reference(tmp_path_factory, H.TORCHTITAN_REF, "MEGALITE_TORCHTITAN_REF", "torchtitan_ref")

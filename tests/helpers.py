@@ -25,6 +25,8 @@ from megalite.config import Config
 TIMEOUT = 180  # seconds for one training launch
 CLI_TIMEOUT = 120  # seconds for any other `megalite` command
 TORCHRUN_TIMEOUT = 240  # seconds for a launch of 4-8 processes that must succeed
+MEGATRON_REF = Path(__file__).with_name("megatron_ref.py")  # megatron-core run as an outside reference
+TORCHTITAN_REF = Path(__file__).with_name("torchtitan_ref.py")  # torchtitan run as an outside reference
 
 MEGALITE = [sys.executable, "-m", "megalite"]
 TORCHRUN = [sys.executable, "-m", "torch.distributed.run"]
@@ -62,6 +64,37 @@ def make_token_file(folder: Path, text: str) -> Path:
     (folder / "corpus.txt").write_text(text, encoding="utf-8")
     prepare([folder / "corpus.txt"], folder / "tokens.bin", val_fraction=0.1, log=lambda *a: None)
     return folder / "tokens.bin"
+
+
+def batch_hashes_by_hand(token_file: Path, seed: int, steps: int, global_batch: int, seq: int,
+                         val_fraction: float = 0.1) -> dict:
+    """{step: batch_hash} written out from the token file alone, in plain Python integers: batch k is drawn by
+    numpy's PCG64([seed, k]) (global_batch start offsets in the train split, the first val_fraction-th of
+    tokens held out at the end), each row's inputs and targets hashed per token as docs/training.md defines
+    batch_hash. The outside reference for what each step of any layout trained on."""
+    import numpy as np
+    meta = json.loads(Path(token_file).with_suffix(".json").read_text())
+    n = meta["num_tokens"]
+    tokens = np.fromfile(token_file, dtype=meta["dtype"])[:n - int(n * val_fraction)].tolist()
+    m64 = (1 << 64) - 1
+
+    def mix(z):
+        z = (z + 0x9E3779B97F4A7C15) & m64
+        z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & m64
+        z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & m64
+        return z ^ (z >> 31)
+
+    out = {}
+    for k in range(steps):
+        rng = np.random.Generator(np.random.PCG64([seed, k]))
+        starts = rng.integers(0, len(tokens) - seq - 1, size=global_batch, endpoint=True).tolist()
+        total = 0
+        for row, s in enumerate(starts):
+            ids = tokens[s:s + seq + 1]
+            for stream, part in ((0, ids[:-1]), (1, ids[1:])):
+                total += sum(mix(mix((row << 32) + pos) ^ (2 * i + stream)) >> 32 for pos, i in enumerate(part))
+        out[k + 1] = f"{total % 2**32:08x}"
+    return out
 
 
 # ---------------------------------------------------------------- the tiny config
@@ -168,6 +201,17 @@ def run(argv: list, *, cwd=None, timeout: float = CLI_TIMEOUT, text: bool = True
     """Run a command to completion with env(), capturing its output."""
     return subprocess.run([str(a) for a in argv], cwd=cwd, env=env(extra_env), capture_output=True, text=text,
                           timeout=timeout)
+
+
+def cli_in_process(*args) -> tuple[int, str, str]:
+    """`megalite ARGS` in this process (no interpreter start): (exit code, stdout, stderr)."""
+    import contextlib
+    import io
+    from megalite.cli import main
+    out, err = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        rc = main([str(a) for a in args])
+    return rc, out.getvalue(), err.getvalue()
 
 
 def cli(*args, cwd=None, timeout: float = CLI_TIMEOUT) -> subprocess.CompletedProcess:

@@ -145,7 +145,7 @@ def test_missing_file(tmp_path):
     (["--parallel.schedule=gpipe"], 1, ["parallel.schedule", "gpipe"]),
     (["--train.precision=fp16"], 1, ["train.precision"]),
     (["--model.dropout=1.0"], 1, ["model.dropout"]),
-    (["--data.val_fraction=0"], 1, ["data.val_fraction"]),
+    (["--data.val_fraction=1"], 1, ["data.val_fraction"]),  # 0 is the default: the file's own split
     (["--train.min_lr=1", "--train.lr=0.1"], 1, ["train.min_lr", "train.lr"]),
 ])
 def test_validate_errors(overrides, world, names):
@@ -258,6 +258,12 @@ def config_readers(package=None) -> dict:
                 visit(child, skipped)
 
         visit(tree)
+        for cls in ast.walk(tree):  # a section's own properties (ModelConfig.ffn_size reads self.intermediate_size)
+            if isinstance(cls, ast.ClassDef) and cls.name in by_class:
+                for node in ast.walk(cls):
+                    if (isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name)
+                            and node.value.id == "self" and node.attr in fields[by_class[cls.name]]):
+                        found[f"{by_class[cls.name]}.{node.attr}"].add(mod)
     return found
 
 

@@ -9,7 +9,6 @@ symlinked paths, a truncated .distcp, an armed pickle inside a chunk, storage ex
 """
 from __future__ import annotations
 
-import contextlib
 import copy
 import dataclasses
 import io
@@ -32,17 +31,11 @@ from safetensors.torch import save_file
 from megalite.convert import ConvertError, convert, model_partitions, split
 from megalite.convert import unpickle
 from megalite.testing import run_parallel
+from helpers import cli_in_process as cli  # `megalite ARGS` in this process
 
 MiB = 2**20
 
 
-def cli(*args) -> tuple[int, str, str]:
-    """`megalite ARGS` in this process: (exit code, stdout, stderr)."""
-    from megalite.cli import main
-    out, err = io.StringIO(), io.StringIO()
-    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
-        rc = main([str(a) for a in args])
-    return rc, out.getvalue(), err.getvalue()
 
 
 def full_tensors() -> dict:
@@ -140,6 +133,27 @@ def test_region_reads_only_the_chunks_it_needs(sharded_dcp, monkeypatch):
     loads.clear()
     assert torch.equal(ck.read("model.wte", ((4, 6), (0, 6))), full_tensors()["model.wte"][4:6])
     assert sorted(loads) == [(0, 0), (5, 0)]
+
+
+def test_chunks_listed_out_of_order_come_back_in_place(tmp_path, sharded_dcp):
+    """A .metadata may list a tensor's chunks in any order (nothing in DCP's format sorts them): the rows of a
+    row-sharded tensor and the columns of a column-sharded one land at their offsets, as DCP's own loader
+    puts them, whatever the listing order."""
+    d = tmp_path / "ck"
+    shutil.copytree(sharded_dcp, d)
+    md = _metadata(d)
+    for name in ("model.wte", "model.blocks.0.w"):
+        md.state_dict_metadata[name].chunks.reverse()
+    _write_metadata(d, md)
+    assert [c.offsets[0] for c in _metadata(d).state_dict_metadata["model.wte"].chunks] == [5, 0]
+    convert(d, tmp_path / "all.safetensors", quiet=True)
+    got, want = st_tensors(tmp_path / "all.safetensors"), full_tensors()
+    theirs = {k: torch.zeros_like(want[k]) for k in ("model.wte", "model.blocks.0.w")}
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        dcp.load(theirs, checkpoint_id=d)  # DCP's own reading of the reordered listing
+    for k, t in theirs.items():
+        assert torch.equal(t, want[k]) and torch.equal(got[k], want[k]), k
 
 
 # ---------------------------------------------------------------- hostile and broken input

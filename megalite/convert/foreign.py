@@ -25,6 +25,7 @@ from ..checkpoint.stream import WRITABLE
 from ..base.errors import ConvertError
 from .common import DTYPES, Progress, _check_out
 from .dcp import METADATA, DcpFolder, stream, write_dcp, write_file
+from .hints import Hints
 from .megatron import MegatronGPT, is_megatron
 
 SOURCES = ("megalite", "dcp", "megatron")
@@ -58,16 +59,45 @@ def read_megatron_model(path: Path):
     if not is_megatron(path):
         return None
     g = MegatronGPT(path)
+    _needs_megalite_model(g, "split / generate")
     return g.m, (lambda name: g.get(name).float()), g.names
 
 
+def _needs_megalite_model(g, what: str) -> None:
+    if getattr(g, "parts", None) is None:
+        raise ConvertError(f"{g.step / 'common.pt'}: args: add_qkv_bias = True: megalite's Llama has no q/k/v biases "
+                           f"(Qwen-style), so {what} cannot hold this model")
+
+
+def foreign_model(src: Path, kind: str, arch: Optional[str], vocab_size: Optional[int], hints: Optional[Hints]):
+    """The model source for a Megatron folder or (with --arch llama) a torchtitan DCP folder: `m`, `names`,
+    `shape(name)`, `get(name)`."""
+    if kind == "megatron":
+        if arch not in (None, "gpt2", "llama"):
+            raise ConvertError(f"--arch '{arch}': expected gpt2 or llama")
+        g = MegatronGPT(src, vocab_size, hints)
+        if arch is not None and g.m.get("arch", "gpt2") != arch:
+            raise ConvertError(f"--arch {arch} contradicts {src}: its arguments and tensors make a "
+                               f"{g.m.get('arch', 'gpt2')}")
+        return g
+    if arch != "llama":
+        raise ConvertError(f"--arch '{arch}': a DCP folder is read as a model only for --arch llama (torchtitan's "
+                           f"Llama 3)")
+    if vocab_size is not None:
+        raise ConvertError("--vocab-size: only for a Megatron checkpoint (a torchtitan Llama's vocabulary is not padded)")
+    from .torchtitan import TorchtitanLlama
+    return TorchtitanLlama(src, hints or Hints())
+
+
 def convert_foreign(src: Path, kind: str, out: Path, fmt: str, dtype: Optional[str], vocab_size: Optional[int],
-                    force: bool, quiet: bool) -> Path:
+                    force: bool, quiet: bool, arch: Optional[str] = None, hints: Optional[Hints] = None) -> Path:
     """A Megatron or DCP checkpoint -> one file, an HF GPT-2 folder, or a DCP folder (see the table above)."""
     if vocab_size is not None and kind != "megatron":
         raise ConvertError(f"--vocab-size: only for a Megatron checkpoint (this source is {kind})")
     torch_dtype = None if dtype is None else DTYPES[dtype]
-    if kind == "dcp":
+    if kind == "dcp" and arch is None and hints is not None and hints.given():
+        raise ConvertError("--num-heads, --config, ...: a DCP folder is read as a model only with --arch llama")
+    if kind == "dcp" and arch is None:
         if fmt == "hf-gpt2":
             raise ConvertError(f"--format hf-gpt2: {src} is a plain DCP checkpoint, which does not say what model "
                                f"its tensors make (a Megatron-LM checkpoint converts with --from megatron)")
@@ -91,8 +121,13 @@ def convert_foreign(src: Path, kind: str, out: Path, fmt: str, dtype: Optional[s
             print(f"convert: skipped {len(ck.others)} non-tensor entr{'y' if len(ck.others) == 1 else 'ies'} "
                   f"(bytes, never unpickled): {shown}", file=sys.stderr, flush=True)
         return done
-    g = MegatronGPT(src, vocab_size)
-    _check_out(out, force, [src, g.step], fmt)
+    g = foreign_model(src, kind, arch, vocab_size, hints)
+    if fmt == "hf-gpt2" and g.m.get("arch", "gpt2") != "gpt2":
+        raise ConvertError(f"--format hf-gpt2: {src} is a {g.m['arch']} (hf-gpt2 writes GPT-2 only)")
+    if fmt != "hf-gpt2":
+        _needs_megalite_model(g, f"--format {fmt}")
+    _check_out(out, force, [src, getattr(g, "step", src)], fmt)
+    skipped = getattr(g, "skipped", [])
     torch_dtype = torch_dtype or torch.float32
     progress = Progress("convert", len(g.names), sum(math.prod(g.shape(n)) * torch_dtype.itemsize for n in g.names),
                         quiet)
@@ -110,10 +145,19 @@ def convert_foreign(src: Path, kind: str, out: Path, fmt: str, dtype: Optional[s
     pieces = ((n, [t]) for n, t in tensors())  # one piece: the whole tensor
     meta = {"megalite.model_config": json.dumps(g.m, sort_keys=True)}
     if fmt == "dcp":
-        return write_dcp(out, specs, pieces, meta)
-    meta = {"format": "pt", "megalite.kind": "model", **meta,
-            "megalite.partitions": json.dumps({n: g.parts[n].to_json() for n in g.names}, sort_keys=True)}
-    return write_file(out, specs, pieces, meta)
+        done = write_dcp(out, specs, pieces, meta)
+    else:
+        meta = {"format": "pt", "megalite.kind": "model", **meta,
+                "megalite.partitions": json.dumps({n: g.parts[n].to_json() for n in g.names}, sort_keys=True)}
+        done = write_file(out, specs, pieces, meta)
+    if skipped and not quiet:
+        print(f"convert: skipped {len(skipped)} training entries ({g.naming}): {_listed(skipped)}",
+              file=sys.stderr, flush=True)
+    return done
+
+
+def _listed(names: list) -> str:
+    return ", ".join(names[:8]) + (f", ... ({len(names)} in all)" if len(names) > 8 else "")
 
 
 def _cast(stored: torch.dtype, to: Optional[torch.dtype]) -> torch.dtype:

@@ -32,11 +32,12 @@ import torch
 from einops import rearrange
 
 from ..base import limits
-from ..base.fs import read_all
-from ..config import ModelConfig, model_from, path_kind
+from ..base.fs import path_kind, read_all
+from ..config import ModelConfig, model_from
 from ..base.errors import ConfigError, ConvertError
 from ..base.jsonio import loads
-from . import unpickle
+from . import hints as hn
+from . import megatron_llama, unpickle
 from .common import model_partitions
 from .dcp import DcpFolder
 
@@ -77,8 +78,9 @@ def _refuse_legacy(folder: Path) -> None:
                            f"which megalite never runs); expected ckpt_format torch_dist")
 
 
-def read_args(step: Path) -> dict:
-    """The training arguments Megatron-LM saved in common.pt, as a dict (allow-list unpickled, nothing run)."""
+def read_args(step: Path, required: bool = True) -> Optional[dict]:
+    """The training arguments Megatron-LM saved in common.pt, as a dict (allow-list unpickled, nothing run);
+    None where there are none and not `required` (megatron-core's dist_checkpointing.save alone)."""
     meta = step / META_JSON
     limits.within(meta.stat().st_size, "json", str(meta), ConvertError)
     doc = loads(read_all(meta, follow=True), str(meta), ConvertError)
@@ -117,8 +119,11 @@ def read_args(step: Path) -> dict:
         raise ConvertError(f"{path}: not a readable pickle ({type(e).__name__}: {e})") from None
     args = common.get("args") if isinstance(common, dict) else None
     if not (isinstance(args, unpickle.Record) and args.kind == "argparse.Namespace"):
-        raise ConvertError(f"{path}: has no 'args' (Megatron-LM's training arguments); megalite reads the model's "
-                           f"shape from them (a checkpoint saved by megatron-core alone must add them)")
+        if not required:
+            return None
+        raise ConvertError(f"{path}: has no 'args' (Megatron-LM's training arguments), so the model's shape comes "
+                           f"from its tensors: give what they cannot tell, --num-heads (and --num-kv-heads, "
+                           f"--rope-theta, --norm-eps, ...), or --config with a transformers config.json")
     return args.fields()
 
 
@@ -134,6 +139,8 @@ def model_from_args(a: dict, where: str) -> dict:
         return a.get(name, default)
 
     pos = get("position_embedding_type", "learned_absolute")
+    if megatron_llama.is_llama_args(a):
+        return megatron_llama.llama_from_args(a, where)
     if pos != "learned_absolute":
         what = {"rope": "rotary position embeddings (RoPE)", "yarn": "rotary position embeddings (YaRN RoPE)",
                 "mrope": "multimodal rotary position embeddings (MRoPE)", "none": "a model without position "
@@ -229,15 +236,23 @@ MODEL_PREFIXES = ("embedding.", "decoder.", "output_layer.", "encoder.", "mtp.")
 
 
 class MegatronGPT:
-    """A Megatron GPT checkpoint seen as a megalite model: `m` (the [model] dict), `names` (megalite's, in
-    the model's order), `shape(name)`, and `get(name)`: one tensor, read from just the chunks that hold it
-    (one layer of a stacked tensor reads that layer's chunks), in the checkpoint's dtype."""
+    """A Megatron GPT checkpoint seen as a megalite model (GPT-2 or Llama family): `m` (the [model] dict),
+    `names` (megalite's, in the model's order), `shape(name)`, and `get(name)`: one tensor, read from just the
+    chunks that hold it (one layer of a stacked tensor reads that layer's chunks), in the checkpoint's dtype."""
+    _last = (None, None)  # (what was read, the tensor): q/k/v and gate/up are slices of one fused read
 
-    def __init__(self, path, vocab_size: Optional[int] = None):
+    def __init__(self, path, vocab_size: Optional[int] = None, hints: Optional[hn.Hints] = None):
         self.step = iteration_folder(Path(path))
-        m = model_from_args(read_args(self.step), f"{self.step / COMMON}: args")
+        hints = hints or hn.Hints()
+        args = read_args(self.step, required=not hints.given())
         self.ck = DcpFolder(self.step)
         where = f"{self.step / '.metadata'}"
+        if args is None:  # megatron-core alone: the sizes from the tensors, the rest from the hints
+            args = megatron_llama.args_from_tensors(self.ck.tensors, hints, where)
+            m = model_from_args(args, f"{where} (with the flags given)")
+        else:
+            m = model_from_args(args, f"{self.step / COMMON}: args")
+        vocab_size = vocab_size or hints.vocab_size
         _check_layers(self.ck, m, where)
         word = self.ck.tensors.get("embedding.word_embeddings.weight")
         if word is None or len(word.shape) != 2 or word.shape[1] != m["n_embd"]:
@@ -249,11 +264,39 @@ class MegatronGPT:
             raise ConvertError(f"--vocab-size {vocab_size}: expected 1 to the checkpoint's padded vocabulary "
                                f"{padded}")
         m["vocab_size"] = vocab_size or padded
+        self.interleaved = m.pop("_interleaved", False)
+        self.qkv_bias = m.pop("_qkv_bias", False)
         self.m = m
-        self.parts = model_partitions(m)
-        self.src = _sources(m, set(self.ck.tensors))
-        self._check(where, padded)
-        self.names = list(self.parts)
+        if m.get("arch") == "llama":
+            self.shapes = hn.llama_shapes(m, self.qkv_bias)
+            self.parts = None if self.qkv_bias else model_partitions(m)  # megalite's model has no q/k/v biases
+            self.src = megatron_llama.llama_sources(dict(m, _interleaved=self.interleaved), set(self.ck.tensors))
+            self._check_llama(where, padded)
+        else:
+            self.parts = model_partitions(m)
+            self.shapes = {n: tuple(p.global_shape) for n, p in self.parts.items()}
+            self.src = _sources(m, set(self.ck.tensors))
+            self._check(where, padded)
+        self.names = list(self.shapes)
+
+    def _check_llama(self, where: str, padded: int) -> None:
+        want = megatron_llama.their_shapes(self.m, padded, self.qkv_bias)
+        for name in self.shapes:
+            theirs = self.src[name][0]
+            want.setdefault(theirs, None)
+        for theirs, shape in want.items():
+            info = self.ck.tensors.get(theirs)
+            if info is None:
+                raise ConvertError(f"{where}: tensor '{theirs}' is missing, expected for this Llama")
+            if shape is not None and tuple(info.shape) != shape:
+                raise ConvertError(f"{where}: tensor '{theirs}' has size {list(info.shape)}, expected {list(shape)} "
+                                   f"for {self.m['n_head']} heads in {self.m['n_kv_head']} query groups, hidden "
+                                   f"{self.m['n_embd']}, MLP {self.m['intermediate_size']}"
+                                   f"{megatron_llama.why(theirs)}")
+        extra = sorted(n for n in self.ck.tensors if n.startswith(MODEL_PREFIXES) and n not in want)
+        if extra:
+            raise ConvertError(f"{where}: tensor '{extra[0]}' is not part of this Llama ({len(extra)} such; MoE "
+                               f"experts or router?); refusing to drop it")
 
     def _check(self, where: str, padded: int) -> None:
         """Every tensor megalite needs is there at its size; no model tensor is left over (one would mean an
@@ -286,7 +329,7 @@ class MegatronGPT:
                                f"({len(extra)} such); refusing to drop it")
 
     def shape(self, name: str) -> tuple:
-        return tuple(self.parts[name].global_shape)
+        return self.shapes[name]
 
     def get(self, name: str) -> torch.Tensor:
         theirs, layer, fn = self.src[name]
@@ -296,7 +339,12 @@ class MegatronGPT:
             region[0] = (layer, layer + 1)
         if name in ("wte.weight", "lm_head.weight"):
             region[0] = (0, self.m["vocab_size"])
-        t = self.ck.read(theirs, tuple(region))
+        key = (theirs, tuple(region))
+        if self._last[0] == key:  # q, k and v (gate and up) are three (two) reads of one fused tensor
+            t = self._last[1]
+        else:
+            t = self.ck.read(theirs, tuple(region))
+            self._last = (key, t)
         if layer is not None:
             t = t[0]
         return (fn(t) if fn else t).contiguous()
