@@ -146,8 +146,10 @@ def _cmd_verify(args, rest) -> int:
 
 def _cmd_convert(args, rest) -> int:
     from .convert import convert
+    from .convert.single import parse_size
     out = convert(args.ckpt, args.out, dtype=args.dtype, fmt=args.format, force=args.force, quiet=args.quiet,
-                  source=args.source, vocab_size=args.vocab_size)
+                  source=args.source, vocab_size=args.vocab_size, check=args.check,
+                  max_shard_size=parse_size(args.max_shard_size, "--max-shard-size"))
     if not args.quiet:
         print(f"convert: wrote {out}")
     return 0
@@ -274,18 +276,24 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("runs", nargs="+", metavar="RUN_DIR", help="runs' out_dir folders (with metrics.jsonl)")
     p.add_argument("--out", default="loss.png")
 
-    p = add("convert", "reassemble a checkpoint of any layout into one safetensors file (or an HF GPT-2 "
-                       "folder with --format hf-gpt2, a DCP folder with --format dcp), one tensor at a time; "
-                       "also from a Megatron-LM (torch_dist) or PyTorch DCP checkpoint, no pickle of theirs run",
-            _cmd_convert)
-    p.add_argument("ckpt", help="a step folder, or a checkpoint root (the step `latest` names); a Megatron-LM or "
-                                "DCP checkpoint folder")
+    p = add("convert", "reassemble a checkpoint of any layout into one safetensors file (or the family's "
+                       "transformers folder with --format hf, a DCP folder with --format dcp), one tensor at a "
+                       "time; also from a transformers folder, a Megatron-LM (torch_dist) or PyTorch DCP "
+                       "checkpoint, no pickle of theirs run", _cmd_convert)
+    p.add_argument("ckpt", help="a step folder, or a checkpoint root (the step `latest` names); a `megalite "
+                                "convert` file; a transformers, Megatron-LM or DCP checkpoint folder")
     p.add_argument("--out", required=True)
     p.add_argument("--dtype", default=None, help="fp32 | bf16 | fp16 (default fp32; from DCP: as stored)")
-    p.add_argument("--format", default="megalite", help="megalite (one .safetensors) | hf-gpt2 (a folder) | dcp "
-                                                        "(a DCP folder, Hugging Face storage format)")
+    p.add_argument("--format", default="megalite", help="megalite (one .safetensors) | hf (the family's "
+                   "transformers folder; hf-gpt2: GPT-2's) | dcp (a DCP folder, Hugging Face storage format)")
     p.add_argument("--from", dest="source", default=None, metavar="KIND",
-                   help="megalite | dcp | megatron (default: recognised from the folder)")
+                   help="megalite | hf | dcp | megatron (default: recognised from the folder)")
+    p.add_argument("--check", action=argparse.BooleanOptionalAction, default=None,
+                   help="run the source and the result on fixed prompts and refuse the output above the "
+                        "tolerance (default: on where transformers is installed, for exports to transformers "
+                        "and imports from other trainers)")
+    p.add_argument("--max-shard-size", default="5GB", help="--format hf: shard the weights above this (bytes, "
+                   "or with KB/MB/GB; transformers' default 5GB)")
     p.add_argument("--vocab-size", type=int, default=None, help="megatron: cut the padded vocabulary to this")
     p.add_argument("--force", action="store_true", help="replace --out if it exists")
     p.add_argument("--quiet", action="store_true")

@@ -34,7 +34,7 @@ from einops import rearrange
 from ..config import ModelConfig, path_kind
 from ..errors import ConvertError
 from . import unpickle
-from .common import model_partitions
+from .common import Source, Spec, model_partitions
 from .dcp import DcpFolder
 
 LATEST = "latest_checkpointed_iteration.txt"
@@ -210,13 +210,14 @@ def _sources(m: dict, names: set) -> dict:
 MODEL_PREFIXES = ("embedding.", "decoder.", "output_layer.", "encoder.", "mtp.")
 
 
-class MegatronGPT:
-    """A Megatron GPT checkpoint seen as a megalite model: `m` (the [model] dict), `names` (megalite's, in
-    the model's order), `shape(name)`, and `get(name)`: one tensor, read from just the chunks that hold it
-    (one layer of a stacked tensor reads that layer's chunks), in the checkpoint's dtype."""
+class MegatronGPT(Source):
+    """A Megatron GPT checkpoint as a Source: `model` (the [model] dict), `specs` (megalite's names, in the
+    model's order, at the checkpoint's dtype), and `read(name)`: one tensor, read from just the chunks that
+    hold it (one layer of a stacked tensor reads that layer's chunks)."""
 
     def __init__(self, path, vocab_size: Optional[int] = None):
         self.step = iteration_folder(Path(path))
+        self.where, self.guards = str(self.step), [Path(path), self.step]
         m = model_from_args(read_args(self.step), f"{self.step / COMMON}: args")
         self.ck = DcpFolder(self.step)
         where = f"{self.step / '.metadata'}"
@@ -230,16 +231,20 @@ class MegatronGPT:
             raise ConvertError(f"--vocab-size {vocab_size}: expected 1 to the checkpoint's padded vocabulary "
                                f"{padded}")
         m["vocab_size"] = vocab_size or padded
-        self.m = m
+        self.model = m
         self.parts = model_partitions(m)
         self.src = _sources(m, set(self.ck.tensors))
         self._check(where, padded)
-        self.names = list(self.parts)
+        self.specs = {n: Spec(tuple(p.global_shape), self.ck.tensors[self.src[n][0]].dtype)
+                      for n, p in self.parts.items()}
+
+    def partitions(self):
+        return self.parts
 
     def _check(self, where: str, padded: int) -> None:
         """Every tensor megalite needs is there at its size; no model tensor is left over (one would mean an
         architecture the arguments did not say, e.g. MoE router weights)."""
-        m, used = self.m, set()
+        m, used = self.model, set()
         for name, part in self.parts.items():
             theirs, layer, _ = self.src[name]
             want = tuple(part.global_shape)  # megalite's; megatron stacks layers and fuses (3, C) into 3C rows
@@ -266,21 +271,19 @@ class MegatronGPT:
             raise ConvertError(f"{where}: tensor '{extra[0]}' is not part of a GPT-2-shaped model "
                                f"({len(extra)} such); refusing to drop it")
 
-    def shape(self, name: str) -> tuple:
-        return tuple(self.parts[name].global_shape)
-
-    def get(self, name: str) -> torch.Tensor:
+    def read(self, name: str, region=None) -> torch.Tensor:
         theirs, layer, fn = self.src[name]
         info = self.ck.tensors[theirs]
-        region = [(0, n) for n in info.shape]
+        whole = [(0, n) for n in info.shape]
         if layer is not None:
-            region[0] = (layer, layer + 1)
+            whole[0] = (layer, layer + 1)
         if name in ("wte.weight", "lm_head.weight"):
-            region[0] = (0, self.m["vocab_size"])
-        t = self.ck.read(theirs, tuple(region))
+            whole[0] = (0, self.model["vocab_size"])
+        t = self.ck.read(theirs, tuple(whole))
         if layer is not None:
             t = t[0]
-        return (fn(t) if fn else t).contiguous()
+        t = (fn(t) if fn else t).contiguous()
+        return t if region is None else t[tuple(slice(a, b) for a, b in region)]
 
 
 def _why(theirs: str, shape, m: dict) -> str:
