@@ -9,4 +9,4 @@ set -euo pipefail
 REPO_ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 export PYTHONPATH="${REPO_ROOT}${PYTHONPATH:+:${PYTHONPATH}}"
 export OMP_NUM_THREADS="${OMP_NUM_THREADS:-1}"
-exec "${PYTHON:-python3}" -m megalite.tools.bench.gpu_check "$@"
+exec "${PYTHON:-python3}" -m megalite.bench.gpu_check "$@"

@@ -17,7 +17,7 @@ import sys
 import traceback
 
 from . import __version__
-from .errors import USER_ERRORS, is_shared, one_line
+from .base.errors import USER_ERRORS, is_shared, one_line
 
 EPILOGS = {
     "train": "example:\n  torchrun --nproc-per-node 8 -m megalite train --config configs/tiny-cpu.toml "
@@ -37,6 +37,8 @@ EPILOGS = {
                "  megalite convert runs/demo/checkpoints --format hf-gpt2 --out runs/demo/hf/\n"
                "  megalite convert megatron/ckpts --vocab-size 50257 --format hf-gpt2 --out hf/   (Megatron-LM)\n"
                "  megalite convert dcp_ckpt/step-100 --out step-100.safetensors   (PyTorch DCP, e.g. torchtitan)\n"
+               "  megalite convert step-100 --from dcp --arch llama --config config.json --out llama.safetensors"
+               "   (torchtitan's Llama 3)\n"
                "  megalite convert runs/demo/checkpoints --format dcp --out runs/demo/dcp/",
     "split": "example:\n  megalite split runs/demo/model.safetensors --tp 2 --pp 2 --dp 1 --out runs/split-221/",
     "reshard": "example:\n  megalite reshard runs/demo/checkpoints --tp 1 --pp 4 --dp 2 --out runs/reshard-142/",
@@ -44,7 +46,6 @@ EPILOGS = {
              "  megalite bench plan --tp 8 --pp 16 --dp 8,32,128 --reshard-to 8,8,256   (GPT-3 175B shape)\n"
              "  megalite bench dcp --size-mb 300\n"
              "  megalite bench prepare --size-mb 64 --rounds 3",
-    "stress": "example:\n  megalite stress ckpt --trials 10",
     "generate": "examples:\n"
                 "  megalite generate --model runs/demo/model.safetensors --prompt 'def ' --max-new-tokens 60\n"
                 "  megalite generate --model runs/demo/checkpoints --prompt 'def ' --temperature 0   # greedy\n"
@@ -68,7 +69,7 @@ class _Parser(argparse.ArgumentParser):
 def _cmd_train(args, rest) -> int:
     from .config import ConfigError, load_config
     from .parallel.process_group import leave_distributed, world_size_from_env
-    from .train import refuse_start, train
+    from .run.train import refuse_start, train
     try:
         cfg, failed = load_config(args.config, rest), None
     except ConfigError as e:
@@ -114,7 +115,7 @@ def _cmd_tokenizer(args, rest) -> int:
     from .tokenizer import train_folder
     files = expand_sources(args.sources) if args.sources else default_corpus_files()
     out = train_folder(files, args.vocab_size, args.out, force=args.force, quiet=args.quiet,
-                       min_frequency=args.min_frequency)
+                       min_frequency=args.min_frequency, pre_tokenizer=args.pre_tokenizer)
     if not args.quiet:
         print(f"tokenizer: wrote {out}")
     return 0
@@ -127,7 +128,7 @@ def _cmd_inspect(args, rest) -> int:
 
 
 def _cmd_plot(args, rest) -> int:
-    from .plot import plot
+    from .run.plot import plot
     print(f"plot: wrote {plot(args.runs, args.out)}")
     return 0
 
@@ -146,9 +147,14 @@ def _cmd_verify(args, rest) -> int:
 
 def _cmd_convert(args, rest) -> int:
     from .convert import convert
+    from .convert.hints import Hints, merge_config
     from .convert.single import parse_size
+    hints = Hints(num_heads=args.num_heads, num_kv_heads=args.num_kv_heads, rope_theta=args.rope_theta,
+                  norm=args.norm, mlp=args.mlp, norm_eps=args.norm_eps)
+    if args.config is not None:
+        hints = merge_config(hints, args.config)
     out = convert(args.ckpt, args.out, dtype=args.dtype, fmt=args.format, force=args.force, quiet=args.quiet,
-                  source=args.source, vocab_size=args.vocab_size, check=args.check,
+                  source=args.source, vocab_size=args.vocab_size, arch=args.arch, hints=hints, check=args.check,
                   max_shard_size=parse_size(args.max_shard_size, "--max-shard-size"))
     if not args.quiet:
         print(f"convert: wrote {out}")
@@ -189,32 +195,26 @@ def _cmd_generate(args, rest) -> int:
     return 0
 
 
-def _cmd_stress(args, rest) -> int:
-    from .tools.stress import stress_ckpt
-    r = stress_ckpt(trials=args.trials, steps=args.steps, width=args.width, workdir=args.workdir, seed=args.seed)
-    return 0 if r["valid_latest"] == r["trials"] == r["resumed_exactly"] else 1
-
-
 def _cmd_bench(args, rest) -> int:
     if args.what == "ckpt":
-        from .tools.bench.ckpt import bench_ckpt
+        from .bench.ckpt import bench_ckpt
         bench_ckpt(size_mb=args.size_mb or 1024, world=args.world, repeats=args.repeats, dir=args.dir)
     elif args.what == "dcp":
-        from .tools.bench.dcp import bench_dcp
+        from .bench.dcp import bench_dcp
         bench_dcp(size_mb=args.size_mb or 300, repeats=args.repeats, dir=args.dir)
     elif args.what == "plan":
-        from .tools.bench.plan import bench_plan_cli
+        from .bench.plan import bench_plan_cli
         args.vocab_size = args.vocab_size or 50304
         bench_plan_cli(args)
     elif args.what == "prepare":
-        from .tools.bench.prepare import bench_prepare
+        from .bench.prepare import bench_prepare
         bench_prepare(size_mb=args.size_mb or 32, vocab_size=args.vocab_size or 4096, tokenizer=args.tokenizer,
                       rounds=args.rounds or 3, dir=args.dir)
     else:
-        from .tools.bench.train import bench_train
+        from .bench.train import bench_train
         bench_train(steps=args.steps, nproc=args.nproc, n_embd=args.n_embd or 128, n_layer=args.n_layer or 4,
                     block_size=args.block_size or 128, rounds=args.rounds or 2, wait_ms=args.bubble_wait_ms,
-                    cp_seq=args.cp_seq, pairs=args.pairs)
+                    cp_seq=args.cp_seq, pairs=args.pairs, llama_only=args.llama_only)
     return 0
 
 
@@ -265,6 +265,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--out", required=True, help="the folder to write (tokenizer.json, tokenizer_config.json, "
                                                 "special_tokens_map.json)")
     p.add_argument("--min-frequency", type=int, default=2, help="a pair merges only if seen this often")
+    p.add_argument("--pre-tokenizer", default="gpt2", choices=["gpt2", "llama3"],
+                   help="how text is cut before merging: GPT-2's regex, or Llama 3's split (tiktoken-style: "
+                        "digits in groups of 3, a letter run with one leading non-letter)")
     p.add_argument("--force", action="store_true", help="replace --out if it exists")
     p.add_argument("--quiet", action="store_true")
 
@@ -295,6 +298,16 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-shard-size", default="5GB", help="--format hf: shard the weights above this (bytes, "
                    "or with KB/MB/GB; transformers' default 5GB)")
     p.add_argument("--vocab-size", type=int, default=None, help="megatron: cut the padded vocabulary to this")
+    p.add_argument("--arch", default=None, help="gpt2 | llama: what model a DCP folder holds (llama: torchtitan's "
+                                                "Llama 3); for a Megatron folder, checked against it")
+    hint = p.add_argument_group("what the tensors cannot tell (a Megatron checkpoint without args, a DCP folder)")
+    hint.add_argument("--num-heads", type=int, default=None)
+    hint.add_argument("--num-kv-heads", type=int, default=None, help="(default: read from the key width)")
+    hint.add_argument("--rope-theta", type=float, default=None, help="(default 10000)")
+    hint.add_argument("--norm", default=None, help="rms | layer (default: read from the norms' biases)")
+    hint.add_argument("--mlp", default=None, help="swiglu | gelu | gelu_tanh (default: read from the MLP's rows)")
+    hint.add_argument("--norm-eps", type=float, default=None, help="(default 1e-5)")
+    hint.add_argument("--config", default=None, help="a transformers config.json giving all of the above")
     p.add_argument("--force", action="store_true", help="replace --out if it exists")
     p.add_argument("--quiet", action="store_true")
 
@@ -325,15 +338,6 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--ids", action="store_true", help="print the token ids (prompt + new), not the text")
     p.add_argument("--ignore-eot", action="store_true",
                    help="sample on past the end-of-text token (by default it ends the text, as in transformers)")
-
-    p = add("stress", "fault injection: `stress ckpt` kills a random rank mid-save, N times, and checks that "
-                      "latest stays valid and resumes exactly", _cmd_stress)
-    p.add_argument("what", choices=["ckpt"])
-    p.add_argument("--trials", type=int, default=5)
-    p.add_argument("--steps", type=int, default=12)
-    p.add_argument("--width", type=int, default=64, help="model n_embd (bigger: longer saves)")
-    p.add_argument("--workdir", default=None)
-    p.add_argument("--seed", type=int, default=0)
 
     p = add("bench", "benchmarks: `bench ckpt` (saves/loads vs DCP, torch.save and the disk), `bench train` "
                      "(vs plain PyTorch, pipeline bubbles, layouts), `bench plan` (checkpoint write plan and "
@@ -369,6 +373,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--pairs", type=int, default=5, help="train: table 1's megalite/plain pairs of fresh processes")
     p.add_argument("--cp-seq", type=int, default=None,
                    help="train: sequence length of the context-parallel table (default: 8 x --block-size)")
+    p.add_argument("--llama-only", action="store_true",
+                   help="train: only the Llama tables (9: vs transformers' LlamaForCausalLM, 10: a block's "
+                        "saved bytes per rank)")
     p.add_argument("--bubble-wait-ms", type=float, default=None,
                    help="train: t_f of the bubble table's wait rows (default: the model's, at least 40 ms)")
 

@@ -14,7 +14,8 @@ import typing
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from .errors import ConfigError, LayoutError
+from .base.errors import ConfigError, LayoutError
+from .base.limits import MAX_COUNT, MAX_SIZE  # noqa: F401 (re-exported: config.MAX_COUNT is read elsewhere)
 from .parallel.grid import Layout
 
 if sys.version_info >= (3, 11):
@@ -32,11 +33,39 @@ class ModelConfig:
     vocab_size: int = 256
     dropout: float = 0.0  # a training setting kept here for the layers: it may change on resume or fine-tuning
     tie_embeddings: bool = True  # the LM head is wte.weight (GPT-2); false: a separate lm_head.weight
-    layer_norm_eps: float = 1e-5
-    activation: str = "gelu_new"  # "gelu_new" (GPT-2's tanh approximation) | "gelu" (exact, erf) | "relu"
+    layer_norm_eps: float = 1e-5  # LayerNorm's epsilon (gpt2); RMSNorm's (llama)
+    activation: str = "gelu_new"  # GPT-2's MLP: "gelu_new" (tanh approximation) | "gelu" (exact, erf) | "relu"
+    # The family (model.py): GPT-2, or Llama (RMSNorm, rotary positions, SwiGLU, grouped-query attention).
+    # The keys below shape Llama only; each has a default, so `--model.arch=llama` trains any config as is.
+    arch: str = "gpt2"  # "gpt2" | "llama"
+    n_kv_head: int = 0  # key/value heads, dividing n_head (GQA; 1: MQA); 0: n_head (MHA)
+    intermediate_size: int = 0  # SwiGLU's hidden width; 0: Llama's rule from the width (`ffn_size`)
+    rope_theta: float = 10000.0  # rotary base (transformers' LlamaConfig default; Llama 3: 500000)
+    rope_scaling: dict = field(default_factory=dict)  # {}: none; {rope_type = "llama3", factor, low_freq_factor,
+    #                                                   high_freq_factor, original_max_position_embeddings}
+
+    @property
+    def head_dim(self) -> int:
+        return self.n_embd // self.n_head
+
+    @property
+    def kv_heads(self) -> int:
+        """Key/value heads: n_kv_head, or n_head when 0 (and always for GPT-2)."""
+        return self.n_kv_head or self.n_head
+
+    @property
+    def ffn_size(self) -> int:
+        """The MLP's hidden width: GPT-2's 4C; Llama's intermediate_size, or its own rule from the width when 0
+        (Meta's: two thirds of 4C, rounded up to a multiple of 256)."""
+        if self.arch != "llama":
+            return 4 * self.n_embd
+        return self.intermediate_size or 256 * -(-(8 * self.n_embd // 3) // 256)
 
 
 ACTIVATIONS = ("gelu_new", "gelu", "relu")
+ARCHS = ("gpt2", "llama")
+ROPE_SCALING = {"llama3": ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")}
+FAMILY_DEFAULTS = {"llama": {"tie_embeddings": False}}  # where a family's default differs from the dataclass's
 SIZE_FIELDS = ("n_layer", "n_head", "n_embd", "block_size", "vocab_size")  # positive integers
 TRAINING_ONLY = ("dropout",)  # [model] keys that do not define the model: never compared with a checkpoint
 
@@ -84,7 +113,7 @@ class TrainConfig:
     out_dir: str = "runs/tiny"
     precision: str = "auto"  # "auto" (bf16 autocast on GPU, fp32 on CPU) | "fp32" | "bf16"
     recompute: str = "none"  # activation recomputation: "none" | "selective" (attention core) | "full" (blocks)
-    compile: bool = False  # torch.compile each transformer block of this rank's pipeline stage (megalite/compile.py)
+    compile: bool = False  # torch.compile each transformer block of this rank's pipeline stage (megalite/run/compile.py)
     fused_adamw: str = "auto"  # torch's fused AdamW kernel: "auto" (on CUDA) | "on" (any device that has it) | "off"
     tensorboard: bool = False  # also write TensorBoard event files to <out_dir>/tensorboard (needs `tensorboard`)
 
@@ -127,14 +156,29 @@ class Config:
                 for s in dataclasses.fields(self)}
 
     @classmethod
-    def from_dict(cls, d: dict, source: str = "config") -> "Config":
+    def from_dict(cls, d: dict, source: str = "config", family_defaults: bool = True) -> "Config":
         cfg = cls()
         for section, values in d.items():
             if not isinstance(values, dict):
                 raise ConfigError(f"{source}: [{section}] must be a table of keys, got {values!r}")
             for key, value in values.items():
                 _set(cfg, f"{section}.{key}", value, source)
+        if family_defaults:
+            apply_family_defaults(cfg, given(d))
         return cfg
+
+
+def given(d: dict) -> set:
+    """The `section.key`s a raw table sets."""
+    return {f"{sec}.{k}" for sec, values in d.items() if isinstance(values, dict) for k in values}
+
+
+def apply_family_defaults(cfg: Config, named: set) -> None:
+    """The model family's own defaults for the keys the config did not name (Llama's LM head is untied,
+    GPT-2's tied), so `--model.arch=llama` on a GPT-2 config is a Llama as transformers makes one."""
+    for key, value in FAMILY_DEFAULTS.get(cfg.model.arch, {}).items():
+        if f"model.{key}" not in named:
+            setattr(cfg.model, key, value)
 
 
 def _key(name: str) -> str:
@@ -155,8 +199,17 @@ def _field(cfg: Config, dotted: str, source: str):
 
 def _coerce(value, typ, dotted: str, source: str, from_text: bool = False):
     """Turn a command-line string into the field's declared type; TOML values must already have it."""
-    want = {"int": int, "float": float, "bool": bool, "str": str}[typ]
-    if from_text and isinstance(value, str) and want is not str:
+    want = {"int": int, "float": float, "bool": bool, "str": str, "dict": dict}[typ]
+    if from_text and isinstance(value, str) and want is dict:  # a TOML inline table; "none" or "" for {}
+        text = value.strip()
+        if text.lower() in ("", "none", "{}"):
+            return {}
+        try:
+            value = tomllib.loads(f"v = {text}")["v"]
+        except tomllib.TOMLDecodeError:
+            raise ConfigError(f"{source}: {dotted} = {text!r} is not a TOML inline table "
+                              f"(e.g. {{rope_type = \"llama3\", factor = 32.0}}) or 'none'") from None
+    elif from_text and isinstance(value, str) and want is not str:
         text = value.strip()
         try:
             if want is bool:
@@ -189,7 +242,7 @@ def path_kind(p: str | Path) -> str:
         return f"a broken symlink to '{os.readlink(p)}'" if p.is_symlink() else "a path that does not exist"
     except OSError as e:
         return f"not readable ({e.strerror})"
-    from .checkpoint.files import kind_of  # here: the checkpoint package imports this module
+    from .base.fs import kind_of  # here: the checkpoint package imports this module
     return kind_of(st)
 
 
@@ -207,13 +260,16 @@ def load_config(path: str | Path | None = None, overrides: typing.Sequence[str] 
             raw = tomllib.loads(p.read_text())
         except tomllib.TOMLDecodeError as e:
             raise ConfigError(f"{p}: not valid TOML ({e})") from None
-        cfg = Config.from_dict(raw, source=str(p))
+        cfg = Config.from_dict(raw, source=str(p), family_defaults=False)
+    named = given(raw) if path is not None else set()
     for item in overrides:
         text = item[2:] if item.startswith("--") else item
         if "=" not in text or "." not in text.split("=", 1)[0]:
             raise ConfigError(f"override '{item}': expected --section.key=value")
         key, value = text.split("=", 1)
         _set(cfg, key, value, "command line", from_text=True)
+        named.add(key)
+    apply_family_defaults(cfg, named)
     return cfg
 
 
@@ -239,13 +295,60 @@ def model_from(raw, source: str) -> dict:
         raise ConfigError(f"{source}: model.dropout = {m.dropout}: expected a value in [0, 1)")
     if m.n_embd % m.n_head:
         raise ConfigError(f"{source}: model.n_embd = {m.n_embd} is not divisible by model.n_head = {m.n_head}")
+    check_family(m, f"{source}: ")
     return dataclasses.asdict(m)
 
 
+def check_family(m: ModelConfig, where: str = "") -> None:
+    """The family and its keys: one line naming the field. GPT-2 takes none of Llama's keys (a GPT-2 with
+    grouped-query attention or rotary positions is not a model megalite has)."""
+    if m.arch not in ARCHS:
+        raise ConfigError(f"{where}model.arch = '{m.arch}': expected one of {', '.join(ARCHS)}")
+    for name in ("n_kv_head", "intermediate_size"):
+        if getattr(m, name) < 0:
+            raise ConfigError(f"{where}model.{name} = {getattr(m, name)}: must not be negative (0: the default)")
+    if m.arch != "llama":
+        for name, default in (("n_kv_head", (0, m.n_head)), ("intermediate_size", (0, 4 * m.n_embd)),
+                              ("rope_theta", (10000.0,)), ("rope_scaling", ({},))):
+            if getattr(m, name) not in default:
+                raise ConfigError(f"{where}model.{name} = {getattr(m, name)!r} applies to model.arch = 'llama' "
+                                  f"only (model.arch is '{m.arch}')")
+        return
+    if m.n_head % m.kv_heads:
+        raise ConfigError(f"{where}model.n_kv_head = {m.n_kv_head} does not divide model.n_head = {m.n_head} "
+                          f"(each key/value head serves n_head / n_kv_head query heads)")
+    if m.head_dim % 2:
+        raise ConfigError(f"{where}model.n_embd / model.n_head = {m.head_dim} is odd: rotary positions rotate "
+                          f"pairs of a head's dims")
+    if not (math.isfinite(m.rope_theta) and m.rope_theta > 1.0):
+        raise ConfigError(f"{where}model.rope_theta = {m.rope_theta}: expected a finite number above 1")
+    check_rope_scaling(m.rope_scaling, where)
+
+
+def check_rope_scaling(rs: dict, where: str = "") -> None:
+    """{} or transformers' llama3 rope_scaling with every number it needs (positive, finite; high > low)."""
+    if not rs:
+        return
+    kind = rs.get("rope_type", rs.get("type"))
+    if kind not in ROPE_SCALING:
+        raise ConfigError(f"{where}model.rope_scaling.rope_type = {kind!r}: megalite models none ({{}}) or "
+                          f"{', '.join(repr(k) for k in ROPE_SCALING)}")
+    need = ROPE_SCALING[kind]
+    extra = sorted(set(rs) - set(need) - {"rope_type", "type"})
+    if extra:
+        raise ConfigError(f"{where}model.rope_scaling.{extra[0]}: not a key of rope_type '{kind}' "
+                          f"(expected {', '.join(need)})")
+    for key in need:
+        v = rs.get(key)
+        if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or v <= 0:
+            raise ConfigError(f"{where}model.rope_scaling.{key} = {v!r}: expected a positive number")
+    if not rs["high_freq_factor"] > rs["low_freq_factor"]:
+        raise ConfigError(f"{where}model.rope_scaling.high_freq_factor = {rs['high_freq_factor']}: must be larger "
+                          f"than low_freq_factor = {rs['low_freq_factor']}")
+
+
 # The ranges the numbers' consumers can take, checked where a number enters (config, CLI, manifest, state.json).
-MAX_COUNT = 2**53 - 1  # steps, intervals, batch sizes, seeds, stored counters: exact in any JSON reader, and a
-#                        seed plus a step still fits torch.manual_seed's int64 (a resume re-seeds from seed + step)
-MAX_SIZE = 2**31 - 1  # model sizes: a tensor's dims and element counts stay within torch's indexing kernels
+# MAX_COUNT (steps, seeds, stored counters) and MAX_SIZE (model sizes) are limits.py's, with every other bound.
 MAX_TIMEOUT_S = (2**63 - 1) // 10**9  # parallel.timeout_s: gloo and NCCL hold it in int64 nanoseconds
 FLOAT32_MAX = 3.4028234663852886e38  # the optimizer's scalars meet float32 tensors (torch.addcdiv's value)
 EVAL_STREAMS = 2**31  # eval batch i draws from PCG64([seed, 2**32 - 1 - i]), apart from training's [seed, k]
@@ -351,6 +454,7 @@ def validate(cfg: Config, world_size: int | None = None) -> Config:
     _validate_memory_features(cfg)
     if m.n_embd % m.n_head:
         raise ConfigError(f"model.n_embd = {m.n_embd} is not divisible by model.n_head = {m.n_head}")
+    check_family(m)
     try:
         Layout(par.tp, par.pp, par.dp, par.cp).validate(m, "parallel.")
     except LayoutError as e:
@@ -455,9 +559,16 @@ DOCS = {
     "model.block_size": "context length: the position table and the training window",
     "model.vocab_size": "token ids 0..vocab_size-1 (byte tokens: 256)",
     "model.dropout": "dropout probability in [0, 1); a training setting (may change on resume or fine-tuning)",
-    "model.tie_embeddings": "the LM head is wte.weight (GPT-2); false: a separate lm_head.weight",
-    "model.layer_norm_eps": "LayerNorm epsilon (GPT-2: 1e-5)",
-    "model.activation": "MLP activation: gelu_new (GPT-2, tanh approximation) | gelu (exact) | relu",
+    "model.tie_embeddings": "the LM head is wte.weight; false: a separate lm_head.weight (default: gpt2 true, "
+                            "llama false)",
+    "model.layer_norm_eps": "LayerNorm's epsilon (GPT-2: 1e-5); RMSNorm's for llama",
+    "model.activation": "GPT-2's MLP activation: gelu_new (tanh approximation) | gelu (exact) | relu",
+    "model.arch": "model family: gpt2 | llama (RMSNorm, rotary positions, SwiGLU, grouped-query attention)",
+    "model.n_kv_head": "llama: key/value heads, dividing model.n_head (1: MQA); 0 = model.n_head",
+    "model.intermediate_size": "llama: SwiGLU hidden width; 0 = two thirds of 4*n_embd rounded up to 256",
+    "model.rope_theta": "llama: rotary base (Llama 3: 500000)",
+    "model.rope_scaling": "llama: {} or {rope_type = \"llama3\", factor, low_freq_factor, high_freq_factor, "
+                          "original_max_position_embeddings}",
     "parallel.tp": "tensor-parallel size (splits heads and the MLP across ranks)",
     "parallel.pp": "pipeline-parallel size (splits the blocks into stages)",
     "parallel.dp": "data-parallel replicas; 0 = world_size / (tp * cp * pp)",
@@ -539,6 +650,8 @@ def _toml_value(v) -> str:
         return "true" if v else "false"
     if isinstance(v, str):
         return '"' + v.replace("\\", "\\\\").replace('"', '\\"') + '"'
+    if isinstance(v, dict):  # an inline table
+        return "{" + ", ".join(f"{k} = {_toml_value(x)}" for k, x in v.items()) + "}"
     return repr(v)
 
 

@@ -1,4 +1,4 @@
-"""GPT-2, written in *local* heads and width, built from the tensor-parallel layers.
+"""GPT-2 and Llama, written in *local* heads and width, built from the tensor-parallel layers.
 
 One `GPTStage` is the part of the model a pipeline stage holds: the embeddings on the first stage,
 a contiguous range of blocks (keyed by their global layer id), and the final LayerNorm + LM head on the
@@ -16,6 +16,15 @@ Context parallelism (cp, issue 22; parallel/context.py): each rank holds 2 of a 
 tokens at their global positions; attention is ring attention over the cp group, everything else is per token.
 With dropout on, attention uses the counter-based mask of context.py at every layout, cp = 1 included, so every
 layout drops the same attention weights as the single process.
+
+Two families, one module (`model.arch`): what they share is everything above (the parallel layers, the tags,
+the block's residual structure, the vocab-parallel embedding, head and loss). Llama (transformers'
+LlamaForCausalLM) differs in four places, each a branch on `cfg.arch` where it happens:
+    norm       LayerNorm (weight, bias)        RMSNorm (weight)
+    positions  a learned table wpe             rotary embeddings on q and k at each token's global position
+    MLP        fc -> GeLU -> proj (biases)     proj(silu(gate x) * up x), no biases
+    attention  fused qkv (3, C, C), biases     q, k, v apart (kv_heads <= n_head: GQA), no biases
+Names: docs/families.md. Rotary uses transformers' rotate-half layout (a head's dim i pairs with i + D/2).
 """
 from __future__ import annotations
 
@@ -35,8 +44,8 @@ from .parallel.context import draw_seed, local_positions, ring_attention
 from .parallel.grid import Axis, ParallelGrid
 from .parallel.pipeline import chunk_layers
 from .parallel.partition import Partition, init_local, local_shape, partition_of, tag
-from .parallel.tensor import (ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding, copy_to_tp,
-                              gather_from_sp, seq_chunk, vocab_parallel_cross_entropy)
+from .parallel.tensor import (ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding, column_parallel,
+                              copy_to_tp, gather_from_sp, seq_chunk, vocab_parallel_cross_entropy)
 
 
 ACTIVATION_FNS = {"gelu_new": lambda x: F.gelu(x, approximate="tanh"), "gelu": F.gelu, "relu": F.relu}
@@ -57,6 +66,51 @@ class LayerNorm(nn.Module):
 
     def forward(self, x):
         return F.layer_norm(x, self.weight.shape, self.weight, self.bias, self.eps)
+
+
+class RMSNorm(nn.Module):
+    """Llama's norm: x / rms(x) * weight (no mean, no bias); replicated on every tp rank like LayerNorm."""
+
+    def __init__(self, dim: int, eps: float, placement: str):
+        super().__init__()
+        self.eps = eps
+        self.weight = _replicated((dim,), placement, "ones", decay=False)
+
+    def forward(self, x):
+        return F.rms_norm(x, self.weight.shape, self.weight, self.eps)
+
+
+def norm(cfg: ModelConfig, placement: str) -> nn.Module:
+    return (RMSNorm if cfg.arch == "llama" else LayerNorm)(cfg.n_embd, cfg.layer_norm_eps, placement)
+
+
+# ---------------------------------------------------------------- rotary position embeddings (Llama)
+def rope_frequencies(cfg: ModelConfig) -> torch.Tensor:
+    """The D/2 angular frequencies theta^(-2i/D), with rope_scaling "llama3" (Llama 3.1/3.2) rescaled as
+    transformers does: wavelengths longer than original_max_position_embeddings / low_freq_factor are slowed
+    by `factor`, shorter than .../high_freq_factor kept, and the band between blended linearly in
+    original_max / wavelength."""
+    d = cfg.head_dim
+    inv = 1.0 / cfg.rope_theta ** (torch.arange(0, d, 2, dtype=torch.int64).float() / d)  # (D/2,)
+    rs = cfg.rope_scaling
+    if not rs:
+        return inv
+    old, lo, hi = rs["original_max_position_embeddings"], rs["low_freq_factor"], rs["high_freq_factor"]
+    ratio = old / (2 * math.pi / inv)  # context length in wavelengths
+    blend = ((ratio - lo) / (hi - lo)).clamp(0.0, 1.0)  # 0: slowed whole (long waves), 1: kept (short ones)
+    return inv / rs["factor"] * (1 - blend) + inv * blend
+
+
+def rope_cos_sin(cfg: ModelConfig, positions: torch.Tensor, dtype) -> tuple:
+    """cos and sin (T, D) of the angles position * frequency, each frequency twice (rotate-half layout)."""
+    angles = positions.float()[:, None] * rope_frequencies(cfg).to(positions.device)[None]  # (T, D/2)
+    angles = torch.cat([angles, angles], dim=-1)  # (T, D)
+    return angles.cos().to(dtype), angles.sin().to(dtype)
+
+
+def rotate(x, cos, sin):  # (B, H, T, D) with (T, D): dims i and i + D/2 of each head turn as one pair
+    x1, x2 = x.chunk(2, dim=-1)
+    return x * cos + torch.cat([-x2, x1], dim=-1) * sin
 
 
 class SeqDropout(nn.Module):
@@ -85,29 +139,63 @@ class SeqDropout(nn.Module):
         return x * keep / (1.0 - self.p)
 
 
-def _attention_core(q, k, v, dropout_p: float):  # (B, H, T, D) x3 -> (B, H, T, D)
-    return F.scaled_dot_product_attention(q, k, v, is_causal=True, dropout_p=dropout_p)
+def _attention_core(q, k, v, dropout_p: float):  # (B, H, T, D), (B, H/g, T, D) x2 -> (B, H, T, D)
+    return F.scaled_dot_product_attention(q, k, v, is_causal=True, dropout_p=dropout_p,
+                                          enable_gqa=k.shape[1] != q.shape[1])
+
+
+def _ring_core(q, k, v, groups: int, **kw):
+    """Ring attention with each kv head repeated for its `groups` query heads (transformers' repeat_kv order:
+    query head i uses kv head i // groups); the ring carries the repeated (k, v)."""
+    if groups > 1:
+        k, v = (t.repeat_interleave(groups, dim=1) for t in (k, v))
+    return ring_attention(q, k, v, **kw)
 
 
 class CausalSelfAttention(nn.Module):
+    """GPT-2: one fused, stacked qkv weight (3, C, C) with biases. Llama: q (n_head * D, C), k and v
+    (kv_heads * D, C), no biases; the kv heads are split across tp when tp divides them, else each is held by
+    the tp / kv_heads ranks whose query heads use it (ColumnParallelLinear's `units`); rotary on q and k."""
+
     def __init__(self, cfg: ModelConfig, tp: Axis, sp: bool, recompute: str, placement: str,
                  cp: Optional[Axis] = None):
         super().__init__()
-        self.tp, self.cp = tp, cp or Axis(1, 0)
-        self.head_dim = cfg.n_embd // cfg.n_head
-        self.qkv = ColumnParallelLinear(cfg.n_embd, cfg.n_embd, tp, stack=3, sp=sp, placement=placement)  # heads / tp
-        # GPT-2: residual projections start at std / sqrt(2 * n_layer)
-        self.proj = RowParallelLinear(cfg.n_embd, cfg.n_embd, tp, sp=sp, placement=placement, init="scaled")
+        self.cfg, self.tp, self.cp, self.sp = cfg, tp, cp or Axis(1, 0), sp
+        self.head_dim = D = cfg.head_dim
+        self.llama = cfg.arch == "llama"
+        if self.llama:
+            kv = cfg.kv_heads
+            self.q = ColumnParallelLinear(cfg.n_embd, cfg.n_head * D, tp, bias=False, sp=sp, placement=placement)
+            self.k, self.v = (ColumnParallelLinear(cfg.n_embd, kv * D, tp, bias=False, sp=sp, placement=placement,
+                                                   units=kv) for _ in range(2))
+            self.groups = (cfg.n_head // tp.size) // max(1, kv // tp.size)  # local query heads per local kv head
+        else:
+            self.qkv = ColumnParallelLinear(cfg.n_embd, cfg.n_embd, tp, stack=3, sp=sp, placement=placement)
+            self.groups = 1
+        # GPT-2: residual projections start at std / sqrt(2 * n_layer); Llama (transformers): std
+        self.proj = RowParallelLinear(cfg.n_embd, cfg.n_embd, tp, bias=not self.llama, sp=sp, placement=placement,
+                                      init="normal" if self.llama else "scaled")
         self.dropout = cfg.dropout
         self.selective = recompute == "selective"
 
+    def heads(self, x):
+        """x (B, T, C) (sp: (B, T/tp, C)) -> q (B, H/tp, T, D), k and v (B, kv heads here, T, D)."""
+        if not self.llama:
+            qkv = self.qkv(x)  # (B, T, 3 * C/tp)
+            return rearrange(qkv, "b t (three h d) -> three b h t d", three=3, d=self.head_dim)
+        qkv = column_parallel(x, [self.q.weight, self.k.weight, self.v.weight], self.tp, self.sp)  # one gather
+        q, k, v = (rearrange(t, "b t (h d) -> b h t d", d=self.head_dim) for t in qkv)
+        T = q.shape[2]  # this rank's tokens; with cp at their global positions (two chunks, context.py)
+        pos = local_positions(T * self.cp.size, self.cp) if self.cp.active else torch.arange(T)
+        cos, sin = rope_cos_sin(self.cfg, pos.to(q.device), q.dtype)
+        return rotate(q, cos, sin), rotate(k, cos, sin), v
+
     def forward(self, x):  # (B, T, C) -> (B, T, C); with sp (B, T/tp, C) -> (B, T/tp, C)
-        qkv = self.qkv(x)  # (B, T, 3 * C/tp)
-        q, k, v = rearrange(qkv, "b t (three h d) -> three b h t d", three=3, d=self.head_dim)
+        q, k, v = self.heads(x)
         p = self.dropout if self.training else 0.0
         if self.cp.active or p > 0.0:  # ring attention (cp = 1: one block) with the counter-based dropout mask
-            core = functools.partial(ring_attention, cp=self.cp, dropout_p=p, seed=draw_seed() if p else 0,
-                                     head0=self.tp.rank * q.shape[1])
+            core = functools.partial(_ring_core, groups=self.groups, cp=self.cp, dropout_p=p,
+                                     seed=draw_seed() if p else 0, head0=self.tp.rank * q.shape[1])
         else:
             core = functools.partial(_attention_core, dropout_p=0.0)
         if self.selective and torch.is_grad_enabled():
@@ -120,14 +208,27 @@ class CausalSelfAttention(nn.Module):
 
 
 class MLP(nn.Module):
+    """GPT-2: proj(act(fc x)), biases. Llama (SwiGLU): proj(silu(gate x) * up x), no biases; gate and up are two
+    column-parallel weights (their names in every checkpoint) sharing one input communication."""
+
     def __init__(self, cfg: ModelConfig, tp: Axis, sp: bool, placement: str):
         super().__init__()
-        self.fc = ColumnParallelLinear(cfg.n_embd, 4 * cfg.n_embd, tp, sp=sp, placement=placement)
-        self.proj = RowParallelLinear(4 * cfg.n_embd, cfg.n_embd, tp, sp=sp, placement=placement, init="scaled")
-        self.act = ACTIVATION_FNS[cfg.activation]
+        self.tp, self.sp, self.llama = tp, sp, cfg.arch == "llama"
+        hidden = cfg.ffn_size
+        if self.llama:
+            self.gate, self.up = (ColumnParallelLinear(cfg.n_embd, hidden, tp, bias=False, sp=sp, placement=placement)
+                                  for _ in range(2))
+        else:
+            self.fc = ColumnParallelLinear(cfg.n_embd, hidden, tp, sp=sp, placement=placement)
+            self.act = ACTIVATION_FNS[cfg.activation]
+        self.proj = RowParallelLinear(hidden, cfg.n_embd, tp, bias=not self.llama, sp=sp, placement=placement,
+                                      init="normal" if self.llama else "scaled")
 
     def forward(self, x):  # (B, T, C) -> (B, T, C)
-        return self.proj(self.act(self.fc(x)))
+        if not self.llama:
+            return self.proj(self.act(self.fc(x)))
+        gate, up = column_parallel(x, [self.gate.weight, self.up.weight], self.tp, self.sp)  # (B, T, F/tp) each
+        return self.proj(F.silu(gate) * up)
 
 
 class Block(nn.Module):
@@ -137,9 +238,9 @@ class Block(nn.Module):
                  cp: Optional[Axis] = None):
         super().__init__()
         place = f"layer.{layer}"
-        self.ln_1 = LayerNorm(cfg.n_embd, cfg.layer_norm_eps, place)
+        self.ln_1 = norm(cfg, place)
         self.attn = CausalSelfAttention(cfg, tp, sp, recompute, place, cp)
-        self.ln_2, self.mlp = LayerNorm(cfg.n_embd, cfg.layer_norm_eps, place), MLP(cfg, tp, sp, place)
+        self.ln_2, self.mlp = norm(cfg, place), MLP(cfg, tp, sp, place)
         self.drop = SeqDropout(cfg.dropout, tp, sp, cp)
 
     def forward(self, x):
@@ -161,12 +262,13 @@ class GPTStage(nn.Module):
         if self.first:  # `tied`: the last stage holds a copy (the LM head) whose gradient is summed with it
             self.wte = VocabParallelEmbedding(cfg.vocab_size, cfg.n_embd, grid.tp, sp=self.sp, placement="first",
                                               tied=cfg.tie_embeddings and not self.last)
-            self.wpe = _replicated((cfg.block_size, cfg.n_embd), "first", "normal")
+            if cfg.arch != "llama":  # Llama's positions are rotary, inside attention
+                self.wpe = _replicated((cfg.block_size, cfg.n_embd), "first", "normal")
             self.drop = SeqDropout(cfg.dropout, grid.tp, self.sp, grid.cp)
         self.blocks = nn.ModuleDict({str(i): Block(cfg, grid.tp, i, self.sp, recompute, grid.cp)
                                      for i in self.layers})
         if self.last:
-            self.ln_f = LayerNorm(cfg.n_embd, cfg.layer_norm_eps, "last")
+            self.ln_f = norm(cfg, "last")
             if not cfg.tie_embeddings:  # a separate LM head, vocab-split like wte: global name lm_head.weight
                 head = Partition((cfg.vocab_size, cfg.n_embd), dim=0, placement="last", init="normal")
                 self.lm_head = nn.ParameterDict({"weight": tag(nn.Parameter(torch.zeros(local_shape(
@@ -200,18 +302,22 @@ class GPTStage(nn.Module):
             return checkpoint(block, x, use_reentrant=False)
         return block(x)
 
+    def positions(self, T: int):
+        """GPT-2: the wpe rows of the T tokens this rank holds (sp: its share; cp: their global positions).
+        Llama: nothing here (its positions are rotary, inside attention)."""
+        if self.cfg.arch == "llama":
+            return 0.0
+        if self.cp.active:
+            return self.wpe[local_positions(T * self.cp.size, self.cp, self.tp, self.sp).to(self.wpe.device)]
+        return self.wpe[slice(*seq_chunk(T, self.tp))] if self.sp else self.wpe[:T]
+
     def forward(self, x, targets=None, chunk: int = 0):
         """Chunk 0 of the first stage: x is ids (B, T); others: hidden (B, T, C) ((B, T/tp, C) with sp).
         With cp, T is this rank's T/cp tokens (its two chunks, context.split_sequence) at their global positions.
         The last chunk of the last stage returns the mean loss over its tokens (or local logits (B, T, V/tp) when
         targets is None); others return hidden."""
         if self.first and chunk == 0:
-            T = x.shape[1]
-            if self.cp.active:  # the wpe rows of the global positions this rank holds
-                pos = self.wpe[local_positions(T * self.cp.size, self.cp, self.tp, self.sp).to(x.device)]
-            else:
-                pos = self.wpe[slice(*seq_chunk(T, self.tp))] if self.sp else self.wpe[:T]
-            x = self.drop(self.wte(x) + pos)  # (B, T, C); with sp (B, T/tp, C)
+            x = self.drop(self.wte(x) + self.positions(x.shape[1]))  # (B, T, C); with sp (B, T/tp, C)
         for i in self.chunks[chunk]:
             x = self.run_block(i, x)
         if not (self.last and chunk == len(self.chunks) - 1):

@@ -46,7 +46,7 @@ class RankFailed(AssertionError):
 # parallel test's time on a 2-core machine (8 ranks: 20 s -> 0.2 s there, under load). Each worker is still
 # a fresh process holding no state of the caller; it gets the caller's cwd and sys.path (multiprocessing's
 # preparation data) and, passed below, the caller's environment at the call, as spawn would give it.
-_PRELOAD = ["torch", "torch.distributed", "torch._dynamo", "megalite.train", "megalite.testing"]
+_PRELOAD = ["torch", "torch.distributed", "torch._dynamo", "megalite.run.train", "megalite.testing"]
 
 
 def _context():
@@ -181,7 +181,7 @@ def gather_full_model(named_params, grid) -> dict:
     split dim (padding dropped); pipeline stages exchange their parameters over the model-parallel group.
     """
     import torch
-    from .parallel.partition import partition_of, valid_view
+    from .parallel.partition import partition_of, tp_replicas, valid_view
     mine = {}
     for name, p in named_params:
         part = partition_of(p)
@@ -191,7 +191,7 @@ def gather_full_model(named_params, grid) -> dict:
         if part.dim is not None and grid.tp.active:
             pieces = [None] * grid.tp.size
             dist.all_gather_object(pieces, local, group=grid.tp.group)
-            local = torch.cat(pieces, dim=part.dim)
+            local = torch.cat(pieces[::tp_replicas(part, grid.tp.size)], dim=part.dim)  # one per shared piece
         mine[name] = local
     if grid.mp.active:
         everyone = [None] * grid.mp.size
@@ -351,7 +351,7 @@ class _GPTCase:
     def build(self, grid, phase: str):
         from .config import Config
         from .parallel.process_group import init_distributed
-        from .train import build
+        from .run.train import build
         lay = grid.layout
         self.cfg = Config.from_dict({**self.base, "parallel": {"tp": lay.tp, "pp": lay.pp, "dp": lay.dp, "cp": lay.cp,
                                                                "zero1": self.zero1[phase == "load"]}})
@@ -360,7 +360,7 @@ class _GPTCase:
         return self.tr.model, self.tr.optimizer
 
     def train_step(self, module, opt, grid, step: int) -> None:
-        from .train import train_step
+        from .run.train import train_step
         train_step(self.tr)
 
     def state(self) -> dict:

@@ -2,6 +2,7 @@
 reference, and the converter tests' training runs, built once per session. Plain functions are in helpers.py."""
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import pytest
@@ -99,3 +100,33 @@ def run222_stop5(run222) -> dict:
 def run222_full(run222) -> list[dict]:
     """The uninterrupted 10-step (2,2,2) zero1 run's metrics (the reference for resumed runs)."""
     return run222["metrics"]
+
+
+# ---------------------------------------------------------------- other trainers as outside references
+def _reference(tmp_path_factory, script: Path, env_var: str, name: str) -> Path:
+    """A reference folder made once per session by `python3 SCRIPT DIR` (env_var=DIR reuses one made earlier:
+    the same deterministic files, without the CPU time). Its log is a file, not a pipe: a helper process
+    megatron starts cannot hold it."""
+    import subprocess
+    import sys
+    cached = os.environ.get(env_var)
+    if cached and (Path(cached) / "done").exists():
+        return Path(cached)
+    d = tmp_path_factory.mktemp(name)
+    with open(d / "log.txt", "w") as log:
+        rc = subprocess.run([sys.executable, str(script), str(d)], env=H.env(), stdout=log, stderr=log,
+                            timeout=900).returncode
+    assert rc == 0 and (d / "done").exists(), (d / "log.txt").read_text()[-5000:]
+    return d
+
+
+@pytest.fixture(scope="session")
+def mref(tmp_path_factory) -> Path:
+    """megatron-core 0.16's checkpoints, logits, layer outputs and schedule tables (tests/megatron_ref.py)."""
+    return _reference(tmp_path_factory, H.MEGATRON_REF, "MEGALITE_MEGATRON_REF", "megatron_ref")
+
+
+@pytest.fixture(scope="session")
+def ttref(tmp_path_factory) -> Path:
+    """torchtitan 0.3.0's Llama 3: logits and DCP step folders under each naming (tests/torchtitan_ref.py)."""
+    return _reference(tmp_path_factory, H.TORCHTITAN_REF, "MEGALITE_TORCHTITAN_REF", "torchtitan_ref")

@@ -25,6 +25,8 @@ from megalite.config import Config
 TIMEOUT = 180  # seconds for one training launch
 CLI_TIMEOUT = 120  # seconds for any other `megalite` command
 TORCHRUN_TIMEOUT = 240  # seconds for a launch of 4-8 processes that must succeed
+MEGATRON_REF = Path(__file__).with_name("megatron_ref.py")  # megatron-core run as an outside reference
+TORCHTITAN_REF = Path(__file__).with_name("torchtitan_ref.py")  # torchtitan run as an outside reference
 
 MEGALITE = [sys.executable, "-m", "megalite"]
 TORCHRUN = [sys.executable, "-m", "torch.distributed.run"]
@@ -62,6 +64,37 @@ def make_token_file(folder: Path, text: str) -> Path:
     (folder / "corpus.txt").write_text(text, encoding="utf-8")
     prepare([folder / "corpus.txt"], folder / "tokens.bin", val_fraction=0.1, log=lambda *a: None)
     return folder / "tokens.bin"
+
+
+def batch_hashes_by_hand(token_file: Path, seed: int, steps: int, global_batch: int, seq: int,
+                         val_fraction: float = 0.1) -> dict:
+    """{step: batch_hash} written out from the token file alone, in plain Python integers: batch k is drawn by
+    numpy's PCG64([seed, k]) (global_batch start offsets in the train split, the first val_fraction-th of
+    tokens held out at the end), each row's inputs and targets hashed per token as docs/training.md defines
+    batch_hash. The outside reference for what each step of any layout trained on."""
+    import numpy as np
+    meta = json.loads(Path(token_file).with_suffix(".json").read_text())
+    n = meta["num_tokens"]
+    tokens = np.fromfile(token_file, dtype=meta["dtype"])[:n - int(n * val_fraction)].tolist()
+    m64 = (1 << 64) - 1
+
+    def mix(z):
+        z = (z + 0x9E3779B97F4A7C15) & m64
+        z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & m64
+        z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & m64
+        return z ^ (z >> 31)
+
+    out = {}
+    for k in range(steps):
+        rng = np.random.Generator(np.random.PCG64([seed, k]))
+        starts = rng.integers(0, len(tokens) - seq - 1, size=global_batch, endpoint=True).tolist()
+        total = 0
+        for row, s in enumerate(starts):
+            ids = tokens[s:s + seq + 1]
+            for stream, part in ((0, ids[:-1]), (1, ids[1:])):
+                total += sum(mix(mix((row << 32) + pos) ^ (2 * i + stream)) >> 32 for pos, i in enumerate(part))
+        out[k + 1] = f"{total % 2**32:08x}"
+    return out
 
 
 # ---------------------------------------------------------------- the tiny config
@@ -126,9 +159,9 @@ CONVERT = Tiny(steps=10, global_batch_size=8, seed=7)  # the converter tests
 
 # ---------------------------------------------------------------- training in this process
 def train_in_process(cfg: Config, log=None):
-    """megalite.train.train(cfg) in this process (a world of one), single-threaded like the workers; the
+    """megalite.run.train.train(cfg) in this process (a world of one), single-threaded like the workers; the
     Trainer. Logs are dropped unless `log` is given."""
-    from megalite.train import train as train_fn
+    from megalite.run.train import train as train_fn
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
@@ -231,7 +264,7 @@ def one_line_error(p: subprocess.CompletedProcess, prefix: str | tuple = "megali
 # ---------------------------------------------------------------- metrics
 def metrics(out_dir: Path) -> list[dict]:
     """The step records of out_dir/metrics.jsonl as megalite reads them: the last one of each step."""
-    from megalite.metrics import read
+    from megalite.run.metrics import read
     return read(out_dir)
 
 

@@ -125,7 +125,7 @@ def _config(**kw):
     return TransformerConfig(**base)
 
 
-def _perturb(model, tp_rank: int, tp: int, pp_rank: int, layers_per_stage: int) -> None:
+def _perturb(model, tp_rank: int, tp: int, pp_rank: int, layers_per_stage: int, first_layer=None) -> None:
     """Give every parameter (LayerNorm gains and biases included) values far from their init, the same on
     every rank that holds a copy: each full tensor is drawn from a seed of its global name, then sliced
     along megatron's own partition dim. A conversion that swaps, drops or misorders anything shows."""
@@ -136,7 +136,8 @@ def _perturb(model, tp_rank: int, tp: int, pp_rank: int, layers_per_stage: int) 
             key = "tied word embeddings"
         if name.startswith("decoder.layers."):
             i, rest = name[len("decoder.layers."):].split(".", 1)
-            key = f"decoder.layers.{pp_rank * layers_per_stage + int(i)}.{rest}"
+            first = pp_rank * layers_per_stage if first_layer is None else first_layer
+            key = f"decoder.layers.{first + int(i)}.{rest}"
         split = getattr(p, "tensor_model_parallel", False)
         dim = getattr(p, "partition_dim", 0)
         shape = list(p.shape)
@@ -149,7 +150,7 @@ def _perturb(model, tp_rank: int, tp: int, pp_rank: int, layers_per_stage: int) 
             p.copy_(full.chunk(tp, dim=dim)[tp_rank] if split else full)
 
 
-def _save_megatron_lm_style(root: Path, iteration: int, sharded: dict, args) -> None:
+def _save_megatron_lm_style(root: Path, iteration: int, sharded, args, extra=None) -> None:
     """What Megatron-LM's save_checkpoint writes for ckpt_format torch_dist: iter_XXXXXXX/ (the dist
     checkpoint with args, checkpoint_version and iteration in common.pt) and latest_checkpointed_iteration.txt."""
     import queue
@@ -162,8 +163,8 @@ def _save_megatron_lm_style(root: Path, iteration: int, sharded: dict, args) -> 
     if dist.get_rank() == 0:
         step.mkdir(parents=True, exist_ok=True)
     dist.barrier()
-    dist_checkpointing.save({"model": sharded, "args": args, "checkpoint_version": 3.0, "iteration": iteration},
-                            str(step))
+    state = {"model": sharded} if extra is None else dict(extra)
+    dist_checkpointing.save({**state, "args": args, "checkpoint_version": 3.0, "iteration": iteration}, str(step))
     if dist.get_rank() == 0:
         (root / "latest_checkpointed_iteration.txt").write_text(str(iteration))
 
@@ -201,26 +202,86 @@ def _gpt(rank, world, out, name, tp, pp, tied, fused_gelu, eps):
     args = megatron_args(untie_embeddings_and_output_weights=not tied, bias_gelu_fusion=fused_gelu,
                          layernorm_epsilon=eps, tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp)
     _save_megatron_lm_style(out / name, 10, model.sharded_state_dict(), args)
+    if not tied:  # and as megatron-core alone writes it (no args): the issue's "tried as a new user would"
+        _save_plain(out / f"{name}_noargs", model.sharded_state_dict())
 
 
-def _llama(rank, world, out):
-    """A model megalite does not reproduce: rotary positions, SwiGLU, RMSNorm, 2 query groups, no biases."""
+LLAMA_LAYERS, LLAMA_VOCAB, LLAMA_PADDED, LLAMA_FFN = 4, 256, 320, 96
+
+
+def _save_plain(root: Path, sharded: dict) -> None:
+    """What megatron-core alone writes (NeMo-style and hand-written loops): dist_checkpointing.save of the model's
+    sharded state dict, no Megatron-LM `args` in common.pt, no latest_checkpointed_iteration.txt."""
+    from megatron.core import dist_checkpointing
+    if dist.get_rank() == 0:
+        root.mkdir(parents=True, exist_ok=True)
+    dist.barrier()
+    dist_checkpointing.save(sharded, str(root))
+
+
+def _llama(rank, world, out, name, tp, pp, vpp, heads, groups, qkv_bias, scaling, theta, plain):
+    """A Llama-shaped GPTModel (RoPE, SwiGLU, RMSNorm, GQA, untied, no linear biases; Qwen-style qkv biases when
+    `qkv_bias`; Llama 3 rope scaling when `scaling`) at TP=tp, PP=pp with `vpp` model chunks per stage; saved as
+    Megatron-LM does (and, when `plain`, again as megatron-core alone does); megatron-core's own forward (its
+    pipeline schedule, interleaved when vpp > 1) on fixed tokens saved with the logits."""
     patch_for_cpu()
     from megatron.core import parallel_state as ps
     from megatron.core import tensor_parallel
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
     from megatron.core.models.gpt.gpt_model import GPTModel
-    ps.initialize_model_parallel(1, 1)
+    from megatron.core.pipeline_parallel import get_forward_backward_func
+    ps.initialize_model_parallel(tp, pp, virtual_pipeline_model_parallel_size=vpp if vpp > 1 else None)
     tensor_parallel.model_parallel_cuda_manual_seed(123)
-    cfg = _config(normalization="RMSNorm", gated_linear_unit=True, activation_func=F.silu, num_query_groups=2,
-                  add_bias_linear=False)
-    model = GPTModel(cfg, get_gpt_layer_local_spec(normalization="RMSNorm"), vocab_size=PADDED,
-                     max_sequence_length=MAX_POS, position_embedding_type="rope",
-                     share_embeddings_and_output_weights=False)
-    args = megatron_args(position_embedding_type="rope", normalization="RMSNorm", swiglu=True, add_bias_linear=False,
-                         add_qkv_bias=False, group_query_attention=True, num_query_groups=2,
-                         untie_embeddings_and_output_weights=True, tensor_model_parallel_size=1)
-    _save_megatron_lm_style(out / "llama_tp1", 10, model.sharded_state_dict(), args)
+    cfg = _config(num_layers=LLAMA_LAYERS, num_attention_heads=heads, num_query_groups=groups,
+                  normalization="RMSNorm", layernorm_epsilon=1e-5, gated_linear_unit=True, activation_func=F.silu,
+                  add_bias_linear=False, add_qkv_bias=qkv_bias, ffn_hidden_size=LLAMA_FFN,
+                  tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
+                  virtual_pipeline_model_parallel_size=vpp if vpp > 1 else None)
+    chunks = []
+    for v in range(vpp):
+        vp = v if vpp > 1 else None
+        chunks.append(GPTModel(cfg, get_gpt_layer_local_spec(normalization="RMSNorm"), vocab_size=LLAMA_PADDED,
+                               max_sequence_length=MAX_POS, position_embedding_type="rope", rotary_base=theta,
+                               rope_scaling=scaling, rope_scaling_factor=8.0,
+                               pre_process=ps.is_pipeline_first_stage(ignore_virtual=vp is None, vp_stage=vp),
+                               post_process=ps.is_pipeline_last_stage(ignore_virtual=vp is None, vp_stage=vp),
+                               share_embeddings_and_output_weights=False, parallel_output=False, vp_stage=vp))
+        per_chunk = LLAMA_LAYERS // (pp * vpp)
+        _perturb(chunks[-1], ps.get_tensor_model_parallel_rank(), tp, 0, 0,
+                 first_layer=(v * pp + ps.get_pipeline_model_parallel_rank()) * per_chunk)
+        chunks[-1].eval()
+    ids = torch.randint(0, LLAMA_VOCAB, (B, T), generator=torch.Generator().manual_seed(5))
+    pos = torch.arange(T).unsqueeze(0)
+    mask = torch.triu(torch.ones(T, T), diagonal=1).bool()[None, None]
+    micro = list(ids.split(1))  # one sequence per microbatch: the interleaved schedule needs pp microbatches
+
+    def step(data_iterator, m):
+        x = next(data_iterator)
+        return m(x, pos, mask), lambda o, non_loss_data=False: o
+
+    with torch.no_grad():
+        its = [iter(micro) for _ in range(vpp)] if vpp > 1 else iter(micro)
+        got = get_forward_backward_func()(forward_step_func=step, data_iterator=its,
+                                          model=chunks if vpp > 1 else chunks[0], num_microbatches=len(micro),
+                                          seq_length=T, micro_batch_size=1, forward_only=True,
+                                          collect_non_loss_data=True)
+    if ps.is_pipeline_last_stage() and ps.get_tensor_model_parallel_rank() == 0:
+        torch.save({"ids": ids, "logits": torch.cat([g.detach() for g in got])}, out / f"{name}.pt")
+    args = megatron_args(num_layers=LLAMA_LAYERS, num_attention_heads=heads, kv_channels=N_EMBD // heads,
+                         ffn_hidden_size=LLAMA_FFN, position_embedding_type="rope", rotary_base=theta,
+                         rotary_percent=1.0, use_rope_scaling=scaling, rope_scaling_factor=8.0,
+                         normalization="RMSNorm", norm_epsilon=1e-5, swiglu=True, add_bias_linear=False,
+                         add_qkv_bias=qkv_bias, group_query_attention=True, num_query_groups=groups,
+                         untie_embeddings_and_output_weights=True, padded_vocab_size=LLAMA_PADDED,
+                         vocab_size=LLAMA_VOCAB, tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
+                         virtual_pipeline_model_parallel_size=vpp if vpp > 1 else None)
+    if vpp > 1:  # Megatron-LM saves one entry per model chunk: model0, model1, ...
+        sharded = {f"model{v}": c.sharded_state_dict() for v, c in enumerate(chunks)}
+        _save_megatron_lm_style(out / name, 10, None, args, extra=sharded)
+    else:
+        _save_megatron_lm_style(out / name, 10, chunks[0].sharded_state_dict(), args)
+    if plain:
+        _save_plain(out / f"{name}_noargs", chunks[0].sharded_state_dict())
 
 
 # ---------------------------------------------------------------- the tensor-parallel layers
@@ -294,7 +355,10 @@ def main(out: Path) -> None:
     run_job(_gpt, 4, out, out, "tied_tp2pp2", 2, 2, True, False, 1e-5)
     run_job(_gpt, 2, out, out, "untied_tp2", 2, 1, False, True, 1e-6)
     run_job(_layers, 2, out, out)
-    run_job(_llama, 1, out, out)
+    # name, tp, pp, vpp, heads, groups, qkv_bias, rope scaling, theta, also saved without args
+    run_job(_llama, 4, out, out, "llama_tp2pp2", 2, 2, 1, 4, 2, False, False, 10000.0, True)
+    run_job(_llama, 4, out, out, "llama_tp4", 4, 1, 1, 8, 4, True, True, 500000.0, False)
+    run_job(_llama, 2, out, out, "llama_pp2vpp2", 1, 2, 2, 4, 2, False, False, 10000.0, False)
     (out / "done").write_text("ok")
 
 

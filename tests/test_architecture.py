@@ -1,8 +1,10 @@
-"""The package's shape, read from its source: no import cycles (imports inside functions count), the core never
-reaches the tools, the test helpers or the CLI, and every user-error class derives from errors.MegaliteError.
+"""The package's shape, read from its source: no import cycles between modules or between folders (imports
+inside functions count), every folder on its floor (no import runs back up), the core never reaches the
+benchmarks of `megalite bench`, the test helpers or the CLI, the product imports nothing of benchmarks/ or
+tests/, and every user-error class derives from base.errors.MegaliteError.
 
 `python3 tests/test_architecture.py` prints the import graph (one line per module: what it imports) and its
-cycles; `--core` prints only the core's edges.
+cycles; `--core` prints only the core's edges; `--floors` prints the folder-level graph, floor by floor.
 """
 from __future__ import annotations
 
@@ -19,13 +21,34 @@ PACKAGE = Path(__file__).resolve().parent.parent / "megalite"
 # that appears, or a listed one that has gone, fails the test.
 KNOWN_CYCLES: list[frozenset] = []
 
-# Not the product: the core (everything else) never imports these, not even lazily inside a function.
-NOT_CORE = ("megalite.cli", "megalite.__main__", "megalite.testing", "megalite.tools")
+# Above the core: the core (everything else) never imports these, not even lazily inside a function.
+NOT_CORE = ("megalite.cli", "megalite.__main__", "megalite.testing", "megalite.bench")
+
+# The floors of the house, read at the scale of folders: a folder of megalite/ (base, parallel, ...) is one node,
+# a module loose at the top of the package is one node. Every import runs from a higher floor to a lower one;
+# nodes on one floor import nothing of each other. `megalite` (the package's __init__) hands names on lazily and
+# imports nothing when it is loaded: floor 0.
+FLOORS = {
+    "megalite": 0,
+    "base": 1,                                  # torch-free: errors, jsonio, faults, fs
+    "parallel": 2,                              # the grid, the process group, the parallel layers
+    "config": 3,
+    "tokenizer": 4, "model": 4, "checkpoint": 4,  # the format's engine
+    "data": 5, "convert": 5,
+    "run": 6, "generate": 6,                    # the training run and its policies
+    "testing": 7,
+    "bench": 8,                                 # what a user measures: `megalite bench ...`
+    "cli": 9,
+    "__main__": 10,
+}
+MAX_TOP_MODULES = 8  # modules loose at the top of megalite/ (its __init__ aside)
+
+# Outside the product: nothing in megalite/ imports these, not even lazily.
+OUTSIDE = ("benchmarks", "tests")
 
 # Exceptions defined outside errors.py that are not user errors, and why.
 NOT_USER_ERRORS = {
     "megalite.testing.RankFailed": "a failing test's report (an AssertionError), raised by the test helper",
-    "megalite.tools.simcluster.SimUnavailable": "the simulated cluster cannot run here: tests skip on it",
     "megalite.convert.unpickle.RefusedGlobal": "internal to the reader: always caught and re-raised as a "
                                                 "ConvertError naming the file",
 }
@@ -193,6 +216,62 @@ def render(graph: dict[str, set[str]], only_core: bool = False) -> str:
     return "\n".join(lines)
 
 
+def node_of(module: str) -> str:
+    """The folder-level node of a module: `megalite.checkpoint.api` -> checkpoint, `megalite.cli` -> cli."""
+    parts = module.split(".")
+    return parts[1] if len(parts) > 1 else parts[0]
+
+
+def folder_graph(graph: dict[str, set[str]]) -> dict[str, set[str]]:
+    """{node: the nodes it imports}, from the module graph (so lazy imports count)."""
+    out: dict[str, set[str]] = {node_of(m): set() for m in graph}
+    for a, targets in graph.items():
+        out[node_of(a)] |= {node_of(b) for b in targets if node_of(b) != node_of(a)}
+    return out
+
+
+def arrows_back_up(graph: dict[str, set[str]], floors: dict = FLOORS) -> list[str]:
+    """Every module import that does not run down: from a node to one on its own floor or above (or a node that
+    has no floor)."""
+    out = []
+    for a in sorted(graph):
+        for b in sorted(graph[a]):
+            na, nb = node_of(a), node_of(b)
+            if na == nb:
+                continue
+            if na not in floors or nb not in floors:
+                out.append(f"{a} -> {b}: {na if na not in floors else nb} has no floor in FLOORS")
+            elif floors[nb] >= floors[na]:
+                out.append(f"{a} (floor {floors[na]}) -> {b} (floor {floors[nb]})")
+    return out
+
+
+def imports_outside(root: Path = PACKAGE) -> list[str]:
+    """Every import in the package of a top-level name in OUTSIDE (benchmarks, tests), lazy ones included."""
+    out = []
+    for path in sorted(root.rglob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            names = []
+            if isinstance(node, ast.Import):
+                names = [a.name for a in node.names]
+            elif isinstance(node, ast.ImportFrom) and node.level == 0:
+                names = [node.module or ""]
+            elif (isinstance(node, ast.Call) and getattr(node.func, "attr", None) == "import_module"
+                  and node.args and isinstance(node.args[0], ast.Constant)):
+                names = [str(node.args[0].value)]
+            out += [f"{module_name(path, root)}: {n}" for n in names if n.split(".")[0] in OUTSIDE]
+    return out
+
+
+def render_floors(graph: dict[str, set[str]]) -> str:
+    fg = folder_graph(graph)
+    lines = [f"floor {FLOORS.get(n, '?'):>2}  {n:<12} -> {', '.join(sorted(fg[n], key=lambda x: -FLOORS.get(x, 99)))}"
+             for n in sorted(fg, key=lambda n: (-FLOORS.get(n, 99), n))]
+    lines.append(f"{len(fg)} nodes, {sum(len(v) for v in fg.values())} edges, {len(cycles(fg))} circle(s), "
+                 f"{len(arrows_back_up(graph))} import(s) back up")
+    return "\n".join(lines)
+
+
 # ---------------------------------------------------------------- the tests
 def test_no_import_cycles_apart_from_the_known_ones():
     graph = import_graph()
@@ -208,8 +287,31 @@ def test_the_core_never_imports_tools_testing_or_cli():
     assert not paths, "the core reaches what is not the product:\n" + "\n".join(" -> ".join(p) for p in paths)
 
 
+def test_no_circle_between_folders():
+    found = cycles(folder_graph(import_graph()))
+    assert not found, "folder circle(s), lazy imports included:\n" + "\n".join(" -> ".join(c) for c in found)
+
+
+def test_every_import_runs_down_the_floors():
+    back = arrows_back_up(import_graph())
+    assert not back, "imports that run back up (or a node without a floor in FLOORS):\n" + "\n".join(back)
+
+
+def test_the_product_imports_nothing_outside_the_package():
+    found = imports_outside()
+    assert not found, "the product imports a development tool or a test:\n" + "\n".join(found)
+
+
+def test_few_modules_loose_at_the_top():
+    top = sorted(p.name for p in PACKAGE.glob("*.py") if p.name != "__init__.py")
+    assert len(top) <= MAX_TOP_MODULES, f"{len(top)} modules loose at the top of megalite/ " \
+                                        f"(at most {MAX_TOP_MODULES}): {top}"
+    tools = [p.name for p in PACKAGE.rglob("*.py") if p.stem in ("stress", "simcluster", "transcripts", "phases")]
+    assert not tools, f"development tools inside the package (their place is benchmarks/): {tools}"
+
+
 def test_every_user_error_derives_from_megalite_error():
-    from megalite.errors import MegaliteError
+    from megalite.base.errors import MegaliteError
     wrong = []
     for path in sorted(PACKAGE.rglob("*.py")):
         name = module_name(path)
@@ -217,7 +319,7 @@ def test_every_user_error_derives_from_megalite_error():
             continue
         mod = importlib.import_module(name)
         for cls_name, cls in inspect.getmembers(mod, inspect.isclass):
-            if cls.__module__ != name or not issubclass(cls, BaseException) or name == "megalite.errors":
+            if cls.__module__ != name or not issubclass(cls, BaseException) or name == "megalite.base.errors":
                 continue
             if not issubclass(cls, MegaliteError) and f"{name}.{cls_name}" not in NOT_USER_ERRORS:
                 wrong.append(f"{name}.{cls_name}({', '.join(b.__name__ for b in cls.__bases__)})")
@@ -246,12 +348,24 @@ def test_the_checker_finds_a_lazy_circle_through_a_relative_import(tmp_path):
 
 def test_the_checker_finds_the_core_reaching_a_tool(tmp_path):
     root = _package(tmp_path, {"train.py": "def f():\n    from .data import g\n",
-                               "data.py": "import importlib\nimportlib.import_module('megalite.tools.x')\n",
-                               "tools/__init__.py": "", "tools/x.py": "from ..train import f\n",
+                               "data.py": "import importlib\nimportlib.import_module('megalite.bench.x')\n",
+                               "bench/__init__.py": "", "bench/x.py": "from ..train import f\n",
                                "cli.py": "from .train import f\n"})
-    assert forbidden_paths(import_graph(root)) == [["megalite.data", "megalite.tools.x"],
-                                                   ["megalite.train", "megalite.data", "megalite.tools.x"]]
+    assert forbidden_paths(import_graph(root)) == [["megalite.data", "megalite.bench.x"],
+                                                   ["megalite.train", "megalite.data", "megalite.bench.x"]]
+
+
+def test_the_checker_finds_a_folder_circle_and_an_arrow_back_up(tmp_path):
+    root = _package(tmp_path, {"base/__init__.py": "", "base/fs.py": "def f():\n    from ..run import train\n",
+                               "run/__init__.py": "", "run/train.py": "from ..base import fs\n",
+                               "cli.py": "import benchmarks.stress\n"})
+    graph = import_graph(root)
+    assert cycles(folder_graph(graph)) == [["base", "run", "base"]]
+    assert arrows_back_up(graph, {"base": 1, "run": 6, "cli": 9, "megalite": 0}) == [
+        "megalite.base.fs (floor 1) -> megalite.run (floor 6)", "megalite.base.fs (floor 1) -> megalite.run.train (floor 6)"]
+    assert imports_outside(root) == ["megalite.cli: benchmarks.stress"]
 
 
 if __name__ == "__main__":
-    print(render(import_graph(), only_core="--core" in sys.argv))
+    print(render_floors(import_graph()) if "--floors" in sys.argv else
+          render(import_graph(), only_core="--core" in sys.argv))

@@ -16,7 +16,7 @@ from megalite.checkpoint import commit as save_mod
 from megalite.checkpoint.plan import collect
 from megalite.parallel.grid import Layout, ParallelGrid
 from megalite.testing import run_parallel
-from megalite.train import build, train_step
+from megalite.run.train import build, train_step
 
 CPU = torch.device("cpu")
 

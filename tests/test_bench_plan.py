@@ -6,7 +6,7 @@ import math
 import pytest
 
 import helpers as H
-from megalite.tools.bench.plan import bench_plan, bench_plan_cli, plan_layout, stage_tensors, validate
+from megalite.bench.plan import bench_plan, bench_plan_cli, plan_layout, stage_tensors, validate
 from megalite.cli import build_parser
 from megalite.config import ConfigError
 
@@ -111,7 +111,7 @@ def test_cli_prints_the_table_and_refuses_bad_flags():  # errors: main() prints 
 def test_the_documented_tables_still_have_their_shape(tmp_path):
     """docs/performance.md's two `megalite bench plan` tables (175B shape, 16,384 ranks), run small
     (transcripts.SMALL_ARGS) in this process: every shown line is still a line the bench prints."""
-    from megalite.tools import transcripts
+    from benchmarks import transcripts
 
     def runner(cmd):
         rc, out = transcripts.run_command(cmd, tmp_path)

@@ -20,7 +20,7 @@ SAVED_AT, STEPS = 3, 5
 def recipe() -> dict:
     """docs/checkpointing.md's byo.py block (marked `tested-by: tests/test_byo.py...`), executed: its functions
     and constants."""
-    from megalite.tools.transcripts import blocks
+    from benchmarks.transcripts import blocks
     found = [b for b in blocks() if b.kind == "tested-by" and "tests/test_byo.py" in b.arg and "byo.py" in b.arg]
     assert len(found) == 1, "docs/checkpointing.md lost the byo.py recipe block"
     ns = {"__name__": "byo"}

@@ -318,7 +318,7 @@ def test_client_state_that_is_not_json_is_refused_before_writing(tmp_path, clien
 
 def test_json_depth_is_bounded_both_ways(tmp_path):
     """client_state as deep as a manifest may be saves and loads; one level more is refused at save."""
-    from megalite.jsonio import MAX_DEPTH
+    from megalite.base.jsonio import MAX_DEPTH
     def nest(n):
         v = 1
         for _ in range(n):

@@ -10,7 +10,7 @@ from helpers import CKPT, ok, train
 from megalite.checkpoint import CheckpointError, load_checkpoint, save_checkpoint
 from megalite.parallel.grid import Layout, ParallelGrid
 from megalite.testing import gather_full_model, run_parallel
-from megalite.train import build, train_step
+from megalite.run.train import build, train_step
 
 CPU = torch.device("cpu")
 CLIENT = {"epoch": 3, "note": "hello", "nested": {"lr_scale": 0.5, "ids": [1, 2, 3]}}

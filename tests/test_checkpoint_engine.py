@@ -15,7 +15,7 @@ import torch.nn as nn
 
 from helpers import resign
 from megalite.checkpoint import CheckpointError, load_checkpoint, save_checkpoint
-from megalite.checkpoint.files import open_read
+from megalite.base.fs import open_read
 from megalite.checkpoint.verify import verify
 from megalite.parallel.grid import ParallelGrid
 
@@ -125,8 +125,7 @@ def _load_error(step, net, opt, grid) -> str:
 
 # ---------------------------------------------------------------- the package imports nothing of the loop
 PACKAGE = Path(__file__).resolve().parent.parent / "megalite"
-ALLOWED = ("megalite.checkpoint", "megalite.errors", "megalite.faults", "megalite.parallel", "megalite.config",
-           "megalite.jsonio")
+ALLOWED = ("megalite.checkpoint", "megalite.base", "megalite.parallel", "megalite.config")
 
 
 def _imports(path: Path) -> set:
@@ -144,10 +143,10 @@ def _imports(path: Path) -> set:
 
 
 def test_the_checkpoint_package_imports_nothing_of_the_training_loop():
-    """checkpoint/ is the engine; its policy (megalite/checkpointing.py), the loop, the model and the tools sit
-    above it. What it may import from outside itself: errors, faults (hooks), parallel/ (the grid, the partition
-    tag, ZeRO-1's pieces), config (model_architecture: which [model] keys a load compares), jsonio (the bounded
-    JSON parser and the exact codec, a leaf like errors) and the version."""
+    """checkpoint/ is the engine; its policy (megalite/run/ckpt_policy.py), the loop, the model and the tools sit
+    above it. What it may import from outside itself: base/ (errors, faults' hooks, fs, jsonio), parallel/ (the
+    grid, the partition tag, ZeRO-1's pieces), config (model_architecture: which [model] keys a load compares)
+    and the version."""
     outside = {}
     for path in sorted((PACKAGE / "checkpoint").glob("*.py")):
         bad = sorted(m for m in _imports(path) if m != "megalite.__version__" and not m.startswith(ALLOWED))

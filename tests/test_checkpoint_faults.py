@@ -242,7 +242,7 @@ def _failing_writer(rank, world_size, tmp_dir, tokens):
     from megalite.checkpoint import commit as save_mod
     from megalite.checkpoint.verify import verify
     from megalite.parallel.grid import Layout, ParallelGrid
-    from megalite.train import build, train_step
+    from megalite.run.train import build, train_step
 
     grid = ParallelGrid.create(Layout(1, 1, 2))
     tr = build(CKPT.config(tokens, **{"parallel.dp": 2}), grid, torch.device("cpu"))

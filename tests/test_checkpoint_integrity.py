@@ -450,7 +450,7 @@ def test_verify_cli_reports_a_crafted_header(base, tmp_path):
 def test_resume_auto_falls_back_past_a_checkpoint_only_the_loader_would_refuse(base, tmp_path):
     """resume=auto trusts verify: a newest step whose header offsets point past the end (which the old verify
     passed) must be skipped for the older intact one, not chosen and then fail to load."""
-    from megalite.checkpointing import CheckpointManager
+    from megalite.run.ckpt_policy import CheckpointManager
     root = tmp_path / "root"
     shutil.copytree(base["ck"], root / "step_00000007")
     shutil.copytree(base["ck"], root / "step_00000008")
@@ -606,7 +606,7 @@ def test_every_field_the_writer_writes_is_required(base, tmp_path, written):
 def test_resume_auto_falls_back_past_a_manifest_nested_too_deep(base, tmp_path):
     """A latest step whose manifest Python's JSON parser cannot even parse (RecursionError before any check):
     resume=auto skips it, loudly, for the older intact step, as for any other damage."""
-    from megalite.checkpointing import CheckpointManager
+    from megalite.run.ckpt_policy import CheckpointManager
     root = tmp_path / "root"
     shutil.copytree(base["ck"], root / "step_00000007")
     shutil.copytree(base["ck"], root / "step_00000008")

@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 
 import helpers as H
-from megalite.tools.simcluster import SimCluster, SimUnavailable
+from benchmarks.simcluster import SimCluster, SimUnavailable
 
 STEPS = 12
 TIMEOUT_S = 10  # parallel.timeout_s: how long host 0's collectives wait for a silent host (each loss waits it out)

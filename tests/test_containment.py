@@ -10,7 +10,7 @@ import pytest
 from helpers import CKPT, step_names, tmp_dirs, train_in_process
 from megalite.checkpoint.tree import read_latest
 from megalite.checkpoint.verify import verify
-from megalite.errors import NonFiniteError
+from megalite.base.errors import NonFiniteError
 
 MODEL = "tp00-pp00-dp00/model.safetensors"
 

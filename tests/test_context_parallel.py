@@ -22,7 +22,7 @@ from megalite.config import ConfigError, resolve, validate
 from megalite.parallel.context import dropout_keep, local_positions, ring_attention, split_sequence
 from megalite.parallel.grid import Axis, Coord, Layout
 from megalite.testing import gather_full_model, run_parallel
-from megalite.train import train
+from megalite.run.train import train
 
 # ---------------------------------------------------------------- rank order and groups
 # megatron-core 0.16.1: RankGenerator(tp=2, ep=1, dp=2, pp=2, cp=2, order="tp-cp-ep-dp-pp").get_ranks(axis),
@@ -215,7 +215,7 @@ def test_cp_layout_errors_are_one_line(tiny_config):
 def test_write_plan_writes_each_element_once_and_names_cp_folders():
     from megalite.checkpoint.plan import plan_writes
     from megalite.checkpoint.tree import coord_dir, parse_coord_dir
-    from megalite.tools.bench.plan import stage_tensors
+    from megalite.bench.plan import stage_tensors
     model = dict(n_layer=4, n_head=4, n_embd=32, block_size=32, vocab_size=256, dropout=0.0)
     lay = Layout(2, 2, 2, cp=2)
     stages = stage_tensors(model, lay.tp, lay.pp)
@@ -276,10 +276,20 @@ def _single(tokens, tmp, name, **overrides):
     return {"history": tr.history, "params": gather_full_model(tr.params, tr.grid)}
 
 
-def _compare(tag, run, ref, failures, loss_rtol=1e-5, param_rtol=1e-4, first_step=1):
-    got = {r["step"]: r["loss"] for r in run["history"]}
-    want = {r["step"]: r["loss"] for r in ref["history"] if r["step"] >= first_step}
+def _compare(tag, run, ref, failures, loss_rtol=1e-5, param_rtol=1e-4, first_step=1, norm_rtol=1e-4):
+    rec = {r["step"]: r for r in run["history"]}
+    ref_rec = {r["step"]: r for r in ref["history"] if r["step"] >= first_step}
+    got = {k: r["loss"] for k, r in rec.items()}
+    want = {k: r["loss"] for k, r in ref_rec.items()}
     assert got.keys() == want.keys(), (tag, got.keys(), want.keys())
+    # the same tokens at every step, whatever the layout (and across a resume at another one): batch_hash
+    failures += [f"{tag} step {k}: batch_hash {rec[k]['batch_hash']} != the single process's {r['batch_hash']}"
+                 for k, r in ref_rec.items() if rec[k]["batch_hash"] != r["batch_hash"]]
+    # the gradient's scale too: clipping and Adam hide a gradient off by a constant factor from the losses
+    # (a cp run whose gradients were multiplied by cp trains to the same losses within 1e-6), not its norm
+    if norm_rtol is not None:
+        failures += [f"{tag} step {k}: grad_norm {rec[k]['grad_norm']} != the single process's {r['grad_norm']}"
+                     for k, r in ref_rec.items() if abs(rec[k]["grad_norm"] - r["grad_norm"]) > norm_rtol * r["grad_norm"]]
     worst = max(abs(got[k] - w) / abs(w) for k, w in want.items())
     print(f"{tag}: worst loss relative error {worst:.2e}")
     failures += [f"{tag} step {k}: loss {got[k]} != {w}" for k, w in want.items() if abs(got[k] - w) > loss_rtol * w]
@@ -316,9 +326,14 @@ def test_cp_layouts_match_single_process_and_resume_across_cp(tmp_path, token_fi
     _compare("R (cp=1 checkpoint resumed at (1,2,2,2), 1F1B)", torch.load(tmp / "R.pt"), ref, failures, first_step=3)
     _compare("cp=2 checkpoint resumed at cp=1", one, ref, failures, first_step=3)
     _compare("D (dropout 0.1)", torch.load(tmp / "D.pt"), drop, failures)
-    _compare("E (bf16)", torch.load(tmp / "E.pt"), bf16, failures, loss_rtol=BF16_LOSS_RTOL, param_rtol=None)
+    _compare("E (bf16)", torch.load(tmp / "E.pt"), bf16, failures, loss_rtol=BF16_LOSS_RTOL, param_rtol=None,
+             norm_rtol=None)
     assert drop["history"][0]["loss"] != pytest.approx(ref["history"][0]["loss"], rel=1e-4)  # dropout acted
     assert not failures, "\n".join(failures)
+    # what each step trained on, written out from the token file by hand, and what the resumed launch recorded
+    want = H.batch_hashes_by_hand(token_file, H.TINY.config(token_file, tmp).train.seed, 4, 16, 32)
+    assert {r["step"]: r["batch_hash"] for r in ref["history"]} == want
+    assert {r["step"]: r["batch_hash"] for r in H.metrics(tmp / "run-R")} == {k: want[k] for k in (3, 4)}
 
     # A's checkpoint: every rank of the (2,2,1,2) layout has its folder; the cp ranks wrote disjoint shares
     # (the manifest's exact-tiling check refuses a tensor stored twice), in the same format as any other
@@ -334,7 +349,7 @@ def test_cp_layouts_match_single_process_and_resume_across_cp(tmp_path, token_fi
     assert "rank = tp + 2*(cp + 2*(dp + 2*pp))" in picture and "tp01-cp01-pp00-dp01  r7" in picture
     # a crafted manifest: a cp of the wrong type, or a cp folder listed under a cp = 1 layout, is one line
     from megalite.checkpoint.manifest import Manifest, sign
-    from megalite.errors import CheckpointError
+    from megalite.base.errors import CheckpointError
     for cp, want in (("2", r"layout\.cp = '2': must be a positive integer"),
                      (0, r"layout\.cp = 0: must be a positive integer"),
                      (1, r"file tp00-cp00-pp00-dp00/\S+ in 'files' belongs to no coordinate of layout tp=2 pp=1"),
@@ -367,7 +382,7 @@ def test_bench_plan_plans_cp_layouts(capsys):
     """`megalite bench plan --cp`: the real write plan and manifest of a cp layout validate (every tensor tiled
     once over its tp x cp x pp x dp ranks), and a resume of it at cp = 1 reads what each rank needs."""
     from megalite.cli import build_parser
-    from megalite.tools.bench.plan import bench_plan_cli, plan_layout, plan_reshard
+    from megalite.bench.plan import bench_plan_cli, plan_layout, plan_reshard
     flags = ["--n-layer", "4", "--n-embd", "32", "--n-head", "4", "--vocab-size", "256", "--block-size", "32"]
     bench_plan_cli(build_parser().parse_args(["bench", "plan", *flags, "--tp", "2", "--pp", "2", "--dp", "1,2",
                                               "--cp", "2", "--reshard-to", "1,1,2,4"]))
@@ -391,7 +406,7 @@ def test_the_long_context_example_is_what_train_prints():
     import shlex
     from pathlib import Path
     from megalite.config import load_config
-    from megalite.runlog import start_line
+    from megalite.run.runlog import start_line
     root = Path(__file__).resolve().parents[1]
     text = (root / "docs/parallelism.md").read_text()
     marker = "tested-by: tests/test_context_parallel.py::test_the_long_context_example_is_what_train_prints"

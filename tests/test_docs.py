@@ -1,7 +1,7 @@
 """README.md and docs/*.md: every command block runs, every transcript has the shape the code prints today,
 links resolve, measured tables name their commit; the walkthrough (moved here from test_first_hour), the demo
 script, the json+safetensors recipe on a (2,2,2) ZeRO-1 checkpoint, the HF snippet, and the interleaved
-warm-up table against megatron-core. How the runs are made small: megalite/tools/transcripts.py, docs/design.md."""
+warm-up table against megatron-core. How the runs are made small: benchmarks/transcripts.py, docs/design.md."""
 import ast
 import json
 import re
@@ -13,8 +13,8 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import load_file
 
-from megalite import metrics
-from megalite.tools import transcripts as T
+from megalite.run import metrics
+from benchmarks import transcripts as T
 
 ROOT = Path(__file__).resolve().parents[1]
 # pages other branches of this round write; a link to one is allowed before it lands

@@ -277,7 +277,7 @@ def test_run_folder_files_shared_by_hard_links_are_never_written_through(tmp_pat
     # errors.log a symlink to a file of the user's: a failing run (a NaN loss) leaves it untouched
     (branch / "errors.log").symlink_to(world["victim"])
     before = world["victim"].read_bytes()
-    from megalite.errors import NonFiniteError
+    from megalite.base.errors import NonFiniteError
     with pytest.raises(NonFiniteError):
         train_in_process(CKPT.config(token_file, branch, **{
             "model.n_layer": 2, "train.steps": 4, "checkpoint.dir": "", "train.lr": 1e5, "train.min_lr": 0.0,

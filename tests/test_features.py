@@ -217,10 +217,10 @@ def test_inspect_names_an_interleaved_stages_layer_runs():
 
 
 def test_bubble_idle_counts_the_common_window_as_the_formula_does():
-    """megalite.tools.bench.bubble.idle_of by hand: rank 0 runs 0..10 s with 2 s in torch.distributed, rank 1 runs
+    """megalite.bench.bubble.idle_of by hand: rank 0 runs 0..10 s with 2 s in torch.distributed, rank 1 runs
     1..8 s with 3 s: the window is 10 s, busy 8 s and 4 s, idle (2 + 6) / 20 = 0.4; the older own-window measure
     (2/10 + 3/7) / 2 misses rank 1's idle head and tail. The shortest step counts; plain 1F1B's idle sits beside V = 2."""
-    from megalite.tools.bench.bubble import idle_of, summarise
+    from megalite.bench.bubble import idle_of, summarise
     step = [[(0.0, 10.0, 2.0)], [(1.0, 8.0, 3.0)]]
     r = idle_of(step)
     assert r["idle"] == pytest.approx(0.4) and r["step_ms"] == pytest.approx(10_000)

@@ -16,7 +16,7 @@ from safetensors.torch import load_file
 
 import helpers as H
 from megalite.testing import gather_full_model, run_parallel
-from megalite.train import train
+from megalite.run.train import train
 
 # Bigger micro-batches than the reference's 2 where a run does not need many: fewer micro-steps, hence fewer
 # collectives (the test's cost); the mean of equal-sized micro-batch means is the same loss (fp32 roundoff only).
@@ -169,7 +169,7 @@ def test_features_alone_and_together_match_single_process_and_reshard(tmp_path, 
     from megalite.checkpoint import load_checkpoint, save_checkpoint
     from megalite.convert import convert
     from megalite.parallel.grid import ParallelGrid
-    from megalite.train import build
+    from megalite.run.train import build
     cfg = H.TINY.config(token_file, tmp / "run-resave")
     tr = build(cfg, ParallelGrid.single(), torch.device("cpu"))
     load_checkpoint(step2, tr.model, tr.optimizer, tr.grid)
@@ -214,7 +214,7 @@ def test_bf16_runs_keep_fp32_master_weights_stepped_as_torch_adamw_does(token_fi
     after a step is off by ~2^-9 of a weight."""
     import math
     from megalite.parallel.grid import ParallelGrid
-    from megalite.train import build, train_step
+    from megalite.run.train import build, train_step
     cfg = H.TINY.config(token_file, tmp_path / "run", **BF16, **{"train.steps": 3})
     torch.set_num_threads(1)
     tr = build(cfg, ParallelGrid.single(), torch.device("cpu"))
@@ -245,9 +245,9 @@ def test_bf16_runs_keep_fp32_master_weights_stepped_as_torch_adamw_does(token_fi
 
 def _memory_check(rank, world_size, tmp):
     """Saved-tensor hooks count the bytes one layer keeps for backward; they equal the adapted Korthikanti
-    formula (megalite.tools.bench.features.layer_activation_bytes) at tp = world_size, for every recompute x sp
+    formula (megalite.bench.features.layer_activation_bytes) at tp = world_size, for every recompute x sp
     setting (run by the 4-process launch above, at tp = 4)."""
-    from megalite.tools.bench.features import _measure_layer, layer_activation_bytes
+    from megalite.bench.features import _measure_layer, layer_activation_bytes
     from megalite.config import ModelConfig
     from megalite.parallel.grid import Layout, ParallelGrid
     grid = ParallelGrid.create(Layout(world_size, 1, 1))

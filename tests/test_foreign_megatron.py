@@ -19,10 +19,8 @@ import contextlib
 import importlib.util
 import io
 import json
-import os
 import re
 import shutil
-import subprocess
 import sys
 from pathlib import Path
 
@@ -38,23 +36,8 @@ pytestmark = pytest.mark.skipif(importlib.util.find_spec("megatron") is None
                                 or importlib.util.find_spec("megatron.core") is None,
                                 reason="megatron-core is not installed (pip install -e '.[megatron]')")
 
-REF_SCRIPT = Path(__file__).with_name("megatron_ref.py")
+REF_SCRIPT = H.MEGATRON_REF  # the `mref` fixture (conftest.py) runs it once per session
 VOCAB = 256  # the real vocabulary; megatron's tensors hold 384 rows (padded)
-
-
-@pytest.fixture(scope="session")
-def mref(tmp_path_factory) -> Path:
-    """The reference folder, made once per session (MEGALITE_MEGATRON_REF=DIR reuses one made earlier by
-    `python3 tests/megatron_ref.py DIR`: the same deterministic files, without the ~20 s of CPU)."""
-    cached = os.environ.get("MEGALITE_MEGATRON_REF")
-    if cached and (Path(cached) / "done").exists():
-        return Path(cached)
-    d = tmp_path_factory.mktemp("megatron_ref")
-    with open(d / "log.txt", "w") as log:  # a file, not a pipe: a helper process megatron starts cannot hold it
-        rc = subprocess.run([sys.executable, str(REF_SCRIPT), str(d)], env=H.env(), stdout=log, stderr=log,
-                            timeout=600).returncode
-    assert rc == 0 and (d / "done").exists(), (d / "log.txt").read_text()[-5000:]
-    return d
 
 
 def cli(*args) -> tuple[int, str, str]:
@@ -117,6 +100,21 @@ def test_untied_fused_gelu_checkpoint_exports_and_reads_as_a_megalite_model(tmp_
     got = {k: torch.zeros_like(v) for k, v in want.items()}
     dcp.load(got, storage_reader=HuggingFaceStorageReader(str(tmp_path / "dcp")))
     assert all(torch.equal(got[k], want[k]) for k in want) and "lm_head.weight" in want
+
+
+def test_untied_checkpoint_cut_to_the_real_vocabulary_gives_megatrons_first_logits(tmp_path, mref):
+    """--vocab-size cuts the padding rows of both the input embedding and the separate output layer of an
+    untied checkpoint: megalite's and transformers' logits == megatron's first VOCAB logits (1e-5)."""
+    from megalite.generate import load_model
+    ref = torch.load(mref / "untied_tp2.pt")
+    want = ref["logits"][..., :VOCAB]
+    f = convert(mref / "untied_tp2", tmp_path / "m.safetensors", vocab_size=VOCAB, quiet=True)
+    with torch.no_grad():
+        got = load_model(f)(ref["ids"])
+    hf = convert(mref / "untied_tp2", tmp_path / "hf", fmt="hf-gpt2", vocab_size=VOCAB, quiet=True)
+    assert json.loads((hf / "config.json").read_text())["vocab_size"] == VOCAB
+    assert got.shape == want.shape and max_rel(got, want) < 1e-5
+    assert max_rel(hf_logits(hf, ref["ids"]), want) < 1e-5
 
 
 def _pipeline_logits(rank, world, tmp, step, model_cfg, ids, out):
@@ -185,7 +183,7 @@ def _args(**kw):
 
 
 REFUSED = {  # args changes on the real TP=2 PP=2 checkpoint -> the one line naming it
-    "RoPE": (dict(position_embedding_type="rope"), r"position_embedding_type = 'rope': megalite does not model rotary position embeddings"),
+    "RoPE": (dict(position_embedding_type="rope"), r"normalization = 'LayerNorm': megalite does not model RoPE with LayerNorm"),
     "SwiGLU": (dict(swiglu=True), r"swiglu = True: megalite does not model SwiGLU"),
     "RMSNorm": (dict(normalization="RMSNorm"), r"normalization = 'RMSNorm': megalite does not model RMSNorm \(not LayerNorm\)"),
     "GQA": (dict(group_query_attention=True, num_query_groups=2),
@@ -209,16 +207,13 @@ def test_architectures_megalite_does_not_model_are_refused_in_one_line(tmp_path,
     assert not (tmp_path / "out").exists() and not list(tmp_path.glob("out*"))
 
 
-def test_a_real_llama_shaped_checkpoint_is_refused_by_args_and_by_tensors(tmp_path, mref):
-    rc, _, err = cli("convert", mref / "llama_tp1", "--format", "hf-gpt2", "--out", tmp_path / "a")
-    assert rc == 2 and "position_embedding_type = 'rope': megalite does not model rotary position embeddings (RoPE)" in err, err
-    # arguments that claim a GPT-2 do not get the tensors through
-    src = tmp_path / "lying"
-    shutil.copytree(mref / "llama_tp1", src)
-    _common_pt(src / "iter_0000010", _args(untie_embeddings_and_output_weights=True))
+def test_a_llama_shaped_checkpoint_whose_args_claim_a_gpt2_is_refused_by_its_tensors(tmp_path, mref):
+    src = tmp_path / "lying"  # arguments that claim a GPT-2 do not get a Llama's tensors through
+    shutil.copytree(mref / "llama_tp2pp2", src)
+    _common_pt(src / "iter_0000010", _args(num_layers=4, untie_embeddings_and_output_weights=True))  # its 4 layers
     rc, _, err = cli("convert", src, "--out", tmp_path / "b")
     assert rc == 2 and "tensor 'embedding.position_embeddings.weight' is missing" in err and "RoPE?" in err, err
-    assert not any(tmp_path.glob("a*")) and not any(tmp_path.glob("b*"))
+    assert not any(tmp_path.glob("b*"))
 
 
 def test_megatron_input_errors_are_one_line_and_nothing_runs(tmp_path, mref):

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from helpers import run
-from megalite.tools import transcripts
+from benchmarks import transcripts
 
 SCRIPT = Path(__file__).resolve().parents[1] / "launch" / "gpu-check.sh"
 
@@ -39,7 +39,7 @@ def test_gpu_check_dry_run_passes(tmp_path):
 def test_gpu_check_runs_eager_and_compiled_by_default(monkeypatch):
     """The prepared GPU command (no --compile) trains an eager window and a compiled one, in that order, on
     GPT-2's padded vocab; --dry-run and --compile off/on pick one."""
-    from megalite.tools.bench import gpu_check
+    from megalite.bench import gpu_check
     seen = []
     monkeypatch.setattr(gpu_check, "run", lambda dry, config, window, out, compile_modes: seen.append(
         (dry, window, compile_modes)) or 0)
@@ -72,7 +72,7 @@ def test_gpu_check_exits_1_on_a_mismatch(tmp_path, monkeypatch):
     """A load that returns other weights than were saved must fail the check (exit code 1, named tensor)."""
     import torch
     import megalite.checkpoint as ckpt
-    from megalite.tools.bench import gpu_check
+    from megalite.bench import gpu_check
     real = ckpt.load_checkpoint
 
     def corrupting(path, model, optimizer, grid, **kw):

@@ -11,13 +11,13 @@ import torch
 import torch.nn as nn
 
 import helpers as H
-from megalite import metrics
+from megalite.run import metrics
 from megalite.config import ModelConfig
-from megalite.errors import ConfigError
+from megalite.base.errors import ConfigError
 from megalite.parallel.data import ShardedAdamW, use_fused
 from megalite.parallel.grid import Layout, ParallelGrid
 from megalite.parallel.partition import Partition, tag
-from megalite.tools.bench import gpu_check
+from megalite.bench import gpu_check
 
 
 # ---------------------------------------------------------------- fused AdamW
@@ -98,7 +98,7 @@ def test_fused_adamw_keeps_the_held_out_of_place_step():
 
 def _zero1_worker(rank, world_size, tmp, tokens):
     from megalite.testing import gather_full_model
-    from megalite.train import build, train_step
+    from megalite.run.train import build, train_step
     torch.set_num_threads(1)
     out = {}
     for fused in ("off", "on"):
@@ -163,7 +163,7 @@ def test_compile_equals_eager(tiny_config):
     1e-5 (inductor may fuse differently), and dynamo really compiled the blocks."""
     from torch._dynamo.utils import counters
     from megalite.testing import gather_full_model
-    from megalite.train import build, train_step
+    from megalite.run.train import build, train_step
     runs = {}
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
@@ -184,7 +184,7 @@ def test_compile_equals_eager(tiny_config):
 
 
 def _compile_worker(rank, world_size, tmp, tokens, layout):
-    from megalite.train import build, train_step
+    from megalite.run.train import build, train_step
     torch.set_num_threads(1)
     losses = {}
     for on in (False, True):
@@ -242,7 +242,7 @@ def test_tensorboard_resume_replaces_redone_steps(tmp_path):
     """A launch resumed at step 2 after an earlier one logged step 3: TensorBoard's reader shows step 3 once,
     with the redone value (purge_step), as metrics.read keeps the last record of a step."""
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
-    from megalite.tensorboard_log import Board
+    from megalite.run.tensorboard_log import Board
     first = Board(tmp_path, 0)
     for s in (1, 2, 3):
         first.write({"step": s, "loss": float(s)})
@@ -274,7 +274,7 @@ def test_tp1_cross_entropy_fast_path_equals_the_vocab_parallel_function():
 
 def test_bench_phases_times_both_models():
     """The per-phase profile that docs/performance.md quotes runs, and times each phase of both models."""
-    from megalite.tools.bench.phases import phases
+    from benchmarks.phases import phases
     lines = []
     med = phases(steps=1, n_layer=1, n_embd=32, block_size=16, batch=4, micro=2, log=lines.append)
     assert set(med) == {"megalite fwd+bwd", "megalite finalize", "megalite adamw", "plain fwd+bwd", "plain clip",

@@ -1,5 +1,5 @@
 """The commit protocol has no bad window: a process SIGKILLed at each of its boundaries in turn (the kill
-points of megalite.faults) leaves `latest` naming a step that verifies, and resume=auto then continues the
+points of megalite.base.faults) leaves `latest` naming a step that verifies, and resume=auto then continues the
 uninterrupted run's loss curve bit for bit. One process per kill (forked from this one, so no interpreter
 start-up), killed by itself at a named point with SIGKILL: no finally, no cleanup, like a real crash."""
 from __future__ import annotations
@@ -13,10 +13,10 @@ import pytest
 from helpers import CKPT, step_names, tmp_dirs, train_in_process
 from megalite.checkpoint.tree import read_latest
 from megalite.checkpoint.verify import verify
-from megalite.faults import KILL_POINTS
+from megalite.base.faults import KILL_POINTS
 
 STEPS = 4
-EXACT = ("step", "loss", "lr", "grad_norm", "tokens_seen", "val_loss")
+EXACT = ("step", "loss", "lr", "grad_norm", "tokens_seen", "val_loss", "batch_hash")
 
 
 def _exact(records: list) -> list:

@@ -7,7 +7,7 @@ import torch
 
 from helpers import rel_err
 from megalite.testing import gather_full_model, run_parallel
-from megalite.train import train
+from megalite.run.train import train
 
 LAYOUTS_2 = [(2, 1, 1), (1, 2, 1), (1, 1, 2)]
 LAYOUTS_8 = [(2, 2, 2), (4, 2, 1), (1, 4, 2), (2, 1, 4)]

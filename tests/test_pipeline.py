@@ -5,7 +5,7 @@ import pytest
 
 from helpers import grads_of, rel_err
 from megalite.testing import gather_full_model, run_parallel
-from megalite.train import train
+from megalite.run.train import train
 
 # (name, (tp, pp, dp), global batch): micro-batch 2, so 8, 2, 4 and 8 micro-batches per step
 CASES = [("pp4_m8", (1, 4, 1), 16), ("pp4_m2", (1, 4, 1), 4), ("pp2_dp2_m4", (1, 2, 2), 16),

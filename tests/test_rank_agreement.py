@@ -37,8 +37,8 @@ CASES = [
 
 
 def _disagreeing_ranks(rank, world_size, tmp_dir, tokens):
-    import megalite.train as train_mod
-    from megalite.errors import StartupError
+    import megalite.run.train as train_mod
+    from megalite.base.errors import StartupError
     tmp, home = Path(tmp_dir), os.getcwd()
     for name, *overrides, fragments in CASES:
         case = tmp / name
@@ -77,7 +77,7 @@ def _writes_elsewhere(rank, world_size, tmp_dir, tokens):
     from megalite.checkpoint import CheckpointError, save_checkpoint
     from megalite.checkpoint.tree import committed_steps
     from megalite.parallel.grid import Layout, ParallelGrid
-    from megalite.train import build, train_step
+    from megalite.run.train import build, train_step
     tmp = Path(tmp_dir)
     grid = ParallelGrid.create(Layout(1, 1, 2))
     tr = build(CKPT.config(tokens, **{"model.n_layer": 2, "parallel.dp": 2}), grid, torch.device("cpu"))

@@ -31,9 +31,9 @@ from megalite.convert import ConvertError, convert, reshard, split
 from megalite.convert.family import FAMILIES
 from megalite.data import BatchSampler, TokenDataset
 from megalite.generate import generate, load_model
-from megalite.optim import lr_at
+from megalite.run.schedule import lr_at
 from megalite.testing import gather_full_model, run_parallel
-from megalite.train import train
+from megalite.run.train import train
 
 GPT = dict(n_layer=4, n_head=4, n_embd=32)  # block_size / vocab_size per use
 RECIPE = dict(steps=30, seq_len=16, global_batch_size=8, micro_batch_size=2, lr=1e-3, min_lr=1e-4, warmup_steps=5,
@@ -340,7 +340,7 @@ def test_readme_finetune_walkthrough_runs(tmp_path):
     docs/converting.md's commands as written (6 training steps instead of 100) through the transcripts runner:
     torchrun is a real launch; `megalite ...` and `python3 -c ...` run in this process (same code, no
     interpreter start-up); every printed line has the shape the page shows."""
-    from megalite.tools import transcripts
+    from benchmarks import transcripts
     (block,) = transcripts.session_blocks("ft")
     assert [c.split()[0:2] for c, _ in block.commands()] == [
         ["python3", "-c"], ["megalite", "split"], ["megalite", "prepare"], ["torchrun", "--nproc-per-node"],

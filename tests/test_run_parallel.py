@@ -9,13 +9,13 @@ from pathlib import Path
 
 import pytest
 
-import megalite.faults
+import megalite.base.faults
 from megalite.testing import RankFailed, run_parallel
 
 
 def _report(rank, world_size, tmp):
     import torch.distributed as dist
-    import megalite.faults as faults
+    import megalite.base.faults as faults
     seen = {"var": os.environ.get("MEGALITE_TEST_RP"), "gone": os.environ.get("MEGALITE_TEST_RP_GONE"),
             "cwd": os.getcwd(), "rank": os.environ["RANK"], "omp": os.environ["OMP_NUM_THREADS"],
             "caller_state": dict(faults._reached), "world": dist.get_world_size()}
@@ -39,7 +39,7 @@ def test_workers_get_the_callers_environment_and_cwd_but_not_its_state(tmp_path,
     monkeypatch.setenv("MEGALITE_TEST_RP", "set after")
     monkeypatch.delenv("MEGALITE_TEST_RP_GONE")
     monkeypatch.chdir(tmp_path)
-    monkeypatch.setitem(megalite.faults._reached, "caller-only", 7)
+    monkeypatch.setitem(megalite.base.faults._reached, "caller-only", 7)
     run_parallel(_report, 2, tmp_path / "second")
     for rank in (0, 1):
         seen = json.loads((tmp_path / "second" / f"{rank}.json").read_text())

@@ -7,7 +7,7 @@ import helpers as H
 from helpers import cli, metrics, metrics_lines, one_line_error, tree_digest
 from megalite.checkpoint.tree import committed_steps, read_latest
 from megalite.config import Config, resolve, validate
-from megalite.train import train
+from megalite.run.train import train
 
 DEFAULT_DIR = Config().checkpoint.dir  # "{out_dir}/checkpoints"
 

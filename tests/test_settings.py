@@ -27,7 +27,7 @@ def test_every_field_has_one_line_of_doc_and_no_doc_is_stale():
     assert set(DOCS) == _all_fields()
     for dotted, typ, default, doc in fields():
         assert doc and "\n" not in doc, dotted
-        assert typ in ("int", "float", "bool", "str"), (dotted, typ)
+        assert typ in ("int", "float", "bool", "str", "dict"), (dotted, typ)  # dict: a TOML inline table
 
 
 def test_train_help_lists_every_field_with_type_and_default(tmp_path):
@@ -82,7 +82,7 @@ def test_dp_inference_errors_name_the_field_and_the_world():
 
 
 def test_auto_prepare_builds_only_the_default_path(tmp_path, monkeypatch):
-    from megalite.train import prepare_data
+    from megalite.run.train import prepare_data
     monkeypatch.chdir(tmp_path)
     cfg = load_config(None, ["--data.auto_prepare=true", "--data.path=data/stdlb.bin"])  # a typo
     with pytest.raises(DataError, match=r"data\.path: token file 'data/stdlb\.bin' does not exist .*"
@@ -103,7 +103,7 @@ def test_mistyped_data_path_on_the_command_line_is_one_line(tmp_path, tiny_toml)
 
 
 def test_eta_ignores_the_first_step():
-    from megalite.runlog import step_line as _log_line
+    from megalite.run.runlog import step_line as _log_line
     rec = {"step": 1, "loss": 5.0, "lr": 1e-3, "grad_norm": 1.0, "tokens_per_s": 100.0, "ms_per_step": 9000.0}
     assert "ETA after step 2" in _log_line(rec, 100, 0.0, 0)
     rec["step"] = 11  # 10 steps after the first took 20 s: 89 steps left at 2 s each

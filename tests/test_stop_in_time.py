@@ -13,7 +13,7 @@ import pytest
 
 from helpers import CKPT, train_in_process
 from megalite.checkpoint.tree import read_latest
-from megalite.checkpointing import DEFAULT_SHUTDOWN_TIMEOUT_S, signal_grace
+from megalite.run.ckpt_policy import DEFAULT_SHUTDOWN_TIMEOUT_S, signal_grace
 from megalite.config import Config
 
 REPO = Path(__file__).resolve().parents[1]
@@ -94,7 +94,7 @@ def test_a_step_longer_than_the_grace_is_said_once_and_again_when_the_signal_com
 
 
 def test_the_stop_line_says_how_to_resume():
-    from megalite.runlog import resume_hint as _resume_hint
+    from megalite.run.runlog import resume_hint as _resume_hint
     cfg = Config()
     cfg.checkpoint.dir = "runs/x/ck"
     assert _resume_hint(cfg, 7) == "; checkpoint runs/x/ck/step_00000007; to resume, run the same command again"
@@ -124,7 +124,7 @@ def test_a_stop_at_step_launch_times_its_eta_to_that_step_and_says_the_rerun_goe
 
 
 def test_the_eta_of_a_launch_that_stops_early_is_to_its_stop_step():
-    from megalite.runlog import step_line
+    from megalite.run.runlog import step_line
     rec = {"step": 11, "loss": 5.0, "lr": 1e-3, "grad_norm": 1.0, "tokens_per_s": 100.0, "ms_per_step": 2000.0}
     assert step_line(rec, 1000, 20.0, 10).endswith("| ETA 32m58s")  # 989 steps left at 2 s
     assert step_line(rec, 1000, 20.0, 10, stop_at=500).endswith("| ETA 16m18s to step 500")  # 489 left

@@ -432,7 +432,7 @@ def test_vocab_padding_is_out_of_the_loss_like_a_50257_row_transformers_model(wo
     GPT-2 with the 50257 real rows (the same initial weights, torch.optim.AdamW, the same batches)."""
     from megalite.data import BatchSampler, TokenDataset
     from megalite.model import GPTStage
-    from megalite.optim import lr_at
+    from megalite.run.schedule import lr_at
     from megalite.parallel.grid import ParallelGrid
     from megalite.config import ModelConfig
     from megalite.convert.family import FAMILIES
@@ -606,7 +606,7 @@ def test_bench_prepare_prints_prepare_beside_encode_batch(tmp_path, capsys):
     """`megalite bench prepare` as docs/performance.md shows it (the CLI in this process, at the small size of
     transcripts.SMALL_ARGS): every shown line's shape is printed, the ids agree, nothing is left behind."""
     import shlex
-    from megalite.tools import transcripts
+    from benchmarks import transcripts
     outs = []
 
     def runner(cmd):

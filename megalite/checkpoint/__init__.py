@@ -15,14 +15,13 @@
     check.py       the loader's checks without loading (`verify`), shared by verify.py and the commit
     verify.py      `megalite verify`, `inspect`, `inspect --tree`
     stream.py      safetensors streamed from and into tensor memory, with block CRC32Cs
-    files.py       the one durable writer and the one safe opener
 
-This package imports nothing of the training loop (train, optim, checkpointing); its policy is
-megalite/checkpointing.py. The names below are imported on first use (_EXPORTS), so importing one light module
-(files.py: the safe opener that data.py and metrics.py use too) does not load torch.
+This package imports nothing of the training loop (megalite/run/); its policy is megalite/run/ckpt_policy.py.
+Its files go through megalite/base/fs.py, the house's one file-safety owner. The names below are imported on
+first use (_EXPORTS), so importing one light module does not load torch.
 """
 _EXPORTS = {
-    "CheckpointError": "megalite.errors",
+    "CheckpointError": "megalite.base.errors",
     "save_checkpoint": "megalite.checkpoint.api",
     "load_checkpoint": "megalite.checkpoint.api",
     "global_named": "megalite.checkpoint.api",

@@ -32,8 +32,8 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
-from ..errors import CheckpointError
-from ..jsonio import NotEncodable, decode, encode, plain_problem
+from ..base.errors import CheckpointError
+from ..base.jsonio import NotEncodable, decode, encode, plain_problem
 from .async_save import AsyncSaver
 from .commit import save_collective
 from .load import Loaded, load_into

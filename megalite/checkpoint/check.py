@@ -12,8 +12,8 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Optional
 
-from ..errors import CheckpointError
-from .files import read_all
+from ..base.errors import CheckpointError
+from ..base.fs import read_all
 from .manifest import Manifest, read
 from .read import SliceReader, check_key
 from .state import StepState

@@ -12,7 +12,7 @@ Commit protocol (all coordination on the grid's `aux` gloo group, never shared w
 
 At every instant `latest` names a committed folder that verifies: a process killed at any point of the
 protocol leaves at worst a `.tmp-*` folder that the next start finishes or removes (`recover`). The kill
-points of megalite.faults (`kill_point`) sit at each boundary, and tests kill a rank at each in turn.
+points of megalite.base.faults (`kill_point`) sit at each boundary, and tests kill a rank at each in turn.
 
 An async save (async_save.AsyncSaver) runs steps 1-4 in a background thread. Before a re-saved step is moved
 in by `recover`, it is verified (check.complete), as every loader would check it.
@@ -29,10 +29,10 @@ from typing import Iterable, Optional
 
 import torch.distributed as dist
 
-from ..errors import CheckpointError
-from ..faults import kill_point, no_rename_exchange
+from ..base.errors import CheckpointError
+from ..base.faults import kill_point, no_rename_exchange
 from .check import complete, verify
-from .files import fsync_dir, remove_tree, unlink_quietly
+from ..base.fs import fsync_dir, remove_tree, unlink_quietly
 from .manifest import Manifest, StepMeta, build, write
 from .plan import Payload
 from .tree import LATEST, LATEST_TMP, TMP_PREFIX, committed_steps, coord_dir, parse_step_dir, read_latest, step_dir, \

@@ -14,7 +14,7 @@ from typing import Optional
 import torch
 
 from ..config import model_architecture
-from ..errors import CheckpointError
+from ..base.errors import CheckpointError
 from ..parallel.partition import partition_of, tp_box, valid_view
 from .check import read_state
 from .manifest import Manifest, entry_for, read

@@ -22,7 +22,8 @@
     }
     TENSOR = {"dtype": "float32" | "bfloat16" | "float16", "shape": [global shape],
               "partition": {"dim": split dim over tp or null, "tied_to": null,
-                            "placement": "first" | "last" | "layer.<i>"  (which pipeline stage owns it)},
+                            "placement": "first" | "last" | "layer.<i>"  (which pipeline stage owns it),
+                            "units": n  only where the split dim is n blocks tp never cuts (GQA's kv heads)},
               "slices": [{"file": "...", "key": "<key in that file>",
                           "box": [[start, end] per dim of the global tensor],
                           "flat": [a, b]    only for ZeRO-1 pieces: elements [a, b) of the box, row-major,
@@ -47,11 +48,11 @@ import torch
 
 from .. import __version__
 from ..config import MAX_COUNT, model_from
-from ..errors import CheckpointError, ConfigError, LayoutError, UnsafeFileError
-from ..jsonio import decode, loads
+from ..base.errors import CheckpointError, ConfigError, LayoutError, UnsafeFileError
+from ..base.jsonio import decode, loads
 from ..parallel.grid import Layout
 from ..parallel.partition import Box, Partition
-from .files import open_read, read_all, write_new
+from ..base.fs import open_read, read_all, write_new
 from .stream import crc32c
 from .tiling import tiling_problems
 from .tree import COORD_PATTERN, MANIFEST, MODEL_FILE, OPTIM_FILE, STATE_FILE, TOKENIZER_FILE, coord_dir
@@ -477,6 +478,10 @@ class _Parser:
             self.fail(f"{at}.partition.dim", dim, f"null or a dim in [0, {len(shape)})")
         if part.get("tied_to") is not None:
             self.fail(f"{at}.partition.tied_to", part.get("tied_to"), "null (tied copies are never stored)")
+        units = part.get("units", 0)
+        if (isinstance(units, bool) or not isinstance(units, int) or units < 0
+                or (units and (dim is None or shape[dim] % units))):
+            self.fail(f"{at}.partition.units", units, "0, or a count of equal blocks of the split dim (kv heads)")
         placement = part.get("placement", "first")
         m = _PLACEMENT.match(placement) if isinstance(placement, str) else None
         if m is None or (m[2] is not None and n_layer is not None and int(m[2]) >= n_layer):

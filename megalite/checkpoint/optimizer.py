@@ -37,7 +37,7 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
-from ..errors import CheckpointError
+from ..base.errors import CheckpointError
 from ..parallel.data import ShardedAdamW
 from ..parallel.partition import Box, Partition, local_shape, partition_of, valid_view
 from .manifest import (DTYPE_NAMES, DTYPES, MOMENTS, SCALAR_DTYPES, STATE_KEY, TORCH_OPTIM, Manifest, entry_for,

@@ -10,7 +10,7 @@ from typing import Iterable, Optional
 
 from ..parallel.data import SPACE_BUFFER, dp_pieces
 from ..parallel.grid import Coord, Layout
-from ..parallel.partition import Box, Partition, partition_of, tp_box, valid_view
+from ..parallel.partition import Box, Partition, partition_of, tp_box, tp_replica, tp_replicas, valid_view
 from .manifest import MOMENTS, TensorEntry, dtype_name
 from .optimizer import optimizer_state
 from .tree import MODEL_FILE, OPTIM_FILE
@@ -38,10 +38,14 @@ class WriteItem:
 
 
 def replicated_writer(tensors: Iterable[tuple[str, Partition]], tp: int) -> dict[str, int]:
-    """The tp rank that writes each tp-replicated tensor of a stage (identical on every tp rank): the i-th
-    by global name goes to tp rank i mod tp, so these small tensors spread over the tp ranks."""
-    names = sorted(n for n, p in tensors if p.dim is None and not p.tied_to)
-    return {n: i % tp for i, n in enumerate(names)}
+    """Which replica writes each tensor that several tp ranks hold alike (`tp_replica`: tp-replicated tensors,
+    kv heads shared by tp/n_kv_head ranks): the i-th by global name is written by replica i mod (its replica
+    count), so these small tensors spread over the tp ranks. A tp-replicated tensor's replica index is its tp
+    rank."""
+    tensors = list(tensors)
+    names = sorted(n for n, p in tensors if tp_replicas(p, tp) > 1 and not p.tied_to)
+    parts = dict(tensors)
+    return {n: i % tp_replicas(parts[n], tp) for i, n in enumerate(names)}
 
 
 def plan_writes(tensors: Iterable[tuple[str, Partition]], coord: Coord, layout: Layout,
@@ -56,7 +60,7 @@ def plan_writes(tensors: Iterable[tuple[str, Partition]], coord: Coord, layout: 
     when the range covers the tensor). So every dp and cp rank of a stage writes the same bytes (± one element
     per range), nothing is written twice, with or without ZeRO-1, and a ZeRO-1 rank writes its moments exactly
     as it holds them.
-    A tp-replicated tensor is written by one tp rank (`replicated_writer`); tied copies are never written
+    A tensor several tp ranks hold alike is written by one of them (`replicated_writer`); tied copies are never written
     (they load from their source). The names in `buffers` (a module's buffers: no optimizer state) are cut
     in a flat space of their own, so the parameters' cut stays the ZeRO-1 optimizer's.
     """
@@ -68,7 +72,7 @@ def plan_writes(tensors: Iterable[tuple[str, Partition]], coord: Coord, layout: 
     items = []
     for name, part in tensors:
         a, b = pieces[name]
-        if part.tied_to or a == b or writer.get(name, coord.tp) != coord.tp:
+        if part.tied_to or a == b or writer.get(name, 0) != tp_replica(part, coord.tp, layout.tp):
             continue
         box = boxes[name]
         buffer = name in buffers

@@ -16,7 +16,7 @@ from typing import Optional
 
 import torch
 
-from ..errors import CheckpointError
+from ..base.errors import CheckpointError
 from ..parallel.partition import Box
 from .manifest import Manifest, SliceRef, TensorEntry
 from .stream import check_header, crc32c, raw_bytes, read_bytes, read_header, st_dtype

@@ -18,8 +18,8 @@ import numpy as np
 import torch
 
 from ..config import MAX_COUNT
-from ..errors import CheckpointError
-from ..jsonio import loads
+from ..base.errors import CheckpointError
+from ..base.jsonio import loads
 from .manifest import short
 
 

@@ -22,8 +22,8 @@ from pathlib import Path
 import torch
 from crc32c import crc32c as _crc32c
 
-from ..jsonio import loads
-from .files import no_follow, open_read
+from ..base.jsonio import loads
+from ..base.fs import no_follow, open_read
 
 ST_DTYPES = {torch.float32: "F32", torch.bfloat16: "BF16", torch.float16: "F16", torch.float64: "F64",
              torch.int64: "I64", torch.int32: "I32", torch.int16: "I16", torch.int8: "I8", torch.uint8: "U8",

@@ -20,9 +20,9 @@ import re
 from pathlib import Path
 from typing import Optional
 
-from ..errors import CheckpointError
+from ..base.errors import CheckpointError
 from ..parallel.grid import Coord
-from .files import kind_of, read_all, replace_atomically
+from ..base.fs import kind_of, read_all, replace_atomically
 
 MANIFEST = "manifest.json"
 MODEL_FILE = "model.safetensors"

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from .files import fsync_dir, write_new
+from ..base.fs import fsync_dir, write_new
 from .manifest import FileRecord, SliceRef, checksum_block
 from .plan import Payload
 from .stream import StreamingWriter, crc32c

@@ -34,12 +34,13 @@ from typing import Callable, Iterable, Iterator, Optional
 import torch
 from safetensors import safe_open
 
-from ..checkpoint.files import kind_of, open_regular, read_all
+from ..base.fs import kind_of, open_regular, read_all
 from ..checkpoint.manifest import FORMAT as MANIFEST_FORMAT, Manifest, entry_for
 from ..checkpoint.stream import read_metadata
 from ..checkpoint.tree import LATEST, LATEST_TMP, LOCK, MANIFEST, TMP_PREFIX, parse_step_dir
 from ..config import ModelConfig
-from ..errors import CheckpointError, ConvertError, LayoutError
+from ..base.errors import CheckpointError, ConvertError, LayoutError
+from ..base.jsonio import loads
 from ..parallel.grid import Layout
 from ..parallel.partition import Partition
 
@@ -127,6 +128,34 @@ class Source:
         if tok is not None:  # the run's tokenizer travels with the model (generate and split read it)
             meta[TOKENIZER] = tok.json
         return meta
+
+
+class ForeignModel(Source):
+    """Another trainer's model read tensor by tensor under megalite's names (megatron.py, torchtitan.py).
+    Subclasses set `m` (the [model] dict), `shapes` ({megalite name: global shape}), `parts` (partition tags,
+    None where megalite's model cannot hold it), `ck` (its DcpFolder) and define `get(name)` (one tensor,
+    megalite's layout, stored dtype) and `stored(name)` (the name it is read from)."""
+    m: dict = {}
+    shapes: dict = {}
+    parts: Optional[dict] = None
+    refusal = ""  # why megalite's model cannot hold it ('' when it can)
+
+    @property
+    def model(self):
+        return self.m
+
+    @property
+    def specs(self):
+        return {n: Spec(tuple(s), self.ck.tensors[self.stored(n)].dtype) for n, s in self.shapes.items()}
+
+    def read(self, name, region=None):
+        t = self.get(name)
+        return t if region is None else t[tuple(slice(a, b) for a, b in region)]
+
+    def partitions(self):
+        if self.parts is None:
+            raise ConvertError(self.refusal or f"{self.where}: megalite's model cannot hold this model")
+        return self.parts
 
 
 # ---------------------------------------------------------------- progress
@@ -310,11 +339,9 @@ def check_layout(m: dict, tp: int, pp: int, dp: int, cp: int = 1) -> Layout:
 
 # ---------------------------------------------------------------- input files
 def parse_json(text: str, source: str):
-    """`text` parsed as JSON; a ConvertError naming `source` if it is not."""
-    try:
-        return json.loads(text)
-    except ValueError as e:
-        raise ConvertError(f"{source} is not valid JSON ({e})") from None
+    """`text` parsed as JSON within limits' budget for a small JSON file (its size, its nesting); a
+    ConvertError naming `source` if it is not."""
+    return loads(text, source, ConvertError, kind="json")
 
 
 def open_safetensors(path: Path):

@@ -20,7 +20,7 @@ import torch
 from einops import rearrange
 
 from ..config import ACTIVATIONS, ModelConfig
-from ..errors import ConvertError
+from ..base.errors import ConvertError
 
 # fields of every transformers config that change neither the weights nor the logits
 COMMON_IGNORED = {

@@ -5,13 +5,15 @@ generation_config.json, the tokenizer's files and the weights, sharded with mode
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path, PurePosixPath
 from typing import Optional
 
 import torch
 from einops import EinopsError
 
-from ..checkpoint.files import write_new
+from ..base import limits
+from ..base.fs import write_new
 from ..checkpoint.stream import StreamingWriter
 from ..config import model_from
 from ..tokenizer import TOKENIZER_JSON, Tokenizer, byte_tokenizer, load as load_tokenizer, write_hf_folder
@@ -43,19 +45,24 @@ class HFFolder(Source):
         if not cfg_file.is_file():
             raise ConvertError(f"{p}: expected a transformers folder with config.json and model.safetensors "
                                f"(or {ST_INDEX})")
+        limits.within(cfg_file.stat().st_size, "json", str(cfg_file), ConvertError)
         hf = parse_json(cfg_file.read_bytes().decode("utf-8", errors="replace"), str(cfg_file))
         got = hf.get("model_type") if isinstance(hf, dict) else hf
         self.family: Family = BY_MODEL_TYPE.get(got) if isinstance(got, str) else None
         if self.family is None:
-            raise ConvertError(f"{cfg_file}: model_type is {got!r}, expected one of "
+            raise ConvertError(f"{cfg_file}: model_type is {limits.describe(got)}, expected one of "
                                f"{', '.join(repr(k) for k in BY_MODEL_TYPE)} (the families megalite models)")
-        self.model = model_from(self.family.model_from_hf(hf, str(cfg_file)), str(cfg_file))
+        m = self.family.model_from_hf(hf, str(cfg_file))
         self.files = {}  # transformers name -> the open safetensors file that holds it
         for fname in self._weight_files():
             f = open_safetensors(p / fname)
             for k in f.keys():
                 self.files[k] = f
-        self._table(p / (ST_FILE if (p / ST_FILE).is_file() else ST_INDEX))
+        weights = p / (ST_FILE if (p / ST_FILE).is_file() else ST_INDEX)
+        _sizes_stored(self.family, hf, {k: f.get_slice(k).get_shape() for k, f in self.files.items()}, cfg_file,
+                      weights)
+        self.model = model_from(m, str(cfg_file))
+        self._table(weights)
 
     def _weight_files(self) -> list[str]:
         p = self.folder
@@ -117,6 +124,33 @@ class HFFolder(Source):
     def reference(self):
         """transformers' own model on the folder, fp32 (None where transformers is not installed)."""
         return transformers_runner(self.folder)
+
+
+# config.json's sizes as the stored tensors show them: (config key, what, how to read it from the shapes)
+STORED = {"gpt2": (("n_layer", "blocks h.0, h.1, ... of", "layers", r"(?:transformer\.)?h\.([0-9]{1,9})\."),
+                   ("vocab_size", "rows of wte.weight in", 0, ("transformer.wte.weight", "wte.weight")),
+                   ("n_embd", "columns of wte.weight in", -1, ("transformer.wte.weight", "wte.weight")),
+                   ("n_positions", "rows of wpe.weight in", 0, ("transformer.wpe.weight", "wpe.weight"))),
+          "llama": (("num_hidden_layers", "layers model.layers.0, 1, ... of", "layers", r"model\.layers\.([0-9]{1,9})\."),
+                    ("vocab_size", "rows of model.embed_tokens.weight in", 0, ("model.embed_tokens.weight",)),
+                    ("hidden_size", "columns of model.embed_tokens.weight in", -1, ("model.embed_tokens.weight",)))}
+
+
+def _sizes_stored(fam: Family, hf: dict, shapes: dict, cfg_file: Path, weights: Path) -> None:
+    """config.json's sizes are those of the tensors stored, checked before anything is built from them:
+    n_layer = 10**6 over two stored blocks once ran for minutes, n_positions = 2**31 - 1 failed in the
+    allocator."""
+    for key, what, how, names in STORED[fam.name]:
+        if how == "layers":
+            blocks = {int(m.group(1)) for k in shapes if (m := re.match(names, k))}
+            have = len(blocks) if blocks == set(range(len(blocks))) else None
+        else:
+            shape = next((shapes[n] for n in names if n in shapes), None)
+            have = shape[how] if shape else None
+        if hf[key] != have:
+            got = "no such tensors" if have is None else f"{have}"
+            raise ConvertError(f"{cfg_file}: {key} = {limits.describe(hf[key])}, but {weights.name} holds {got} "
+                               f"({what} it); expected the sizes of the stored tensors")
 
 
 _ST = {"F32": torch.float32, "BF16": torch.bfloat16, "F16": torch.float16, "F64": torch.float64}

@@ -23,7 +23,7 @@ Megatron's fused bias-GeLU (`bias_gelu_fusion`, on by default in Megatron-LM) is
 from __future__ import annotations
 
 import dataclasses
-import json
+import re
 import zipfile
 from pathlib import Path
 from typing import Optional
@@ -31,10 +31,14 @@ from typing import Optional
 import torch
 from einops import rearrange
 
-from ..config import ModelConfig, path_kind
-from ..errors import ConvertError
-from . import unpickle
-from .common import Source, Spec, model_partitions
+from ..base import limits
+from ..base.fs import read_all
+from ..config import ModelConfig, model_from, path_kind
+from ..base.errors import ConfigError, ConvertError
+from ..base.jsonio import loads
+from . import hints as hn
+from . import megatron_llama, unpickle
+from .common import ForeignModel, model_partitions
 from .dcp import DcpFolder
 
 LATEST = "latest_checkpointed_iteration.txt"
@@ -52,10 +56,13 @@ def iteration_folder(path: Path) -> Path:
         return path
     latest = path / LATEST
     if latest.is_file():
-        text = latest.read_text(errors="replace").strip()
-        name = "release" if text == "release" else f"iter_{int(text):07d}" if text.isdigit() else None
+        text = read_all(latest, limits.FILE_BYTES["line"], follow=True).decode("utf-8", errors="replace").strip()
+        digits = limits.MAX_ITERATION_DIGITS  # ASCII digits only: str.isdigit() also takes '²', which int() refuses
+        name = "release" if text == "release" else f"iter_{int(text):07d}" \
+            if re.fullmatch(f"[0-9]{{1,{digits}}}", text) else None
         if name is None:
-            raise ConvertError(f"{latest}: holds {text[:40]!r}, expected an iteration number or 'release'")
+            raise ConvertError(f"{latest}: holds {limits.describe(text, 40)}, expected an iteration number (at most "
+                               f"{digits} digits) or 'release'")
         if (path / name / META_JSON).is_file():
             return path / name
         _refuse_legacy(path / name)
@@ -71,16 +78,18 @@ def _refuse_legacy(folder: Path) -> None:
                            f"which megalite never runs); expected ckpt_format torch_dist")
 
 
-def read_args(step: Path) -> dict:
-    """The training arguments Megatron-LM saved in common.pt, as a dict (allow-list unpickled, nothing run)."""
+def read_args(step: Path, required: bool = True) -> Optional[dict]:
+    """The training arguments Megatron-LM saved in common.pt, as a dict (allow-list unpickled, nothing run);
+    None where there are none and not `required` (megatron-core's dist_checkpointing.save alone)."""
     meta = step / META_JSON
-    try:
-        backend = json.loads(meta.read_text()).get("sharded_backend")
-    except (ValueError, AttributeError, UnicodeDecodeError):
-        raise ConvertError(f"{meta}: not a JSON object (expected megatron's checkpoint metadata)") from None
+    limits.within(meta.stat().st_size, "json", str(meta), ConvertError)
+    doc = loads(read_all(meta, follow=True), str(meta), ConvertError)
+    if not isinstance(doc, dict):
+        raise ConvertError(f"{meta}: not a JSON object (expected megatron's checkpoint metadata)")
+    backend = doc.get("sharded_backend")
     if backend != "torch_dist":
-        raise ConvertError(f"{meta}: sharded_backend = {backend!r}, expected 'torch_dist' (megalite reads "
-                           f"megatron's DCP-based format)")
+        raise ConvertError(f"{meta}: sharded_backend = {limits.describe(backend)}, expected 'torch_dist' (megalite "
+                           f"reads megatron's DCP-based format)")
     path = step / COMMON
     if not path.is_file():
         raise ConvertError(f"{path}: is {path_kind(path)}, expected megatron's common state (torch.save)")
@@ -90,11 +99,19 @@ def read_args(step: Path) -> dict:
             if len(pkl) != 1:
                 raise ConvertError(f"{path}: expected one <name>/data.pkl in the torch.save archive, found "
                                    f"{len(pkl)}")
+            info = z.getinfo(pkl[0])
+            if info.compress_type != zipfile.ZIP_STORED:  # torch.save stores; DEFLATE could inflate 1000-fold
+                raise ConvertError(f"{path}: {pkl[0]} is compressed (zip method {info.compress_type}, "
+                                   f"{info.file_size:,} bytes inflated); torch.save stores its records "
+                                   f"uncompressed, and megalite reads only such")
+            limits.within(info.file_size, "pickle", f"{path}: {pkl[0]}", ConvertError)
             data = z.read(pkl[0])
     except (zipfile.BadZipFile, OSError) as e:
         raise ConvertError(f"{path}: not a torch.save archive ({e})") from None
     try:
         common = unpickle.load(data, unpickle.MEGATRON_COMMON, persistent=lambda pid: None)  # storages: unread
+    except unpickle.OverBudget as e:
+        raise ConvertError(f"{path}: {e}") from None
     except unpickle.RefusedGlobal as e:
         raise ConvertError(f"{path}: the pickle names '{e.name}', which is not on megalite's allow-list for "
                            f"Megatron's common state; refusing to read it (nothing in it was run)") from None
@@ -102,14 +119,17 @@ def read_args(step: Path) -> dict:
         raise ConvertError(f"{path}: not a readable pickle ({type(e).__name__}: {e})") from None
     args = common.get("args") if isinstance(common, dict) else None
     if not (isinstance(args, unpickle.Record) and args.kind == "argparse.Namespace"):
-        raise ConvertError(f"{path}: has no 'args' (Megatron-LM's training arguments); megalite reads the model's "
-                           f"shape from them (a checkpoint saved by megatron-core alone must add them)")
+        if not required:
+            return None
+        raise ConvertError(f"{path}: has no 'args' (Megatron-LM's training arguments), so the model's shape comes "
+                           f"from its tensors: give what they cannot tell, --num-heads (and --num-kv-heads, "
+                           f"--rope-theta, --norm-eps, ...), or --config with a transformers config.json")
     return args.fields()
 
 
 # ---------------------------------------------------------------- the architecture: GPT-2 or refused
 def _refuse(where: str, field: str, value, what: str) -> ConvertError:
-    return ConvertError(f"{where}: {field} = {value!r}: megalite does not model {what} (it reproduces GPT-2: "
+    return ConvertError(f"{where}: {field} = {limits.describe(value)}: megalite does not model {what} (it reproduces GPT-2: "
                         f"learned positions, LayerNorm, a GeLU MLP, multi-head attention with biases)")
 
 
@@ -119,15 +139,20 @@ def model_from_args(a: dict, where: str) -> dict:
         return a.get(name, default)
 
     pos = get("position_embedding_type", "learned_absolute")
+    if megatron_llama.is_llama_args(a):
+        return megatron_llama.llama_from_args(a, where)
     if pos != "learned_absolute":
         what = {"rope": "rotary position embeddings (RoPE)", "yarn": "rotary position embeddings (YaRN RoPE)",
                 "mrope": "multimodal rotary position embeddings (MRoPE)", "none": "a model without position "
-                "embeddings", "relative": "relative position embeddings"}.get(pos, "this position embedding")
+                "embeddings", "relative": "relative position embeddings"}.get(pos, "this position embedding") \
+            if isinstance(pos, str) else "this position embedding"  # a list there is not hashable
         raise _refuse(where, "position_embedding_type", pos, what)
     if get("use_rotary_position_embeddings"):
         raise _refuse(where, "use_rotary_position_embeddings", True, "rotary position embeddings (RoPE)")
     if get("normalization", "LayerNorm") != "LayerNorm":
-        raise _refuse(where, "normalization", get("normalization"), f"{get('normalization')} (not LayerNorm)")
+        raise _refuse(where, "normalization", get("normalization"),
+                      f"{get('normalization')[:30] if isinstance(get('normalization'), str) else 'this norm'} "
+                      f"(not LayerNorm)")
     for flag, what in (("swiglu", "SwiGLU (a gated SiLU MLP)"), ("gated_linear_unit", "a gated linear unit MLP"),
                        ("squared_relu", "a squared-ReLU MLP"), ("quick_geglu", "a quick-GeGLU MLP"),
                        ("multi_latent_attention", "multi-latent attention (MLA)"),
@@ -150,9 +175,7 @@ def model_from_args(a: dict, where: str) -> dict:
         field = "add_bias_linear" if not get("add_bias_linear", True) else "add_qkv_bias"
         raise _refuse(where, field, False, "linear layers without biases")
     for n in ("num_layers", "hidden_size", "num_attention_heads", "max_position_embeddings"):
-        v = get(n)
-        if isinstance(v, bool) or not isinstance(v, int) or v < 1:
-            raise ConvertError(f"{where}: {n} = {v!r}, expected a positive integer")
+        limits.number(get(n), f"{where}: {n}", ConvertError, 1, limits.MAX_SIZE)
     C, H = get("hidden_size"), get("num_attention_heads")
     groups = get("num_query_groups") if get("group_query_attention") else None
     if groups not in (None, H):
@@ -168,13 +191,15 @@ def model_from_args(a: dict, where: str) -> dict:
                       f"hidden_size = {4 * C}")
     # Megatron-LM fuses bias + GeLU by default (--no-bias-gelu-fusion turns it off): the tanh approximation
     tanh = bool(get("openai_gelu")) or bool(get("bias_gelu_fusion", True))
-    eps = get("layernorm_epsilon", get("norm_epsilon", 1e-5))
-    if isinstance(eps, bool) or not isinstance(eps, (int, float)) or not eps > 0:
-        raise ConvertError(f"{where}: layernorm_epsilon = {eps!r}, expected a positive number")
+    eps = limits.finite(get("layernorm_epsilon", get("norm_epsilon", 1e-5)), f"{where}: layernorm_epsilon",
+                        ConvertError, positive=True)  # inf once converted to a model generate then refused
     m = ModelConfig(n_layer=get("num_layers"), n_head=H, n_embd=C, block_size=get("max_position_embeddings"),
                     vocab_size=1, dropout=0.0, tie_embeddings=not get("untie_embeddings_and_output_weights"),
-                    layer_norm_eps=float(eps), activation="gelu_new" if tanh else "gelu")
-    return dataclasses.asdict(m)
+                    layer_norm_eps=eps, activation="gelu_new" if tanh else "gelu")
+    try:  # every field as a config checks it (finite, in range): what is written out can be read back
+        return model_from(dataclasses.asdict(m), where)
+    except ConfigError as e:
+        raise ConvertError(str(e)) from None
 
 
 # ---------------------------------------------------------------- tensor names and layouts
@@ -210,17 +235,27 @@ def _sources(m: dict, names: set) -> dict:
 MODEL_PREFIXES = ("embedding.", "decoder.", "output_layer.", "encoder.", "mtp.")
 
 
-class MegatronGPT(Source):
-    """A Megatron GPT checkpoint as a Source: `model` (the [model] dict), `specs` (megalite's names, in the
-    model's order, at the checkpoint's dtype), and `read(name)`: one tensor, read from just the chunks that
-    hold it (one layer of a stacked tensor reads that layer's chunks)."""
+class MegatronGPT(ForeignModel):
+    """A Megatron GPT checkpoint as a Source (common.ForeignModel), GPT-2 or Llama family: `m` (the [model]
+    dict), `names` (megalite's, in the model's order), `shape(name)`, and `get(name)`: one tensor, read from
+    just the chunks that hold it (one layer of a stacked tensor reads that layer's chunks), in the checkpoint's
+    dtype."""
+    _last = (None, None)  # (what was read, the tensor): q/k/v and gate/up are slices of one fused read
 
-    def __init__(self, path, vocab_size: Optional[int] = None):
+    def __init__(self, path, vocab_size: Optional[int] = None, hints: Optional[hn.Hints] = None):
         self.step = iteration_folder(Path(path))
         self.where, self.guards = str(self.step), [Path(path), self.step]
-        m = model_from_args(read_args(self.step), f"{self.step / COMMON}: args")
+        hints = hints or hn.Hints()
+        args = read_args(self.step, required=not hints.given())
         self.ck = DcpFolder(self.step)
         where = f"{self.step / '.metadata'}"
+        if args is None:  # megatron-core alone: the sizes from the tensors, the rest from the hints
+            args = megatron_llama.args_from_tensors(self.ck.tensors, hints, where)
+            m = model_from_args(args, f"{where} (with the flags given)")
+        else:
+            m = model_from_args(args, f"{self.step / COMMON}: args")
+        vocab_size = vocab_size or hints.vocab_size
+        _check_layers(self.ck, m, where)
         word = self.ck.tensors.get("embedding.word_embeddings.weight")
         if word is None or len(word.shape) != 2 or word.shape[1] != m["n_embd"]:
             got = "missing" if word is None else f"of size {list(word.shape)}"
@@ -231,20 +266,46 @@ class MegatronGPT(Source):
             raise ConvertError(f"--vocab-size {vocab_size}: expected 1 to the checkpoint's padded vocabulary "
                                f"{padded}")
         m["vocab_size"] = vocab_size or padded
-        self.model = m
-        self.parts = model_partitions(m)
-        self.src = _sources(m, set(self.ck.tensors))
-        self._check(where, padded)
-        self.specs = {n: Spec(tuple(p.global_shape), self.ck.tensors[self.src[n][0]].dtype)
-                      for n, p in self.parts.items()}
+        self.interleaved = m.pop("_interleaved", False)
+        self.qkv_bias = m.pop("_qkv_bias", False)
+        self.m = m
+        if m.get("arch") == "llama":
+            self.shapes = hn.llama_shapes(m, self.qkv_bias)
+            self.parts = None if self.qkv_bias else model_partitions(m)  # megalite's model has no q/k/v biases
+            self.refusal = (f"{self.step / COMMON}: args: add_qkv_bias = True: megalite's Llama has no q/k/v "
+                            f"biases (Qwen-style), so it cannot hold this model")
+            self.src = megatron_llama.llama_sources(dict(m, _interleaved=self.interleaved), set(self.ck.tensors))
+            self._check_llama(where, padded)
+        else:
+            self.parts = model_partitions(m)
+            self.shapes = {n: tuple(p.global_shape) for n, p in self.parts.items()}
+            self.src = _sources(m, set(self.ck.tensors))
+            self._check(where, padded)
+        self.names = list(self.shapes)
 
-    def partitions(self):
-        return self.parts
+    def _check_llama(self, where: str, padded: int) -> None:
+        want = megatron_llama.their_shapes(self.m, padded, self.qkv_bias)
+        for name in self.shapes:
+            theirs = self.src[name][0]
+            want.setdefault(theirs, None)
+        for theirs, shape in want.items():
+            info = self.ck.tensors.get(theirs)
+            if info is None:
+                raise ConvertError(f"{where}: tensor '{theirs}' is missing, expected for this Llama")
+            if shape is not None and tuple(info.shape) != shape:
+                raise ConvertError(f"{where}: tensor '{theirs}' has size {list(info.shape)}, expected {list(shape)} "
+                                   f"for {self.m['n_head']} heads in {self.m['n_kv_head']} query groups, hidden "
+                                   f"{self.m['n_embd']}, MLP {self.m['intermediate_size']}"
+                                   f"{megatron_llama.why(theirs)}")
+        extra = sorted(n for n in self.ck.tensors if n.startswith(MODEL_PREFIXES) and n not in want)
+        if extra:
+            raise ConvertError(f"{where}: tensor '{extra[0]}' is not part of this Llama ({len(extra)} such; MoE "
+                               f"experts or router?); refusing to drop it")
 
     def _check(self, where: str, padded: int) -> None:
         """Every tensor megalite needs is there at its size; no model tensor is left over (one would mean an
         architecture the arguments did not say, e.g. MoE router weights)."""
-        m, used = self.model, set()
+        m, used = self.m, set()
         for name, part in self.parts.items():
             theirs, layer, _ = self.src[name]
             want = tuple(part.global_shape)  # megalite's; megatron stacks layers and fuses (3, C) into 3C rows
@@ -271,19 +332,41 @@ class MegatronGPT(Source):
             raise ConvertError(f"{where}: tensor '{extra[0]}' is not part of a GPT-2-shaped model "
                                f"({len(extra)} such); refusing to drop it")
 
-    def read(self, name: str, region=None) -> torch.Tensor:
+    def shape(self, name: str) -> tuple:
+        return self.shapes[name]
+
+    def stored(self, name: str) -> str:
+        return self.src[name][0]
+
+    def get(self, name: str) -> torch.Tensor:
         theirs, layer, fn = self.src[name]
         info = self.ck.tensors[theirs]
-        whole = [(0, n) for n in info.shape]
+        region = [(0, n) for n in info.shape]
         if layer is not None:
-            whole[0] = (layer, layer + 1)
+            region[0] = (layer, layer + 1)
         if name in ("wte.weight", "lm_head.weight"):
-            whole[0] = (0, self.model["vocab_size"])
-        t = self.ck.read(theirs, tuple(whole))
+            region[0] = (0, self.m["vocab_size"])
+        key = (theirs, tuple(region))
+        if self._last[0] == key:  # q, k and v (gate and up) are three (two) reads of one fused tensor
+            t = self._last[1]
+        else:
+            t = self.ck.read(theirs, tuple(region))
+            self._last = (key, t)
         if layer is not None:
             t = t[0]
-        t = (fn(t) if fn else t).contiguous()
-        return t if region is None else t[tuple(slice(a, b) for a, b in region)]
+        return (fn(t) if fn else t).contiguous()
+
+
+def _check_layers(ck: DcpFolder, m: dict, where: str) -> None:
+    """args.num_layers is the number of layers the index stores (dim 0 of every stacked decoder.layers.*
+    tensor), checked before anything is built per layer: 20000 layers over two stored ones once spent a
+    minute and 2 GB describing layers that are not there."""
+    stored = sorted({t.shape[0] for n, t in ck.tensors.items() if n.startswith(LAYERS) and t.shape})
+    if stored != [m["n_layer"]]:
+        got = "no decoder.layers.* tensor" if not stored else \
+            f"{' and '.join(str(n) for n in stored[:3])} layers in its stacked decoder.layers.* tensors"
+        raise ConvertError(f"{where}: args.num_layers = {m['n_layer']}, but the index holds {got} (expected "
+                           f"{m['n_layer']})")
 
 
 def _why(theirs: str, shape, m: dict) -> str:

@@ -11,7 +11,7 @@ from typing import Callable, Optional
 from ..checkpoint import manifest as mf
 from ..checkpoint.check import read_tokenizer
 from ..checkpoint.commit import commit_step
-from ..checkpoint.files import remove_tree, replace_output
+from ..base.fs import remove_tree, replace_output
 from ..checkpoint.plan import Payload, add, plan_writes
 from ..checkpoint.read import SliceReader
 from ..checkpoint.state import StepState

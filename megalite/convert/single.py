@@ -25,17 +25,21 @@ from .sources import FileSource, StepSource, open_source
 
 def convert(ckpt, out, dtype: Optional[str] = None, fmt: str = "megalite", force: bool = False,
             quiet: bool = False, source: Optional[str] = None, vocab_size: Optional[int] = None,
-            check: Optional[bool] = None, max_shard_size: int = MAX_SHARD) -> Path:
+            check: Optional[bool] = None, max_shard_size: int = MAX_SHARD, arch: Optional[str] = None,
+            hints=None) -> Path:
     """Any source as one safetensors file, a transformers folder or a DCP folder. dtype: fp32 unless given (a
     plain DCP source: as stored). check: None = on where transformers is installed, for every export to
-    transformers and every import from another trainer."""
+    transformers and every import from another trainer. arch, hints: what another trainer's checkpoint cannot
+    tell (--arch, --num-heads, --config, ...: hints.py)."""
     if fmt not in FORMATS:
         raise ConvertError(f"--format '{fmt}': expected one of {', '.join(FORMATS)}")
     if dtype is not None and dtype not in DTYPES:
         raise ConvertError(f"--dtype '{dtype}': expected one of {', '.join(DTYPES)}")
     if isinstance(max_shard_size, bool) or not isinstance(max_shard_size, int) or max_shard_size < 1:
         raise ConvertError(f"--max-shard-size {max_shard_size!r}: expected a positive number of bytes")
-    src = open_source(Path(ckpt), source, vocab_size)
+    src = open_source(Path(ckpt), source, vocab_size, arch, hints)
+    if src.model is not None and fmt != "hf-gpt2":
+        src.partitions()  # a model megalite's cannot hold (q/k/v biases) is refused before anything is written
     out = Path(out)
     check_out(out, force, src.guards, "hf" if fmt.startswith("hf") else fmt)
     torch_dtype = DTYPES[dtype] if dtype else (None if src.model is None else torch.float32)
@@ -52,8 +56,9 @@ def convert(ckpt, out, dtype: Optional[str] = None, fmt: str = "megalite", force
     if src.skipped and not quiet:  # after the work: a failed convert prints its one error line only
         n = len(src.skipped)
         shown = ", ".join(src.skipped[:8]) + (f", ... ({n} in all)" if n > 8 else "")
-        print(f"convert: skipped {n} non-tensor entr{'y' if n == 1 else 'ies'} (bytes, never unpickled): {shown}",
-              file=sys.stderr, flush=True)
+        what = (f"training entries ({src.naming})" if hasattr(src, "naming") else
+                f"non-tensor entr{'y' if n == 1 else 'ies'} (bytes, never unpickled)")
+        print(f"convert: skipped {n} {what}: {shown}", file=sys.stderr, flush=True)
     return done
 
 

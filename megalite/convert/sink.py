@@ -14,7 +14,7 @@ from typing import Callable, Iterable, Optional
 
 import torch
 
-from ..checkpoint.files import remove_tree, replace_output
+from ..base.fs import remove_tree, replace_output
 from ..checkpoint.stream import WRITABLE, StreamingWriter, raw_bytes
 from .common import KIND, MODEL_CONFIG, MODEL_KIND, SKIPPED, ConvertError, Progress, Source
 from .dcp import write_dcp

@@ -19,6 +19,7 @@ from .common import MODEL_CONFIG, TOKENIZER, ConvertError, Source, Spec, check_m
     open_safetensors, parse_json
 from .dcp import METADATA, DcpFolder
 from .hf import HFFolder
+from .hints import Hints
 from .megatron import MegatronGPT, is_megatron
 
 SOURCES = ("megalite", "dcp", "megatron", "hf")
@@ -105,8 +106,10 @@ def detect(path: Path) -> str:
     return "megalite"
 
 
-def open_source(path, forced: Optional[str] = None, vocab_size: Optional[int] = None) -> Source:
-    """The Source at `path`: found from what the folder holds, or `forced` (--from)."""
+def open_source(path, forced: Optional[str] = None, vocab_size: Optional[int] = None, arch: Optional[str] = None,
+                hints: Optional[Hints] = None) -> Source:
+    """The Source at `path`: found from what the folder holds, or `forced` (--from). arch and hints (--arch,
+    --num-heads, --config, ...): what another trainer's checkpoint cannot tell (hints.py)."""
     p = Path(path)
     if forced is not None and forced not in SOURCES:
         raise ConvertError(f"--from '{forced}': expected one of {', '.join(SOURCES)}")
@@ -116,13 +119,32 @@ def open_source(path, forced: Optional[str] = None, vocab_size: Optional[int] = 
     if forced == "dcp" and not (p / METADATA).is_file():
         raise ConvertError(f"--from dcp: {p} has no {METADATA} (expected a torch.distributed.checkpoint folder)")
     kind = forced or detect(p)
+    told = hints is not None and hints.given()
+    if kind in ("megalite", "hf") and (arch is not None or told):
+        raise ConvertError(f"--arch, --num-heads, --config, ...: only for a Megatron or DCP checkpoint (a "
+                           f"{'megalite checkpoint' if kind == 'megalite' else 'transformers folder'} says what "
+                           f"model it holds)")
     if vocab_size is not None and kind != "megatron":
         raise ConvertError(f"--vocab-size: only for a Megatron checkpoint (this source is "
                            f"{'a megalite checkpoint' if kind == 'megalite' else kind})")
     if kind == "megatron":
-        return MegatronGPT(p, vocab_size)
+        if arch not in (None, "gpt2", "llama"):
+            raise ConvertError(f"--arch '{arch}': expected gpt2 or llama")
+        g = MegatronGPT(p, vocab_size, hints)
+        if arch is not None and g.m.get("arch", "gpt2") != arch:
+            raise ConvertError(f"--arch {arch} contradicts {p}: its arguments and tensors make a "
+                               f"{g.m.get('arch', 'gpt2')}")
+        return g
     if kind == "dcp":
-        return DcpFolder(p)
+        if arch is None:
+            if told:
+                raise ConvertError("--num-heads, --config, ...: a DCP folder is read as a model only with --arch llama")
+            return DcpFolder(p)
+        if arch != "llama":
+            raise ConvertError(f"--arch '{arch}': a DCP folder is read as a model only for --arch llama (torchtitan's "
+                               f"Llama 3)")
+        from .torchtitan import TorchtitanLlama
+        return TorchtitanLlama(p, hints or Hints())
     if kind == "hf":
         return HFFolder(p)
     if is_checkpoint(p) or p.is_dir():

@@ -11,6 +11,9 @@ split. In order:
          - tied embedding copies (wte on the first stage, its LM-head copy on the last) over `grid.embed`;
          - with sequence parallelism, the tp-replicated parameters (LayerNorms, row-parallel biases, wpe),
            which saw seq/tp of the tokens on each rank, over `grid.tp`;
+         - GQA with tp > n_kv_head: each kv head's k/v rows are held by the tp/n_kv_head ranks whose query heads
+           use it, each holding the gradient of its own queries: summed over the ranks that share the head
+           (`shared_reduce`, over `grid.tp`);
     3. the global L2 norm (every element counted once across tp, pp and ties), for clipping and the log.
 
 Context parallelism (cp: every rank of a cp ring holds the same weights and sees 2 of each sequence's 2cp
@@ -30,7 +33,7 @@ import torch.distributed as dist
 
 from .data import GradBuffer
 from .grid import Axis, ParallelGrid
-from .partition import Partition, partition_of
+from .partition import Partition, partition_of, tp_box, tp_replica, tp_replicas, valid_view
 
 
 @dataclass(frozen=True)
@@ -58,7 +61,33 @@ def finalize_grads(params: list, buffer: GradBuffer, grid: ParallelGrid, sp: boo
     buffer.finish()
     for r in reductions(grid, sp):
         all_reduce_grads([p for _, p in params if r.selects(partition_of(p))], r.axis)
+    shared_reduce([p for _, p in params if is_shared(partition_of(p), grid.tp.size)], grid.tp)
     return grad_norm(params, grid)
+
+
+def is_shared(part: Partition, tp_size: int) -> bool:
+    """A tensor split over tp whose pieces several tp ranks hold (kv heads when tp > n_kv_head)."""
+    return part.dim is not None and tp_replicas(part, tp_size) > 1
+
+
+def shared_reduce(params: list, axis: Axis) -> None:
+    """Sum each piece's gradient over the tp ranks that hold that piece, in one all-reduce over tp: every rank
+    puts its gradient at its piece's place in a zeroed whole tensor, so the sum adds exactly the ranks sharing
+    a piece (the others add zeros). The whole k/v tensors are small (n_kv_head * head_dim rows): one collective
+    over tp costs less than a process group per kv head."""
+    if not axis.active or not params:
+        return
+    parts = [(p, partition_of(p), tp_box(partition_of(p), axis.rank, axis.size)) for p in params]
+    whole = [torch.zeros(part.global_shape, dtype=p.grad.dtype, device=p.grad.device) for p, part, _ in parts]
+    for w, (p, part, box) in zip(whole, parts):
+        w[box.index] = valid_view(p.grad, part, axis.rank, axis.size)
+    flat = torch.cat([w.reshape(-1) for w in whole])
+    dist.all_reduce(flat, group=axis.group)
+    offset = 0
+    for w, (p, part, box) in zip(whole, parts):
+        n = w.numel()
+        valid_view(p.grad, part, axis.rank, axis.size).copy_(flat[offset:offset + n].view_as(w)[box.index])
+        offset += n
 
 
 def all_reduce_grads(params: list, axis: Axis) -> None:
@@ -77,14 +106,15 @@ def all_reduce_grads(params: list, axis: Axis) -> None:
 def grad_norm(named_params, grid: ParallelGrid) -> float:
     """L2 norm of the whole model's gradient, as a single process would compute it.
 
-    tp-replicated parameters (LayerNorms, row-parallel biases, wpe) are counted on tp rank 0 only and
+    tp-replicated parameters (LayerNorms, row-parallel biases, wpe) are counted on tp rank 0 only (a kv head
+    shared by several tp ranks on the first of them: `tp_replica`) and
     the tied LM-head copy is skipped; the partial sums are then added over the model-parallel group
     (all tp and pp ranks of one dp x cp replica). Gradients are identical across dp and cp after the all-reduce.
     """
     sq = torch.zeros((), dtype=torch.float64, device=named_params[0][1].device)
     for _, p in named_params:
         part = partition_of(p)
-        if part.tied_to or (part.dim is None and grid.tp.rank != 0):
+        if part.tied_to or tp_replica(part, grid.tp.rank, grid.tp.size) != 0:
             continue
         sq += p.grad.detach().double().pow(2).sum()
     if grid.mp.active:

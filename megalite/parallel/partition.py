@@ -40,6 +40,10 @@ class Partition:
     decay: whether AdamW applies weight decay to it (GPT-2 / nanoGPT: matrices and embeddings yes; biases
              and LayerNorm parameters no, whatever their shape: the fused QKV bias is (3, C)). Set by the layer
              that creates the parameter; an optimizer setting, so not stored in the manifest.
+    units: 0, or the number of indivisible blocks `dim` is made of (a k/v projection's kv heads, GQA): tp
+           never cuts a block, so with tp > units each block is held whole by tp/units consecutive tp ranks
+           (Megatron's replicated query groups) and their gradients are summed over those ranks
+           (finalize.py); with tp <= units it is an ordinary split (units % tp == 0: config.validate).
     """
     global_shape: tuple
     dim: Optional[int] = None
@@ -48,13 +52,16 @@ class Partition:
     init: str = "normal"
     tied: bool = False
     decay: bool = True
+    units: int = 0
 
-    def to_json(self) -> dict:
-        return {"dim": self.dim, "tied_to": self.tied_to, "placement": self.placement}
+    def to_json(self) -> dict:  # `units` only where set: every GPT-2 manifest reads as it always did
+        return {"dim": self.dim, "tied_to": self.tied_to, "placement": self.placement,
+                **({"units": self.units} if self.units else {})}
 
     @classmethod
     def from_json(cls, shape, d: dict) -> "Partition":
-        return cls(tuple(shape), d.get("dim"), d.get("tied_to"), d.get("placement", "first"))
+        return cls(tuple(shape), d.get("dim"), d.get("tied_to"), d.get("placement", "first"),
+                   units=d.get("units", 0))
 
 
 class Box(tuple):
@@ -114,12 +121,28 @@ def shard_range(n: int, rank: int, size: int) -> tuple[int, int]:
     return start, min(start + chunk, n)
 
 
+def _cuts(p: Partition, tp_size: int) -> int:
+    """Into how many distinct pieces tp cuts the split dim: tp, or `units` when tp > units (blocks shared)."""
+    return min(tp_size, p.units) if p.units else tp_size
+
+
 def local_shape(p: Partition, tp_size: int) -> tuple:
     """Shape of the local tensor: the split dim holds ceil(n / tp) rows (zero padding on the last rank)."""
     shape = list(p.global_shape)
     if p.dim is not None:
-        shape[p.dim] = math.ceil(shape[p.dim] / tp_size)
+        shape[p.dim] = math.ceil(shape[p.dim] / _cuts(p, tp_size))
     return tuple(shape)
+
+
+def tp_replicas(p: Partition, tp_size: int) -> int:
+    """How many tp ranks hold each piece of the tensor: tp (replicated), tp/units (shared kv heads), or 1."""
+    return tp_size if p.dim is None else tp_size // _cuts(p, tp_size)
+
+
+def tp_replica(p: Partition, tp_rank: int, tp_size: int) -> int:
+    """This tp rank's index among the ranks that hold the same piece (0: the one that counts it in the grad
+    norm; the replicas of a piece are consecutive tp ranks)."""
+    return tp_rank % tp_replicas(p, tp_size)
 
 
 @functools.lru_cache(maxsize=1 << 16)
@@ -128,7 +151,7 @@ def tp_box(p: Partition, tp_rank: int, tp_size: int) -> Box:
     asks it for every tensor of a stage, and a Box is immutable."""
     box = [(0, n) for n in p.global_shape]
     if p.dim is not None:
-        box[p.dim] = shard_range(p.global_shape[p.dim], tp_rank, tp_size)
+        box[p.dim] = shard_range(p.global_shape[p.dim], tp_rank // tp_replicas(p, tp_size), _cuts(p, tp_size))
     return Box(box)
 
 
@@ -185,8 +208,7 @@ def valid_view(t: torch.Tensor, p: Partition, tp_rank: int, tp_size: int) -> tor
     """The local tensor without its padding rows (what a checkpoint stores)."""
     if p.dim is None:
         return t
-    start, end = shard_range(p.global_shape[p.dim], tp_rank, tp_size)
-    return t.narrow(p.dim, 0, end - start)
+    return t.narrow(p.dim, 0, tp_box(p, tp_rank, tp_size).shape[p.dim])
 
 
 def init_local(name: str, p: Partition, init: str, seed: int, std: float, tp_rank: int, tp_size: int) -> torch.Tensor:

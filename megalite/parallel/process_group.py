@@ -21,7 +21,7 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
-from ..errors import USER_ERRORS, MegaliteError, StartupError, one_line
+from ..base.errors import USER_ERRORS, MegaliteError, StartupError, one_line
 from .grid import ParallelGrid
 
 

@@ -1,0 +1,221 @@
+"""Files on disk: the one durable writer and the one safe opener of megalite (checkpoints, converter outputs,
+the run folder, token files).
+
+    write_new(path, data)           a new plain file holding `data`, fsynced; never through what was at `path`
+    replace_atomically(path, data)  `path` replaced by a file holding `data` (write_new of a temporary name,
+                                    fsync, rename over, fsync the folder): readers see the old or the new
+    open_read(path), read_all(path) an existing regular file read, never through a symlink (follow=True: a
+                                    path the user named, which may be a link, but still a regular file)
+    open_append(path)               a regular file of its folder appended to (metrics.jsonl, errors.log): never
+                                    through a symlink, never a FIFO or device, never a name shared by hard links
+    fsync_dir, unlink_quietly, remove_tree
+    identity(path), folder_locked   what is at a path now (to see another writer's output appear), and a lock
+                                    on a folder held while outputs are moved into it (one writer at a time)
+
+What is refused (a symlink, a FIFO or device, a folder where a file is expected) is an UnsafeFileError (an
+OSError too) naming the path and what is there; a FIFO or a device is refused at open, never read from, so
+nothing blocks on one.
+
+Every fsync'd small file of a checkpoint (state.json, manifest.json, `latest`, the start-up write probe)
+goes through `write_new` or `replace_atomically`; the safetensors files are streamed (stream.py) with the same
+no-follow opener. What is planted at a path we write (a symlink, a stale temporary file) is unlinked,
+never followed: O_CREAT | O_EXCL | O_NOFOLLOW.
+"""
+from __future__ import annotations
+
+import errno
+import fcntl
+import os
+import shutil
+import stat
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Callable, Iterator, Optional
+
+from .errors import UnsafeFileError
+
+NOFOLLOW = getattr(os, "O_NOFOLLOW", 0)
+
+
+def write_new(path: Path, data: bytes) -> None:
+    """Create `path` as a new plain file holding `data`, fsynced. Whatever was at `path` (a stale temp file,
+    a symlink planted there) is unlinked first, never followed. On failure nothing is left at `path`."""
+    unlink_quietly(path)
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | NOFOLLOW, 0o644)
+    try:
+        view = memoryview(data)
+        while view:
+            view = view[os.write(fd, view):]
+        os.fsync(fd)
+    except BaseException:
+        os.close(fd)
+        unlink_quietly(path)
+        raise
+    os.close(fd)
+
+
+def replace_atomically(path: Path, data: bytes, tmp: Optional[Path] = None) -> None:
+    """Replace `path` atomically by a file holding `data`: write_new(`tmp`) (default `.<name>.tmp` beside it),
+    os.replace, fsync the folder. On failure the temporary file is removed and `path` is untouched."""
+    path = Path(path)
+    tmp = path.with_name(f".{path.name}.tmp") if tmp is None else Path(tmp)
+    write_new(tmp, data)
+    try:
+        os.replace(tmp, path)
+    except BaseException:
+        unlink_quietly(tmp)
+        raise
+    fsync_dir(path.parent)
+
+
+def no_follow(path, flags: int) -> int:
+    """open()'s opener that refuses to go through a symlink at the last component (ELOOP)."""
+    return os.open(path, flags | NOFOLLOW, 0o644)
+
+
+def kind_of(st: os.stat_result) -> str:
+    """What a stat result describes, for a message: 'a folder', 'a named pipe (FIFO)', ..."""
+    for test, what in ((stat.S_ISREG, "a regular file"), (stat.S_ISDIR, "a folder"), (stat.S_ISLNK, "a symbolic link"),
+                       (stat.S_ISCHR, "a character device"), (stat.S_ISBLK, "a block device"),
+                       (stat.S_ISFIFO, "a named pipe (FIFO)"), (stat.S_ISSOCK, "a socket")):
+        if test(st.st_mode):
+            return what
+    return "not a regular file"
+
+
+def open_regular(path, flags: int, follow: bool = False) -> int:
+    """A descriptor of the regular file at `path`, opened with `flags` (O_NONBLOCK added: opening a FIFO
+    never waits for its other end; it does nothing to a regular file). A symlink at `path` (unless `follow`),
+    a FIFO, a device or a folder is refused with an UnsafeFileError naming it."""
+    try:
+        fd = os.open(path, flags | os.O_NONBLOCK | (0 if follow else NOFOLLOW), 0o644)
+    except OSError as e:
+        if not follow and e.errno == errno.ELOOP and os.path.islink(path):
+            raise UnsafeFileError(f"{path} is a symbolic link (to '{os.readlink(path)}'); megalite opens the files it "
+                                  f"manages only as regular files of their folder, never through a link: remove "
+                                  f"it", errno.ELOOP) from None
+        if e.errno in (errno.EISDIR, errno.ENXIO, errno.ENODEV):  # a folder; a FIFO with no reader; a device
+            try:
+                what = kind_of(os.stat(path) if follow else os.lstat(path))
+            except OSError:
+                raise e from None
+            raise UnsafeFileError(f"{path} is {what}, not a regular file", errno.EINVAL) from None
+        raise
+    st = os.fstat(fd)
+    if not stat.S_ISREG(st.st_mode):
+        os.close(fd)
+        raise UnsafeFileError(f"{path} is {kind_of(st)}, not a regular file", errno.EINVAL)
+    return fd
+
+
+def _regular(path, flags: int) -> int:
+    """open()'s opener: `open_regular` without following a symlink."""
+    return open_regular(path, flags)
+
+
+def _regular_follow(path, flags: int) -> int:
+    return open_regular(path, flags, follow=True)
+
+
+def open_read(path: Path, buffering: int = -1, follow: bool = False):
+    """`path` opened for reading ('rb'): a regular file (never a FIFO, a device or a folder), never reached
+    through a symlink at `path` unless `follow` (a path the user named: a config, a token file, a model).
+    Callers that name a symlink in their own error check for it first; this makes the open itself safe."""
+    return open(path, "rb", buffering=buffering, opener=_regular_follow if follow else _regular)
+
+
+def read_all(path: Path, limit: Optional[int] = None, follow: bool = False) -> bytes:
+    """The bytes of a regular file (open_read), at most `limit` of them when given."""
+    with open_read(path, follow=follow) as f:
+        return f.read() if limit is None else f.read(limit)
+
+
+def open_append(path: Path, log: Optional[Callable[[str], None]] = None):
+    """`path` opened for appending text (created if missing): a regular file of its folder, never through a
+    symlink, never a FIFO or device. A file that shares its data with other names (hard links: a run folder
+    copied with `cp -al`) is first made this name's own (copied, then renamed over it; the other names keep
+    theirs), so an append never changes another run's record; `log` says so."""
+    path = Path(path)
+    flags = os.O_WRONLY | os.O_APPEND | os.O_CREAT
+    fd = open_regular(path, flags)
+    links = os.fstat(fd).st_nlink
+    if links > 1:
+        os.close(fd)
+        replace_atomically(path, read_all(path), tmp=path.with_name(f".{path.name}.unshare"))
+        fd = open_regular(path, flags)
+        if log is not None:
+            log(f"megalite: {path} had {links} hard links (a copy made with `cp -al`?): this run appends to a "
+                f"copy of its own; the other names keep theirs unchanged")
+    fcntl.fcntl(fd, fcntl.F_SETFL, fcntl.fcntl(fd, fcntl.F_GETFL) & ~os.O_NONBLOCK)  # blocking writes again
+    return open(fd, "a", encoding="utf-8")
+
+
+def fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def unlink_quietly(path: Path) -> None:
+    """Remove a file or a symlink (never what it points to); nothing there is fine."""
+    try:
+        os.unlink(path)
+    except FileNotFoundError:
+        pass
+
+
+def remove_tree(path: Path) -> None:
+    """Remove a folder this project created; a symlink is unlinked, never followed."""
+    if os.path.islink(path) or (os.path.lexists(path) and not os.path.isdir(path)):
+        unlink_quietly(path)
+    elif os.path.isdir(path):
+        shutil.rmtree(path)
+
+
+def replace_output(tmp: Path, out: Path) -> None:
+    """Move a finished temporary output (a file or a folder) into place at `out`; an old output there is
+    removed only after the move (a symlink at `out` is replaced itself, never followed). If the move fails, the
+    temporary output is removed and the old output is where it was. The folder is fsynced after."""
+    tmp, out = Path(tmp), Path(out)
+    try:
+        if os.path.lexists(out):
+            old = out.with_name(out.name + ".old-megalite")
+            remove_tree(old)
+            os.replace(out, old)
+            try:
+                os.replace(tmp, out)
+            except BaseException:
+                os.replace(old, out)
+                raise
+            remove_tree(old)
+        else:
+            os.replace(tmp, out)
+    except BaseException:
+        remove_tree(tmp)
+        raise
+    fsync_dir(out.parent)
+
+
+def identity(path: Path) -> Optional[tuple]:
+    """What is at `path` (not following a symlink), as (device, inode, size, mtime in ns, mode), or None:
+    two writers of one output each note it when they start, and the second to finish sees it changed."""
+    try:
+        st = os.lstat(path)
+    except FileNotFoundError:
+        return None
+    return st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns, st.st_mode
+
+
+@contextmanager
+def folder_locked(folder: Path) -> Iterator[None]:
+    """An exclusive flock on `folder` itself (no file is created), held while a writer checks that its output
+    is still as it found it and moves its new one into place: two megalite writers of one folder commit one
+    after the other, so the second sees the first's output (and is refused) instead of silently replacing it."""
+    fd = os.open(folder, os.O_RDONLY | getattr(os, "O_DIRECTORY", 0))
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        yield
+    finally:
+        os.close(fd)  # releases the lock

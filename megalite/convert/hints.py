@@ -1,0 +1,173 @@
+"""What a checkpoint's tensors cannot tell, told by the user: the flags of `megalite convert` (--num-heads,
+--num-kv-heads, --rope-theta, --norm, --mlp, --norm-eps) or a transformers `config.json` (--config); and the
+sizes a Llama or GPT-2 has, read from its tensors' shapes and checked against what was told.
+
+A flag that contradicts the tensors is refused in one line naming both (the flag and the tensor's size); so is
+a flag that contradicts the --config file.
+
+Also the Llama family's global shapes under megalite's names (docs: LLAMA_NAMES in foreign-checkpoints.md) and
+the one reshaping other trainers need: torchtitan / Meta (and Megatron's `rotary_interleaved`) store each
+head's q/k rows as interleaved pairs (complex RoPE: dims 2i, 2i+1 rotate together); megalite and transformers
+store rotate-half (dims i, i + hd/2 rotate together).
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+from pathlib import Path
+from typing import Optional
+
+import torch
+
+from ..base.errors import ConvertError
+
+NORMS, MLPS = ("rms", "layer"), ("swiglu", "gelu", "gelu_tanh")
+
+
+@dataclasses.dataclass
+class Hints:
+    """What the user told about the model (None: not told)."""
+    num_heads: Optional[int] = None
+    num_kv_heads: Optional[int] = None
+    rope_theta: Optional[float] = None
+    rope_scaling: Optional[dict] = None  # from --config only
+    norm: Optional[str] = None  # rms | layer
+    mlp: Optional[str] = None  # swiglu | gelu | gelu_tanh
+    norm_eps: Optional[float] = None
+    vocab_size: Optional[int] = None  # from --config: the real vocabulary (padding cut to it)
+    block_size: Optional[int] = None
+    config: Optional[str] = None  # the file the values came from, for error lines
+
+    def given(self) -> bool:
+        return any(v is not None for v in (self.num_heads, self.num_kv_heads, self.rope_theta, self.norm, self.mlp,
+                                           self.norm_eps, self.config))
+
+
+def _flag(name: str) -> str:
+    return "--" + name.replace("_", "-")
+
+
+def merge_config(h: Hints, path: Path) -> Hints:
+    """The values of a transformers config.json (4.x: rope_theta + rope_scaling; 5.x: rope_parameters) under
+    the flags given; a flag that disagrees with the file is refused naming both."""
+    try:
+        c = json.loads(Path(path).read_text())
+    except (OSError, UnicodeDecodeError, ValueError) as e:
+        raise ConvertError(f"--config {path}: not a readable JSON file ({type(e).__name__})") from None
+    if not isinstance(c, dict):
+        raise ConvertError(f"--config {path}: expected a JSON object (a transformers config.json)")
+    gpt2 = c.get("model_type") == "gpt2"
+    rope = c.get("rope_parameters") if isinstance(c.get("rope_parameters"), dict) else {}
+    scaling = c.get("rope_scaling") if isinstance(c.get("rope_scaling"), dict) else None
+    if scaling is None and rope.get("rope_type", "default") != "default":
+        scaling = rope
+    act = c.get("activation_function" if gpt2 else "hidden_act")
+    got = dict(num_heads=c.get("n_head" if gpt2 else "num_attention_heads"),
+               num_kv_heads=None if gpt2 else c.get("num_key_value_heads"),
+               rope_theta=None if gpt2 else c.get("rope_theta", rope.get("rope_theta")),
+               norm="layer" if gpt2 else "rms", norm_eps=c.get("layer_norm_epsilon" if gpt2 else "rms_norm_eps"),
+               mlp={"gelu": "gelu", "gelu_new": "gelu_tanh", "gelu_pytorch_tanh": "gelu_tanh"}.get(act, "?") if gpt2
+               else ("swiglu" if act == "silu" else f"{act}-gated"),
+               vocab_size=c.get("vocab_size"), block_size=c.get("n_positions" if gpt2 else "max_position_embeddings"))
+    out = dataclasses.replace(h, config=str(path), rope_scaling=scaling)
+    for k, v in got.items():
+        mine = getattr(h, k)
+        if v is None:
+            continue
+        if mine is not None and k not in ("vocab_size", "block_size") and mine != v:
+            raise ConvertError(f"{_flag(k)} {mine} contradicts --config {path} ({k} = {v!r})")
+        setattr(out, k, v if mine is None else mine)
+    if out.mlp not in MLPS:
+        raise ConvertError(f"--config {path}: activation {act!r}: megalite models SiLU-gated (SwiGLU) Llama MLPs "
+                           f"and GeLU GPT-2 MLPs")
+    return out
+
+
+def check_choice(h: Hints) -> None:
+    for name, allowed in (("norm", NORMS), ("mlp", MLPS)):
+        v = getattr(h, name)
+        if v is not None and v not in allowed:
+            raise ConvertError(f"{_flag(name)} '{v}': expected one of {', '.join(allowed)}")
+    for name in ("num_heads", "num_kv_heads"):
+        v = getattr(h, name)
+        if v is not None and (isinstance(v, bool) or not isinstance(v, int) or v < 1):
+            raise ConvertError(f"{_flag(name)} {v!r}: expected a positive integer")
+
+
+def heads(h: Hints, hidden: int, q_rows: int, kv_rows: int, where: str, q_name: str, kv_name: str) -> tuple:
+    """(n_head, n_kv_head, head width) from --num-heads and the q / k widths the tensors have."""
+    if h.num_heads is None:
+        raise ConvertError(f"{where}: the number of attention heads cannot be read from the tensors; give "
+                           f"--num-heads (and --num-kv-heads for grouped-query attention), or --config config.json")
+    H = h.num_heads
+    if hidden % H or q_rows % H:
+        raise ConvertError(f"--num-heads {H} does not divide the hidden size {hidden} (the query width of tensor "
+                           f"'{q_name}' is {q_rows})")
+    hd = q_rows // H
+    if kv_rows % hd:
+        raise ConvertError(f"--num-heads {H} gives a head width of {hd}, which does not divide the key width "
+                           f"{kv_rows} of tensor '{kv_name}'")
+    KV = kv_rows // hd
+    if h.num_kv_heads is not None and h.num_kv_heads != KV:
+        raise ConvertError(f"--num-kv-heads {h.num_kv_heads} contradicts tensor '{kv_name}': its {kv_rows} rows "
+                           f"are {KV} key/value heads of width {hd}")
+    if H % KV:
+        raise ConvertError(f"{where}: {KV} key/value heads do not divide {H} attention heads")
+    return H, KV, hd
+
+
+def check_told(h: Hints, name: str, told, read, tensor: str, what: str) -> None:
+    """A flag that says something else than the tensors: one line naming both."""
+    if told is not None and told != read:
+        raise ConvertError(f"{_flag(name)} {told} contradicts tensor '{tensor}', which {what}")
+
+
+# ---------------------------------------------------------------- the Llama family under megalite's names
+def llama_model(n_layer: int, n_head: int, n_kv_head: int, n_embd: int, ffn: int, vocab: int, tied: bool,
+                theta: float, scaling: Optional[dict], eps: float, block_size: int) -> dict:
+    """megalite's [model] dict for a Llama (arch, n_kv_head, intermediate_size, rope_theta, rope_scaling;
+    layer_norm_eps is RMSNorm's eps), every other key at ModelConfig's default."""
+    from ..config import ModelConfig
+    m = ModelConfig(arch="llama", n_layer=n_layer, n_head=n_head, n_kv_head=n_kv_head, n_embd=n_embd,
+                    intermediate_size=ffn, vocab_size=vocab, block_size=block_size, dropout=0.0, tie_embeddings=tied,
+                    rope_theta=float(theta), rope_scaling=rope_scaling(scaling), layer_norm_eps=float(eps))
+    return dataclasses.asdict(m)
+
+
+def rope_scaling(s: Optional[dict]) -> dict:
+    """A transformers / torchtitan rope scaling table as megalite's ({}: none); what it does not model refused."""
+    if not s:
+        return {}
+    kind = s.get("rope_type", s.get("type"))
+    if kind != "llama3":
+        raise ConvertError(f"rope_scaling rope_type = {kind!r}: megalite models only Llama 3's ('llama3'), or none")
+    return {"rope_type": "llama3", "factor": float(s["factor"]), "low_freq_factor": float(s["low_freq_factor"]),
+            "high_freq_factor": float(s["high_freq_factor"]),
+            "original_max_position_embeddings": int(s["original_max_position_embeddings"])}
+
+
+def llama_shapes(m: dict, qkv_bias: bool = False) -> dict:
+    """Global shape of every megalite Llama tensor, in the model's order (with Qwen-style q/k/v biases, which
+    transformers' Qwen2 has and megalite's model does not)."""
+    C, hd, F, V = m["n_embd"], m["n_embd"] // m["n_head"], m["intermediate_size"], m["vocab_size"]
+    q, kv = m["n_head"] * hd, m["n_kv_head"] * hd
+    out = {"wte.weight": (V, C)}
+    for i in range(m["n_layer"]):
+        b = f"blocks.{i}."
+        out.update({b + "ln_1.weight": (C,), b + "attn.q.weight": (q, C), b + "attn.k.weight": (kv, C),
+                    b + "attn.v.weight": (kv, C)})
+        if qkv_bias:
+            out.update({b + "attn.q.bias": (q,), b + "attn.k.bias": (kv,), b + "attn.v.bias": (kv,)})
+        out.update({b + "attn.proj.weight": (C, q), b + "ln_2.weight": (C,), b + "mlp.gate.weight": (F, C),
+                    b + "mlp.up.weight": (F, C), b + "mlp.proj.weight": (C, F)})
+    out["ln_f.weight"] = (C,)
+    if not m["tie_embeddings"]:
+        out["lm_head.weight"] = (V, C)
+    return out
+
+
+def interleaved_to_rotate_half(t: torch.Tensor, heads: int) -> torch.Tensor:
+    """q or k rows of `heads` heads, each head's dims paired (2i, 2i+1) -> paired (i, i + hd/2):
+    "(h d two) ... -> (h two d) ..." (transformers' permute in convert_llama_weights_to_hf.py)."""
+    hd = t.shape[0] // heads
+    return t.reshape(heads, hd // 2, 2, *t.shape[1:]).transpose(1, 2).reshape(t.shape).contiguous()
