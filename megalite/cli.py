@@ -140,12 +140,13 @@ def _cmd_verify(args, rest) -> int:
 
 def _cmd_convert(args, rest) -> int:
     from .convert import convert
-    from .convert.hints import Hints, merge_config
     from .convert.single import parse_size
-    hints = Hints(num_heads=args.num_heads, num_kv_heads=args.num_kv_heads, rope_theta=args.rope_theta,
-                  norm=args.norm, mlp=args.mlp, norm_eps=args.norm_eps)
-    if args.config is not None:
-        hints = merge_config(hints, args.config)
+    told = dict(num_heads=args.num_heads, num_kv_heads=args.num_kv_heads, rope_theta=args.rope_theta,
+                norm=args.norm, mlp=args.mlp, norm_eps=args.norm_eps)
+    hints = None
+    if args.config is not None or any(v is not None for v in told.values()):  # what a foreign checkpoint cannot tell
+        from .convert.hints import Hints, merge_config
+        hints = Hints(**told) if args.config is None else merge_config(Hints(**told), args.config)
     out = convert(args.ckpt, args.out, dtype=args.dtype, fmt=args.format, force=args.force, quiet=args.quiet,
                   source=args.source, vocab_size=args.vocab_size, arch=args.arch, hints=hints, check=args.check,
                   max_shard_size=parse_size(args.max_shard_size, "--max-shard-size"))

@@ -46,10 +46,6 @@ COMMON, META_JSON = "common.pt", "metadata.json"
 LAYERS = "decoder.layers."
 
 
-def is_megatron(path: Path) -> bool:
-    return path.is_dir() and ((path / META_JSON).is_file() or (path / LATEST).is_file())
-
-
 def iteration_folder(path: Path) -> Path:
     """The folder of one iteration: `path` itself, or the one its latest_checkpointed_iteration.txt names."""
     if (path / META_JSON).is_file():

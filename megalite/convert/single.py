@@ -44,8 +44,8 @@ def convert(ckpt, out, dtype: Optional[str] = None, fmt: str = "megalite", force
     torch_dtype = DTYPES[dtype] if dtype else (None if src.model is None else torch.float32)
     foreign = not isinstance(src, (StepSource, FileSource))
     if check is None:
-        check = checking.available() and src.model is not None and (fmt.startswith("hf") or foreign) \
-            and fmt != "dcp"
+        check = src.model is not None and (fmt.startswith("hf") or foreign) and fmt != "dcp" \
+            and checking.available()
     elif check and (src.model is None or fmt == "dcp"):
         raise ConvertError(f"--check: {src.where} -> --format {fmt} has no model forward to compare "
                            f"(a plain DCP source, or a DCP output)")

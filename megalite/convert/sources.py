@@ -20,7 +20,7 @@ from .common import MODEL_CONFIG, ConvertError, Source, Spec, check_manifest_ten
 from .dcp import METADATA, DcpFolder
 from .hf import HFFolder
 from .hints import Hints
-from .megatron import MegatronGPT, is_megatron
+from .megatron import LATEST as MEGATRON_LATEST, META_JSON, MegatronGPT
 
 SOURCES = ("megalite", "dcp", "megatron", "hf")
 
@@ -85,6 +85,11 @@ _ST = {"F32": torch.float32, "BF16": torch.bfloat16, "F16": torch.float16, "F64"
 
 def _dtype_of(st: str) -> torch.dtype:
     return _ST.get(st, torch.float32)
+
+
+def is_megatron(path: Path) -> bool:
+    """A Megatron torch_dist iteration folder (metadata.json) or a root naming one."""
+    return path.is_dir() and ((path / META_JSON).is_file() or (path / MEGATRON_LATEST).is_file())
 
 
 def is_checkpoint(p: Path) -> bool:
