@@ -291,3 +291,15 @@ def test_the_documented_llama_commands(tmp_path):
     assert len(list((tmp_path / "llama" / "hf-sharded").glob("model-*-of-*.safetensors"))) > 2
     src, back = open_source(tmp_path / "llama" / "model.safetensors"), open_source(tmp_path / "llama" / "back.safetensors")
     assert all(torch.equal(src.read(n), back.read(n)) for n in src.specs)
+
+
+def test_format_names_and_shard_sizes(tmp_path, hf_gqa):
+    from megalite.convert.single import parse_size
+    assert [parse_size(s, "--max-shard-size") for s in ("5GB", "20KB", "1MiB", "123")] == [5 * 10**9, 20_000, 2**20,
+                                                                                          123]
+    for bad in ("lots", "0", "-1GB", "5TB"):
+        with pytest.raises(ConvertError, match=rf"--max-shard-size '{bad}': expected a size"):
+            parse_size(bad, "--max-shard-size")
+    with pytest.raises(ConvertError, match=r"--format hf-gpt2: .* model.arch = 'llama' model; --format hf writes "):
+        convert(hf_gqa[0], tmp_path / "hf", fmt="hf-gpt2")
+    assert not (tmp_path / "hf").exists()
