@@ -132,13 +132,12 @@ def test_megatron_llama_without_args_takes_a_transformers_config(mref, tmp_path)
 @needs_megatron
 def test_gpt2_without_args_converts_with_num_heads(mref, tmp_path):
     """The issue's first case: a GPT-2 written by megatron-core's dist_checkpointing.save alone."""
-    from megalite.convert.hf import write_hf
+    from megalite.convert import convert
     ref = torch.load(mref / "untied_tp2.pt")
     with pytest.raises(ConvertError, match=r"common\.pt: has no 'args'.*give what they cannot tell, --num-heads"):
         MegatronGPT(mref / "untied_tp2_noargs")
-    g = MegatronGPT(mref / "untied_tp2_noargs", hints=hn.Hints(num_heads=4, mlp="gelu_tanh", norm_eps=1e-6))
-    out = write_hf(tmp_path / "hf", g.m, {n: g.shape(n) for n in g.names}, ((n, g.get(n)) for n in g.names),
-                   torch.float32)
+    out = convert(mref / "untied_tp2_noargs", tmp_path / "hf", fmt="hf-gpt2", quiet=True,
+                  hints=hn.Hints(num_heads=4, mlp="gelu_tanh", norm_eps=1e-6))
     with torch.no_grad():
         got = transformers.GPT2LMHeadModel.from_pretrained(str(out)).eval()(ref["ids"]).logits
     d = (got - ref["logits"]).abs().max().item()
