@@ -153,7 +153,7 @@ def _cmd_convert(args, rest) -> int:
     if args.config is not None:
         hints = merge_config(hints, args.config)
     out = convert(args.ckpt, args.out, dtype=args.dtype, fmt=args.format, force=args.force, quiet=args.quiet,
-                  source=args.source, vocab_size=args.vocab_size, arch=args.arch, hints=hints)
+                  source=args.source, vocab_size=args.vocab_size, arch=args.arch, hints=hints, check=args.check)
     if not args.quiet:
         print(f"convert: wrote {out}")
     return 0
@@ -297,6 +297,9 @@ def build_parser() -> argparse.ArgumentParser:
     hint.add_argument("--mlp", default=None, help="swiglu | gelu | gelu_tanh (default: read from the MLP's rows)")
     hint.add_argument("--norm-eps", type=float, default=None, help="(default 1e-5)")
     hint.add_argument("--config", default=None, help="a transformers config.json giving all of the above")
+    p.add_argument("--check", action=argparse.BooleanOptionalAction, default=None,
+                   help="a Megatron / torchtitan Llama: run the converted model beside the source in its own layout "
+                        "on fixed tokens, refuse above the tolerance (default on)")
     p.add_argument("--force", action="store_true", help="replace --out if it exists")
     p.add_argument("--quiet", action="store_true")
 

@@ -90,7 +90,8 @@ def foreign_model(src: Path, kind: str, arch: Optional[str], vocab_size: Optiona
 
 
 def convert_foreign(src: Path, kind: str, out: Path, fmt: str, dtype: Optional[str], vocab_size: Optional[int],
-                    force: bool, quiet: bool, arch: Optional[str] = None, hints: Optional[Hints] = None) -> Path:
+                    force: bool, quiet: bool, arch: Optional[str] = None, hints: Optional[Hints] = None,
+                    check: Optional[bool] = None) -> Path:
     """A Megatron or DCP checkpoint -> one file, an HF GPT-2 folder, or a DCP folder (see the table above)."""
     if vocab_size is not None and kind != "megatron":
         raise ConvertError(f"--vocab-size: only for a Megatron checkpoint (this source is {kind})")
@@ -127,6 +128,12 @@ def convert_foreign(src: Path, kind: str, out: Path, fmt: str, dtype: Optional[s
     if fmt != "hf-gpt2":
         _needs_megalite_model(g, f"--format {fmt}")
     _check_out(out, force, [src, getattr(g, "step", src)], fmt)
+    if g.m.get("arch") == "llama" and check is not False and getattr(g, "parts", None) is not None:
+        from . import native  # before anything is written: a failed check leaves no output
+        diff, kl = native.check(g, native.prompt(g.m), str(src))
+        if not quiet:
+            print(f"convert: --check: max |logit difference| {diff:.2e}, KL {kl:.2e} against {src.name}'s own-layout "
+                  f"forward", file=sys.stderr, flush=True)
     skipped = getattr(g, "skipped", [])
     torch_dtype = torch_dtype or torch.float32
     progress = Progress("convert", len(g.names), sum(math.prod(g.shape(n)) * torch_dtype.itemsize for n in g.names),

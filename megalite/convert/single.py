@@ -26,7 +26,7 @@ TOKENIZER_KEY = "megalite.tokenizer"  # safetensors metadata: the run's tokenize
 
 def convert(ckpt, out, dtype: Optional[str] = None, fmt: str = "megalite", force: bool = False,
             quiet: bool = False, source: Optional[str] = None, vocab_size: Optional[int] = None,
-            arch: Optional[str] = None, hints=None) -> Path:
+            arch: Optional[str] = None, hints=None, check: Optional[bool] = None) -> Path:
     """Reassemble the model of any layout into one safetensors file (or an HF GPT-2 / a DCP folder); a
     Megatron-LM or DCP checkpoint too (foreign.py). dtype: fp32 unless given (a DCP source: as stored)."""
     if fmt not in FORMATS:
@@ -35,7 +35,7 @@ def convert(ckpt, out, dtype: Optional[str] = None, fmt: str = "megalite", force
         raise ConvertError(f"--dtype '{dtype}': expected one of {', '.join(DTYPES)}")
     kind = source_kind(Path(ckpt), source)
     if kind != "megalite":
-        return convert_foreign(Path(ckpt), kind, Path(out), fmt, dtype, vocab_size, force, quiet, arch, hints)
+        return convert_foreign(Path(ckpt), kind, Path(out), fmt, dtype, vocab_size, force, quiet, arch, hints, check)
     if arch is not None or (hints is not None and hints.given()):
         raise ConvertError("--arch, --num-heads, --config, ...: only for a Megatron or DCP checkpoint (a megalite "
                            "checkpoint says what model it holds)")
