@@ -15,7 +15,11 @@ TOK=data/stdlib-bpe-2k
 [ -f data/stdlib-bpe.bin ] || python3 -m megalite prepare --tokenizer "$TOK" --out data/stdlib-bpe.bin
 for twin in byte:configs/small-cpu.toml bpe:configs/small-cpu-bpe.toml; do
     run=runs/demo-${twin%%:*}
-    rm -rf "$run"
+    if [ -e "$run" ] || [ -L "$run" ]; then  # never deleted: moved aside, as launch/demo.sh does
+        aside="$run.old-$(date +%Y%m%d-%H%M%S)"
+        mv "$run" "$aside"
+        echo "demo: moved the earlier $run aside to $aside (nothing is deleted; rm -rf it yourself when done)"
+    fi
     torchrun --standalone --nproc-per-node "$NPROC" -m megalite train --config "${twin#*:}" \
         --parallel.tp=2 --parallel.pp=2 --train.out_dir="$run" --checkpoint.dir="$run/checkpoints" "$@"
 done

@@ -10,7 +10,13 @@ export OMP_NUM_THREADS=${OMP_NUM_THREADS:-1}
 # same variable and warn (once) when a step + a save would not fit (docs/checkpointing.md: "Stopping in time").
 export TORCH_ELASTIC_SHUTDOWN_TIMEOUT="${TORCH_ELASTIC_SHUTDOWN_TIMEOUT:-120}"
 RUN=${RUN:-runs/demo}
-rm -rf "$RUN"
+# Nothing is deleted: an earlier $RUN (a previous demo, with whatever you or the docs' commands wrote into it)
+# is moved aside to $RUN.old-<time>; remove those yourself when you no longer want them.
+if [ -e "$RUN" ] || [ -L "$RUN" ]; then
+    aside="$RUN.old-$(date +%Y%m%d-%H%M%S)"
+    mv "$RUN" "$aside"
+    echo "demo: moved the earlier $RUN aside to $aside (nothing is deleted; rm -rf it yourself when done)"
+fi
 torchrun --standalone --nproc-per-node 8 -m megalite train --config configs/tiny-cpu.toml \
     --parallel.tp=2 --parallel.pp=2 --parallel.dp=2 \
     --train.out_dir="$RUN" --checkpoint.dir="$RUN/checkpoints" "$@"

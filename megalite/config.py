@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from .base.errors import ConfigError, LayoutError
+from .base.limits import MAX_COUNT, MAX_SIZE  # noqa: F401 (re-exported: config.MAX_COUNT is read elsewhere)
 from .parallel.grid import Layout
 
 if sys.version_info >= (3, 11):
@@ -347,9 +348,7 @@ def check_rope_scaling(rs: dict, where: str = "") -> None:
 
 
 # The ranges the numbers' consumers can take, checked where a number enters (config, CLI, manifest, state.json).
-MAX_COUNT = 2**53 - 1  # steps, intervals, batch sizes, seeds, stored counters: exact in any JSON reader, and a
-#                        seed plus a step still fits torch.manual_seed's int64 (a resume re-seeds from seed + step)
-MAX_SIZE = 2**31 - 1  # model sizes: a tensor's dims and element counts stay within torch's indexing kernels
+# MAX_COUNT (steps, seeds, stored counters) and MAX_SIZE (model sizes) are limits.py's, with every other bound.
 MAX_TIMEOUT_S = (2**63 - 1) // 10**9  # parallel.timeout_s: gloo and NCCL hold it in int64 nanoseconds
 FLOAT32_MAX = 3.4028234663852886e38  # the optimizer's scalars meet float32 tensors (torch.addcdiv's value)
 EVAL_STREAMS = 2**31  # eval batch i draws from PCG64([seed, 2**32 - 1 - i]), apart from training's [seed, k]

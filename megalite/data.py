@@ -26,10 +26,14 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from .base.fs import kind_of, no_follow, open_read, read_all, replace_atomically, unlink_quietly
+from .base.fs import (folder_locked, fsync_dir, identity, kind_of, no_follow, open_read, read_all,
+                      unlink_quietly, write_new)
+from .base import limits
 from .config import MAX_COUNT
 from .base.errors import DataError
-from .tokenizer import BYTE, Tokenizer, byte_tokenizer, from_json, load as load_tokenizer, read_text_pieces
+from .base.jsonio import loads
+from .tokenizer import (BYTE, FORCED_CUT, Tokenizer, byte_tokenizer, from_json, load as load_tokenizer,
+                        read_text_pieces)
 
 if TYPE_CHECKING:  # torch is imported where batches are made: `megalite prepare` never loads it
     import torch
@@ -132,10 +136,12 @@ class _Progress:
               flush=True)
 
 
-def _pieces(files: list[Path], piece_chars: int):
-    """(document index, text piece) for every file in order: each file is one document."""
+def _pieces(files: list[Path], piece_chars: int, specials: tuple = (), forced=None):
+    """(document index, text piece) for every file in order: each file is one document. `forced`: a list
+    that gets (file, character offset) for each cut made inside a run without any word boundary."""
     for doc, path in enumerate(files):
-        for piece in read_text_pieces(path, piece_chars):
+        note = None if forced is None else (lambda at, path=path: forced.append((path, at)))
+        for piece in read_text_pieces(path, piece_chars, specials=specials, on_forced_cut=note):
             yield doc, piece, len(piece)
         yield doc, "", 0  # marks the document even when the file is empty
 
@@ -160,36 +166,44 @@ def _encode(tok: Tokenizer, texts: list[str], dtype) -> list[np.ndarray]:
     return [np.array(e.ids, dtype=dtype) for e in tok.backend.encode_batch(texts)]
 
 
-def check_out(out: Path, force: bool) -> None:
-    """`prepare --out`: an existing token file (or a .json beside --out) is replaced only with --force, and
-    --force replaces only a token file `megalite prepare` wrote, recognised by its .json (format
-    'megalite-tokens', the .bin of the size it records): never a file of anything else."""
+def outputs(out: Path, sidecar: bool) -> list[Path]:
+    """What `prepare --out OUT` writes: OUT, its .json and (for a tokenizer other than bytes) the tokenizer's
+    copy OUT.tokenizer.json: each an output, refused when it exists unless --force, and then only if ours."""
+    return [out, meta_path(out)] + ([tokenizer_path(out)] if sidecar else [])
+
+
+def check_out(out: Path, force: bool, sidecar: bool = False) -> None:
+    """`prepare --out`: an existing token file (or a .json or tokenizer copy beside --out) is replaced only
+    with --force, and --force replaces only a token file `megalite prepare` wrote, recognised by its .json
+    (format 'megalite-tokens', the .bin of the size it records, the tokenizer copy of the sha256 it records):
+    never a file of anything else, never through a symlink."""
     if out.suffix != ".bin":
         raise DataError(f"prepare: output '{out}' must end with .bin")
-    present = [p for p in (out, meta_path(out)) if os.path.lexists(p)]
+    present = [p for p in outputs(out, sidecar) if os.path.lexists(p)]
     if not present:
         return
-    what = f"--out {out}" if present[0] == out else f"'{present[0]}' (the .json beside --out {out})"
+    what = f"--out {out}" if present[0] == out else f"'{present[0]}' (the .json beside --out {out})" \
+        if present[0] == meta_path(out) else f"'{present[0]}' (the tokenizer copy beside --out {out})"
     if not force:
         raise DataError(f"prepare: {what} already exists (pass --force to replace a token file `megalite prepare` "
                         f"wrote)")
-    why = _not_a_token_file(out)
+    why = _not_a_token_file(out, sidecar)
     if why:
         raise DataError(f"prepare: {what} already exists and is not a token file `megalite prepare` wrote ({why}); "
                         f"--force replaces only such a file: remove it yourself or choose another --out")
 
 
-def _not_a_token_file(out: Path) -> str:
-    """'' when `out` and its .json are a token file prepare wrote, else why not."""
+def _not_a_token_file(out: Path, sidecar: bool = False) -> str:
+    """'' when `out`, its .json (and tokenizer copy) are a token file prepare wrote, else why not."""
     mpath = meta_path(out)
-    for p in (out, mpath):
+    for p in outputs(out, sidecar):
         if os.path.lexists(p) and (p.is_symlink() or not p.is_file()):
             return f"'{p}' is {kind_of(os.lstat(p))}"
     if not mpath.exists():
         return f"no '{mpath.name}' beside it says what it is"
     try:
-        meta = json.loads(read_all(mpath, 1 << 20))
-    except (OSError, ValueError):
+        meta = loads(read_all(mpath, limits.FILE_BYTES["json"]), str(mpath), DataError)
+    except (OSError, DataError):
         meta = None
     if not isinstance(meta, dict) or meta.get("format") != FORMAT:
         return f"'{mpath}' is not a '{FORMAT}' description"
@@ -197,6 +211,12 @@ def _not_a_token_file(out: Path) -> str:
     width = np.dtype(TOKEN_DTYPES.get(meta.get("dtype"), np.uint16)).itemsize
     if size is not None and isinstance(meta.get("num_tokens"), int) and size != width * meta["num_tokens"]:
         return f"its size, {size} bytes, is not the {width * meta['num_tokens']} its .json records"
+    tpath = tokenizer_path(out)
+    if sidecar and os.path.lexists(tpath):
+        with open_read(tpath) as f:
+            sha = hashlib.sha256(f.read(limits.FILE_BYTES["tokenizer"] + 1)).hexdigest()
+        if meta.get("tokenizer_file") != tpath.name or meta.get("tokenizer_sha256") != sha:
+            return f"'{tpath}' is not the tokenizer copy '{mpath.name}' records"
     return ""
 
 
@@ -214,14 +234,17 @@ def prepare(sources: list[str | Path], out: str | Path, val_fraction: float = 0.
     come. Memory: a batch being encoded (~360 bytes per token at the peak: 512K characters, ~60 MB) and the
     next one's text, whatever the corpus size. The last ``val_fraction`` of
     tokens is the validation split. A token file replaces an old one only once complete: the json is
-    written last, so a token file with a json beside it is always complete. An existing output is replaced
-    only with `force`, and only if prepare wrote it (`check_out`).
+    written last, so a token file with a json beside it is always complete. An existing output (the .bin,
+    its .json, the tokenizer copy beside it) is replaced only with `force`, and only if prepare wrote it
+    (`check_out`); of two runs to one `out`, the second to finish is refused (`_commit`).
     """
     out = Path(out)
     check_out(out, force)
     if not 0.0 <= val_fraction < 1.0:
         raise DataError(f"prepare: val_fraction must be in [0, 1), got {val_fraction}")
     tok = tokenizer if isinstance(tokenizer, Tokenizer) else load_tokenizer(tokenizer)
+    check_out(out, force, sidecar=not tok.is_byte)
+    found = {p: identity(p) for p in outputs(out, not tok.is_byte)}  # a writer finishing first changes these
     files = expand_sources(list(sources))
     if not files:
         raise DataError(f"prepare: no text found in sources {[str(s) for s in sources]} "
@@ -232,9 +255,10 @@ def prepare(sources: list[str | Path], out: str | Path, val_fraction: float = 0.
     if not tok.streams_by_words():
         piece_chars = 1 << 62  # each file whole: a cut could change its ids
     out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = out.with_name(f".{out.name}.tmp-{os.getpid()}")
+    temps = {p: p.with_name(f".{p.name}.tmp-{os.getpid()}") for p in outputs(out, not tok.is_byte)}
+    tmp = temps[out]
     bar = _Progress(sum(f.stat().st_size for f in files), progress)
-    num_tokens, top, chars, done_bytes, last_doc = 0, -1, 0, 0, -1
+    num_tokens, top, chars, done_bytes, last_doc, forced = 0, -1, 0, 0, -1, []
     try:
         unlink_quietly(tmp)  # a stale one, or a symlink planted there: never written through
         with open(tmp, "wb", opener=no_follow) as f, ThreadPoolExecutor(max_workers=1) as pool:
@@ -251,7 +275,7 @@ def prepare(sources: list[str | Path], out: str | Path, val_fraction: float = 0.
                         num_tokens += arr.size
 
             pending = None  # (batch, future): encoded in a tokenizers thread while the next batch is read
-            for batch in _batches(_pieces(files, piece_chars), batch_chars):
+            for batch in _batches(_pieces(files, piece_chars, tok.specials(), forced), batch_chars):
                 nxt = (batch, pool.submit(_encode, tok, [text for _, text, _ in batch], dtype))
                 if pending is not None:
                     write(pending[0], pending[1].result())
@@ -282,15 +306,36 @@ def prepare(sources: list[str | Path], out: str | Path, val_fraction: float = 0.
         }
         if not tok.is_byte:
             meta["tokenizer_file"] = tokenizer_path(out).name  # relative to this json's folder
-            replace_atomically(tokenizer_path(out), tok.json.encode("utf-8"))
-        os.replace(tmp, out)
+            write_new(temps[tokenizer_path(out)], tok.json.encode("utf-8"))
+        write_new(temps[meta_path(out)], (json.dumps(meta, indent=2) + "\n").encode("utf-8"))
+        _commit(out, temps, found)
     except BaseException:
-        unlink_quietly(tmp)
+        for t in temps.values():
+            unlink_quietly(t)
         raise
-    replace_atomically(meta_path(out), (json.dumps(meta, indent=2) + "\n").encode("utf-8"))
+    if forced:
+        log(f"prepare: WARNING: {len(forced)} cut(s) inside runs of {piece_chars * FORCED_CUT:,} characters without "
+            f"a space or any other word boundary, the first in {forced[0][0]} at character {forced[0][1]:,}: the "
+            f"ids next to such a cut may differ from encoding the run whole (memory stays bounded)")
     log(f"prepare: wrote {num_tokens:,} tokens ({tok.kind} tokenizer, vocab {tok.vocab_size:,}, "
         f"{meta['dtype']}) from {len(files)} files to {out} (val from token {meta['val_start']:,})")
     return meta
+
+
+def _commit(out: Path, temps: dict, found: dict) -> None:
+    """Move the finished outputs into place, the .json last (a token file with a .json beside it is always
+    complete), under a lock on their folder and only if what is there is still what this run found when it
+    started: of two `prepare` runs to one --out, the second to finish is refused instead of replacing the
+    first's file (or a file that appeared meanwhile) without a word."""
+    with folder_locked(out.parent):
+        changed = [p for p, was in found.items() if identity(p) != was]
+        if changed:
+            raise DataError(f"prepare: '{changed[0]}' was written by another process while this one ran (two "
+                            f"prepare runs to one --out?); this run's output is discarded and the other's kept: "
+                            f"run again with --force to replace it, or choose another --out")
+        for p in sorted(temps, key=lambda p: p == meta_path(out)):
+            os.replace(temps[p], p)
+    fsync_dir(out.parent)
 
 
 def ensure_data(path: str | Path, log=print) -> None:
@@ -351,10 +396,8 @@ class TokenDataset:
         if not mpath.exists():
             raise DataError(f"data.path: metadata '{mpath}' for token file '{path}' does not exist "
                             "(re-run `megalite prepare`)")
-        try:
-            meta = json.loads(read_all(mpath, follow=True))  # a regular file: a FIFO there would block
-        except ValueError as e:
-            raise DataError(f"data.path: metadata '{mpath}' is not valid JSON ({e})") from None
+        raw = read_all(mpath, limits.FILE_BYTES["json"] + 1, follow=True)  # a regular file: a FIFO would block
+        meta = loads(raw, f"data.path: metadata '{mpath}'", DataError, kind="json")
         if not isinstance(meta, dict) or meta.get("format") != FORMAT or meta.get("version") != VERSION:
             raise DataError(f"data.path: metadata '{mpath}' is not format '{FORMAT}' version {VERSION}")
         if meta.get("dtype") not in TOKEN_DTYPES:
@@ -406,6 +449,7 @@ def tokenizer_of(dataset: TokenDataset) -> Tokenizer:
         from .config import path_kind
         raise DataError(f"data.path: tokenizer_file '{tpath}' named by '{mpath.name}' is {path_kind(tpath)}, "
                         f"expected the tokenizer.json that made the token file")
+    limits.within(tpath.stat().st_size, "tokenizer", f"data.path: tokenizer_file '{tpath}'", DataError)
     raw = tpath.read_bytes()
     sha = meta.get("tokenizer_sha256")
     if sha is not None and sha != hashlib.sha256(raw).hexdigest():
@@ -481,6 +525,40 @@ def _draw(dataset, block_size, batch_size, dp_rank, dp_size, rng):
     rows = np.asarray(dataset.tokens[mine[:, None] + np.arange(block_size + 1)], dtype=np.int64)
     import torch  # here, not at the top: `megalite prepare` never needs it (~200 MB of resident memory)
     return torch.from_numpy(rows[:, :-1].copy()), torch.from_numpy(rows[:, 1:].copy())
+
+
+# ---------------------------------------------------------------- the batch hash (metrics.jsonl's batch_hash)
+HASH_BITS = 32
+_SPLITMIX = (np.uint64(0x9E3779B97F4A7C15), np.uint64(0xBF58476D1CE4E5B9), np.uint64(0x94D049BB133111EB))
+
+
+def _splitmix64(z: np.ndarray) -> np.ndarray:
+    """SplitMix64's finalizer, elementwise on uint64 (wrapping arithmetic): a well-mixed 64-bit value per input."""
+    golden, m1, m2 = _SPLITMIX
+    z = z + golden
+    z = (z ^ (z >> np.uint64(30))) * m1
+    z = (z ^ (z >> np.uint64(27))) * m2
+    return z ^ (z >> np.uint64(31))
+
+
+def token_hash(ids, rows, positions, stream: int) -> int:
+    """This rank's share of a global batch's hash: the sum, mod 2**32, of one 32-bit hash per token of
+    `ids` (n, t), keyed by the token's place in the global batch: its row `rows` (n,), its position in
+    the sequence `positions` (t,) and `stream` (0: the inputs x, 1: the targets y).
+
+        h(row, pos, stream, id) = top 32 bits of splitmix64(splitmix64(row * 2**32 + pos) ^ (2 id + stream))
+
+    A sum of keyed hashes does not depend on which rank holds which tokens, nor in what order: the shares of
+    any layout (dp rows, cp chunks, micro-batches, pipeline stages) add up to the single process's number,
+    so combining them is one more float64 in the loss's all-reduce (exact: each share < 2**32, and 2**21
+    shares stay below 2**53), never a gather of the ids. A changed id, a row moved to another place or a
+    different batch changes it (but for a 2**-32 chance)."""
+    ids = np.asarray(ids, dtype=np.uint64)
+    if ids.size == 0:
+        return 0
+    key = (np.asarray(rows, dtype=np.uint64)[:, None] << np.uint64(32)) + np.asarray(positions, dtype=np.uint64)
+    h = _splitmix64(_splitmix64(key) ^ ((ids << np.uint64(1)) + np.uint64(stream))) >> np.uint64(32)
+    return int(h.sum(dtype=np.uint64)) % (1 << HASH_BITS)
 
 
 class BatchSampler:

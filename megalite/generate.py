@@ -79,11 +79,13 @@ def generate(model: GPTStage, ids: list[int], max_new_tokens: int = 200, tempera
         if temperature <= 0:
             nxt = logits.argmax(-1, keepdim=True)
         else:
-            # Shifted so that the largest is 0 before dividing, by a temperature no smaller than the logits' dtype's
-            # smallest normal number (5e-324 is 0 in float32: 0/0 would be NaN): logits <= 0 (or -inf), the largest
-            # exactly 0, and a softmax with no NaN (softmax itself is unchanged by the shift).
-            tiny = torch.finfo(logits.dtype).tiny
-            logits = (logits - logits.max(-1, keepdim=True).values) / max(temperature, tiny)
+            # Shifted so that the largest is 0 before dividing, by a temperature within the logits' dtype's normal
+            # range: no smaller than its smallest normal number (5e-324 is 0 in float32: 0/0 would be NaN), no
+            # larger than its largest (1e308 is inf in float32: a padding row's -inf / inf would be NaN; any
+            # temperature that large samples uniformly anyway). Logits <= 0 (or -inf), the largest exactly 0,
+            # and a softmax with no NaN (softmax itself is unchanged by the shift).
+            info = torch.finfo(logits.dtype)
+            logits = (logits - logits.max(-1, keepdim=True).values) / min(max(temperature, info.tiny), info.max)
             if top_k:
                 kth = torch.topk(logits, min(top_k, logits.shape[-1])).values[:, -1:]
                 logits = logits.masked_fill(logits < kth, float("-inf"))

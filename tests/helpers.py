@@ -66,6 +66,37 @@ def make_token_file(folder: Path, text: str) -> Path:
     return folder / "tokens.bin"
 
 
+def batch_hashes_by_hand(token_file: Path, seed: int, steps: int, global_batch: int, seq: int,
+                         val_fraction: float = 0.1) -> dict:
+    """{step: batch_hash} written out from the token file alone, in plain Python integers: batch k is drawn by
+    numpy's PCG64([seed, k]) (global_batch start offsets in the train split, the first val_fraction-th of
+    tokens held out at the end), each row's inputs and targets hashed per token as docs/training.md defines
+    batch_hash. The outside reference for what each step of any layout trained on."""
+    import numpy as np
+    meta = json.loads(Path(token_file).with_suffix(".json").read_text())
+    n = meta["num_tokens"]
+    tokens = np.fromfile(token_file, dtype=meta["dtype"])[:n - int(n * val_fraction)].tolist()
+    m64 = (1 << 64) - 1
+
+    def mix(z):
+        z = (z + 0x9E3779B97F4A7C15) & m64
+        z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & m64
+        z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & m64
+        return z ^ (z >> 31)
+
+    out = {}
+    for k in range(steps):
+        rng = np.random.Generator(np.random.PCG64([seed, k]))
+        starts = rng.integers(0, len(tokens) - seq - 1, size=global_batch, endpoint=True).tolist()
+        total = 0
+        for row, s in enumerate(starts):
+            ids = tokens[s:s + seq + 1]
+            for stream, part in ((0, ids[:-1]), (1, ids[1:])):
+                total += sum(mix(mix((row << 32) + pos) ^ (2 * i + stream)) >> 32 for pos, i in enumerate(part))
+        out[k + 1] = f"{total % 2**32:08x}"
+    return out
+
+
 # ---------------------------------------------------------------- the tiny config
 TINY_MODEL = dict(n_layer=4, n_head=4, n_embd=32, block_size=16, vocab_size=256, dropout=0.0)
 TINY_RAW = {

@@ -276,10 +276,20 @@ def _single(tokens, tmp, name, **overrides):
     return {"history": tr.history, "params": gather_full_model(tr.params, tr.grid)}
 
 
-def _compare(tag, run, ref, failures, loss_rtol=1e-5, param_rtol=1e-4, first_step=1):
-    got = {r["step"]: r["loss"] for r in run["history"]}
-    want = {r["step"]: r["loss"] for r in ref["history"] if r["step"] >= first_step}
+def _compare(tag, run, ref, failures, loss_rtol=1e-5, param_rtol=1e-4, first_step=1, norm_rtol=1e-4):
+    rec = {r["step"]: r for r in run["history"]}
+    ref_rec = {r["step"]: r for r in ref["history"] if r["step"] >= first_step}
+    got = {k: r["loss"] for k, r in rec.items()}
+    want = {k: r["loss"] for k, r in ref_rec.items()}
     assert got.keys() == want.keys(), (tag, got.keys(), want.keys())
+    # the same tokens at every step, whatever the layout (and across a resume at another one): batch_hash
+    failures += [f"{tag} step {k}: batch_hash {rec[k]['batch_hash']} != the single process's {r['batch_hash']}"
+                 for k, r in ref_rec.items() if rec[k]["batch_hash"] != r["batch_hash"]]
+    # the gradient's scale too: clipping and Adam hide a gradient off by a constant factor from the losses
+    # (a cp run whose gradients were multiplied by cp trains to the same losses within 1e-6), not its norm
+    if norm_rtol is not None:
+        failures += [f"{tag} step {k}: grad_norm {rec[k]['grad_norm']} != the single process's {r['grad_norm']}"
+                     for k, r in ref_rec.items() if abs(rec[k]["grad_norm"] - r["grad_norm"]) > norm_rtol * r["grad_norm"]]
     worst = max(abs(got[k] - w) / abs(w) for k, w in want.items())
     print(f"{tag}: worst loss relative error {worst:.2e}")
     failures += [f"{tag} step {k}: loss {got[k]} != {w}" for k, w in want.items() if abs(got[k] - w) > loss_rtol * w]
@@ -316,9 +326,14 @@ def test_cp_layouts_match_single_process_and_resume_across_cp(tmp_path, token_fi
     _compare("R (cp=1 checkpoint resumed at (1,2,2,2), 1F1B)", torch.load(tmp / "R.pt"), ref, failures, first_step=3)
     _compare("cp=2 checkpoint resumed at cp=1", one, ref, failures, first_step=3)
     _compare("D (dropout 0.1)", torch.load(tmp / "D.pt"), drop, failures)
-    _compare("E (bf16)", torch.load(tmp / "E.pt"), bf16, failures, loss_rtol=BF16_LOSS_RTOL, param_rtol=None)
+    _compare("E (bf16)", torch.load(tmp / "E.pt"), bf16, failures, loss_rtol=BF16_LOSS_RTOL, param_rtol=None,
+             norm_rtol=None)
     assert drop["history"][0]["loss"] != pytest.approx(ref["history"][0]["loss"], rel=1e-4)  # dropout acted
     assert not failures, "\n".join(failures)
+    # what each step trained on, written out from the token file by hand, and what the resumed launch recorded
+    want = H.batch_hashes_by_hand(token_file, H.TINY.config(token_file, tmp).train.seed, 4, 16, 32)
+    assert {r["step"]: r["batch_hash"] for r in ref["history"]} == want
+    assert {r["step"]: r["batch_hash"] for r in H.metrics(tmp / "run-R")} == {k: want[k] for k in (3, 4)}
 
     # A's checkpoint: every rank of the (2,2,1,2) layout has its folder; the cp ranks wrote disjoint shares
     # (the manifest's exact-tiling check refuses a tensor stored twice), in the same format as any other

@@ -63,7 +63,37 @@ def _matrix(tmp_path, token_file) -> list:
     ]
     cases[3] = (cases[3][0], [tmp_path / "out3"], cases[3][2])  # ck3 is the crafted input itself
     cases[4] = (cases[4][0], [], cases[4][2])  # trains a step and saves nothing: its out_dir stays (metrics)
-    return cases[:-1] + disagree + cases[-1:]
+    # a corrupt id that the start-up sample misses and that only dp rank 1's rows of step 2 hold: every
+    # rank checks the whole global batch, so both stop at step 2 with rank 0's one line (a rank checking its
+    # own rows only would raise alone and leave the other waiting in the step's collectives)
+    big = _corrupt_in_one_ranks_rows(tmp_path, token_file, CKPT.raw(token_file)["train"]["seed"])
+    one_rank = (train(9, f"--data.path={big}")[0], [], ["token id 300", "train split", "corrupt"])
+    return cases[:-1] + disagree + [one_rank] + cases[-1:]
+
+
+def _corrupt_in_one_ranks_rows(tmp_path, token_file, seed, seq=16, batch=8, dp=2) -> Path:
+    """A token file of over 2**21 training tokens (so the start-up check samples every 2nd id) with id 300 at
+    one odd index that batch 1 (step 2) draws for dp rank 1 only (its rows batch/dp ...), and batch 0 not at
+    all; its .json records max_token 255, as an honest file of byte tokens would."""
+    import numpy as np
+    meta = json.loads(Path(token_file).with_suffix(".json").read_text())
+    small = np.fromfile(token_file, dtype=meta["dtype"])
+    n = 2**21 * 10 // 9 + 4096
+    ids = np.resize(small, n)
+    train_len = n - int(n * 0.1)
+    reach = []  # per batch, per row: the token indices it reads
+    for k in (0, 1):
+        starts = np.random.Generator(np.random.PCG64([seed, k])).integers(0, train_len - seq - 1, size=batch,
+                                                                         endpoint=True)
+        reach.append([set(range(int(s), int(s) + seq + 1)) for s in starts])
+    others = set().union(*reach[0], *reach[1][:batch // dp])
+    pos = next(p for row in reach[1][batch // dp:] for p in sorted(row) if p % 2 and p not in others)
+    ids[pos] = 300
+    big = tmp_path / "one-rank.bin"
+    ids.tofile(big)
+    big.with_suffix(".json").write_text(json.dumps({**meta, "num_tokens": n, "val_start": train_len,
+                                                    "max_token": 255}))
+    return big
 
 
 def test_the_bad_input_matrix_under_a_2_process_torchrun(tmp_path, token_file):

@@ -26,7 +26,7 @@ from megalite.testing import run_parallel
 SMALL = {"n_layer": 2, "dropout": 0.1}  # dropout: a resume must restore the RNG streams to be exact
 CRASH_TIMEOUT = 90  # crash + restart take ~25 s; with the restart bug below the new workers can hang instead
 # the metrics a resumed run must reproduce bit for bit (timings excluded)
-EXACT = ("step", "loss", "lr", "grad_norm", "tokens_seen", "val_loss")
+EXACT = ("step", "loss", "lr", "grad_norm", "tokens_seen", "val_loss", "batch_hash")
 
 
 def _exact(records: list) -> list:

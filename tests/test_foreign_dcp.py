@@ -142,6 +142,27 @@ def test_region_reads_only_the_chunks_it_needs(sharded_dcp, monkeypatch):
     assert sorted(loads) == [(0, 0), (5, 0)]
 
 
+def test_chunks_listed_out_of_order_come_back_in_place(tmp_path, sharded_dcp):
+    """A .metadata may list a tensor's chunks in any order (nothing in DCP's format sorts them): the rows of a
+    row-sharded tensor and the columns of a column-sharded one land at their offsets, as DCP's own loader
+    puts them, whatever the listing order."""
+    d = tmp_path / "ck"
+    shutil.copytree(sharded_dcp, d)
+    md = _metadata(d)
+    for name in ("model.wte", "model.blocks.0.w"):
+        md.state_dict_metadata[name].chunks.reverse()
+    _write_metadata(d, md)
+    assert [c.offsets[0] for c in _metadata(d).state_dict_metadata["model.wte"].chunks] == [5, 0]
+    convert(d, tmp_path / "all.safetensors", quiet=True)
+    got, want = st_tensors(tmp_path / "all.safetensors"), full_tensors()
+    theirs = {k: torch.zeros_like(want[k]) for k in ("model.wte", "model.blocks.0.w")}
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        dcp.load(theirs, checkpoint_id=d)  # DCP's own reading of the reordered listing
+    for k, t in theirs.items():
+        assert torch.equal(t, want[k]) and torch.equal(got[k], want[k]), k
+
+
 # ---------------------------------------------------------------- hostile and broken input
 class Armed:
     """Unpickling this runs `touch MARKER` (through os.system)."""

@@ -102,6 +102,21 @@ def test_untied_fused_gelu_checkpoint_exports_and_reads_as_a_megalite_model(tmp_
     assert all(torch.equal(got[k], want[k]) for k in want) and "lm_head.weight" in want
 
 
+def test_untied_checkpoint_cut_to_the_real_vocabulary_gives_megatrons_first_logits(tmp_path, mref):
+    """--vocab-size cuts the padding rows of both the input embedding and the separate output layer of an
+    untied checkpoint: megalite's and transformers' logits == megatron's first VOCAB logits (1e-5)."""
+    from megalite.generate import load_model
+    ref = torch.load(mref / "untied_tp2.pt")
+    want = ref["logits"][..., :VOCAB]
+    f = convert(mref / "untied_tp2", tmp_path / "m.safetensors", vocab_size=VOCAB, quiet=True)
+    with torch.no_grad():
+        got = load_model(f)(ref["ids"])
+    hf = convert(mref / "untied_tp2", tmp_path / "hf", fmt="hf-gpt2", vocab_size=VOCAB, quiet=True)
+    assert json.loads((hf / "config.json").read_text())["vocab_size"] == VOCAB
+    assert got.shape == want.shape and max_rel(got, want) < 1e-5
+    assert max_rel(hf_logits(hf, ref["ids"]), want) < 1e-5
+
+
 def _pipeline_logits(rank, world, tmp, step, model_cfg, ids, out):
     """megalite at (2,2,1) on the split checkpoint: the pipeline's forward, the vocab-parallel logits gathered."""
     from megalite.checkpoint import load_checkpoint
@@ -195,7 +210,7 @@ def test_architectures_megalite_does_not_model_are_refused_in_one_line(tmp_path,
 def test_a_llama_shaped_checkpoint_whose_args_claim_a_gpt2_is_refused_by_its_tensors(tmp_path, mref):
     src = tmp_path / "lying"  # arguments that claim a GPT-2 do not get a Llama's tensors through
     shutil.copytree(mref / "llama_tp2pp2", src)
-    _common_pt(src / "iter_0000010", _args(untie_embeddings_and_output_weights=True))
+    _common_pt(src / "iter_0000010", _args(num_layers=4, untie_embeddings_and_output_weights=True))  # its 4 layers
     rc, _, err = cli("convert", src, "--out", tmp_path / "b")
     assert rc == 2 and "tensor 'embedding.position_embeddings.weight' is missing" in err and "RoPE?" in err, err
     assert not any(tmp_path.glob("b*"))

@@ -16,7 +16,7 @@ from megalite.checkpoint.verify import verify
 from megalite.base.faults import KILL_POINTS
 
 STEPS = 4
-EXACT = ("step", "loss", "lr", "grad_norm", "tokens_seen", "val_loss")
+EXACT = ("step", "loss", "lr", "grad_norm", "tokens_seen", "val_loss", "batch_hash")
 
 
 def _exact(records: list) -> list:

@@ -19,7 +19,7 @@ import helpers as H
 from megalite.config import Config, ConfigError, ModelConfig, load_config, resolve, validate
 from megalite.data import BatchSampler, TokenDataset
 from megalite.model import GPTStage
-from megalite.optim import lr_at
+from megalite.run.schedule import lr_at
 from megalite.parallel.grid import ParallelGrid
 
 LLAMA3 = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
@@ -199,3 +199,83 @@ def test_every_llama_key_has_a_default(tiny_toml):
     assert load_config(tiny_toml).model.tie_embeddings  # GPT-2 stays tied
     assert ModelConfig(arch="llama", n_embd=2048).ffn_size == 5632  # Llama 2 7B's rule: 4096 -> 11008 below
     assert ModelConfig(arch="llama", n_embd=4096).ffn_size == 11008
+
+
+# ---------------------------------------------------------------- features at (1,1,1), configs, gpu-check
+def test_bf16_fused_adamw_async_save_and_resume(token_file, tmp_path):
+    """bf16 autocast with fp32 masters, torch's fused AdamW and an async checkpoint: a run resumed from step 2
+    takes step 3 exactly as the uninterrupted run did, and bf16 stays near fp32 (1e-3 relative per step, the
+    tolerance test_features_parallel.py allows bf16 against fp32) without being it."""
+    llama = {"model.arch": "llama", "model.n_kv_head": 2, "train.steps": 3}
+    feats = {**llama, "train.precision": "bf16", "train.fused_adamw": "on", "checkpoint.async": True,
+             "checkpoint.interval": 2, "checkpoint.dir": str(tmp_path / "ck")}
+    run = H.train_in_process(H.CKPT.config(token_file, tmp_path / "a", **feats))
+    resumed = H.train_in_process(H.CKPT.config(token_file, tmp_path / "b", **{
+        **feats, "checkpoint.dir": str(tmp_path / "ck2"), "checkpoint.resume": str(tmp_path / "ck" / "step_00000002")}))
+    fp32 = H.train_in_process(H.CKPT.config(token_file, tmp_path / "c", **llama))
+    assert run.optimizer.fused and all(p.dtype == torch.float32 for _, p in run.params)
+    assert [r["loss"] for r in resumed.history] == [run.history[-1]["loss"]]
+    assert all(torch.equal(a, b) for (_, a), (_, b) in zip(run.params, resumed.params))
+    losses16, losses32 = [r["loss"] for r in run.history], [r["loss"] for r in fp32.history]
+    assert losses16 != losses32 and losses16 == pytest.approx(losses32, rel=1e-3)
+
+
+@pytest.mark.slow  # inductor compiles the blocks on the CPU: ~30-90 s
+def test_compile_equals_eager():
+    """train.compile on a Llama block (rotary, GQA, SwiGLU): the same losses as eager within 1e-5."""
+    from torch._dynamo.utils import counters
+    from megalite.compile import compile_blocks
+    m = tiny(2, False, rope_scaling=LLAMA3)
+    x, y = torch.randint(0, m.vocab_size, (2, 2, m.block_size))
+    losses = {}
+    for on in (False, True):
+        model = GPTStage(m, ParallelGrid.single())
+        model.init_weights(1)
+        counters.clear()
+        if on:
+            compile_blocks(model)
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+        losses[on] = []
+        for _ in range(3):
+            loss = model(x, y)
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+            losses[on].append(loss.item())
+        if on:
+            assert counters["stats"]["unique_graphs"] >= 1, dict(counters["stats"])
+    assert losses[True] == pytest.approx(losses[False], rel=1e-5)
+
+
+def test_llama3_1b_config_is_llama_3_2_1b(tmp_path):
+    """configs/llama3-1b.toml: transformers' count of the same LlamaConfig (built on the meta device), megalite's
+    own model's, and the number gpu-check's FLOPs use agree: 1,235,814,400; 6N + 12 L C T at T = 2048."""
+    from pathlib import Path
+    from megalite.bench import gpu_check
+    cfg = validate(resolve(load_config(Path(__file__).parents[1] / "configs" / "llama3-1b.toml"), 8), 8)
+    m = cfg.model
+    assert (m.n_layer, m.n_embd, m.n_head, m.kv_heads, m.ffn_size, m.vocab_size, m.tie_embeddings) == (
+        16, 2048, 32, 8, 8192, 128256, True)
+    with torch.device("meta"):
+        theirs = transformers.LlamaForCausalLM(transformers.LlamaConfig(
+            vocab_size=m.vocab_size, hidden_size=m.n_embd, intermediate_size=m.ffn_size, num_hidden_layers=m.n_layer,
+            num_attention_heads=m.n_head, num_key_value_heads=m.kv_heads, tie_word_embeddings=True))
+        ours = GPTStage(m, ParallelGrid.single())
+    n = sum(p.numel() for _, p in ours.global_parameters())
+    assert n == theirs.num_parameters() == gpu_check.n_params(m) == 1_235_814_400
+    assert gpu_check.flops_per_token(m, 2048) == 6 * 1_235_814_400 + 12 * 16 * 2048 * 2048 == 8_220_192_768
+    tiny_cfg = validate(resolve(load_config(Path(__file__).parents[1] / "configs" / "llama-tiny-cpu.toml"), 8), 8)
+    assert (tiny_cfg.model.arch, tiny_cfg.parallel.tp, tiny_cfg.parallel.pp, tiny_cfg.parallel.dp) == ("llama", 2, 2, 2)
+
+
+def test_gpu_check_dry_run_takes_the_llama_config(tmp_path):
+    import io
+    from contextlib import redirect_stdout
+    from pathlib import Path
+    from megalite.bench import gpu_check
+    buf = io.StringIO()
+    with redirect_stdout(buf):
+        rc = gpu_check.main(["--dry-run", "--window", "0.5", "--dir", str(tmp_path),
+                             "--config", str(Path(__file__).parents[1] / "configs" / "llama3-1b.toml")])
+    out = buf.getvalue()
+    assert rc == 0 and "\n2. eager: train Llama 2x64 V256 bf16 (1,1,1), " in out and "all checks passed" in out, out

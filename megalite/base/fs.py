@@ -9,6 +9,8 @@ the run folder, token files).
     open_append(path)               a regular file of its folder appended to (metrics.jsonl, errors.log): never
                                     through a symlink, never a FIFO or device, never a name shared by hard links
     fsync_dir, unlink_quietly, remove_tree
+    identity(path), folder_locked   what is at a path now (to see another writer's output appear), and a lock
+                                    on a folder held while outputs are moved into it (one writer at a time)
 
 What is refused (a symlink, a FIFO or device, a folder where a file is expected) is an UnsafeFileError (an
 OSError too) naming the path and what is there; a FIFO or a device is refused at open, never read from, so
@@ -26,8 +28,9 @@ import fcntl
 import os
 import shutil
 import stat
+from contextlib import contextmanager
 from pathlib import Path
-from typing import Callable, Optional
+from typing import Callable, Iterator, Optional
 
 from .errors import UnsafeFileError
 
@@ -193,3 +196,26 @@ def replace_output(tmp: Path, out: Path) -> None:
         remove_tree(tmp)
         raise
     fsync_dir(out.parent)
+
+
+def identity(path: Path) -> Optional[tuple]:
+    """What is at `path` (not following a symlink), as (device, inode, size, mtime in ns, mode), or None:
+    two writers of one output each note it when they start, and the second to finish sees it changed."""
+    try:
+        st = os.lstat(path)
+    except FileNotFoundError:
+        return None
+    return st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns, st.st_mode
+
+
+@contextmanager
+def folder_locked(folder: Path) -> Iterator[None]:
+    """An exclusive flock on `folder` itself (no file is created), held while a writer checks that its output
+    is still as it found it and moves its new one into place: two megalite writers of one folder commit one
+    after the other, so the second sees the first's output (and is refused) instead of silently replacing it."""
+    fd = os.open(folder, os.O_RDONLY | getattr(os, "O_DIRECTORY", 0))
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        yield
+    finally:
+        os.close(fd)  # releases the lock

@@ -2,7 +2,8 @@
 value is plain JSON, and an exact codec for Python state that plain JSON would change.
 
     loads(data, where, error)      parse; nesting deeper than MAX_DEPTH (or than Python's parser can go) is
-                                   `error` naming `where`, never a RecursionError
+                                   `error` naming `where`, never a RecursionError; with `kind`, a text larger
+                                   than limits.FILE_BYTES[kind] is refused before it is parsed
     plain_problem(value, where)    None, or one line naming the first part of `value` that is not plain JSON
                                    (a dict with a non-string key, a tuple, NaN, an object, too deep)
     encode(value, where) / decode  a value of dicts (any hashable JSON keys), Counters, lists, tuples, strings,
@@ -21,8 +22,8 @@ import math
 from collections import Counter, OrderedDict
 
 from .errors import MegaliteError
+from .limits import MAX_DEPTH, within
 
-MAX_DEPTH = 64  # containers inside containers; a manifest needs 7, a scheduler's state a handful more
 TAG = "__py__"
 
 
@@ -46,10 +47,13 @@ def depth_over(value, limit: int = MAX_DEPTH) -> int:
         level = nxt
 
 
-def loads(data, where: str, error: type = MegaliteError, limit: int = MAX_DEPTH):
+def loads(data, where: str, error: type = MegaliteError, limit: int = MAX_DEPTH, kind: str | None = None):
     """`data` (bytes or str) parsed as JSON. Not JSON, or nested more than `limit` deep: `error` (a one-line
     message naming `where`). Python's parser recurses, so deeply nested input would otherwise raise
-    RecursionError (not a user error) before any check could look at it."""
+    RecursionError (not a user error) before any check could look at it. `kind` (limits.FILE_BYTES): the
+    text's size budget, checked before parsing (a parse costs ~10x the text)."""
+    if kind is not None:
+        within(len(data), kind, where, error)
     try:
         value = json.loads(data)
     except RecursionError:

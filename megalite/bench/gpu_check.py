@@ -1,7 +1,7 @@
 """launch/gpu-check.sh: one short check of a GPU machine (at most ~8 minutes on one GPU).
 
-1. the chip's bf16 matmul rate, 2. GPT-2-124M (configs/gpt2-124m.toml with GPT-2's padded vocab, 50304) at
-(1,1,1) in bf16 for a timed window, eager and with train.compile (`--compile both`, the default on a GPU):
+1. the chip's bf16 matmul rate, 2. GPT-2-124M (configs/gpt2-124m.toml with GPT-2's padded vocab, 50304), or the
+model of `--config` (configs/llama3-1b.toml: Llama-3.2-1B's dims, vocab 128256), at (1,1,1) in bf16 for a timed window, eager and with train.compile (`--compile both`, the default on a GPU):
 tokens/s per GPU and MFU against the chip's datasheet dense bf16 peak (`PEAK_TFLOPS`; an unknown chip is
 said to be unknown) with the MFU against step 1's measured rate beside it, 3. checkpoints from device memory: a synchronous save, an
 asynchronous save (pinned host staging; the stall is the time the step is blocked), a load back into a
@@ -53,9 +53,15 @@ def datasheet_peak(name: str) -> tuple[str, float] | None:
 
 def n_params(m) -> int:
     """Parameters that do matmul work per token (nanoGPT's get_num_params(non_embedding=True)): every
-    parameter but the position table; the token embedding counts because it is the tied LM head."""
-    per_layer = 12 * m.n_embd ** 2 + 13 * m.n_embd  # qkv, proj, fc, fc-proj weights and biases, two LayerNorms
-    return m.n_layer * per_layer + m.vocab_size * m.n_embd + 2 * m.n_embd
+    parameter but the position table; the token embedding counts because it is the tied LM head (an untied
+    Llama's lookup table does no matmul: its LM head counts instead, the same V x C).
+    Llama: q and o (C x C), k and v (C x kv_heads * head_dim), gate, up and down (C x F), two RMSNorms."""
+    C = m.n_embd
+    if getattr(m, "arch", "gpt2") == "llama":
+        per_layer = 2 * C * C + 2 * C * m.kv_heads * m.head_dim + 3 * C * m.ffn_size + 2 * C
+        return m.n_layer * per_layer + m.vocab_size * C + C
+    per_layer = 12 * C ** 2 + 13 * C  # qkv, proj, fc, fc-proj weights and biases, two LayerNorms
+    return m.n_layer * per_layer + m.vocab_size * C + 2 * C
 
 
 def flops_per_token(m, seq: int) -> float:
@@ -97,10 +103,9 @@ def run(dry_run: bool, config: str, window_s: float, out: Path, log=print, compi
             "--parallel.dp=1", f"--data.path={out / 'tokens.bin'}"]
     if dry_run:
         over += ["--model.n_layer=2", "--model.n_head=2", "--model.n_embd=64", "--model.block_size=32",
-                 "--model.vocab_size=256", "--train.global_batch_size=4", "--train.micro_batch_size=2"]
-    else:
-        over += ["--model.vocab_size=50304"]  # GPT-2's 50,257 padded to a multiple of 128: the real 124M
-    cfg = load_config(config, over)
+                 "--model.vocab_size=256", "--train.global_batch_size=4", "--train.micro_batch_size=2",
+                 "--train.seq_len=0", "--model.n_kv_head=0", "--model.intermediate_size=0"]  # (Llama's: defaults)
+    cfg = load_config(config, over)  # the config's own vocab: gpt2-124m.toml's 50304, llama3-1b.toml's 128256
     prepare(default_corpus_files(max_bytes=200_000 if dry_run else 2_000_000), out / "tokens.bin",
             log=lambda *a: None)
     import torch.distributed as dist
@@ -138,7 +143,8 @@ def _train_window(cfg, grid, device, window_s: float, peaks: tuple, t, label: st
     measured, sheet = peaks
     m = cfg.model
     t.row([f"2. {label}: warm-up ({'2 steps, compiling' if cfg.train.compile else '1 step'})", f"{warm:.1f} s"])
-    t.row([f"2. {label}: train {m.n_layer}x{m.n_embd} V{m.vocab_size} bf16 (1,1,1), {steps} steps in {dt:.1f} s",
+    family = "Llama " if m.arch == "llama" else ""  # GPT-2's rows read as they always did
+    t.row([f"2. {label}: train {family}{m.n_layer}x{m.n_embd} V{m.vocab_size} bf16 (1,1,1), {steps} steps in {dt:.1f} s",
            f"{tok_s:,.0f} tokens/s/GPU"])
     t.row([f"2. {label}: MFU vs datasheet peak (6N + 12LhT flops/token)",
            f"{flops / (sheet * 1e12):.1%}" if sheet else "unknown chip"])

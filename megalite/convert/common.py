@@ -23,6 +23,7 @@ from ..checkpoint.stream import read_metadata
 from ..checkpoint.tree import LATEST, LATEST_TMP, LOCK, MANIFEST, TMP_PREFIX, parse_step_dir
 from ..config import ModelConfig
 from ..base.errors import CheckpointError, ConvertError, LayoutError
+from ..base.jsonio import loads
 from ..parallel.grid import Layout
 from ..parallel.partition import Box, Partition
 
@@ -226,11 +227,9 @@ def check_layout(m: dict, tp: int, pp: int, dp: int, cp: int = 1) -> Layout:
 
 # ---------------------------------------------------------------- input files
 def parse_json(text: str, source: str):
-    """`text` parsed as JSON; a ConvertError naming `source` if it is not."""
-    try:
-        return json.loads(text)
-    except ValueError as e:
-        raise ConvertError(f"{source} is not valid JSON ({e})") from None
+    """`text` parsed as JSON within limits' budget for a small JSON file (its size, its nesting); a
+    ConvertError naming `source` if it is not."""
+    return loads(text, source, ConvertError, kind="json")
 
 
 def open_safetensors(path: Path):

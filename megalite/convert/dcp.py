@@ -20,6 +20,7 @@ import io
 import json
 import math
 import os
+import zipfile
 from dataclasses import dataclass
 from pathlib import Path, PurePosixPath
 from typing import Iterable, Iterator, Optional
@@ -30,6 +31,7 @@ from ..checkpoint.stream import StreamingWriter, raw_bytes
 from ..base.fs import remove_tree, replace_output
 from ..config import path_kind
 from ..base.errors import ConvertError
+from ..base import limits
 from . import unpickle
 from .common import DCP_OUT, HF_FILE, HF_INDEX, Progress
 
@@ -68,24 +70,39 @@ def _rec(value, kind: str, where: str) -> unpickle.Record:
 
 
 def _size(value, where: str) -> tuple:
-    """torch.Size(...) as a tuple of non-negative ints."""
+    """torch.Size(...) as a tuple of non-negative int64 sizes whose product is an int64 too."""
     r = _rec(value, "torch.Size", where)
     dims = r.args[0] if len(r.args) == 1 and isinstance(r.args[0], (tuple, list)) else None
-    if dims is None or any(isinstance(d, bool) or not isinstance(d, int) or d < 0 for d in dims):
-        raise ConvertError(f"{where} is torch.Size{r.args!r}, expected non-negative integer sizes")
+    if dims is None or len(dims) > limits.MAX_DEPTH or any(
+            isinstance(d, bool) or not isinstance(d, int) or not 0 <= d <= limits.MAX_INT for d in dims) \
+            or math.prod(dims) > limits.MAX_INT:
+        raise ConvertError(f"{where} is torch.Size{limits.describe(r.args)}, expected at most {limits.MAX_DEPTH} "
+                           f"non-negative integer sizes within int64")
     return tuple(dims)
 
 
 def _int(value, where: str) -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
-        raise ConvertError(f"{where} = {value!r}, expected a non-negative integer")
+    return limits.number(value, where, ConvertError)
+
+
+def _name(value, where: str) -> str:
+    """A tensor name (a state_dict key): text that UTF-8 can write (a lone surrogate cannot be stored in a
+    safetensors header, nor printed)."""
+    if not isinstance(value, str):
+        raise ConvertError(f"{where} is {type(value).__name__} {limits.describe(value)}, expected a tensor name")
+    try:
+        value.encode("utf-8")
+    except UnicodeEncodeError as e:
+        raise ConvertError(f"{where} {ascii(value[:60])} is not valid Unicode text ({e.reason} at character "
+                           f"{e.start}); expected a tensor name that UTF-8 can write") from None
     return value
 
 
 def _relative_file(value, where: str) -> str:
     """A file name inside the folder: relative, no '..', no NUL."""
     if not isinstance(value, str) or not value or "\x00" in value:
-        raise ConvertError(f"{where} = {value!r}, expected a file name inside the checkpoint folder")
+        raise ConvertError(f"{where} = {limits.describe(value)}, expected a file name inside the checkpoint folder")
+    _name(value, where)
     p = PurePosixPath(value)
     if p.is_absolute() or ".." in p.parts:
         raise ConvertError(f"{where} = {value!r} points outside the checkpoint folder (expected a file name "
@@ -98,7 +115,7 @@ def _dtype(props, where: str) -> torch.dtype:
     state = r.state
     dtype = state[0] if isinstance(state, tuple) and state else r.fields().get("dtype")
     if not isinstance(dtype, torch.dtype):
-        raise ConvertError(f"{where}.dtype = {dtype!r}, expected a torch dtype")
+        raise ConvertError(f"{where}.dtype = {limits.describe(dtype)}, expected a torch dtype")
     return dtype
 
 
@@ -107,8 +124,11 @@ def read_index(folder: Path) -> tuple[dict[str, TensorInfo], list[str]]:
     path = folder / METADATA
     if not path.is_file():
         raise ConvertError(f"{path}: is {path_kind(path)}, expected DCP's index file")
+    limits.within(path.stat().st_size, "index", str(path), ConvertError)
     try:
         md = unpickle.load(path.read_bytes(), unpickle.DCP_METADATA)
+    except unpickle.OverBudget as e:
+        raise ConvertError(f"{path}: {e}") from None
     except unpickle.RefusedGlobal as e:
         raise ConvertError(f"{path}: the pickle names '{e.name}', which is not one of the classes a DCP index "
                            f"holds; refusing to read it (nothing in it was run)") from None
@@ -121,21 +141,21 @@ def read_index(folder: Path) -> tuple[dict[str, TensorInfo], list[str]]:
     storage = {}
     for idx, info in storage_data.items():
         key = _rec(idx, "MetadataIndex", f"{path}: a storage_data key").fields()
-        fqn = key.get("fqn")
+        fqn = _name(key.get("fqn"), f"{path}: a storage_data key's fqn")
         where = f"{path}: storage_data['{fqn}']"
         off = key.get("offset")
         s = _rec(info, "_StorageInfo", where).fields()
         if s.get("transform_descriptors"):
-            raise ConvertError(f"{where} was written through DCP storage extension(s) {s['transform_descriptors']!r}"
+            raise ConvertError(f"{where} was written through DCP storage extension(s) "
+                               f"{limits.describe(s['transform_descriptors'])}"
                                f" (e.g. compression); megalite reads only plain chunks")
         storage[(fqn, None if off is None else _size(off, f"{where}.offset"))] = (
             _relative_file(s.get("relative_path"), f"{where}.relative_path"),
             _int(s.get("offset"), f"{where}.offset"), _int(s.get("length"), f"{where}.length"))
     tensors, others = {}, []
     for name, entry in entries.items():
+        name = _name(name, f"{path}: a state_dict_metadata key")
         where = f"{path}: tensor '{name}'"
-        if not isinstance(name, str):
-            raise ConvertError(f"{path}: a state_dict_metadata key is {type(name).__name__}, expected a string")
         if isinstance(entry, unpickle.Record) and entry.kind.endswith("BytesStorageMetadata"):
             others.append(name)
             continue
@@ -155,9 +175,21 @@ def read_index(folder: Path) -> tuple[dict[str, TensorInfo], list[str]]:
                 raise ConvertError(f"{where}: chunk at {list(offsets)} has no storage_data entry (no file holds it)")
             chunks.append(Chunk(offsets, sizes, *storage[(name, offsets)]))
         info = TensorInfo(name, _dtype(e.get("properties"), f"{where}.properties"), shape, chunks)
+        _check_backed(info, where)
         _check_tiling(info, where)
         tensors[name] = info
     return tensors, others
+
+
+def _check_backed(t: TensorInfo, where: str) -> None:
+    """Each chunk's declared elements fit the bytes recorded for it (a torch.save of a tensor holds at least
+    its raw bytes), so no shape written in the index can make the reader allocate more than the files hold."""
+    width = torch.empty((), dtype=t.dtype).element_size()
+    for c in t.chunks:
+        need = math.prod(c.sizes) * width
+        if need > c.length:
+            raise ConvertError(f"{where}: chunk at {list(c.offsets)} of sizes {list(c.sizes)} ({t.dtype}) needs "
+                               f"{need:,} bytes, but {c.file} records only {c.length:,} for it")
 
 
 def _check_tiling(t: TensorInfo, where: str) -> None:
@@ -212,6 +244,26 @@ class _Window(io.RawIOBase):
         return got
 
 
+def _stored_records(fd: int, c: Chunk, where: str) -> None:
+    """The chunk's torch.save archive holds only stored (uncompressed) records, of at most its own length in
+    all: torch.save never compresses, and a DEFLATE record of 1 MiB inflates to gigabytes before torch.load
+    could check a size."""
+    try:
+        with zipfile.ZipFile(io.BufferedReader(_Window(fd, c.start, c.length))) as z:
+            infos = z.infolist()
+    except (zipfile.BadZipFile, OSError, ValueError, EOFError) as e:
+        raise ConvertError(f"{where} are not a tensor that torch.load(weights_only=True) reads (not a torch.save "
+                           f"archive: {limits.describe(str(e), 80)})") from None
+    for info in infos:
+        if info.compress_type != zipfile.ZIP_STORED:
+            raise ConvertError(f"{where}: record '{limits.describe(info.filename)}' is compressed (zip method "
+                               f"{info.compress_type}, {info.file_size:,} bytes inflated); torch.save stores "
+                               f"records uncompressed, and megalite reads only such")
+    total = sum(i.file_size for i in infos)
+    if total > c.length:
+        raise ConvertError(f"{where}: its records declare {total:,} bytes, more than the chunk's {c.length:,}")
+
+
 class DcpFolder:
     """A DCP checkpoint folder: its typed index, and tensors (or regions of them) read chunk by chunk."""
 
@@ -221,6 +273,24 @@ class DcpFolder:
             raise ConvertError(f"'{self.folder}' is {path_kind(self.folder)}, expected a DCP checkpoint folder")
         self.root = Path(os.path.realpath(self.folder))
         self.tensors, self.others = read_index(self.folder)
+        self._check_files()
+
+    def _check_files(self) -> None:
+        """Every chunk's byte range lies within its file, checked once per file before any chunk is read: the
+        index's lengths (which bound every shape, _check_backed) are then backed by bytes on disk."""
+        sizes: dict[str, int] = {}
+        for t in self.tensors.values():
+            for c in t.chunks:
+                if c.file not in sizes:
+                    fd = self._open(c.file)
+                    try:
+                        sizes[c.file] = os.fstat(fd).st_size
+                    finally:
+                        os.close(fd)
+                if c.start + c.length > sizes[c.file]:
+                    raise ConvertError(f"{self.folder / c.file}: bytes {c.start}-{c.start + c.length} (chunk "
+                                       f"{list(c.offsets)} of '{t.name}') end past the file's {sizes[c.file]} bytes "
+                                       f"(a truncated file, or an index that does not match it)")
 
     def _open(self, rel: str) -> int:
         path = self.folder / rel
@@ -241,6 +311,7 @@ class DcpFolder:
             if c.start + c.length > size:
                 raise ConvertError(f"{where} end past the file's {size} bytes (a truncated file, or an index that "
                                    f"does not match it)")
+            _stored_records(fd, c, where)
             try:
                 out = torch.load(io.BufferedReader(_Window(fd, c.start, c.length), 1 << 20), map_location="cpu",
                                  weights_only=True)

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import re
 import shutil
 from pathlib import Path
 from typing import Optional
@@ -10,6 +11,7 @@ from typing import Optional
 import torch
 from einops import EinopsError, rearrange
 
+from ..base import limits
 from ..base.fs import remove_tree, write_new, replace_output
 from ..checkpoint.stream import StreamingWriter
 from ..config import ACTIVATIONS, ModelConfig, model_from
@@ -200,23 +202,42 @@ def folder_tokenizer(p: Path) -> Optional[Tokenizer]:
     return None
 
 
+def _sizes_stored(hf: dict, shapes: dict, cfg_file: Path, st: Path) -> None:
+    """config.json's sizes are those of the tensors model.safetensors stores, checked before anything is built
+    from them: n_layer = 10**6 over two stored blocks once ran for minutes, n_positions = 2**31 - 1 failed in
+    the allocator. n_layer: the blocks h.0 ... h.(n-1); n_embd, vocab_size, n_positions: wte's and wpe's sizes."""
+    names = {k.removeprefix("transformer."): s for k, s in shapes.items()}
+    blocks = {int(m.group(1)) for k in names if (m := re.match(r"h\.([0-9]{1,9})\.", k))}
+    stored = {"n_layer": (len(blocks) if blocks == set(range(len(blocks))) else None, "blocks h.0, h.1, ... of"),
+              "vocab_size": ((names.get("wte.weight") or [None])[0], "rows of wte.weight in"),
+              "n_embd": ((names.get("wte.weight") or [None, None])[-1], "columns of wte.weight in"),
+              "n_positions": ((names.get("wpe.weight") or [None])[0], "rows of wpe.weight in")}
+    for key, (have, what) in stored.items():
+        if hf[key] != have:
+            got = "no such tensors" if have is None else f"{have}"
+            raise ConvertError(f"{cfg_file}: {key} = {limits.describe(hf[key])}, but {st.name} holds {got} ({what} "
+                               f"it); expected the sizes of the stored tensors")
+
+
 def read_hf_folder(p: Path):
     """(model config dict, get(name) -> full fp32 tensor, names) for an HF GPT-2 folder."""
     cfg_file, st = p / "config.json", p / "model.safetensors"
     if not cfg_file.is_file() or not st.is_file():
         raise ConvertError(f"{p}: expected an HF GPT-2 folder with config.json and model.safetensors")
+    limits.within(cfg_file.stat().st_size, "json", str(cfg_file), ConvertError)
     hf = parse_json(cfg_file.read_bytes().decode("utf-8", errors="replace"), str(cfg_file))
     if not isinstance(hf, dict) or hf.get("model_type") != "gpt2":
         got = hf.get("model_type") if isinstance(hf, dict) else hf
-        raise ConvertError(f"{cfg_file}: model_type is {got!r}, expected 'gpt2'")
+        raise ConvertError(f"{cfg_file}: model_type is {limits.describe(got)}, expected 'gpt2'")
     for theirs in ("n_layer", "n_head", "n_embd", "n_positions", "vocab_size"):
         if theirs not in hf:
             raise ConvertError(f"{cfg_file}: field '{theirs}' is missing (expected an HF GPT-2 config)")
-    m = model_from(model_from_hf_config(hf, str(cfg_file)), str(cfg_file))
     f = open_safetensors(st)
+    shapes = {k: f.get_slice(k).get_shape() for k in f.keys()}
+    _sizes_stored(hf, shapes, cfg_file, st)
+    m = model_from(model_from_hf_config(hf, str(cfg_file)), str(cfg_file))
     table = {}
-    for k in f.keys():
-        shape = f.get_slice(k).get_shape()
+    for k, shape in shapes.items():
         try:
             r = _from_hf(k, torch.empty(shape, device="meta"), m["tie_embeddings"])
         except (EinopsError, RuntimeError):

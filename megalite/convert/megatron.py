@@ -23,7 +23,7 @@ Megatron's fused bias-GeLU (`bias_gelu_fusion`, on by default in Megatron-LM) is
 from __future__ import annotations
 
 import dataclasses
-import json
+import re
 import zipfile
 from pathlib import Path
 from typing import Optional
@@ -31,8 +31,11 @@ from typing import Optional
 import torch
 from einops import rearrange
 
-from ..config import ModelConfig, path_kind
-from ..base.errors import ConvertError
+from ..base import limits
+from ..base.fs import read_all
+from ..config import ModelConfig, model_from, path_kind
+from ..base.errors import ConfigError, ConvertError
+from ..base.jsonio import loads
 from . import hints as hn
 from . import megatron_llama, unpickle
 from .common import model_partitions
@@ -53,10 +56,13 @@ def iteration_folder(path: Path) -> Path:
         return path
     latest = path / LATEST
     if latest.is_file():
-        text = latest.read_text(errors="replace").strip()
-        name = "release" if text == "release" else f"iter_{int(text):07d}" if text.isdigit() else None
+        text = read_all(latest, limits.FILE_BYTES["line"], follow=True).decode("utf-8", errors="replace").strip()
+        digits = limits.MAX_ITERATION_DIGITS  # ASCII digits only: str.isdigit() also takes '²', which int() refuses
+        name = "release" if text == "release" else f"iter_{int(text):07d}" \
+            if re.fullmatch(f"[0-9]{{1,{digits}}}", text) else None
         if name is None:
-            raise ConvertError(f"{latest}: holds {text[:40]!r}, expected an iteration number or 'release'")
+            raise ConvertError(f"{latest}: holds {limits.describe(text, 40)}, expected an iteration number (at most "
+                               f"{digits} digits) or 'release'")
         if (path / name / META_JSON).is_file():
             return path / name
         _refuse_legacy(path / name)
@@ -76,13 +82,14 @@ def read_args(step: Path, required: bool = True) -> Optional[dict]:
     """The training arguments Megatron-LM saved in common.pt, as a dict (allow-list unpickled, nothing run);
     None where there are none and not `required` (megatron-core's dist_checkpointing.save alone)."""
     meta = step / META_JSON
-    try:
-        backend = json.loads(meta.read_text()).get("sharded_backend")
-    except (ValueError, AttributeError, UnicodeDecodeError):
-        raise ConvertError(f"{meta}: not a JSON object (expected megatron's checkpoint metadata)") from None
+    limits.within(meta.stat().st_size, "json", str(meta), ConvertError)
+    doc = loads(read_all(meta, follow=True), str(meta), ConvertError)
+    if not isinstance(doc, dict):
+        raise ConvertError(f"{meta}: not a JSON object (expected megatron's checkpoint metadata)")
+    backend = doc.get("sharded_backend")
     if backend != "torch_dist":
-        raise ConvertError(f"{meta}: sharded_backend = {backend!r}, expected 'torch_dist' (megalite reads "
-                           f"megatron's DCP-based format)")
+        raise ConvertError(f"{meta}: sharded_backend = {limits.describe(backend)}, expected 'torch_dist' (megalite "
+                           f"reads megatron's DCP-based format)")
     path = step / COMMON
     if not path.is_file():
         raise ConvertError(f"{path}: is {path_kind(path)}, expected megatron's common state (torch.save)")
@@ -92,11 +99,19 @@ def read_args(step: Path, required: bool = True) -> Optional[dict]:
             if len(pkl) != 1:
                 raise ConvertError(f"{path}: expected one <name>/data.pkl in the torch.save archive, found "
                                    f"{len(pkl)}")
+            info = z.getinfo(pkl[0])
+            if info.compress_type != zipfile.ZIP_STORED:  # torch.save stores; DEFLATE could inflate 1000-fold
+                raise ConvertError(f"{path}: {pkl[0]} is compressed (zip method {info.compress_type}, "
+                                   f"{info.file_size:,} bytes inflated); torch.save stores its records "
+                                   f"uncompressed, and megalite reads only such")
+            limits.within(info.file_size, "pickle", f"{path}: {pkl[0]}", ConvertError)
             data = z.read(pkl[0])
     except (zipfile.BadZipFile, OSError) as e:
         raise ConvertError(f"{path}: not a torch.save archive ({e})") from None
     try:
         common = unpickle.load(data, unpickle.MEGATRON_COMMON, persistent=lambda pid: None)  # storages: unread
+    except unpickle.OverBudget as e:
+        raise ConvertError(f"{path}: {e}") from None
     except unpickle.RefusedGlobal as e:
         raise ConvertError(f"{path}: the pickle names '{e.name}', which is not on megalite's allow-list for "
                            f"Megatron's common state; refusing to read it (nothing in it was run)") from None
@@ -114,7 +129,7 @@ def read_args(step: Path, required: bool = True) -> Optional[dict]:
 
 # ---------------------------------------------------------------- the architecture: GPT-2 or refused
 def _refuse(where: str, field: str, value, what: str) -> ConvertError:
-    return ConvertError(f"{where}: {field} = {value!r}: megalite does not model {what} (it reproduces GPT-2: "
+    return ConvertError(f"{where}: {field} = {limits.describe(value)}: megalite does not model {what} (it reproduces GPT-2: "
                         f"learned positions, LayerNorm, a GeLU MLP, multi-head attention with biases)")
 
 
@@ -129,12 +144,15 @@ def model_from_args(a: dict, where: str) -> dict:
     if pos != "learned_absolute":
         what = {"rope": "rotary position embeddings (RoPE)", "yarn": "rotary position embeddings (YaRN RoPE)",
                 "mrope": "multimodal rotary position embeddings (MRoPE)", "none": "a model without position "
-                "embeddings", "relative": "relative position embeddings"}.get(pos, "this position embedding")
+                "embeddings", "relative": "relative position embeddings"}.get(pos, "this position embedding") \
+            if isinstance(pos, str) else "this position embedding"  # a list there is not hashable
         raise _refuse(where, "position_embedding_type", pos, what)
     if get("use_rotary_position_embeddings"):
         raise _refuse(where, "use_rotary_position_embeddings", True, "rotary position embeddings (RoPE)")
     if get("normalization", "LayerNorm") != "LayerNorm":
-        raise _refuse(where, "normalization", get("normalization"), f"{get('normalization')} (not LayerNorm)")
+        raise _refuse(where, "normalization", get("normalization"),
+                      f"{get('normalization')[:30] if isinstance(get('normalization'), str) else 'this norm'} "
+                      f"(not LayerNorm)")
     for flag, what in (("swiglu", "SwiGLU (a gated SiLU MLP)"), ("gated_linear_unit", "a gated linear unit MLP"),
                        ("squared_relu", "a squared-ReLU MLP"), ("quick_geglu", "a quick-GeGLU MLP"),
                        ("multi_latent_attention", "multi-latent attention (MLA)"),
@@ -157,9 +175,7 @@ def model_from_args(a: dict, where: str) -> dict:
         field = "add_bias_linear" if not get("add_bias_linear", True) else "add_qkv_bias"
         raise _refuse(where, field, False, "linear layers without biases")
     for n in ("num_layers", "hidden_size", "num_attention_heads", "max_position_embeddings"):
-        v = get(n)
-        if isinstance(v, bool) or not isinstance(v, int) or v < 1:
-            raise ConvertError(f"{where}: {n} = {v!r}, expected a positive integer")
+        limits.number(get(n), f"{where}: {n}", ConvertError, 1, limits.MAX_SIZE)
     C, H = get("hidden_size"), get("num_attention_heads")
     groups = get("num_query_groups") if get("group_query_attention") else None
     if groups not in (None, H):
@@ -175,13 +191,15 @@ def model_from_args(a: dict, where: str) -> dict:
                       f"hidden_size = {4 * C}")
     # Megatron-LM fuses bias + GeLU by default (--no-bias-gelu-fusion turns it off): the tanh approximation
     tanh = bool(get("openai_gelu")) or bool(get("bias_gelu_fusion", True))
-    eps = get("layernorm_epsilon", get("norm_epsilon", 1e-5))
-    if isinstance(eps, bool) or not isinstance(eps, (int, float)) or not eps > 0:
-        raise ConvertError(f"{where}: layernorm_epsilon = {eps!r}, expected a positive number")
+    eps = limits.finite(get("layernorm_epsilon", get("norm_epsilon", 1e-5)), f"{where}: layernorm_epsilon",
+                        ConvertError, positive=True)  # inf once converted to a model generate then refused
     m = ModelConfig(n_layer=get("num_layers"), n_head=H, n_embd=C, block_size=get("max_position_embeddings"),
                     vocab_size=1, dropout=0.0, tie_embeddings=not get("untie_embeddings_and_output_weights"),
-                    layer_norm_eps=float(eps), activation="gelu_new" if tanh else "gelu")
-    return dataclasses.asdict(m)
+                    layer_norm_eps=eps, activation="gelu_new" if tanh else "gelu")
+    try:  # every field as a config checks it (finite, in range): what is written out can be read back
+        return model_from(dataclasses.asdict(m), where)
+    except ConfigError as e:
+        raise ConvertError(str(e)) from None
 
 
 # ---------------------------------------------------------------- tensor names and layouts
@@ -235,6 +253,7 @@ class MegatronGPT:
         else:
             m = model_from_args(args, f"{self.step / COMMON}: args")
         vocab_size = vocab_size or hints.vocab_size
+        _check_layers(self.ck, m, where)
         word = self.ck.tensors.get("embedding.word_embeddings.weight")
         if word is None or len(word.shape) != 2 or word.shape[1] != m["n_embd"]:
             got = "missing" if word is None else f"of size {list(word.shape)}"
@@ -348,6 +367,18 @@ class MegatronGPT:
         if layer is not None:
             t = t[0]
         return (fn(t) if fn else t).contiguous()
+
+
+def _check_layers(ck: DcpFolder, m: dict, where: str) -> None:
+    """args.num_layers is the number of layers the index stores (dim 0 of every stacked decoder.layers.*
+    tensor), checked before anything is built per layer: 20000 layers over two stored ones once spent a
+    minute and 2 GB describing layers that are not there."""
+    stored = sorted({t.shape[0] for n, t in ck.tensors.items() if n.startswith(LAYERS) and t.shape})
+    if stored != [m["n_layer"]]:
+        got = "no decoder.layers.* tensor" if not stored else \
+            f"{' and '.join(str(n) for n in stored[:3])} layers in its stacked decoder.layers.* tensors"
+        raise ConvertError(f"{where}: args.num_layers = {m['n_layer']}, but the index holds {got} (expected "
+                           f"{m['n_layer']})")
 
 
 def _why(theirs: str, shape, m: dict) -> str:

@@ -14,6 +14,9 @@ Here every global the file names is looked up in a table of our own (`Allow`) an
 
 Persistent ids (a torch.save file's tensor storages) are refused unless the caller names what stands in
 for them, and then they are inert records too: their bytes are never read.
+
+Before any of that, the pickle's claims are checked against its own size (limits.check_pickle: memo indices,
+integer widths, nesting depth), so a few bytes cannot cost gigabytes or a SIGSEGV while it is read.
 """
 from __future__ import annotations
 
@@ -22,6 +25,9 @@ import pickle
 from typing import Callable, Optional
 
 import torch
+
+from ..base import limits
+from ..base.errors import MegaliteError
 
 
 class Record:
@@ -49,8 +55,8 @@ class Record:
             return self.state[0]  # (dict, slots)
         return {}
 
-    def __repr__(self):
-        return f"<{self.kind} args={self.args!r} state={self.state!r}>"
+    def __repr__(self):  # bounded: a message never prints a whole (or deeply nested) foreign value
+        return f"<{self.kind} args={limits.describe(self.args)} state={limits.describe(self.state)}>"
 
 
 class RefusedGlobal(pickle.UnpicklingError):
@@ -59,6 +65,10 @@ class RefusedGlobal(pickle.UnpicklingError):
     def __init__(self, name: str):
         super().__init__(name)
         self.name = name
+
+
+class OverBudget(MegaliteError, pickle.UnpicklingError):
+    """The pickle claims more than its size can back (limits.check_pickle): the message says what."""
 
 
 class Allow:
@@ -100,9 +110,11 @@ class _Unpickler(pickle.Unpickler):
 
 
 def load(data: bytes, allow: Allow, persistent: Optional[Callable] = None):
-    """The pickled object as plain Python values and Records. Raises RefusedGlobal naming a global that is
-    not allowed, or pickle.UnpicklingError / ValueError / ... for a malformed pickle (callers turn both into
-    one-line errors naming their file)."""
+    """The pickled object as plain Python values and Records. Raises OverBudget for a pickle whose claims
+    pass its size (limits.check_pickle), RefusedGlobal naming a global that is not allowed, or
+    pickle.UnpicklingError / ValueError / ... for a malformed pickle (callers turn each into a one-line error
+    naming their file)."""
+    limits.check_pickle(data, "the pickle", OverBudget)
     return _Unpickler(io.BytesIO(data), allow, persistent).load()
 
 

@@ -20,6 +20,7 @@ from pathlib import Path
 
 from ..base.fs import kind_of, open_append, read_all
 from ..base.errors import MetricsError, UnsafeFileError
+from ..base.jsonio import loads
 
 NAME = "metrics.jsonl"
 
@@ -60,9 +61,9 @@ def _lines(run_dir) -> list[dict]:
     for i, line in enumerate(read_all(path, follow=True).decode("utf-8", errors="replace").splitlines(), 1):
         if line.strip():
             try:
-                row = json.loads(line)
-            except json.JSONDecodeError:
-                raise MetricsError(f"{path} line {i} is not JSON") from None
+                row = loads(line, f"{path} line {i}", MetricsError)
+            except MetricsError:
+                raise MetricsError(f"{path} line {i} is not JSON (or is nested too deep)") from None
             if not isinstance(row, dict) or not isinstance(row.get("step"), int):
                 raise MetricsError(f"{path} line {i}: expected an object with an integer 'step'")
             rows.append(row)

@@ -8,12 +8,20 @@ resumes at step N tells TensorBoard to drop the earlier launches' events from st
 as metrics.jsonl's readers keep the last record of a redone step. `tensorboard` is an optional extra
 (`pip install megalite[tensorboard]`): when the key is on and it is missing, the run stops at start-up, in one
 line, before anything is written.
+
+`<out_dir>/tensorboard` is checked like metrics.jsonl (`check_path`, at start-up before anything is
+written): a folder of the run folder, or nothing yet; a symlink there (events would be written wherever it
+points), a file or a FIFO is refused in one line.
 """
 from __future__ import annotations
 
+import errno
+import os
+import stat
 from pathlib import Path
 
-from ..base.errors import ConfigError
+from ..base.fs import kind_of
+from ..base.errors import ConfigError, UnsafeFileError
 
 DIR = "tensorboard"
 SCALARS = {"loss": "train/loss", "lr": "train/lr", "grad_norm": "train/grad_norm",
@@ -33,11 +41,24 @@ def require() -> None:
                           f"--train.tensorboard=false") from None
 
 
+def check_path(out_dir: Path) -> None:
+    """An UnsafeFileError unless <out_dir>/tensorboard is a real folder of the run folder or absent (a symlink
+    is never followed: SummaryWriter would write its events through it)."""
+    path = Path(out_dir) / DIR
+    st = os.lstat(path) if os.path.lexists(path) else None
+    if st is not None and not stat.S_ISDIR(st.st_mode):
+        link = f" (to '{os.readlink(path)}')" if stat.S_ISLNK(st.st_mode) else ""
+        raise UnsafeFileError(f"train.out_dir: {path} is {kind_of(st)}{link}, expected the run's own TensorBoard "
+                              f"folder (a real folder); megalite never writes through it: remove it",
+                              errno.ELOOP if stat.S_ISLNK(st.st_mode) else errno.EINVAL)
+
+
 class Board:
     """Writes each step record's numbers as scalars at its step."""
 
     def __init__(self, out_dir: Path, resumed_step: int):
         require()
+        check_path(out_dir)
         from torch.utils.tensorboard import SummaryWriter
         self.path = Path(out_dir) / DIR
         self.writer = SummaryWriter(str(self.path), purge_step=resumed_step + 1 if resumed_step else None)

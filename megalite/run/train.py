@@ -20,6 +20,7 @@ from datetime import timedelta
 from pathlib import Path
 from typing import Optional
 
+import numpy as np
 import torch
 import torch.distributed as dist
 
@@ -29,12 +30,12 @@ from ..checkpoint.state import seed_everything
 from .ckpt_policy import CheckpointManager
 from .compile import compile_blocks
 from ..config import DEFAULT_DATA_PATH, Config, ParallelConfig, num_microbatches, resolve, seq_len, settings, validate
-from ..data import (BatchSampler, TokenDataset, check_vocab, ensure_data, eval_batches, eval_tokens_per_byte,
-                   identity as data_identity, tokenizer_of)
+from ..data import (HASH_BITS, BatchSampler, TokenDataset, check_vocab, ensure_data, eval_batches,
+                    eval_tokens_per_byte, identity as data_identity, token_hash, tokenizer_of)
 from ..base.errors import ConfigError, DataError, NonFiniteError
 from ..model import GPTStage
 from .schedule import clip_scale, lr_at
-from ..parallel.context import split_sequence
+from ..parallel.context import local_positions, split_sequence
 from ..parallel.data import GradBuffer, ShardedAdamW, use_fused
 from ..parallel.finalize import finalize_grads
 from ..parallel.grid import Layout, ParallelGrid
@@ -104,9 +105,22 @@ def build(cfg: Config, grid: ParallelGrid, device: torch.device) -> Trainer:
 # ---------------------------------------------------------------- one step
 def run_pipeline(tr: Trainer, x, y, train: bool) -> float:
     """Schedule the micro-batches of (x, y) through the pipeline; return the global mean loss."""
+    return _pipeline(tr, x, y, train)[0]
+
+
+def _pipeline(tr: Trainer, x, y, train: bool) -> tuple[float, int]:
+    """run_pipeline, also returning the global batch's hash when `train` (else 0): what `batch_hash` records."""
     cfg, grid = tr.cfg, tr.grid
     m = num_microbatches(cfg)
     x, y = split_sequence(x, grid.cp), split_sequence(y, grid.cp)  # cp: this rank's chunks of every sequence
+    # The batch hash, from the ids this rank really feeds: the inputs as the first stage, the targets as the
+    # last, each token keyed by its global row and position (data.token_hash), so every layout sums the same.
+    share = 0
+    if train and grid.coord.tp == 0 and (grid.is_first_stage or grid.is_last_stage):
+        rows = grid.coord.dp * x.shape[0] + np.arange(x.shape[0])
+        pos = local_positions(seq_len(cfg), grid.cp).numpy()
+        share = (token_hash(x.numpy(), rows, pos, 0) if grid.is_first_stage else 0) \
+            + (token_hash(y.numpy(), rows, pos, 1) if grid.is_last_stage else 0)
     xs, ys = ([t.to(tr.device) for t in batch.chunk(m)] for batch in (x, y))
     seq = seq_len(cfg) // grid.cp.size // (grid.tp.size if tr.model.sp else 1)  # sp: stages pass seq/(cp tp) positions
     shape = (cfg.train.micro_batch_size, seq, cfg.model.n_embd)
@@ -123,12 +137,13 @@ def run_pipeline(tr: Trainer, x, y, train: bool) -> float:
     losses = get_schedule(cfg.parallel.schedule, vpp, train)(stage_fn, xs, m, grid, p2p)
     # One number for every rank: the last stage's tp-rank-0 members contribute their dp x cp share (a cp rank's
     # loss is the mean over its T/cp tokens of each sequence: the mean of the cp means is the mean over all T).
-    total = torch.zeros(1, dtype=torch.float64)
+    # The hash shares ride along in the same all-reduce (exact in float64: see data.token_hash).
+    total = torch.tensor([0.0, float(share)], dtype=torch.float64)
     if grid.is_last_stage and grid.coord.tp == 0:
-        total += sum(l.double().cpu() for l in losses).item() / grid.layout.replicas
+        total[0] += sum(l.double().cpu() for l in losses).item() / grid.layout.replicas
     if grid.world is not None and grid.layout.world_size > 1:
         dist.all_reduce(total, group=grid.cpu)
-    return total.item()
+    return total[0].item(), int(total[1].item()) % (1 << HASH_BITS)
 
 
 def train_step(tr: Trainer) -> dict:
@@ -138,7 +153,7 @@ def train_step(tr: Trainer) -> dict:
     x, y = tr.sampler.next_batch()
     tr.grads.zero()
     tr.grads.arm(num_microbatches(cfg))  # overlap_grad_reduce: buckets reduce during the last backward
-    loss = run_pipeline(tr, x, y, train=True)
+    loss, digest = _pipeline(tr, x, y, train=True)
     norm = finalize_grads(tr.params, tr.grads, tr.grid, sp=tr.model.sp)
     skipped = not (math.isfinite(loss) and math.isfinite(norm)) and _nonfinite(tr, loss, norm)
     if not skipped:
@@ -148,7 +163,8 @@ def train_step(tr: Trainer) -> dict:
     tr.tokens_seen += tokens
     dt = time.perf_counter() - t0
     return {"step": tr.step, "loss": loss, "lr": lr, "grad_norm": norm, "tokens_per_s": tokens / dt,
-            "ms_per_step": dt * 1000, "tokens_seen": tr.tokens_seen, **({"skipped": True} if skipped else {})}
+            "ms_per_step": dt * 1000, "tokens_seen": tr.tokens_seen, "batch_hash": f"{digest:08x}",
+            **({"skipped": True} if skipped else {})}
 
 
 def _nonfinite(tr: Trainer, loss: float, norm: float) -> bool:
@@ -293,6 +309,7 @@ def _start(cfg: Config, grid: ParallelGrid, device, log, force: bool = False) ->
     def build_all():
         if cfg.train.tensorboard and grid.rank == 0:
             tensorboard_log.require()  # before anything is written
+            tensorboard_log.check_path(out_dir)  # a symlink or a file there: refused before anything is written
         if grid.rank == 0:
             metrics.check_path(out_dir)  # a symlink or a FIFO there: refused before anything is written
         prepare_data(cfg, grid.rank)
