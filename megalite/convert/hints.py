@@ -19,6 +19,7 @@ from typing import Optional
 
 import torch
 
+from ..base import limits
 from ..base.errors import ConvertError
 
 NORMS, MLPS = ("rms", "layer"), ("swiglu", "gelu", "gelu_tanh")
@@ -51,6 +52,7 @@ def merge_config(h: Hints, path: Path) -> Hints:
     """The values of a transformers config.json (4.x: rope_theta + rope_scaling; 5.x: rope_parameters) under
     the flags given; a flag that disagrees with the file is refused naming both."""
     try:
+        limits.within(Path(path).stat().st_size, "json", f"--config {path}", ConvertError)
         c = json.loads(Path(path).read_text())
     except (OSError, UnicodeDecodeError, ValueError) as e:
         raise ConvertError(f"--config {path}: not a readable JSON file ({type(e).__name__})") from None
@@ -141,9 +143,11 @@ def rope_scaling(s: Optional[dict]) -> dict:
     kind = s.get("rope_type", s.get("type"))
     if kind != "llama3":
         raise ConvertError(f"rope_scaling rope_type = {kind!r}: megalite models only Llama 3's ('llama3'), or none")
-    return {"rope_type": "llama3", "factor": float(s["factor"]), "low_freq_factor": float(s["low_freq_factor"]),
-            "high_freq_factor": float(s["high_freq_factor"]),
-            "original_max_position_embeddings": int(s["original_max_position_embeddings"])}
+    out = {"rope_type": "llama3"}
+    for k in ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings"):
+        out[k] = limits.finite(s.get(k), f"rope_scaling {k}", ConvertError, positive=True)
+    out["original_max_position_embeddings"] = int(out["original_max_position_embeddings"])
+    return out
 
 
 def llama_shapes(m: dict, qkv_bias: bool = False) -> dict:
