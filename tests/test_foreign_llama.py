@@ -147,15 +147,14 @@ def test_megatron_llama_without_args_takes_a_transformers_config(mref, tmp_path)
 @needs_megatron
 def test_gpt2_without_args_converts_with_num_heads(mref, tmp_path):
     """The issue's first case: a GPT-2 written by megatron-core's dist_checkpointing.save alone."""
-    from megalite.convert.hf import write_hf
     ref = torch.load(mref / "untied_tp2.pt")
-    with pytest.raises(ConvertError, match=r"common\.pt: has no 'args'.*give what they cannot tell, --num-heads"):
-        MegatronGPT(mref / "untied_tp2_noargs")
-    g = MegatronGPT(mref / "untied_tp2_noargs", hints=hn.Hints(num_heads=4, mlp="gelu_tanh", norm_eps=1e-6))
-    out = write_hf(tmp_path / "hf", g.m, {n: g.shape(n) for n in g.names}, ((n, g.get(n)) for n in g.names),
-                   torch.float32)
+    rc, _, err = cli("convert", mref / "untied_tp2_noargs", "--format", "hf-gpt2", "--out", tmp_path / "no")
+    assert rc == 2 and "common.pt: has no 'args'" in err and "give what they cannot tell, --num-heads" in err, err
+    rc, _, err = cli("convert", mref / "untied_tp2_noargs", "--num-heads", 4, "--mlp", "gelu_tanh", "--norm-eps", 1e-6,
+                     "--format", "hf-gpt2", "--out", tmp_path / "hf")
+    assert rc == 0, err
     with torch.no_grad():
-        got = transformers.GPT2LMHeadModel.from_pretrained(str(out)).eval()(ref["ids"]).logits
+        got = transformers.GPT2LMHeadModel.from_pretrained(str(tmp_path / "hf")).eval()(ref["ids"]).logits
     d = (got - ref["logits"]).abs().max().item()
     print(f"megatron GPT-2 TP=2 no args, --num-heads 4 -> hf-gpt2: max |d logit| {d:.2e}")
     assert d < TOL

@@ -290,6 +290,14 @@ class MegatronGPT:
                 "ln_f": "decoder.final_layernorm.weight", "interleaved": self.interleaved,
                 "head": None if self.m["tie_embeddings"] else "output_layer.weight"}
 
+    def reference(self):
+        """A Llama's own-layout forward (native.py) for --check; None for a GPT-2 (megalite's model on its
+        tensors is the source side there)."""
+        if self.m.get("arch") != "llama":
+            return None
+        from .native import reference_logits
+        return lambda ids: reference_logits(self, ids).float()
+
     def raw(self, theirs: str, layer: Optional[int]) -> torch.Tensor:
         """A tensor as stored (one layer of a stacked one), float64."""
         region = [(0, n) for n in self.ck.tensors[theirs].shape]

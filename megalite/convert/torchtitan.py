@@ -121,6 +121,11 @@ class TorchtitanLlama:
                 "w3": layer("mlp.up.weight"), "fc2": layer("mlp.proj.weight"), "ln_f": self.src["ln_f.weight"],
                 "head": self.src.get("lm_head.weight"), "interleaved": True}
 
+    def reference(self):
+        """The source's own-layout forward (native.py): what --check compares the converted model against."""
+        from .native import reference_logits
+        return lambda ids: reference_logits(self, ids).float()
+
     def raw(self, theirs: str, layer) -> torch.Tensor:
         return self.ck.read(theirs if layer is None else theirs.format(i=layer)).double()
 
