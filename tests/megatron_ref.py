@@ -1,5 +1,6 @@
 """megatron-core as an outside reference: checkpoints, logits, layer outputs and schedule tables, made by
-megatron-core 0.16 itself on CPU (gloo), once per test session (tests/test_foreign_megatron.py).
+megatron-core 0.16 itself on CPU (gloo), once per test session (the `mref` fixture in tests/conftest.py, for
+tests/test_foreign_megatron.py and tests/test_foreign_llama.py).
 
     python3 tests/megatron_ref.py OUT_DIR
 
