@@ -148,12 +148,14 @@ def _cmd_verify(args, rest) -> int:
 def _cmd_convert(args, rest) -> int:
     from .convert import convert
     from .convert.hints import Hints, merge_config
+    from .convert.single import parse_size
     hints = Hints(num_heads=args.num_heads, num_kv_heads=args.num_kv_heads, rope_theta=args.rope_theta,
                   norm=args.norm, mlp=args.mlp, norm_eps=args.norm_eps)
     if args.config is not None:
         hints = merge_config(hints, args.config)
     out = convert(args.ckpt, args.out, dtype=args.dtype, fmt=args.format, force=args.force, quiet=args.quiet,
-                  source=args.source, vocab_size=args.vocab_size, arch=args.arch, hints=hints, check=args.check)
+                  source=args.source, vocab_size=args.vocab_size, arch=args.arch, hints=hints, check=args.check,
+                  max_shard_size=parse_size(args.max_shard_size, "--max-shard-size"))
     if not args.quiet:
         print(f"convert: wrote {out}")
     return 0
@@ -212,7 +214,7 @@ def _cmd_bench(args, rest) -> int:
         from .bench.train import bench_train
         bench_train(steps=args.steps, nproc=args.nproc, n_embd=args.n_embd or 128, n_layer=args.n_layer or 4,
                     block_size=args.block_size or 128, rounds=args.rounds or 2, wait_ms=args.bubble_wait_ms,
-                    cp_seq=args.cp_seq, pairs=args.pairs)
+                    cp_seq=args.cp_seq, pairs=args.pairs, llama_only=args.llama_only)
     return 0
 
 
@@ -277,18 +279,24 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("runs", nargs="+", metavar="RUN_DIR", help="runs' out_dir folders (with metrics.jsonl)")
     p.add_argument("--out", default="loss.png")
 
-    p = add("convert", "reassemble a checkpoint of any layout into one safetensors file (or an HF GPT-2 "
-                       "folder with --format hf-gpt2, a DCP folder with --format dcp), one tensor at a time; "
-                       "also from a Megatron-LM (torch_dist) or PyTorch DCP checkpoint, no pickle of theirs run",
-            _cmd_convert)
-    p.add_argument("ckpt", help="a step folder, or a checkpoint root (the step `latest` names); a Megatron-LM or "
-                                "DCP checkpoint folder")
+    p = add("convert", "reassemble a checkpoint of any layout into one safetensors file (or the family's "
+                       "transformers folder with --format hf, a DCP folder with --format dcp), one tensor at a "
+                       "time; also from a transformers folder, a Megatron-LM (torch_dist) or PyTorch DCP "
+                       "checkpoint, no pickle of theirs run", _cmd_convert)
+    p.add_argument("ckpt", help="a step folder, or a checkpoint root (the step `latest` names); a `megalite "
+                                "convert` file; a transformers, Megatron-LM or DCP checkpoint folder")
     p.add_argument("--out", required=True)
     p.add_argument("--dtype", default=None, help="fp32 | bf16 | fp16 (default fp32; from DCP: as stored)")
-    p.add_argument("--format", default="megalite", help="megalite (one .safetensors) | hf-gpt2 (a folder) | dcp "
-                                                        "(a DCP folder, Hugging Face storage format)")
+    p.add_argument("--format", default="megalite", help="megalite (one .safetensors) | hf (the family's "
+                   "transformers folder; hf-gpt2: GPT-2's) | dcp (a DCP folder, Hugging Face storage format)")
     p.add_argument("--from", dest="source", default=None, metavar="KIND",
-                   help="megalite | dcp | megatron (default: recognised from the folder)")
+                   help="megalite | hf | dcp | megatron (default: recognised from the folder)")
+    p.add_argument("--check", action=argparse.BooleanOptionalAction, default=None,
+                   help="run the source and the result on fixed prompts and refuse the output above the "
+                        "tolerance (default: on where transformers is installed, for exports to transformers "
+                        "and imports from other trainers)")
+    p.add_argument("--max-shard-size", default="5GB", help="--format hf: shard the weights above this (bytes, "
+                   "or with KB/MB/GB; transformers' default 5GB)")
     p.add_argument("--vocab-size", type=int, default=None, help="megatron: cut the padded vocabulary to this")
     p.add_argument("--arch", default=None, help="gpt2 | llama: what model a DCP folder holds (llama: torchtitan's "
                                                 "Llama 3); for a Megatron folder, checked against it")
@@ -300,9 +308,6 @@ def build_parser() -> argparse.ArgumentParser:
     hint.add_argument("--mlp", default=None, help="swiglu | gelu | gelu_tanh (default: read from the MLP's rows)")
     hint.add_argument("--norm-eps", type=float, default=None, help="(default 1e-5)")
     hint.add_argument("--config", default=None, help="a transformers config.json giving all of the above")
-    p.add_argument("--check", action=argparse.BooleanOptionalAction, default=None,
-                   help="a Megatron / torchtitan Llama: run the converted model beside the source in its own layout "
-                        "on fixed tokens, refuse above the tolerance (default on)")
     p.add_argument("--force", action="store_true", help="replace --out if it exists")
     p.add_argument("--quiet", action="store_true")
 
@@ -368,6 +373,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--pairs", type=int, default=5, help="train: table 1's megalite/plain pairs of fresh processes")
     p.add_argument("--cp-seq", type=int, default=None,
                    help="train: sequence length of the context-parallel table (default: 8 x --block-size)")
+    p.add_argument("--llama-only", action="store_true",
+                   help="train: only the Llama tables (9: vs transformers' LlamaForCausalLM, 10: a block's "
+                        "saved bytes per rank)")
     p.add_argument("--bubble-wait-ms", type=float, default=None,
                    help="train: t_f of the bubble table's wait rows (default: the model's, at least 40 ms)")
 

@@ -10,11 +10,11 @@ from typing import Optional
 
 import torch
 
-from .config import ConfigError, ModelConfig
-from .convert import ConvertError, read_model_file
-from .convert.single import model_tokenizer
+from .config import ConfigError
+from .base.errors import ConvertError
+from .convert import open_source
+from .convert.check import build_model
 from .model import GPTStage
-from .parallel.grid import ParallelGrid
 from .tokenizer import Tokenizer, byte_tokenizer
 
 
@@ -22,23 +22,17 @@ def load_model(path) -> GPTStage:
     """A whole GPT (tp = pp = 1) with its tokenizer (`.tokenizer`; the byte tokenizer for a model that carries
     none, as every model did before tokenizers were carried). Ids past the tokenizer's vocabulary are
     padding rows: `generate` never draws them (`.real_vocab`)."""
-    m, get, names = read_model_file(path)
-    tok = model_tokenizer(path)
+    src = open_source(path)
+    if src.model is None:
+        raise ConvertError(f"{path}: a plain DCP checkpoint does not say what model its tensors make")
+    tok = src.tokenizer()
     if tok is None:
-        if m["vocab_size"] > 256:
+        if src.model["vocab_size"] > 256:
             _warn(f"{path} carries no tokenizer; its ids are read as bytes (ids 256 and up are never drawn)")
         tok = byte_tokenizer()
-    model = GPTStage(ModelConfig(**m), ParallelGrid.single(), real_vocab=tok.vocab_size)
-    with torch.no_grad():
-        for name, p in model.global_parameters():
-            if name not in names:
-                raise ConvertError(f"{path}: tensor '{name}' is missing")
-            t = get(name)
-            if t.shape != p.shape:
-                raise ConvertError(f"{path}: tensor '{name}' has shape {list(t.shape)}, expected {list(p.shape)}")
-            p.copy_(t)
+    model = build_model(src, real_vocab=tok.vocab_size)
     model.tokenizer = tok
-    return model.eval()
+    return model
 
 
 def _warn(msg: str) -> None:

@@ -183,10 +183,8 @@ class CausalSelfAttention(nn.Module):
         if not self.llama:
             qkv = self.qkv(x)  # (B, T, 3 * C/tp)
             return rearrange(qkv, "b t (three h d) -> three b h t d", three=3, d=self.head_dim)
-        w = torch.cat([self.q.weight, self.k.weight, self.v.weight])  # one gather, one matmul for all three
-        q, k, v = column_parallel(x, w, None, self.tp, self.sp).split(
-            [self.q.weight.shape[0], self.k.weight.shape[0], self.v.weight.shape[0]], dim=-1)
-        q, k, v = (rearrange(t, "b t (h d) -> b h t d", d=self.head_dim) for t in (q, k, v))
+        qkv = column_parallel(x, [self.q.weight, self.k.weight, self.v.weight], self.tp, self.sp)  # one gather
+        q, k, v = (rearrange(t, "b t (h d) -> b h t d", d=self.head_dim) for t in qkv)
         T = q.shape[2]  # this rank's tokens; with cp at their global positions (two chunks, context.py)
         pos = local_positions(T * self.cp.size, self.cp) if self.cp.active else torch.arange(T)
         cos, sin = rope_cos_sin(self.cfg, pos.to(q.device), q.dtype)
@@ -211,7 +209,7 @@ class CausalSelfAttention(nn.Module):
 
 class MLP(nn.Module):
     """GPT-2: proj(act(fc x)), biases. Llama (SwiGLU): proj(silu(gate x) * up x), no biases; gate and up are two
-    column-parallel weights (their names in every checkpoint) run as one matmul."""
+    column-parallel weights (their names in every checkpoint) sharing one input communication."""
 
     def __init__(self, cfg: ModelConfig, tp: Axis, sp: bool, placement: str):
         super().__init__()
@@ -229,8 +227,7 @@ class MLP(nn.Module):
     def forward(self, x):  # (B, T, C) -> (B, T, C)
         if not self.llama:
             return self.proj(self.act(self.fc(x)))
-        gate, up = column_parallel(x, torch.cat([self.gate.weight, self.up.weight]), None, self.tp,
-                                   self.sp).chunk(2, dim=-1)  # (B, T, F/tp) each
+        gate, up = column_parallel(x, [self.gate.weight, self.up.weight], self.tp, self.sp)  # (B, T, F/tp) each
         return self.proj(F.silu(gate) * up)
 
 

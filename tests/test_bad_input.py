@@ -81,7 +81,7 @@ CASES = [
     ("convert-empty-folder", ["convert", "{empty}", "--out", "{tmp}/m.safetensors"], 2,
      ["{empty}", "not a checkpoint"], {}),
     ("convert-random-file", ["convert", "{random}", "--out", "{tmp}/m.safetensors"], 2,
-     ["{random}", "not a checkpoint"], {}),
+     ["{random}", "not a readable safetensors file"], {}),
     ("convert-missing-path", ["convert", "{tmp}/nothing", "--out", "{tmp}/m.safetensors"], 2,
      ["nothing", "does not exist"], {}),
     ("inspect-empty-folder", ["inspect", "{empty}"], 2, ["{empty}", "not a checkpoint"], {}),
@@ -91,7 +91,7 @@ CASES = [
     ("split-random-file", ["split", "{random}", "--tp", "1", "--pp", "1", "--dp", "1", "--out", "{tmp}/ck1"], 2,
      ["{random}", "not a readable safetensors file"], {}),
     ("unknown-format", ["convert", "{ckpt}", "--out", "{tmp}/m", "--format", "onnx"], 2,
-     ["--format 'onnx'", "megalite, hf-gpt2"], {}),
+     ["--format 'onnx'", "megalite, hf, hf-gpt2"], {}),
 ]
 
 

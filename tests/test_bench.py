@@ -91,6 +91,13 @@ def test_bench_train_prints_its_tables(tmp_path):
     # at cp = 1 by hand (s = 32, h = 32, a = 4, fp32): attention 2sh + 2s + 4sh + sa = 6336 elements = 24.75 KiB,
     # MLP 2sh + 2s + 8sh = 10304 elements = 40.25 KiB
     assert rows["1,1,2,1"][6] == f"{6336 * 4 / 1024:.1f}" and rows["1,1,2,1"][9] == f"{10304 * 4 / 1024:.1f}"
+    # issue 32's tables: the Llama pairs against transformers, and a Llama block's saved bytes = its formula at
+    # tp 1, 2 (kv heads split) and cp 2
+    assert re.search(r"megalite / transformers tokens/s \(Llama\): [\d.]+ \(median of 2 pairs; range", out), out
+    llama = {m[1]: m for m in re.finditer(r"\n(\d,\d,\d,\d)" + r" +([\d.]+)" * 5 + "\n", out)}
+    assert set(llama) == {"1,1,2,1", "2,1,1,1", "1,1,1,2"}, llama.keys()
+    for m in llama.values():
+        assert m[2] == m[3] and m[4] == m[5], m[0]
 
 
 def test_bench_dcp_prints_its_table(tmp_path):

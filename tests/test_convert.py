@@ -159,7 +159,8 @@ def test_split_checkpoint_resumes_under_torchrun(tmp_path, convert_tokens, model
 def test_hf_export_matches_megalite_logits_and_round_trips(tmp_path, run111, model_file):
     transformers = pytest.importorskip("transformers")
     hf_dir = convert(run111["ckpt"], tmp_path / "hf", fmt="hf-gpt2", quiet=True)
-    assert sorted(p.name for p in hf_dir.iterdir()) == ["config.json", "model.safetensors", "tokenizer.json",
+    assert sorted(p.name for p in hf_dir.iterdir()) == ["config.json", "generation_config.json",
+                                                        "model.safetensors", "tokenizer.json",
                                                         "tokenizer_config.json"]
     cfg = json.loads((hf_dir / "config.json").read_text())
     assert (cfg["n_layer"], cfg["n_head"], cfg["n_embd"], cfg["n_positions"], cfg["vocab_size"]) == (4, 4, 32, 16, 256)

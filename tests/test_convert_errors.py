@@ -179,7 +179,7 @@ def test_not_a_checkpoint(tmp_path, outdir):
 
 # ---------------------------------------------------------------- flags
 def test_unknown_format_and_dtype(run111, outdir):
-    with pytest.raises(ConvertError, match=r"--format 'onnx': expected one of megalite, hf-gpt2"):
+    with pytest.raises(ConvertError, match=r"--format 'onnx': expected one of megalite, hf, hf-gpt2"):
         convert(run111["ckpt"], outdir / "m", fmt="onnx")
     with pytest.raises(ConvertError, match=r"--dtype 'int8': expected one of fp32, bf16, fp16"):
         convert(run111["ckpt"], outdir / "m", dtype="int8")

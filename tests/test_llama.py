@@ -224,7 +224,7 @@ def test_bf16_fused_adamw_async_save_and_resume(token_file, tmp_path):
 def test_compile_equals_eager():
     """train.compile on a Llama block (rotary, GQA, SwiGLU): the same losses as eager within 1e-5."""
     from torch._dynamo.utils import counters
-    from megalite.compile import compile_blocks
+    from megalite.run.compile import compile_blocks
     m = tiny(2, False, rope_scaling=LLAMA3)
     x, y = torch.randint(0, m.vocab_size, (2, 2, m.block_size))
     losses = {}
@@ -279,3 +279,24 @@ def test_gpu_check_dry_run_takes_the_llama_config(tmp_path):
                              "--config", str(Path(__file__).parents[1] / "configs" / "llama3-1b.toml")])
     out = buf.getvalue()
     assert rc == 0 and "\n2. eager: train Llama 2x64 V256 bf16 (1,1,1), " in out and "all checks passed" in out, out
+
+
+def test_llama_tiny_demo_commands(tmp_path):
+    """docs/families.md's three commands as shown (tokenizer train --pre-tokenizer llama3, prepare, torchrun train
+    of configs/llama-tiny-cpu.toml at (2,2,2)) on a 60 KB corpus, 2 steps: the tokenizer is Llama 3's split
+    and the run trains at its 3D layout."""
+    import json
+    from pathlib import Path
+    config = Path(__file__).parents[1] / "configs" / "llama-tiny-cpu.toml"
+    (tmp_path / "corpus.txt").write_text(H.stdlib_text(), encoding="utf-8")
+    tok, data = tmp_path / "tok", tmp_path / "tokens.bin"
+    H.ok(H.cli("tokenizer", "train", tmp_path / "corpus.txt", "--pre-tokenizer", "llama3", "--vocab-size", "1024",
+               "--out", tok, "--quiet"))
+    pre = json.loads((tok / "tokenizer.json").read_text())["pre_tokenizer"]
+    assert [p["type"] for p in pre["pretokenizers"]] == ["Split", "ByteLevel"]
+    H.ok(H.cli("prepare", tmp_path / "corpus.txt", "--tokenizer", tok, "--out", data, "--quiet"))
+    out = tmp_path / "run"
+    rows = H.torchrun_train(8, config, out, **{"data.path": data, "train.steps": 2, "train.log_interval": 1,
+                                               "train.eval_interval": 2, "checkpoint.dir": ""})
+    steps = [r for r in rows if "loss" in r]
+    assert len(steps) == 2 and all(r["loss"] == r["loss"] for r in steps)

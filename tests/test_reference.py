@@ -28,7 +28,7 @@ import helpers as H
 from megalite.cli import main as megalite_main
 from megalite.config import Config, ConfigError, TrainConfig, resolve, validate
 from megalite.convert import ConvertError, convert, reshard, split
-from megalite.convert.hf import _to_hf
+from megalite.convert.family import FAMILIES
 from megalite.data import BatchSampler, TokenDataset
 from megalite.generate import generate, load_model
 from megalite.run.schedule import lr_at
@@ -175,7 +175,7 @@ def test_training_matches_transformers_and_torch_adamw(runs, layout):
     assert max(norm_err) <= 1e-5
     errs = {}
     for name, t in ours["params"].items():
-        for hf_name, ht in _to_hf(name, t):
+        for hf_name, ht in FAMILIES["gpt2"].to_hf(name, t):
             errs[hf_name] = H.rel_err(ht, hf_params[hf_name])
     assert len(errs) == len([k for k in hf_params if k != "lm_head.weight"])  # every tensor compared
     worst = max(errs, key=errs.get)

@@ -387,7 +387,7 @@ def _constant_hidden_model(tmp_path, world, name: str, rows: dict) -> Path:
 
 def test_generate_stops_at_end_of_text_as_transformers_does(world, tmp_path):
     from safetensors import safe_open
-    from megalite.convert.hf import _to_hf
+    from megalite.convert.family import FAMILIES
     from megalite.tokenizer import load
     path = _constant_hidden_model(tmp_path, world, "eot.safetensors", {50256: 50})
     prompt = load(world["gpt2"]).encode("abc")
@@ -403,7 +403,7 @@ def test_generate_stops_at_end_of_text_as_transformers_does(world, tmp_path):
     model = transformers.GPT2LMHeadModel(transformers.GPT2Config(
         vocab_size=50257, n_positions=32, n_embd=32, n_layer=2, n_head=2, eos_token_id=50256)).eval()
     with safe_open(str(path), framework="pt") as f:
-        sd = {hn: ht for k in f.keys() for hn, ht in _to_hf(k, f.get_tensor(k))}
+        sd = {hn: ht for k in f.keys() for hn, ht in FAMILIES["gpt2"].to_hf(k, f.get_tensor(k))}
     assert not model.load_state_dict(sd, strict=False).unexpected_keys
     with torch.no_grad():
         theirs = model.generate(torch.tensor([prompt]), do_sample=False, max_new_tokens=5)[0].tolist()
@@ -435,7 +435,7 @@ def test_vocab_padding_is_out_of_the_loss_like_a_50257_row_transformers_model(wo
     from megalite.run.schedule import lr_at
     from megalite.parallel.grid import ParallelGrid
     from megalite.config import ModelConfig
-    from megalite.convert.hf import _to_hf
+    from megalite.convert.family import FAMILIES
     cfg = config(world["tokens"], tmp_path / "run", model={"vocab_size": 50304},
                  train={"steps": 5, "eval_interval": 1000}, checkpoint={"dir": str(tmp_path / "ck")})
     init = GPTStage(ModelConfig(**{**MODEL, "vocab_size": 50304}), ParallelGrid.single())
@@ -445,7 +445,7 @@ def test_vocab_padding_is_out_of_the_loss_like_a_50257_row_transformers_model(wo
         vocab_size=50257, n_positions=32, n_embd=32, n_layer=2, n_head=2, resid_pdrop=0.0, embd_pdrop=0.0,
         attn_pdrop=0.0)).train()
     sd = {hn: ht[:50257] if hn == "transformer.wte.weight" else ht
-          for n, p in init.global_parameters() for hn, ht in _to_hf(n, p.detach())}
+          for n, p in init.global_parameters() for hn, ht in FAMILIES["gpt2"].to_hf(n, p.detach())}
     assert not hf.load_state_dict(sd, strict=False).unexpected_keys
     named = list(hf.named_parameters())
     no_decay = [p for n, p in named if n.endswith(".bias") or ".ln_" in n]

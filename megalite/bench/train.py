@@ -11,6 +11,8 @@
    communication with and without overlap, bf16 vs fp32 (see features.py).
 8. Context parallelism at cp = 1, 2, 4 beside tp at the same world size: saved activation bytes per rank,
    tokens/s and the share of step time in the cp ring's sends (see context.py).
+9-10. The Llama family: megalite (1,1,1) vs transformers' LlamaForCausalLM, and a Llama block's saved bytes per
+   rank at tp/cp 1, 2, 4 vs its formula (see llama.py); `--llama-only` runs these two alone.
 All processes run one thread each (the gloo workers of megalite.testing do). Each table is printed row by row
 as its rows are measured (megalite.bench.StreamTable).
 """
@@ -34,6 +36,7 @@ from . import SavedBytes, StreamTable, patch_dist
 from .bubble import _Stamped, idle_of
 from .context import bench_context
 from .features import bench_features
+from .llama import bench_llama
 
 
 # ---------------------------------------------------------------- the plain PyTorch reference
@@ -94,6 +97,9 @@ def _single(kind: str, raw: dict, steps: int, warmup: int = 2) -> None:
     if kind == "megalite":
         tr = build(cfg, ParallelGrid.single(), torch.device("cpu"))
         step = lambda: train_step(tr)  # noqa: E731
+    elif kind == "transformers":  # table 9: transformers' LlamaForCausalLM
+        from .llama import _transformers_step
+        step = _transformers_step(cfg)
     else:
         torch.manual_seed(t.seed)
         model = PlainGPT(cfg.model)
@@ -228,7 +234,7 @@ def bench_train(steps: int = 10, nproc: int = 4, n_embd: int = 128, n_layer: int
                 block_size: int = 128, batch: int = 16, micro: int = 4, ms=(2, 4, 8), rounds: int = 2,
                 pairs: int = 5,
                 wait_ms: Optional[float] = None, workdir: Optional[str] = None, log=print,
-                cp_seq: Optional[int] = None) -> dict:
+                cp_seq: Optional[int] = None, llama_only: bool = False) -> dict:
     """Run the benchmarks; print each table (via `log`) row by row as it is measured; return them as lists
     of dicts. wait_ms: t_f of the bubble table's wait rows (default: calibrated to the model); cp_seq: the
     sequence length of the context-parallel table (default 8 x block_size); pairs: table 1's
@@ -247,6 +253,8 @@ def bench_train(steps: int = 10, nproc: int = 4, n_embd: int = 128, n_layer: int
         prepare(default_corpus_files(max_bytes=300_000), data, log=lambda *a: None)
         o = {"model": model, "data": data, "work": work, "steps": steps, "micro": micro, "batch": batch,
              "ms": list(ms), "bubble": True, "layouts": [], "wait_ms": wait_ms}
+        if llama_only:
+            return bench_llama(o, nproc, pairs, _run_single, cp_seq or 8 * block_size, log=log)
         out["single"] = vs_plain(o, pairs, log)
 
         log("\n2. pipeline bubble: idle = 1 - busy / window (window: first stage's start to last stage's end; "
@@ -283,6 +291,7 @@ def bench_train(steps: int = 10, nproc: int = 4, n_embd: int = 128, n_layer: int
         worlds = [w for w in sorted({2, nproc}) if n_head % w == 0 and block_size % w == 0 and w <= n_layer]
         out.update(bench_features({**o, "bucket_mb": 0.5, "rounds": rounds}, worlds, _run_single, log=log))
         out["context"] = bench_context(o, nproc, cp_seq or 8 * block_size, log=log)
+        out.update(bench_llama(o, nproc, pairs, _run_single, cp_seq or 8 * block_size, log=log))
     finally:
         shutil.rmtree(work, ignore_errors=True)
     return out

@@ -1,20 +1,21 @@
-"""The converter: any layout -> one file, -> Hugging Face GPT-2, one file -> any layout, and layout -> layout.
+"""The converter: every input is one Source, every output one Sink.
 
-Everything that reads a checkpoint is driven by its manifest: the global shapes, the partition tags and
-the slices. Only `split` (whose input has no manifest) asks the model code for the partition tags.
-
-    common.py    errors, progress, output safety, partition tags, full tensors from a checkpoint
-    single.py    `megalite convert`: one safetensors file; reading one model file back
-    hf.py        Hugging Face GPT-2 names, config.json, export and import
+    common.py     the Source interface, metadata keys, errors, progress, output safety, partition tags
+    sources.py    megalite's own sources (a step folder, one file) and `open_source` (which input is which)
+    family.py     model families: the megalite <-> transformers name table and reshapes, config.json both ways
+    hf.py         transformers folders: read as a Source, written (sharded, with config and tokenizer)
+    dcp.py        PyTorch DCP folders read chunk by chunk (no pickle run) as a Source, and written
+    megatron.py   a Megatron-LM torch_dist GPT as a Source (refusing what megalite does not model)
+    unpickle.py   the allow-list unpickler for the pickles those formats keep their indexes in
+    sink.py       the outputs of `convert` (one file, DCP, transformers) and `deliver`: temp -> check -> move
+    check.py      `convert --check`: the source's forward against the result's on fixed prompts
+    single.py     `megalite convert`, and reading one model (split, generate)
     resharding.py `megalite split` and `megalite reshard`: a whole checkpoint written in one process
-    foreign.py   other trainers' checkpoints: source detection (--from), the converter for them, --format dcp
-    megatron.py  a Megatron-LM torch_dist GPT as megalite names and layout (refusing what megalite does not model)
-    dcp.py       PyTorch DCP folders read chunk by chunk (no pickle run) and written in DCP's HF storage format
-    unpickle.py  the allow-list unpickler for the pickles those formats keep their indexes in
 """
-from .common import DTYPES, ConvertError, Progress, check_layout, check_manifest_tensors, model_partitions
+from .common import DTYPES, ConvertError, Progress, Source, check_layout, check_manifest_tensors, model_partitions
 from .resharding import reshard, split
-from .single import FORMATS, convert, read_model_file
+from .single import FORMATS, convert, model_tokenizer, read_model_file
+from .sources import open_source
 
-__all__ = ["DTYPES", "FORMATS", "ConvertError", "Progress", "check_layout", "check_manifest_tensors",
-           "convert", "model_partitions", "read_model_file", "reshard", "split"]
+__all__ = ["DTYPES", "FORMATS", "ConvertError", "Progress", "Source", "check_layout", "check_manifest_tensors",
+           "convert", "model_partitions", "model_tokenizer", "open_source", "read_model_file", "reshard", "split"]

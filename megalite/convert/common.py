@@ -1,33 +1,161 @@
-"""What every converter job shares: the error type, progress lines, output safety, the model's partition
-tags, reading a checkpoint's model one full tensor at a time, and opening input files (JSON, safetensors)
-with one-line errors."""
+"""What every converter job shares: the Source interface (what each input answers), the safetensors metadata
+keys megalite writes, progress lines, output safety, the model's partition tags, and opening input files
+(JSON, safetensors) with one-line errors.
+
+The Source interface. Every input (a megalite step folder, one megalite file, a transformers folder, a DCP
+folder, a Megatron folder) is a `Source` answering the same questions:
+
+    src.model         the megalite [model] dict (family and sizes), or None: a plain DCP folder names no model
+    src.specs         {megalite global name: Spec(shape, dtype)} in the model's order (a plain DCP folder:
+                      its stored names)
+    src.read(name, region=None)   one tensor, or a region of it ((start, stop) per dim), in its stored dtype
+    src.pieces(name)  the tensor as consecutive row pieces (a DCP folder yields its Shard(0) chunks unassembled)
+    src.tokenizer()   the Tokenizer it carries, or None
+    src.reference()   a forward of the source's own for `convert --check` (token ids (B, T) -> logits (B, T, V)),
+                      or None: check.py then runs megalite's model on the source's tensors
+    src.guards        the paths an --out must stay clear of; src.skipped: entries not converted
+
+Each output (sink.py: one file, DCP, transformers; resharding.py: a megalite layout) consumes that answer.
+"""
 from __future__ import annotations
 
 import fcntl
 import json
 import os
+import re
 import stat
 import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from typing import Iterable, Optional
+from dataclasses import dataclass
+from typing import Callable, Iterable, Iterator, Optional
 
 import torch
 from safetensors import safe_open
 
 from ..base.fs import kind_of, open_regular, read_all
 from ..checkpoint.manifest import FORMAT as MANIFEST_FORMAT, Manifest, entry_for
-from ..checkpoint.read import SliceReader
 from ..checkpoint.stream import read_metadata
 from ..checkpoint.tree import LATEST, LATEST_TMP, LOCK, MANIFEST, TMP_PREFIX, parse_step_dir
 from ..config import ModelConfig
 from ..base.errors import CheckpointError, ConvertError, LayoutError
 from ..base.jsonio import loads
 from ..parallel.grid import Layout
-from ..parallel.partition import Box, Partition
+from ..parallel.partition import Partition
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+# ---------------------------------------------------------------- safetensors metadata megalite writes
+KIND = "megalite.kind"  # what the file is: MODEL_KIND, "dcp" (a plain DCP source's tensors), HF_KIND
+MODEL_CONFIG = "megalite.model_config"  # the [model] dict, JSON
+PARTITIONS = "megalite.partitions"  # {name: partition tag}, JSON
+TOKENIZER = "megalite.tokenizer"  # the run's tokenizer.json text
+SKIPPED = "megalite.skipped"  # a DCP source's non-tensor entries, JSON list
+DCP_OUT = "megalite.output"  # the file of a `convert --format dcp` folder: "dcp"
+
+
+@dataclass(frozen=True)
+class Spec:
+    """One tensor of a source: its global shape and stored dtype."""
+    shape: tuple
+    dtype: torch.dtype
+
+    @property
+    def nbytes(self) -> int:
+        n = self.dtype.itemsize
+        for d in self.shape:
+            n *= d
+        return n
+
+
+Runner = Callable[[torch.Tensor], torch.Tensor]  # token ids (B, T) -> logits (B, T, V)
+
+
+class Source:
+    """What every converter input answers (see the module docstring). Subclasses set `where`, `guards`,
+    `model`, `specs` (and `skipped`) in __init__ and define `read`."""
+    where: str = ""
+    guards: list = []
+    model: Optional[dict] = None
+    specs: dict = {}
+    skipped: list = []
+
+    def read(self, name: str, region: Optional[tuple] = None) -> torch.Tensor:
+        raise NotImplementedError
+
+    def pieces(self, name: str) -> Iterator[torch.Tensor]:
+        yield self.read(name)
+
+    def tokenizer(self):
+        return None
+
+    def partitions(self) -> dict:
+        """The partition tag of every tensor (asked of the model: a source's own layout is not megalite's)."""
+        if self.model is None:
+            raise ConvertError(f"{self.where}: names no model (it is a plain tensor store); it has no layout")
+        return model_partitions(self.model)
+
+    def reference(self) -> Optional[Runner]:
+        """A forward of the source's own (transformers' for a transformers folder; megatron-core's or
+        torchtitan's where installed), or None: `convert --check` then runs megalite's model on its tensors."""
+        return None
+
+    def stream(self, dtype: Optional[torch.dtype], progress: "Progress"):
+        """(name, pieces) for every tensor in order, floating ones cast to `dtype` when given, one at a time:
+        a reader thread fetches the next tensor while the caller writes this one (file reads, CRC32 and
+        writes release the GIL), so at most two are in memory."""
+        names = list(self.specs)
+
+        def fetch(i):
+            return list(self.pieces(names[i]))
+
+        with ThreadPoolExecutor(max_workers=1) as pool:
+            nxt = pool.submit(fetch, 0) if names else None
+            for i, name in enumerate(names):
+                pieces = nxt.result()
+                nxt = pool.submit(fetch, i + 1) if i + 1 < len(names) else None
+                if dtype is not None and self.specs[name].dtype.is_floating_point:
+                    pieces = [p.to(dtype) for p in pieces]
+                yield name, pieces
+                progress.step(sum(p.numel() * p.element_size() for p in pieces))
+
+    def model_metadata(self, kind: str = "model") -> dict:
+        """The safetensors metadata of a megalite model file written from this source."""
+        meta = {"format": "pt", KIND: kind, MODEL_CONFIG: json.dumps(self.model, sort_keys=True),
+                PARTITIONS: json.dumps({n: p.to_json() for n, p in self.partitions().items()}, sort_keys=True)}
+        tok = self.tokenizer()
+        if tok is not None:  # the run's tokenizer travels with the model (generate and split read it)
+            meta[TOKENIZER] = tok.json
+        return meta
+
+
+class ForeignModel(Source):
+    """Another trainer's model read tensor by tensor under megalite's names (megatron.py, torchtitan.py).
+    Subclasses set `m` (the [model] dict), `shapes` ({megalite name: global shape}), `parts` (partition tags,
+    None where megalite's model cannot hold it), `ck` (its DcpFolder) and define `get(name)` (one tensor,
+    megalite's layout, stored dtype) and `stored(name)` (the name it is read from)."""
+    m: dict = {}
+    shapes: dict = {}
+    parts: Optional[dict] = None
+    refusal = ""  # why megalite's model cannot hold it ('' when it can)
+
+    @property
+    def model(self):
+        return self.m
+
+    @property
+    def specs(self):
+        return {n: Spec(tuple(s), self.ck.tensors[self.stored(n)].dtype) for n, s in self.shapes.items()}
+
+    def read(self, name, region=None):
+        t = self.get(name)
+        return t if region is None else t[tuple(slice(a, b) for a, b in region)]
+
+    def partitions(self):
+        if self.parts is None:
+            raise ConvertError(self.refusal or f"{self.where}: megalite's model cannot hold this model")
+        return self.parts
 
 
 # ---------------------------------------------------------------- progress
@@ -52,19 +180,19 @@ class Progress:
 
 # ---------------------------------------------------------------- output safety
 # What each kind of output is, and the marker by which megalite recognises one it wrote (what --force may replace).
-MODEL_KIND = "model"  # safetensors metadata "megalite.kind" of a `megalite convert` model file
+MODEL_KIND = "model"  # KIND of a `megalite convert` model file
 FILE_KINDS = (MODEL_KIND, "dcp")  # ... of any single file convert writes (a plain DCP source's file says "dcp")
-HF_KIND = "hf-gpt2"  # ... of the model.safetensors of a `convert --format hf-gpt2` folder
-HF_FILES = {"config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json"}  # what that folder holds
-DCP_OUT = "megalite.output"  # safetensors metadata of a `convert --format dcp` folder's file: "dcp"
+HF_KIND = "hf-gpt2"  # ... of the safetensors files of a `convert --format hf` folder (the name GPT-2 first had)
+HF_FILES = {"config.json", "generation_config.json", "model.safetensors", "model.safetensors.index.json",
+            "tokenizer.json", "tokenizer_config.json"}  # what that folder holds (and model-NNNNN-of-NNNNN shards)
 HF_FILE, HF_INDEX = "model-00001-of-00001.safetensors", "model.safetensors.index.json"  # that folder's two files
 OUT_KINDS = {"megalite": "a model file written by `megalite convert`",
-             "hf-gpt2": "an HF GPT-2 folder written by `megalite convert --format hf-gpt2`",
+             "hf": "an HF GPT-2 folder (or a Llama one) written by `megalite convert --format hf`",
              "dcp": "a DCP folder written by `megalite convert --format dcp`",
              "checkpoint": "a checkpoint root written by megalite (`latest`, step folders, its lock)"}
 
 
-def _check_out(out: Path, force: bool, sources: Iterable[Path], kind: str) -> None:
+def check_out(out: Path, force: bool, sources: Iterable[Path], kind: str) -> None:
     """Refuse an output that is, contains or lies inside a source; that is `/`, `.` or holds the current
     folder; that holds a live training run's lock; or that exists (without --force). With --force an existing
     output is replaced only if it is of the same `kind` (OUT_KINDS) and megalite wrote it (`not_ours`): never a
@@ -96,19 +224,24 @@ def _check_out(out: Path, force: bool, sources: Iterable[Path], kind: str) -> No
                            f"only such an output: remove it yourself or choose another --out")
 
 
+SHARD_NAME = re.compile(r"model-\d{5}-of-\d{5}\.safetensors")  # transformers' shard file names
+
+
 def not_ours(out: Path, kind: str) -> str:
     """'' when `out` is an output of `kind` that megalite wrote, recognised by its marker; else what it is."""
     if out.is_symlink():
         return f"a symbolic link to '{os.readlink(out)}'"
     if kind == "megalite":
-        return "" if _st_kind(out) in FILE_KINDS else _what(out, "megalite.kind")
+        return "" if _st_kind(out) in FILE_KINDS else _what(out, KIND)
     if not out.is_dir():
         return _what(out, None)
     names = {p.name for p in out.iterdir()}
-    if kind in ("hf-gpt2", "dcp"):
-        allowed, main, marker, want = ((HF_FILES, "model.safetensors", "megalite.kind", HF_KIND) if kind == "hf-gpt2"
+    if kind in ("hf", "dcp"):
+        allowed, main, marker, want = ((HF_FILES, "model.safetensors", KIND, HF_KIND) if kind == "hf"
                                        else ({HF_FILE, HF_INDEX}, HF_FILE, DCP_OUT, "dcp"))
-        other = sorted(names - allowed)
+        if kind == "hf" and "model.safetensors" not in names:
+            main = min((n for n in names if SHARD_NAME.fullmatch(n)), default=main)
+        other = sorted(n for n in names - allowed if not (kind == "hf" and SHARD_NAME.fullmatch(n)))
         if other:
             return f"it holds '{other[0]}'" + (f" and {len(other) - 1} more" if len(other) > 1 else "")
         return "" if _st_kind(out / main, marker) == want else f"its {main} has no megalite marker"
@@ -124,7 +257,7 @@ def not_ours(out: Path, kind: str) -> str:
     return ""
 
 
-def _st_kind(path: Path, key: str = "megalite.kind") -> str:
+def _st_kind(path: Path, key: str = KIND) -> str:
     """The `key` of a safetensors file's metadata ('' if it is no such file)."""
     try:
         return str(read_metadata(path).get(key, ""))
@@ -164,27 +297,6 @@ def _held(lock: Path) -> bool:
     finally:
         os.close(fd)
     return False
-
-
-def _full_tensors(step: Path, man: Manifest, progress: Progress):
-    """Yield (name, full tensor) for every model tensor, assembled from the slices, one at a time.
-
-    A reader thread fetches the next tensor while the caller writes this one (file reads, CRC32 and
-    writes all release the GIL), so at most two tensors are in memory.
-    """
-    reader = SliceReader(step, man)
-    items = list(man.model.items())
-
-    def fetch(i):
-        return reader.read(items[i][1], Box.whole(items[i][1].shape))
-
-    with ThreadPoolExecutor(max_workers=1) as pool:
-        nxt = pool.submit(fetch, 0) if items else None
-        for i, (name, _) in enumerate(items):
-            t = nxt.result()
-            nxt = pool.submit(fetch, i + 1) if i + 1 < len(items) else None
-            yield name, t
-            progress.step(t.numel() * t.element_size())
 
 
 def model_partitions(m: dict) -> dict[str, Partition]:

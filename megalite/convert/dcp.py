@@ -27,13 +27,11 @@ from typing import Iterable, Iterator, Optional
 
 import torch
 
-from ..checkpoint.stream import StreamingWriter, raw_bytes
-from ..base.fs import remove_tree, replace_output
 from ..config import path_kind
 from ..base.errors import ConvertError
 from ..base import limits
 from . import unpickle
-from .common import DCP_OUT, HF_FILE, HF_INDEX, Progress
+from .common import DCP_OUT, HF_FILE, HF_INDEX, Source, Spec
 
 METADATA = ".metadata"
 
@@ -264,15 +262,20 @@ def _stored_records(fd: int, c: Chunk, where: str) -> None:
         raise ConvertError(f"{where}: its records declare {total:,} bytes, more than the chunk's {c.length:,}")
 
 
-class DcpFolder:
-    """A DCP checkpoint folder: its typed index, and tensors (or regions of them) read chunk by chunk."""
+class DcpFolder(Source):
+    """A DCP checkpoint folder as a Source: its typed index, and tensors (or regions of them) read chunk by
+    chunk. A plain DCP folder does not say which model its tensors make (`model` None): its tensors keep their
+    stored names and dtypes. Non-tensor entries are `skipped` (never unpickled)."""
 
     def __init__(self, folder):
         self.folder = Path(folder)
         if not self.folder.is_dir():
             raise ConvertError(f"'{self.folder}' is {path_kind(self.folder)}, expected a DCP checkpoint folder")
+        self.where, self.guards = str(self.folder), [self.folder]
         self.root = Path(os.path.realpath(self.folder))
         self.tensors, self.others = read_index(self.folder)
+        self.skipped = self.others
+        self.specs = {n: Spec(tuple(t.shape), t.dtype) for n, t in self.tensors.items()}
         self._check_files()
 
     def _check_files(self) -> None:
@@ -364,66 +367,15 @@ class DcpFolder:
 
 
 # ---------------------------------------------------------------- writing
-class PieceWriter(StreamingWriter):
-    """A StreamingWriter that takes a tensor as consecutive pieces of its row-major bytes (rows of dim 0),
-    so that a tensor stored in row chunks is written chunk by chunk, never assembled."""
-
-    def write_pieces(self, name: str, pieces: Iterable[torch.Tensor]) -> None:
-        want, shape, dtype = self.specs[self.next]
-        rows = 0
-        for p in pieces:
-            if name != want or p.dtype != dtype or list(p.shape[1:]) != list(shape[1:]) or (not shape and p.dim()):
-                raise ValueError(f"writer expected {want} {shape} {dtype}, got a piece {name} {list(p.shape)} "
-                                 f"{p.dtype}")
-            self._put(raw_bytes(p.detach().cpu()))
-            rows += p.shape[0] if shape else 1
-        if rows != (shape[0] if shape else 1):
-            raise ValueError(f"writer expected {want} {shape}, got {rows} rows")
-        self.next += 1
-
-
-def write_file(out: Path, specs: list, tensors: Iterable[tuple[str, Iterable[torch.Tensor]]], meta: dict) -> Path:
-    """One safetensors file from (name, pieces) in the order of specs; moved into place when complete."""
-    tmp = out.with_name(out.name + ".tmp-megalite")
-    remove_tree(tmp)  # a stale temp file, or a symlink planted there: unlinked, never followed
-    w = PieceWriter(tmp, specs, meta, checksum=False, direct=True)
-    try:
-        for name, pieces in tensors:
-            w.write_pieces(name, pieces)
-        w.close()
-    except BaseException:
-        w.abort()
-        raise
-    replace_output(tmp, out)
-    return out
-
-
-def write_dcp(out: Path, specs: list, tensors: Iterable[tuple[str, Iterable[torch.Tensor]]], extra_meta: dict) -> Path:
-    """specs [(name, shape, dtype)] and (name, pieces) in that order -> a DCP checkpoint folder in the Hugging
-    Face storage format (what HuggingFaceStorageWriter writes from rank 0); moved into place when complete."""
-    tmp = out.with_name(out.name + ".tmp-megalite")
-    remove_tree(tmp)  # a stale folder, or a symlink planted there: unlinked, never followed
+def write_dcp(tmp: Path, specs: list, tensors: Iterable[tuple[str, list]], extra_meta: dict, write_file) -> None:
+    """specs [(name, shape, dtype)] and (name, pieces) in that order -> a DCP checkpoint folder at `tmp` in the
+    Hugging Face storage format (what HuggingFaceStorageWriter writes from rank 0). `write_file(path, specs,
+    tensors, meta)` writes its one safetensors file (sink.py's)."""
     tmp.mkdir(parents=True)
     sharding = {name: {"saved_offsets": [0] * len(shape)} for name, shape, _ in specs}
     meta = {"format": "pt", "DCP_SHARDING_INFO": json.dumps(sharding), "DCP_VERSION": "1.0", **extra_meta,
             DCP_OUT: "dcp"}  # the marker by which `convert --force` knows a folder it may replace
-    try:
-        write_file(tmp / HF_FILE, specs, tensors, meta)
-        index = {"metadata": {"total_size": (tmp / HF_FILE).stat().st_size},
-                 "weight_map": {name: HF_FILE for name, _, _ in specs}}
-        (tmp / HF_INDEX).write_text(json.dumps(index, indent=2) + "\n")
-    except BaseException:
-        remove_tree(tmp)
-        raise
-    replace_output(tmp, out)
-    return out
-
-
-def stream(ck: DcpFolder, names: list[str], dtype: Optional[torch.dtype], progress: Progress) -> Iterator:
-    """(name, pieces) for each name, read one chunk at a time; floating tensors cast to `dtype` when given."""
-    for name in names:
-        pieces = ck.pieces(name)
-        if dtype is not None and ck.tensors[name].dtype.is_floating_point:
-            pieces = (p.to(dtype) for p in pieces)
-        yield name, pieces
-        progress.step(ck.tensors[name].nbytes)
+    write_file(tmp / HF_FILE, specs, tensors, meta)
+    index = {"metadata": {"total_size": (tmp / HF_FILE).stat().st_size},
+             "weight_map": {name: HF_FILE for name, _, _ in specs}}
+    (tmp / HF_INDEX).write_text(json.dumps(index, indent=2) + "\n")

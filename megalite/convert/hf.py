@@ -1,255 +1,238 @@
-"""Hugging Face GPT-2: names and layouts of its tensors, its config.json, export and import."""
+"""transformers folders both ways, for every family (family.py): read as a Source (config.json, one safetensors
+file or an index of shards, the tokenizer files), and written from any Source with a model: config.json,
+generation_config.json, the tokenizer's files and the weights, sharded with model.safetensors.index.json above
+--max-shard-size (transformers' own default, 5 GB)."""
 from __future__ import annotations
 
-import dataclasses
 import json
 import re
-import shutil
-from pathlib import Path
+from pathlib import Path, PurePosixPath
 from typing import Optional
 
 import torch
-from einops import EinopsError, rearrange
+from einops import EinopsError
 
 from ..base import limits
-from ..base.fs import remove_tree, write_new, replace_output
+from ..base.fs import write_new
 from ..checkpoint.stream import StreamingWriter
-from ..config import ACTIVATIONS, ModelConfig, model_from
-from .common import (HF_KIND, ConvertError, Progress, _full_tensors, model_partitions, open_safetensors,
-                     parse_json)
+from ..config import model_from
 from ..tokenizer import TOKENIZER_JSON, Tokenizer, byte_tokenizer, load as load_tokenizer, write_hf_folder
+from .common import HF_KIND, KIND, ConvertError, Progress, Source, Spec, model_partitions, open_safetensors, \
+    parse_json
+from .family import BY_MODEL_TYPE, Family, family_of
 
-
-def _to_hf(name: str, t: torch.Tensor) -> list[tuple[str, torch.Tensor]]:
-    """megalite name/tensor -> HF GPT-2 name/tensor (HF's Conv1D stores weights as (in, out))."""
-    if name == "lm_head.weight":  # an untied head: nn.Linear (vocab, C) in both
-        return [("lm_head.weight", t)]
-    if name == "wte.weight":
-        return [("transformer.wte.weight", t)]
-    if name == "wpe":
-        return [("transformer.wpe.weight", t)]
-    if name.startswith("ln_f."):
-        return [("transformer." + name, t)]
-    _, i, rest = name.split(".", 2)
-    base = f"transformer.h.{i}."
-    if rest == "attn.qkv.weight":  # (3, C, C) -> (C, 3C): [q | k | v] along the output columns
-        return [(base + "attn.c_attn.weight", rearrange(t, "three o i -> i (three o)"))]
-    if rest == "attn.qkv.bias":
-        return [(base + "attn.c_attn.bias", rearrange(t, "three o -> (three o)"))]
-    mapping = {"attn.proj": "attn.c_proj", "mlp.fc": "mlp.c_fc", "mlp.proj": "mlp.c_proj"}
-    for ours, theirs in mapping.items():
-        if rest.startswith(ours + "."):
-            kind = rest.rsplit(".", 1)[1]
-            return [(base + theirs + "." + kind, t.t().contiguous() if kind == "weight" else t)]
-    return [(base + rest, t)]  # ln_1, ln_2
-
-
-def _from_hf(name: str, t: torch.Tensor, tied: bool = True) -> Optional[tuple[str, torch.Tensor]]:
-    if name == "lm_head.weight":
-        return None if tied else (name, t)  # a tied head is wte (older exports still store the copy)
-    if name.endswith(".attn.bias") or name.endswith(".attn.masked_bias"):
-        return None  # causal-mask buffers of old exports
-    name = name.removeprefix("transformer.")
-    if "." not in name or (name.startswith("h.") and name.count(".") < 2):
-        return name, t  # not a GPT-2 tensor: the caller names it
-    if name == "wte.weight":
-        return "wte.weight", t
-    if name == "wpe.weight":
-        return "wpe", t
-    if name.startswith("ln_f."):
-        return name, t
-    _, i, rest = name.split(".", 2)
-    base = f"blocks.{i}."
-    if rest == "attn.c_attn.weight":
-        return base + "attn.qkv.weight", rearrange(t, "i (three o) -> three o i", three=3).contiguous()
-    if rest == "attn.c_attn.bias":
-        return base + "attn.qkv.bias", rearrange(t, "(three o) -> three o", three=3).contiguous()
-    for theirs, ours in {"attn.c_proj": "attn.proj", "mlp.c_fc": "mlp.fc", "mlp.c_proj": "mlp.proj"}.items():
-        if rest.startswith(theirs + "."):
-            kind = rest.rsplit(".", 1)[1]
-            return base + ours + "." + kind, (t.t().contiguous() if kind == "weight" else t)
-    return base + rest, t
-
-
-# ---------------------------------------------------------------- GPT2Config, field by field
-# Each field Hugging Face's GPT2Config can carry is honoured (mapped to a megalite model key), accepted only
-# at the value that means plain GPT-2, or ignored because it changes neither the weights nor the logits.
-# Any other field is refused: a config megalite cannot reproduce is never imported silently.
-HONOURED = {"vocab_size": "vocab_size", "n_positions": "block_size", "n_embd": "n_embd", "n_layer": "n_layer",
-            "n_head": "n_head", "layer_norm_epsilon": "layer_norm_eps", "activation_function": "activation",
-            "tie_word_embeddings": "tie_embeddings"}
-ONLY_AT = {"scale_attn_weights": (True,), "scale_attn_by_inverse_layer_idx": (False,),
-           "reorder_and_upcast_attn": (False,), "add_cross_attention": (False,), "is_encoder_decoder": (False,),
-           "n_special": (0,), "model_type": ("gpt2",)}  # n_inner: None or 4 * n_embd (checked below)
-IGNORED = {  # training, generation and bookkeeping settings: no effect on the imported weights or logits
-    "resid_pdrop", "embd_pdrop", "attn_pdrop",  # dropout is a megalite training setting (model.dropout)
-    "initializer_range",  # only used to initialise a fresh model
-    "summary_type", "summary_use_proj", "summary_activation", "summary_proj_to_labels", "summary_first_dropout",
-    # ^ GPT2DoubleHeadsModel's classification head, which the LM model does not have
-    "bos_token_id", "eos_token_id", "pad_token_id",  # generation settings; the tokenizer's own are its files'
-    "use_cache", "output_past", "n_ctx", "predict_special_tokens", "task_specific_params", "chunk_size_feed_forward",
-    "architectures", "dtype", "torch_dtype", "transformers_version", "_name_or_path", "output_hidden_states",
-    "output_attentions", "return_dict", "id2label", "label2id", "problem_type", "_num_labels",
-    "gradient_checkpointing", "tokenizer_class"}
-ARCHITECTURES = ("GPT2LMHeadModel", "GPT2Model")
-
-
-def model_from_hf_config(hf: dict, where: str) -> dict:
-    """A megalite [model] dict from a GPT2Config dict; a field megalite cannot honour is a one-line error."""
-    for key, value in hf.items():
-        if key in HONOURED or key in IGNORED or key == "n_inner":
-            continue
-        if key not in ONLY_AT:
-            raise ConvertError(f"{where}: field '{key}' is not a GPT2Config field megalite knows; refusing to "
-                               f"import a model it may not reproduce")
-        if value not in ONLY_AT[key]:
-            raise ConvertError(f"{where}: {key} = {json.dumps(value)} is not supported (megalite reproduces "
-                               f"only {key} = {json.dumps(ONLY_AT[key][0])})")
-    for key in ("vocab_size", "n_positions", "n_embd", "n_layer", "n_head"):
-        if not isinstance(hf.get(key), int) or isinstance(hf.get(key), bool) or hf[key] < 1:
-            raise ConvertError(f"{where}: field '{key}' = {hf.get(key)!r}, expected a positive integer")
-    if hf.get("n_inner") not in (None, 4 * hf["n_embd"]):
-        raise ConvertError(f"{where}: n_inner = {hf['n_inner']} is not supported (megalite's MLP width is "
-                           f"4 * n_embd = {4 * hf['n_embd']}; expected null or that)")
-    arch = hf.get("architectures") or ["GPT2LMHeadModel"]
-    if not isinstance(arch, list) or any(a not in ARCHITECTURES for a in arch):
-        raise ConvertError(f"{where}: architectures = {json.dumps(arch)}, expected one of "
-                           f"{', '.join(ARCHITECTURES)}")
-    m = {ours: hf[theirs] for theirs, ours in HONOURED.items() if theirs in hf}
-    m["dropout"] = 0.0
-    cfg = ModelConfig(**m)  # defaults for what the folder leaves out are GPT2Config's defaults too
-    if cfg.activation not in ACTIVATIONS:
-        raise ConvertError(f"{where}: activation_function = {json.dumps(cfg.activation)} is not supported "
-                           f"(expected one of {', '.join(ACTIVATIONS)})")
-    if not isinstance(cfg.tie_embeddings, bool):
-        raise ConvertError(f"{where}: tie_word_embeddings = {cfg.tie_embeddings!r}, expected true or false")
-    if not isinstance(cfg.layer_norm_eps, (int, float)) or isinstance(cfg.layer_norm_eps, bool) \
-            or not cfg.layer_norm_eps > 0:
-        raise ConvertError(f"{where}: layer_norm_epsilon = {cfg.layer_norm_eps!r}, expected a positive number")
-    cfg.layer_norm_eps = float(cfg.layer_norm_eps)
-    return dataclasses.asdict(cfg)
-
-
-def hf_config(m: dict, eot_id: Optional[int] = None) -> dict:
-    """config.json for a megalite [model] dict: plain GPT-2 plus the options megalite has; bos/eos are the
-    tokenizer's end-of-text id (as GPT-2's 50256), null for the byte tokenizer (it has none)."""
-    m = {**dataclasses.asdict(ModelConfig()), **m}
-    return {"architectures": ["GPT2LMHeadModel"], "model_type": "gpt2", "vocab_size": m["vocab_size"],
-            "n_positions": m["block_size"], "n_embd": m["n_embd"],
-            "n_layer": m["n_layer"], "n_head": m["n_head"], "n_inner": None,
-            "activation_function": m["activation"], "layer_norm_epsilon": m["layer_norm_eps"],
-            "resid_pdrop": m["dropout"], "embd_pdrop": m["dropout"], "attn_pdrop": m["dropout"],
-            "initializer_range": 0.02, "scale_attn_weights": True, "scale_attn_by_inverse_layer_idx": False,
-            "reorder_and_upcast_attn": False, "tie_word_embeddings": m["tie_embeddings"],
-            "bos_token_id": eot_id, "eos_token_id": eot_id, "pad_token_id": None,
-            "torch_dtype": "float32", "use_cache": True}
-
-
-VOCAB_ROWS = ("wte.weight", "lm_head.weight")  # the tensors with one row per token id
-
-
-def export_hf(step: Path, man: dict, out: Path, dtype: torch.dtype, progress: Progress,
-              tok: Optional[Tokenizer] = None) -> Path:
-    return write_hf(out, man.model_config, {n: e.shape for n, e in man.model.items()},
-                    _full_tensors(step, man, progress), dtype, tok)
-
-
-def write_hf(out: Path, model_config: dict, shapes: dict, tensors, dtype: torch.dtype,
-             tok: Optional[Tokenizer] = None) -> Path:
-    """megalite-named tensors (in the order of `shapes`) -> an HF GPT-2 folder at `out`, with the run's
-    tokenizer `tok` (None: a run that carried none; the byte tokenizer's files are written, as before).
-    Padding rows (model.vocab_size above `tok`'s) are never predicted by megalite; they are left out, so
-    transformers' softmax is over the tokenizer's ids only, as megalite's is."""
-    rows = model_config["vocab_size"] if tok is None else min(tok.vocab_size, model_config["vocab_size"])
-
-    def trim(name, t):
-        return t[:rows] if name in VOCAB_ROWS else t
-
-    tmp = out.with_name(out.name + ".tmp-megalite")
-    remove_tree(tmp)  # a stale folder, or a symlink planted there: unlinked, never followed
-    tmp.mkdir(parents=True)
-    specs = []
-    for name, shape in shapes.items():  # shapes only: transforms applied to meta tensors
-        for hf_name, t in _to_hf(name, trim(name, torch.empty(shape, device="meta"))):
-            specs.append((hf_name, list(t.shape), dtype))
-    order = {n: i for i, (n, _, _) in enumerate(specs)}
-    w = StreamingWriter(tmp / "model.safetensors", specs, {"format": "pt", "megalite.kind": HF_KIND}, checksum=False,
-                        direct=True)
-    try:
-        for name, t in tensors:
-            for hf_name, ht in _to_hf(name, trim(name, t)):
-                assert order[hf_name] == w.next
-                w.write(hf_name, ht.to(dtype))
-        w.close()
-        eot = tok.eot_id if tok is not None and tok.eot_id is not None and tok.eot_id < rows else None
-        cfg = hf_config({**model_config, "vocab_size": rows}, eot)
-        cfg["torch_dtype"] = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}[dtype]
-        write_new(tmp / "config.json", (json.dumps(cfg, indent=2) + "\n").encode())
-        # so AutoTokenizer / pipeline work on the folder as is
-        write_hf_folder(tok or byte_tokenizer(), tmp, cfg["n_positions"])
-    except BaseException:
-        w.abort()
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
-    replace_output(tmp, out)
-    return out
+ST_FILE, ST_INDEX = "model.safetensors", "model.safetensors.index.json"
+MAX_SHARD = 5 * 10**9  # transformers' save_pretrained default max_shard_size ("5GB")
+TORCH_DTYPE = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
 
 
 def folder_tokenizer(p: Path) -> Optional[Tokenizer]:
-    """An HF folder's tokenizer (tokenizer.json, else GPT-2's vocab.json + merges.txt), None if it has none."""
+    """A folder's tokenizer (tokenizer.json, else GPT-2's vocab.json + merges.txt), None if it has none."""
     if (p / TOKENIZER_JSON).exists() or (p / "vocab.json").exists():
         return load_tokenizer(p, "model folder")
     return None
 
 
-def _sizes_stored(hf: dict, shapes: dict, cfg_file: Path, st: Path) -> None:
-    """config.json's sizes are those of the tensors model.safetensors stores, checked before anything is built
-    from them: n_layer = 10**6 over two stored blocks once ran for minutes, n_positions = 2**31 - 1 failed in
-    the allocator. n_layer: the blocks h.0 ... h.(n-1); n_embd, vocab_size, n_positions: wte's and wpe's sizes."""
-    names = {k.removeprefix("transformer."): s for k, s in shapes.items()}
-    blocks = {int(m.group(1)) for k in names if (m := re.match(r"h\.([0-9]{1,9})\.", k))}
-    stored = {"n_layer": (len(blocks) if blocks == set(range(len(blocks))) else None, "blocks h.0, h.1, ... of"),
-              "vocab_size": ((names.get("wte.weight") or [None])[0], "rows of wte.weight in"),
-              "n_embd": ((names.get("wte.weight") or [None, None])[-1], "columns of wte.weight in"),
-              "n_positions": ((names.get("wpe.weight") or [None])[0], "rows of wpe.weight in")}
-    for key, (have, what) in stored.items():
+class HFFolder(Source):
+    """A transformers folder of a family megalite models: config.json read field by field, the weights from
+    model.safetensors or the shards model.safetensors.index.json names; every tensor must be the one its
+    config.json implies, at its shape (a folder that disagrees with itself is refused, nothing written)."""
+
+    def __init__(self, path):
+        p = self.folder = Path(path)
+        self.where, self.guards = str(p), [p]
+        cfg_file = p / "config.json"
+        if not cfg_file.is_file():
+            raise ConvertError(f"{p}: expected a transformers folder with config.json and model.safetensors "
+                               f"(or {ST_INDEX})")
+        limits.within(cfg_file.stat().st_size, "json", str(cfg_file), ConvertError)
+        hf = parse_json(cfg_file.read_bytes().decode("utf-8", errors="replace"), str(cfg_file))
+        got = hf.get("model_type") if isinstance(hf, dict) else hf
+        self.family: Family = BY_MODEL_TYPE.get(got) if isinstance(got, str) else None
+        if self.family is None:
+            raise ConvertError(f"{cfg_file}: model_type is {limits.describe(got)}, expected one of "
+                               f"{', '.join(repr(k) for k in BY_MODEL_TYPE)} (the families megalite models)")
+        m = self.family.model_from_hf(hf, str(cfg_file))
+        self.files = {}  # transformers name -> the open safetensors file that holds it
+        for fname in self._weight_files():
+            f = open_safetensors(p / fname)
+            for k in f.keys():
+                self.files[k] = f
+        weights = p / (ST_FILE if (p / ST_FILE).is_file() else ST_INDEX)
+        _sizes_stored(self.family, hf, {k: f.get_slice(k).get_shape() for k, f in self.files.items()}, cfg_file,
+                      weights)
+        self.model = model_from(m, str(cfg_file))
+        self._table(weights)
+
+    def _weight_files(self) -> list[str]:
+        p = self.folder
+        if (p / ST_FILE).is_file():
+            return [ST_FILE]
+        index = p / ST_INDEX
+        if not index.is_file():
+            raise ConvertError(f"{p}: has neither {ST_FILE} nor {ST_INDEX} (expected the weights as safetensors)")
+        d = parse_json(index.read_bytes().decode("utf-8", errors="replace"), str(index))
+        wm = d.get("weight_map") if isinstance(d, dict) else None
+        if not isinstance(wm, dict) or not wm:
+            raise ConvertError(f"{index}: field 'weight_map' is missing or empty (expected tensor name -> file)")
+        files = sorted(set(wm.values()))
+        for f in files:
+            pp = PurePosixPath(f) if isinstance(f, str) else None
+            if pp is None or pp.is_absolute() or len(pp.parts) != 1 or f in ("", ".", ".."):
+                raise ConvertError(f"{index}: weight_map names file {f!r}, expected a file name inside the folder")
+        return files
+
+    def _table(self, where: Path) -> None:
+        """megalite name -> transformers name, and each megalite tensor's shape, checked against the model."""
+        m, fam, tied = self.model, self.family, self.model["tie_embeddings"]
+        self.table, self.specs = {}, {}
+        for k, f in self.files.items():
+            s = f.get_slice(k)
+            shape, st = s.get_shape(), s.get_dtype()
+            try:
+                r = fam.from_hf(k, torch.empty(shape, device="meta"), tied)
+            except (EinopsError, RuntimeError):
+                raise ConvertError(f"{where}: tensor '{k}' has shape {list(shape)}, which is not a "
+                                   f"{fam.architecture} layout") from None
+            if r is not None:
+                self.table[r[0]] = k
+                self.specs[r[0]] = Spec(tuple(r[1].shape), _ST.get(st, torch.float32))
+        parts = model_partitions(m)
+        extra = sorted(k for name, k in self.table.items() if name not in parts)
+        if extra:
+            raise ConvertError(f"{where}: tensor '{extra[0]}' is not part of a {fam.architecture} with this "
+                               f"config.json ({len(extra)} such)")
+        for name, part in parts.items():
+            if name not in self.specs:
+                raise ConvertError(f"{where}: tensor '{fam.to_hf(name, torch.empty(0))[0][0]}' is missing "
+                                   f"(config.json implies it)")
+            if list(self.specs[name].shape) != list(part.global_shape):
+                hf_name = self.table[name]
+                raise ConvertError(f"{where}: tensor '{hf_name}' has shape {list(self.files[hf_name].get_slice(hf_name).get_shape())}, "
+                                   f"but config.json implies {list(fam.to_hf(name, torch.empty(part.global_shape, device='meta'))[0][1].shape)}; "
+                                   f"the folder disagrees with itself")
+        self.specs = {n: self.specs[n] for n in parts}  # the model's order
+
+    def read(self, name, region=None):
+        k = self.table[name]
+        t = self.family.from_hf(k, self.files[k].get_tensor(k), False)[1]
+        return t if region is None else t[tuple(slice(a, b) for a, b in region)]
+
+    def tokenizer(self):
+        return folder_tokenizer(self.folder)
+
+    def reference(self):
+        """transformers' own model on the folder, fp32 (None where transformers is not installed)."""
+        return transformers_runner(self.folder)
+
+
+# config.json's sizes as the stored tensors show them: (config key, what, how to read it from the shapes)
+STORED = {"gpt2": (("n_layer", "blocks h.0, h.1, ... of", "layers", r"(?:transformer\.)?h\.([0-9]{1,9})\."),
+                   ("vocab_size", "rows of wte.weight in", 0, ("transformer.wte.weight", "wte.weight")),
+                   ("n_embd", "columns of wte.weight in", -1, ("transformer.wte.weight", "wte.weight")),
+                   ("n_positions", "rows of wpe.weight in", 0, ("transformer.wpe.weight", "wpe.weight"))),
+          "llama": (("num_hidden_layers", "layers model.layers.0, 1, ... of", "layers", r"model\.layers\.([0-9]{1,9})\."),
+                    ("vocab_size", "rows of model.embed_tokens.weight in", 0, ("model.embed_tokens.weight",)),
+                    ("hidden_size", "columns of model.embed_tokens.weight in", -1, ("model.embed_tokens.weight",)))}
+
+
+def _sizes_stored(fam: Family, hf: dict, shapes: dict, cfg_file: Path, weights: Path) -> None:
+    """config.json's sizes are those of the tensors stored, checked before anything is built from them:
+    n_layer = 10**6 over two stored blocks once ran for minutes, n_positions = 2**31 - 1 failed in the
+    allocator."""
+    for key, what, how, names in STORED[fam.name]:
+        if how == "layers":
+            blocks = {int(m.group(1)) for k in shapes if (m := re.match(names, k))}
+            have = len(blocks) if blocks == set(range(len(blocks))) else None
+        else:
+            shape = next((shapes[n] for n in names if n in shapes), None)
+            have = shape[how] if shape else None
         if hf[key] != have:
             got = "no such tensors" if have is None else f"{have}"
-            raise ConvertError(f"{cfg_file}: {key} = {limits.describe(hf[key])}, but {st.name} holds {got} ({what} "
-                               f"it); expected the sizes of the stored tensors")
+            raise ConvertError(f"{cfg_file}: {key} = {limits.describe(hf[key])}, but {weights.name} holds {got} "
+                               f"({what} it); expected the sizes of the stored tensors")
 
 
-def read_hf_folder(p: Path):
-    """(model config dict, get(name) -> full fp32 tensor, names) for an HF GPT-2 folder."""
-    cfg_file, st = p / "config.json", p / "model.safetensors"
-    if not cfg_file.is_file() or not st.is_file():
-        raise ConvertError(f"{p}: expected an HF GPT-2 folder with config.json and model.safetensors")
-    limits.within(cfg_file.stat().st_size, "json", str(cfg_file), ConvertError)
-    hf = parse_json(cfg_file.read_bytes().decode("utf-8", errors="replace"), str(cfg_file))
-    if not isinstance(hf, dict) or hf.get("model_type") != "gpt2":
-        got = hf.get("model_type") if isinstance(hf, dict) else hf
-        raise ConvertError(f"{cfg_file}: model_type is {limits.describe(got)}, expected 'gpt2'")
-    for theirs in ("n_layer", "n_head", "n_embd", "n_positions", "vocab_size"):
-        if theirs not in hf:
-            raise ConvertError(f"{cfg_file}: field '{theirs}' is missing (expected an HF GPT-2 config)")
-    f = open_safetensors(st)
-    shapes = {k: f.get_slice(k).get_shape() for k in f.keys()}
-    _sizes_stored(hf, shapes, cfg_file, st)
-    m = model_from(model_from_hf_config(hf, str(cfg_file)), str(cfg_file))
-    table = {}
-    for k, shape in shapes.items():
-        try:
-            r = _from_hf(k, torch.empty(shape, device="meta"), m["tie_embeddings"])
-        except (EinopsError, RuntimeError):
-            raise ConvertError(f"{st}: tensor '{k}' has shape {list(shape)}, which is not a GPT-2 layout") from None
-        if r is not None:
-            table[r[0]] = k
-    known = model_partitions(m)
-    extra = sorted(k for name, k in table.items() if name not in known)
-    if extra:
-        raise ConvertError(f"{st}: tensor '{extra[0]}' is not part of a GPT-2 with this config.json "
-                           f"({len(extra)} such)")
+_ST = {"F32": torch.float32, "BF16": torch.bfloat16, "F16": torch.float16, "F64": torch.float64}
 
-    def get(name):
-        return _from_hf(table[name], f.get_tensor(table[name]).float(), m["tie_embeddings"])[1]
-    return m, get, sorted(table)
+
+def transformers_runner(folder: Path):
+    try:
+        from transformers import AutoModelForCausalLM
+        from transformers.utils import logging
+    except ImportError:
+        return None
+    logging.disable_progress_bar()  # its "Loading weights" bar would interleave with convert's own lines
+    model = AutoModelForCausalLM.from_pretrained(str(folder), dtype=torch.float32).eval()
+
+    def run(ids: torch.Tensor) -> torch.Tensor:
+        with torch.no_grad():
+            return model(ids).logits
+    return run
+
+
+# ---------------------------------------------------------------- writing
+def hf_shards(specs: list, max_shard: int) -> list[list]:
+    """specs [(name, shape, dtype)] cut into consecutive shards of at most `max_shard` bytes (a tensor larger
+    than that is a shard of its own), as transformers' save_pretrained cuts them."""
+    shards, size = [[]], 0
+    for s in specs:
+        n = torch.empty((), dtype=s[2]).element_size()
+        for d in s[1]:
+            n *= d
+        if shards[-1] and size + n > max_shard:
+            shards.append([])
+            size = 0
+        shards[-1].append(s)
+        size += n
+    return shards
+
+
+def write_hf(tmp: Path, src: Source, dtype: torch.dtype, progress: Progress, max_shard: int = MAX_SHARD) -> None:
+    """The source's model as a transformers folder at `tmp`, with the source's tokenizer (none: the byte
+    tokenizer's files). Padding rows (model.vocab_size above the tokenizer's) are never predicted by megalite;
+    they are left out, so transformers' softmax is over the tokenizer's ids only, as megalite's is."""
+    m, fam = src.model, family_of(src.model)
+    tok = src.tokenizer()
+    rows = m["vocab_size"] if tok is None else min(tok.vocab_size, m["vocab_size"])
+
+    def trim(name, t):
+        return t[:rows] if name in fam.vocab_rows else t
+
+    specs = []
+    for name, spec in src.specs.items():  # shapes only: transforms applied to meta tensors
+        for hf_name, t in fam.to_hf(name, trim(name, torch.empty(spec.shape, device="meta"))):
+            specs.append((hf_name, list(t.shape), dtype))
+    shards = hf_shards(specs, max_shard)
+    names = ([ST_FILE] if len(shards) == 1 else
+             [f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors" for i in range(len(shards))])
+    tmp.mkdir(parents=True)
+    writers = [StreamingWriter(tmp / n, sh, {"format": "pt", KIND: HF_KIND}, checksum=False, direct=True)
+               for n, sh in zip(names, shards)]
+    where = {s[0]: w for w, sh in zip(writers, shards) for s in sh}
+    try:
+        for name, pieces in src.stream(None, progress):
+            t = pieces[0] if len(pieces) == 1 else torch.cat(pieces)
+            for hf_name, ht in fam.to_hf(name, trim(name, t)):
+                w = where[hf_name]
+                assert w.specs[w.next][0] == hf_name
+                w.write(hf_name, ht.to(dtype))
+        for w in writers:
+            w.close()
+    except BaseException:
+        for w in writers:
+            w.abort()
+        raise
+    if len(shards) > 1:
+        total = sum((tmp / n).stat().st_size for n in names)  # as transformers: the files' bytes
+        index = {"metadata": {"total_size": total},
+                 "weight_map": {s[0]: n for n, sh in zip(names, shards) for s in sh}}
+        write_new(tmp / ST_INDEX, (json.dumps(index, indent=2) + "\n").encode())
+    eot = tok.eot_id if tok is not None and tok.eot_id is not None and tok.eot_id < rows else None
+    cfg = fam.hf_config({**m, "vocab_size": rows}, eot)
+    cfg["torch_dtype"] = TORCH_DTYPE[dtype]
+    write_new(tmp / "config.json", (json.dumps(cfg, indent=2) + "\n").encode())
+    gen = {"_from_model_config": True, "bos_token_id": eot, "eos_token_id": eot}
+    write_new(tmp / "generation_config.json", (json.dumps(gen, indent=2) + "\n").encode())
+    # so AutoTokenizer / pipeline work on the folder as is
+    write_hf_folder(tok or byte_tokenizer(), tmp, m["block_size"])

@@ -38,7 +38,7 @@ from ..base.errors import ConfigError, ConvertError
 from ..base.jsonio import loads
 from . import hints as hn
 from . import megatron_llama, unpickle
-from .common import model_partitions
+from .common import ForeignModel, model_partitions
 from .dcp import DcpFolder
 
 LATEST = "latest_checkpointed_iteration.txt"
@@ -235,14 +235,16 @@ def _sources(m: dict, names: set) -> dict:
 MODEL_PREFIXES = ("embedding.", "decoder.", "output_layer.", "encoder.", "mtp.")
 
 
-class MegatronGPT:
-    """A Megatron GPT checkpoint seen as a megalite model (GPT-2 or Llama family): `m` (the [model] dict),
-    `names` (megalite's, in the model's order), `shape(name)`, and `get(name)`: one tensor, read from just the
-    chunks that hold it (one layer of a stacked tensor reads that layer's chunks), in the checkpoint's dtype."""
+class MegatronGPT(ForeignModel):
+    """A Megatron GPT checkpoint as a Source (common.ForeignModel), GPT-2 or Llama family: `m` (the [model]
+    dict), `names` (megalite's, in the model's order), `shape(name)`, and `get(name)`: one tensor, read from
+    just the chunks that hold it (one layer of a stacked tensor reads that layer's chunks), in the checkpoint's
+    dtype."""
     _last = (None, None)  # (what was read, the tensor): q/k/v and gate/up are slices of one fused read
 
     def __init__(self, path, vocab_size: Optional[int] = None, hints: Optional[hn.Hints] = None):
         self.step = iteration_folder(Path(path))
+        self.where, self.guards = str(self.step), [Path(path), self.step]
         hints = hints or hn.Hints()
         args = read_args(self.step, required=not hints.given())
         self.ck = DcpFolder(self.step)
@@ -270,6 +272,8 @@ class MegatronGPT:
         if m.get("arch") == "llama":
             self.shapes = hn.llama_shapes(m, self.qkv_bias)
             self.parts = None if self.qkv_bias else model_partitions(m)  # megalite's model has no q/k/v biases
+            self.refusal = (f"{self.step / COMMON}: args: add_qkv_bias = True: megalite's Llama has no q/k/v "
+                            f"biases (Qwen-style), so it cannot hold this model")
             self.src = megatron_llama.llama_sources(dict(m, _interleaved=self.interleaved), set(self.ck.tensors))
             self._check_llama(where, padded)
         else:
@@ -357,6 +361,9 @@ class MegatronGPT:
 
     def shape(self, name: str) -> tuple:
         return self.shapes[name]
+
+    def stored(self, name: str) -> str:
+        return self.src[name][0]
 
     def get(self, name: str) -> torch.Tensor:
         theirs, layer, fn = self.src[name]

@@ -1,5 +1,5 @@
-"""`convert --check` for other trainers' Llamas: the source run in its own stored layout, beside the converted
-model run by megalite.
+"""The source side of `convert --check` for other trainers' Llamas (their Source.reference()): the source run
+in its own stored layout, which check.py compares with the converted result.
 
 The reference is a plain forward (float64, one process) over the source's tensors exactly as the trainer
 stores and uses them, written as that trainer computes, never through the converter's name table or weight
@@ -11,7 +11,7 @@ reshaping:
   * torchtitan: wq / wk / wv separately, RoPE on complex pairs (dims 2i, 2i+1) as its ComplexRoPE does.
 So a converter that misorders the GQA groups, swaps gate and up, forgets the wq/wk permutation or keeps the
 vocabulary padding gives logits that differ, and the check fails (tests/test_foreign_llama.py plants each).
-Memory: the reference holds one layer's weights at a time; the converted model is whole.
+Memory: the reference holds one layer's weights at a time.
 """
 from __future__ import annotations
 
@@ -20,9 +20,6 @@ import math
 import torch
 import torch.nn.functional as F
 
-from ..base.errors import ConvertError
-
-TOLERANCE = 1e-5  # max |logit difference| / max(1, max |logit|): float32 model vs float64 reference
 
 
 def _inv_freq(hd: int, theta: float, scaling: dict) -> torch.Tensor:
@@ -93,37 +90,3 @@ def reference_logits(src, ids: torch.Tensor) -> torch.Tensor:
         x = x + (F.silu(gate) * up) @ raw(kind["fc2"], i).T
     head = raw(kind["head"] or kind["embed"], None)
     return (_rms(x, raw(kind["ln_f"], None), eps) @ head.T)[..., :m["vocab_size"]]
-
-
-def check(src, ids: torch.Tensor, what: str) -> tuple[float, float]:
-    """Run the converted tensors in megalite's own Llama and the source in its own layout on `ids`; refuse
-    (ConvertError, one line) above TOLERANCE. Returns (max |logit difference|, KL(source || converted))."""
-    from ..config import ModelConfig
-    from ..model import GPTStage
-    from ..parallel.grid import ParallelGrid
-    model = GPTStage(ModelConfig(**src.m), ParallelGrid.single())
-    with torch.no_grad():
-        for name, p in model.global_parameters():
-            t = src.get(name)
-            if t.shape != p.shape:
-                raise ConvertError(f"--check: {what}: tensor '{name}' came out of size {list(t.shape)}, the model "
-                                   f"needs {list(p.shape)}: nothing written")
-            p.copy_(t)
-        got = model.eval()(ids).double()
-        want = reference_logits(src, ids)
-    if got.shape != want.shape:
-        raise ConvertError(f"--check: {what}: the converted model gives logits of {list(got.shape)}, the source "
-                           f"{list(want.shape)}")
-    diff = (got - want).abs().max().item()
-    kl = F.kl_div(got.log_softmax(-1), want.log_softmax(-1), log_target=True, reduction="batchmean").item()
-    bound = TOLERANCE * max(1.0, want.abs().max().item())
-    if not diff <= bound:
-        raise ConvertError(f"--check: {what}: the converted model's logits differ from the source's own-layout "
-                           f"forward by {diff:.3g} (KL {kl:.3g}), above {bound:.3g}: nothing written")
-    return diff, kl
-
-
-def prompt(m: dict) -> torch.Tensor:
-    """The fixed ids --check runs: 2 x min(16, block_size), spread over the real vocabulary."""
-    T = min(16, m["block_size"])
-    return (torch.arange(2 * T).reshape(2, T) * 7919 + 13) % m["vocab_size"]

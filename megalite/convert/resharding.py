@@ -21,9 +21,8 @@ from ..config import MAX_COUNT, Config
 from ..parallel.grid import Layout
 from ..parallel.pipeline import stage_of
 from ..parallel.partition import Partition
-from .common import ConvertError, Progress, _check_out, check_layout, check_manifest_tensors, \
-    model_partitions
-from .single import model_tokenizer, read_model_file
+from .common import ConvertError, Progress, check_layout, check_manifest_tensors, check_out, model_partitions
+from .sources import open_source
 
 
 def write_offline(out: Path, layout: Layout, tensors: dict[str, Partition], n_layer: int, read: Callable,
@@ -72,16 +71,20 @@ def write_offline(out: Path, layout: Layout, tensors: dict[str, Partition], n_la
 
 def split(model, out, tp: int, pp: int, dp: int, zero1: bool = False, step: int = 0, force: bool = False,
           quiet: bool = False, cp: int = 1) -> Path:
-    """One model file (megalite or HF GPT-2) -> a committed checkpoint at (tp, pp, dp, cp), fresh optimizer."""
+    """Any source that names a model (a megalite file or checkpoint, a transformers folder, a Megatron
+    checkpoint) -> a committed checkpoint at (tp, pp, dp, cp), fresh optimizer."""
     if isinstance(step, bool) or not isinstance(step, int) or not 0 <= step <= MAX_COUNT:
         raise ConvertError(f"--step {step}: expected an integer >= 0 and <= {MAX_COUNT} (the step the checkpoint "
                            f"says it is at)")
-    m, get, names = read_model_file(model)
+    src = open_source(Path(model))
+    if src.model is None:
+        raise ConvertError(f"{model}: a plain DCP checkpoint does not say what model its tensors make")
+    m = src.model
     layout = check_layout(m, tp, pp, dp, cp)
     out = Path(out)
-    _check_out(out, force, [Path(model)], "checkpoint")
+    check_out(out, force, src.guards, "checkpoint")
     parts = model_partitions(m)
-    missing = sorted(set(parts) - set(names))
+    missing = sorted(set(parts) - set(src.specs))
     if missing:
         raise ConvertError(f"{model}: tensor '{missing[0]}' is missing ({len(missing)} of {len(parts)} missing)")
     cache: dict = {}
@@ -89,7 +92,7 @@ def split(model, out, tp: int, pp: int, dp: int, zero1: bool = False, step: int 
     def read(it):
         if it.name not in cache:
             cache.clear()
-            full = get(it.name)
+            full = src.read(it.name).float()
             if list(full.shape) != list(parts[it.name].global_shape):
                 raise ConvertError(f"{model}: tensor '{it.name}' has shape {list(full.shape)}, "
                                    f"expected {list(parts[it.name].global_shape)}")
@@ -99,7 +102,7 @@ def split(model, out, tp: int, pp: int, dp: int, zero1: bool = False, step: int 
 
     cfg = Config.from_dict({"model": m, "parallel": {"tp": tp, "pp": pp, "dp": dp, "cp": cp, "zero1": zero1}}).to_dict()
     meta = mf.step_meta(step, layout, cfg, data={"batch_index": step}, zero1=zero1)
-    tok = model_tokenizer(model)  # an HF folder's own (GPT-2's vocab.json + merges.txt too), or a file's
+    tok = src.tokenizer()  # an HF folder's own (GPT-2's vocab.json + merges.txt too), or a file's
     return write_offline(out, layout, parts, m["n_layer"], read, meta, False, "split", quiet, lambda it: 4,
                          None if tok is None else tok.json.encode())
 
@@ -120,7 +123,7 @@ def reshard(ckpt, out, tp: int, pp: int, dp: int, zero1: Optional[bool] = None, 
     check_manifest_tensors(src, man)
     zero1 = man.zero1 if zero1 is None else zero1
     out = Path(out)
-    _check_out(out, force, [src.parent, src], "checkpoint")
+    check_out(out, force, [src.parent, src], "checkpoint")
     reader = SliceReader(src, man)
     with_opt = bool(man.optimizer_state)
     if with_opt:

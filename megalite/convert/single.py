@@ -1,122 +1,113 @@
-"""Any layout -> one safetensors file, and reading one model file back (megalite's or an HF GPT-2 folder)."""
+"""`megalite convert`: any Source (sources.py) -> one Sink (sink.py), proved by `--check` (check.py) where asked.
+
+    source                     --format megalite         hf (hf-gpt2)            dcp
+    megalite step / one file   one file                  the family's folder     megalite names, DCP
+    transformers folder        one file, megalite names  the family's folder     megalite names, DCP
+    megatron                   one file, megalite names  the family's folder     megalite names, DCP
+    plain dcp                  stored names and dtypes   (refused: no model)     the same tensors, DCP
+
+`read_model_file` and `model_tokenizer` are what split and generate read a model through.
+"""
 from __future__ import annotations
 
-import json
+import sys
 from pathlib import Path
 from typing import Callable, Optional
 
 import torch
 
-from ..checkpoint import manifest as mf
-from ..checkpoint.check import read_tokenizer
-from ..checkpoint.read import SliceReader
-from ..checkpoint.tree import LATEST, MANIFEST, resolve, tokenizer_rel
-from ..config import model_from, path_kind
-from ..parallel.partition import Box
-from ..tokenizer import Tokenizer, from_json
-from .common import (DTYPES, MODEL_KIND, ConvertError, Progress, _check_out, _full_tensors, check_manifest_tensors,
-                     open_safetensors, parse_json)
-from .dcp import write_file
-from .foreign import convert_foreign, export_dcp, read_megatron_model, source_kind
-from .hf import export_hf, folder_tokenizer, read_hf_folder
-
-FORMATS = ("megalite", "hf-gpt2", "dcp")
-TOKENIZER_KEY = "megalite.tokenizer"  # safetensors metadata: the run's tokenizer.json text
+from . import check as checking
+from .common import DTYPES, ConvertError, Progress, check_out
+from .hf import MAX_SHARD, transformers_runner
+from .sink import FORMATS, write
+from .sources import FileSource, StepSource, open_source
 
 
 def convert(ckpt, out, dtype: Optional[str] = None, fmt: str = "megalite", force: bool = False,
             quiet: bool = False, source: Optional[str] = None, vocab_size: Optional[int] = None,
-            arch: Optional[str] = None, hints=None, check: Optional[bool] = None) -> Path:
-    """Reassemble the model of any layout into one safetensors file (or an HF GPT-2 / a DCP folder); a
-    Megatron-LM or DCP checkpoint too (foreign.py). dtype: fp32 unless given (a DCP source: as stored)."""
+            check: Optional[bool] = None, max_shard_size: int = MAX_SHARD, arch: Optional[str] = None,
+            hints=None) -> Path:
+    """Any source as one safetensors file, a transformers folder or a DCP folder. dtype: fp32 unless given (a
+    plain DCP source: as stored). check: None = on where transformers is installed, for every export to
+    transformers and every import from another trainer. arch, hints: what another trainer's checkpoint cannot
+    tell (--arch, --num-heads, --config, ...: hints.py)."""
     if fmt not in FORMATS:
         raise ConvertError(f"--format '{fmt}': expected one of {', '.join(FORMATS)}")
     if dtype is not None and dtype not in DTYPES:
         raise ConvertError(f"--dtype '{dtype}': expected one of {', '.join(DTYPES)}")
-    kind = source_kind(Path(ckpt), source)
-    if kind != "megalite":
-        return convert_foreign(Path(ckpt), kind, Path(out), fmt, dtype, vocab_size, force, quiet, arch, hints, check)
-    if arch is not None or (hints is not None and hints.given()):
-        raise ConvertError("--arch, --num-heads, --config, ...: only for a Megatron or DCP checkpoint (a megalite "
-                           "checkpoint says what model it holds)")
-    if vocab_size is not None:
-        raise ConvertError("--vocab-size: only for a Megatron checkpoint (this source is a megalite checkpoint)")
-    dtype = dtype or "fp32"
-    step = resolve(ckpt)
-    man = mf.read(step)
-    check_manifest_tensors(step, man)
+    if isinstance(max_shard_size, bool) or not isinstance(max_shard_size, int) or max_shard_size < 1:
+        raise ConvertError(f"--max-shard-size {max_shard_size!r}: expected a positive number of bytes")
+    src = open_source(Path(ckpt), source, vocab_size, arch, hints)
+    if src.model is not None and fmt != "hf-gpt2":
+        src.partitions()  # a model megalite's cannot hold (q/k/v biases) is refused before anything is written
     out = Path(out)
-    _check_out(out, force, [step.parent, step], fmt)
-    total = sum(e.nbytes for e in man.model.values())
-    progress = Progress("convert", len(man.model), total, quiet)
-    tokenizer = read_tokenizer(step, man)
-    if fmt == "hf-gpt2":
-        tok = from_json(tokenizer.decode("utf-8"), f"{step / tokenizer_rel(man.layout.cp)}") if tokenizer is not None else None
-        return export_hf(step, man, out, DTYPES[dtype], progress, tok)
-    if fmt == "dcp":
-        return export_dcp(step, man, out, DTYPES[dtype], progress)
-    torch_dtype = DTYPES[dtype]
-    specs = [(n, list(e.shape), torch_dtype) for n, e in man.model.items()]
-    meta = {"format": "pt", "megalite.kind": MODEL_KIND, "megalite.model_config": json.dumps(man.model_config, sort_keys=True),
-            "megalite.partitions": json.dumps({n: e.partition.to_json() for n, e in man.model.items()},
-                                              sort_keys=True)}
-    if tokenizer is not None:  # the run's tokenizer travels with the model (generate and split read it)
-        meta[TOKENIZER_KEY] = tokenizer.decode("utf-8")
-    tensors = ((n, [t.to(torch_dtype)]) for n, t in _full_tensors(step, man, progress))
-    return write_file(out, specs, tensors, meta)  # a temp file (never through a symlink) moved into place
+    check_out(out, force, src.guards, "hf" if fmt.startswith("hf") else fmt)
+    torch_dtype = DTYPES[dtype] if dtype else (None if src.model is None else torch.float32)
+    foreign = not isinstance(src, (StepSource, FileSource))
+    if check is None:
+        check = checking.available() and src.model is not None and (fmt.startswith("hf") or foreign) \
+            and fmt != "dcp"
+    elif check and (src.model is None or fmt == "dcp"):
+        raise ConvertError(f"--check: {src.where} -> --format {fmt} has no model forward to compare "
+                           f"(a plain DCP source, or a DCP output)")
+    progress = Progress("convert", len(src.specs), sum(s.nbytes for s in src.specs.values()), quiet)
+    proof = _proof(src, fmt, torch_dtype or torch.float32, quiet) if check else None
+    done = write(src, out, fmt, torch_dtype, progress, proof, max_shard_size)
+    if src.skipped and not quiet:  # after the work: a failed convert prints its one error line only
+        n = len(src.skipped)
+        shown = ", ".join(src.skipped[:8]) + (f", ... ({n} in all)" if n > 8 else "")
+        what = (f"training entries ({src.naming})" if hasattr(src, "naming") else
+                f"non-tensor entr{'y' if n == 1 else 'ies'} (bytes, never unpickled)")
+        print(f"convert: skipped {n} {what}: {shown}", file=sys.stderr, flush=True)
+    return done
 
 
-def is_checkpoint(p: Path) -> bool:
-    """A step folder (manifest.json) or a checkpoint root (`latest`), as opposed to an HF folder."""
-    return p.is_dir() and ((p / MANIFEST).exists() or (p / LATEST).exists())
+def _proof(src, fmt: str, dtype: torch.dtype, quiet: bool) -> Callable[[Path], None]:
+    """The check step of the sink: the written output at `tmp` against the source."""
+    def run(tmp: Path) -> None:
+        if fmt.startswith("hf"):
+            tok = src.tokenizer()
+            vocab = src.model["vocab_size"] if tok is None else min(tok.vocab_size, src.model["vocab_size"])
+            checking.check(src, lambda: transformers_runner(tmp), dtype, "transformers' forward of the export",
+                           quiet, vocab)
+            return
+        result = FileSource(tmp)
+        if src.reference() is None:  # both sides would be megalite's model: transformers on the result
+            checking.check(src, lambda: checking.transformers_on(result), dtype,
+                           "transformers on the converted tensors", quiet)
+        else:
+            checking.check(src, lambda: checking.megalite_runner(result), dtype, "megalite's model on the "
+                           "converted file", quiet)
+    return run
 
 
 def read_model_file(path) -> tuple[dict, Callable[[str], torch.Tensor], list[str]]:
-    """(model config dict, get(name) -> full fp32 tensor, names) for a megalite file, an HF GPT-2 folder, a
-    Megatron checkpoint or a megalite checkpoint (root or step folder; every byte read checked against its
-    block checksums)."""
-    p = Path(path)
-    if is_checkpoint(p):
-        step = resolve(p)
-        man = mf.read(step)
-        check_manifest_tensors(step, man)
-        reader = SliceReader(step, man)
-        m = model_from(man.model_config, f"{step / MANIFEST}: config.model")
-        return m, (lambda name: reader.read(man.model[name], Box.whole(man.model[name].shape)).float()), \
-            sorted(man.model)
-    if p.is_dir():
-        found = read_megatron_model(p)  # a Megatron-LM torch_dist checkpoint
-        if found is not None:
-            return found
-        return read_hf_folder(p)
-    if not p.exists() and not p.is_symlink():
-        raise ConvertError(f"model '{p}' does not exist")
-    if not p.is_file():
-        raise ConvertError(f"model '{p}' is {path_kind(p)}, expected a safetensors file or an HF GPT-2 folder")
-    f = open_safetensors(p)
-    meta = f.metadata() or {}
-    if "megalite.model_config" not in meta:
-        raise ConvertError(f"{p}: safetensors metadata has no 'megalite.model_config' "
-                           f"(expected a file written by `megalite convert`)")
-    m = model_from(parse_json(meta["megalite.model_config"], f"{p}: metadata 'megalite.model_config'"),
-                   f"{p}: metadata 'megalite.model_config'")
-    return m, (lambda name: f.get_tensor(name).float()), sorted(f.keys())
+    """(model config dict, get(name) -> full fp32 tensor, names) for any source that names a model: a
+    megalite checkpoint (root or step folder; every byte read checked against its block checksums), a
+    `megalite convert` file, a transformers folder, a Megatron checkpoint."""
+    src = open_source(Path(path))
+    if src.model is None:
+        raise ConvertError(f"{path}: a plain DCP checkpoint does not say what model its tensors make")
+    return src.model, (lambda name: src.read(name).float()), sorted(src.specs)
 
 
-def model_tokenizer(path) -> Optional[Tokenizer]:
-    """The tokenizer a model carries, or None: a checkpoint's tokenizer.json, a converted file's metadata
-    'megalite.tokenizer', an HF folder's tokenizer.json or vocab.json + merges.txt."""
-    p = Path(path)
-    if is_checkpoint(p):
-        step = resolve(p)
-        man = mf.read(step)
-        text = read_tokenizer(step, man)
-        where = f"{step / tokenizer_rel(man.layout.cp)}"
-    elif p.is_dir():
-        return folder_tokenizer(p)
-    else:
-        text = (open_safetensors(p).metadata() or {}).get(TOKENIZER_KEY)
-        where = f"{p}: metadata '{TOKENIZER_KEY}'"
-    if text is None:
-        return None
-    return from_json(text if isinstance(text, str) else text.decode("utf-8", errors="replace"), where)
+def model_tokenizer(path):
+    """The tokenizer a model carries, or None."""
+    return open_source(Path(path)).tokenizer()
+
+
+UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "KIB": 2**10, "MIB": 2**20, "GIB": 2**30}
+
+
+def parse_size(text: str, flag: str) -> int:
+    """'5GB', '500MB', '123' -> bytes (transformers' units: KB/MB/GB are powers of ten, KiB/MiB/GiB of two)."""
+    t = str(text).strip().upper()
+    num = t.rstrip("KMGIB")
+    unit = t[len(num):]
+    try:
+        value = float(num) * UNITS[unit]
+    except (ValueError, KeyError):
+        raise ConvertError(f"{flag} '{text}': expected a size such as 5GB, 500MB or a number of bytes") from None
+    if not value >= 1 or value > 2**62:
+        raise ConvertError(f"{flag} '{text}': expected a size of at least 1 byte")
+    return int(value)

@@ -23,7 +23,7 @@ import torch
 
 from ..base.errors import ConvertError
 from . import hints as hn
-from .common import model_partitions
+from .common import ForeignModel, model_partitions
 from .dcp import METADATA, DcpFolder
 
 TRAINING = ("optimizer.", "lr_scheduler.", "dataloader.", "train_state.")
@@ -42,13 +42,15 @@ TOP = {"wte.weight": ("tok_embeddings.weight",) * 2, "ln_f.weight": ("norm.weigh
        "lm_head.weight": ("lm_head.weight", "output.weight")}
 
 
-class TorchtitanLlama:
-    """`m` (megalite's [model] dict), `names`, `shape(name)`, `get(name)` (fp32 or the stored dtype, megalite's
-    layout), `skipped` (the training entries left out) and `naming` ('>= 0.2' or '<= 0.1', prefix)."""
+class TorchtitanLlama(ForeignModel):
+    """A torchtitan Llama as a Source (common.ForeignModel): `m` (megalite's [model] dict), `names`,
+    `shape(name)`, `get(name)` (the stored dtype, megalite's layout), `skipped` (the training entries left out)
+    and `naming` ('>= 0.2' or '<= 0.1', prefix)."""
 
     def __init__(self, path, h: hn.Hints, permute: bool = True):
         self.folder = Path(path)
         self.ck = DcpFolder(self.folder)
+        self.guards = [self.folder]
         self.where = where = str(self.folder / METADATA)
         names = set(self.ck.tensors)
         self.prefix = "model." if "model.tok_embeddings.weight" in names else ""
@@ -131,6 +133,9 @@ class TorchtitanLlama:
 
     def shape(self, name: str) -> tuple:
         return self.shapes[name]
+
+    def stored(self, name: str) -> str:
+        return self.src[name]
 
     def get(self, name: str) -> torch.Tensor:
         t = self.ck.read(self.src[name])

@@ -133,28 +133,32 @@ class _ReduceScatterToSP(torch.autograd.Function):
 
 
 class _SPColumnLinear(torch.autograd.Function):
-    """Column-parallel linear on a sequence-parallel input, keeping only this rank's shard for backward
-    (Megatron's choice): the full input is all-gathered again in backward instead of being stored.
+    """Column-parallel linear(s) on a sequence-parallel input, keeping only this rank's shard for backward
+    (Megatron's choice): the full input is all-gathered again in backward instead of being stored. Several
+    weights (q, k, v; gate, up) share one gather each way and return one output each.
 
-    forward: all-gather the sequence dim, then y = x W^T + b; backward: all-gather again, grad_W = g^T x,
-    grad_x = reduce-scatter(g W) over the sequence dim. Under autocast the matmuls run in the dtype autocast
-    gave the output (g's), and the gradients are cast back to the fp32 parameters and input.
+    forward: all-gather the sequence dim, then y_i = x W_i^T (+ b for a single weight); backward: all-gather
+    again, grad_W_i = g_i^T x, grad_x = reduce-scatter(sum_i g_i W_i) over the sequence dim. Under autocast the
+    matmuls run in the dtype autocast gave the outputs (g's), and the gradients are cast back to the fp32
+    parameters and input.
     """
 
     @staticmethod
-    def forward(ctx, x, weight, bias, axis):
+    def forward(ctx, x, bias, axis, *weights):
         ctx.axis, ctx.has_bias = axis, bias is not None
-        ctx.save_for_backward(x, weight)
-        return F.linear(_gather_seq(x, axis), weight, bias)
+        ctx.save_for_backward(x, *weights)
+        total = _gather_seq(x, axis)
+        return tuple(F.linear(total, w, bias) for w in weights)
 
     @staticmethod
-    def backward(ctx, g):
-        x, weight = ctx.saved_tensors
-        total = _gather_seq(x, ctx.axis).to(g.dtype)  # (B, T, in)
-        grad_x = _reduce_scatter_seq((g @ weight.to(g.dtype)).to(x.dtype), ctx.axis)
-        grad_w = torch.einsum("...o,...i->oi", g, total).to(weight.dtype)
-        grad_b = g.reshape(-1, g.shape[-1]).sum(0).to(weight.dtype) if ctx.has_bias else None
-        return grad_x, grad_w, grad_b, None
+    def backward(ctx, *gs):
+        x, *weights = ctx.saved_tensors
+        total = _gather_seq(x, ctx.axis).to(gs[0].dtype)  # (B, T, in)
+        grad_x = sum(g @ w.to(g.dtype) for g, w in zip(gs, weights))
+        grad_x = _reduce_scatter_seq(grad_x.to(x.dtype), ctx.axis)
+        grad_ws = [torch.einsum("...o,...i->oi", g, total).to(w.dtype) for g, w in zip(gs, weights)]
+        grad_b = gs[0].reshape(-1, gs[0].shape[-1]).sum(0).to(weights[0].dtype) if ctx.has_bias else None
+        return (grad_x, grad_b, None, *grad_ws)
 
 
 # ---------------------------------------------------------------- tier 3: thin public wrappers
@@ -217,17 +221,19 @@ class ColumnParallelLinear(nn.Module):
 
     def forward(self, x):  # (..., in) -> (..., stack * out / tp)
         w, b = self.weight.reshape(-1, self.in_features), None if self.bias is None else self.bias.reshape(-1)
-        y = column_parallel(x, w, b, self.tp, self.sp)
+        (y,) = column_parallel(x, [w], self.tp, self.sp, bias=b)
         return gather_from_tp(y, self.tp) if self.gather_output else y
 
 
-def column_parallel(x, weight, bias, tp: Axis, sp: bool = False):
-    """x W^T + b for this rank's rows of a column-parallel W (ColumnParallelLinear's product; also for several
-    layers' local weights concatenated, e.g. q, k, v or gate, up: one gather and one matmul for all of them).
-    forward: copy_to_tp (sp: all-gather the sequence); backward: all-reduce (sp: reduce-scatter) of grad x."""
+def column_parallel(x, weights: list, tp: Axis, sp: bool = False, bias=None) -> list:
+    """[x W_i^T] for this rank's rows of column-parallel weights W_i that take the same input (q, k, v of
+    attention; gate and up of SwiGLU): one input communication each way for all of them, and no weight copied.
+    forward: copy_to_tp (sp: all-gather the sequence); backward: all-reduce (sp: reduce-scatter) of grad x.
+    `bias` only with a single weight (ColumnParallelLinear)."""
     if sp and tp.active:  # x: (B, T/tp, in)
-        return _SPColumnLinear.apply(x, weight, bias, tp)
-    return F.linear(copy_to_tp(x, tp), weight, bias)
+        return list(_SPColumnLinear.apply(x, bias, tp, *weights))
+    x = copy_to_tp(x, tp)
+    return [F.linear(x, w, bias) for w in weights]
 
 
 class RowParallelLinear(nn.Module):

@@ -1,0 +1,156 @@
+"""Every converter input as one `Source` (common.py): megalite's own two here (a checkpoint step folder, one model
+file), the others in their format's module (hf.py, dcp.py, megatron.py), and `open_source`, which tells them
+apart (or takes --from's word for it)."""
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Optional
+
+import torch
+
+from ..checkpoint import manifest as mf
+from ..checkpoint.check import read_tokenizer
+from ..checkpoint.read import SliceReader
+from ..checkpoint.tree import LATEST, MANIFEST, resolve, tokenizer_rel
+from ..config import model_from, path_kind
+from ..parallel.partition import Box
+from ..tokenizer import from_json
+from .common import MODEL_CONFIG, TOKENIZER, ConvertError, Source, Spec, check_manifest_tensors, \
+    open_safetensors, parse_json
+from .dcp import METADATA, DcpFolder
+from .hf import HFFolder
+from .hints import Hints
+from .megatron import MegatronGPT, is_megatron
+
+SOURCES = ("megalite", "dcp", "megatron", "hf")
+
+
+class StepSource(Source):
+    """A megalite checkpoint (root or step folder): its manifest says everything; every byte read is checked
+    against its block checksums."""
+
+    def __init__(self, path):
+        self.step = resolve(path)
+        self.man = mf.read(self.step)
+        check_manifest_tensors(self.step, self.man)
+        self.where, self.guards = str(self.step), [self.step.parent, self.step]
+        self.model = model_from(self.man.model_config, f"{self.step / MANIFEST}: config.model")
+        self.specs = {n: Spec(tuple(e.shape), e.torch_dtype) for n, e in self.man.model.items()}
+        self._reader = SliceReader(self.step, self.man)
+
+    def read(self, name, region=None):
+        e = self.man.model[name]
+        box = Box.whole(e.shape) if region is None else Box(tuple(a for a, _ in region),
+                                                           tuple(b - a for a, b in region))
+        return self._reader.read(e, box).view(box.shape)
+
+    def partitions(self):
+        return {n: e.partition for n, e in self.man.model.items()}
+
+    def tokenizer(self):
+        text = read_tokenizer(self.step, self.man)
+        return None if text is None else from_json(text.decode("utf-8"), f"{self.step / tokenizer_rel(self.man.layout.cp)}")
+
+
+class FileSource(Source):
+    """One safetensors file written by `megalite convert` (its metadata holds the [model] dict and tokenizer)."""
+
+    def __init__(self, path):
+        p = Path(path)
+        self.where, self.guards = str(p), [p]
+        self.f = open_safetensors(p)
+        self.meta = self.f.metadata() or {}
+        if MODEL_CONFIG not in self.meta:
+            raise ConvertError(f"{p}: safetensors metadata has no '{MODEL_CONFIG}' (expected a file written by "
+                               f"`megalite convert`)")
+        self.model = model_from(parse_json(self.meta[MODEL_CONFIG], f"{p}: metadata '{MODEL_CONFIG}'"),
+                                f"{p}: metadata '{MODEL_CONFIG}'")
+        self.specs = {}
+        for k in sorted(self.f.keys()):
+            s = self.f.get_slice(k)
+            self.specs[k] = Spec(tuple(s.get_shape()), _dtype_of(s.get_dtype()))
+
+    def read(self, name, region=None):
+        if region is None:
+            return self.f.get_tensor(name)
+        return self.f.get_slice(name)[tuple(slice(a, b) for a, b in region)]
+
+    def tokenizer(self):
+        text = self.meta.get(TOKENIZER)
+        return None if text is None else from_json(text, f"{self.where}: metadata '{TOKENIZER}'")
+
+
+_ST = {"F32": torch.float32, "BF16": torch.bfloat16, "F16": torch.float16, "F64": torch.float64,
+       "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8,
+       "BOOL": torch.bool}
+
+
+def _dtype_of(st: str) -> torch.dtype:
+    return _ST.get(st, torch.float32)
+
+
+def is_checkpoint(p: Path) -> bool:
+    """A step folder (manifest.json) or a checkpoint root (`latest`), as opposed to any other folder."""
+    return p.is_dir() and ((p / MANIFEST).exists() or (p / LATEST).exists())
+
+
+def detect(path: Path) -> str:
+    """'megatron', 'dcp', 'hf' (a folder with config.json) or 'megalite' (a step folder, a root, one file; also
+    anything else: its reader says what is wrong)."""
+    if is_megatron(path):
+        return "megatron"
+    if path.is_dir() and (path / METADATA).is_file():
+        return "dcp"
+    if path.is_dir() and not is_checkpoint(path) and (path / "config.json").is_file():
+        return "hf"
+    return "megalite"
+
+
+def open_source(path, forced: Optional[str] = None, vocab_size: Optional[int] = None, arch: Optional[str] = None,
+                hints: Optional[Hints] = None) -> Source:
+    """The Source at `path`: found from what the folder holds, or `forced` (--from). arch and hints (--arch,
+    --num-heads, --config, ...): what another trainer's checkpoint cannot tell (hints.py)."""
+    p = Path(path)
+    if forced is not None and forced not in SOURCES:
+        raise ConvertError(f"--from '{forced}': expected one of {', '.join(SOURCES)}")
+    if forced == "megatron" and not is_megatron(p):
+        raise ConvertError(f"--from megatron: {p} has no metadata.json or latest_checkpointed_iteration.txt "
+                           f"(expected a Megatron-LM torch_dist checkpoint)")
+    if forced == "dcp" and not (p / METADATA).is_file():
+        raise ConvertError(f"--from dcp: {p} has no {METADATA} (expected a torch.distributed.checkpoint folder)")
+    kind = forced or detect(p)
+    told = hints is not None and hints.given()
+    if kind in ("megalite", "hf") and (arch is not None or told):
+        raise ConvertError(f"--arch, --num-heads, --config, ...: only for a Megatron or DCP checkpoint (a "
+                           f"{'megalite checkpoint' if kind == 'megalite' else 'transformers folder'} says what "
+                           f"model it holds)")
+    if vocab_size is not None and kind != "megatron":
+        raise ConvertError(f"--vocab-size: only for a Megatron checkpoint (this source is "
+                           f"{'a megalite checkpoint' if kind == 'megalite' else kind})")
+    if kind == "megatron":
+        if arch not in (None, "gpt2", "llama"):
+            raise ConvertError(f"--arch '{arch}': expected gpt2 or llama")
+        g = MegatronGPT(p, vocab_size, hints)
+        if arch is not None and g.m.get("arch", "gpt2") != arch:
+            raise ConvertError(f"--arch {arch} contradicts {p}: its arguments and tensors make a "
+                               f"{g.m.get('arch', 'gpt2')}")
+        return g
+    if kind == "dcp":
+        if arch is None:
+            if told:
+                raise ConvertError("--num-heads, --config, ...: a DCP folder is read as a model only with --arch llama")
+            return DcpFolder(p)
+        if arch != "llama":
+            raise ConvertError(f"--arch '{arch}': a DCP folder is read as a model only for --arch llama (torchtitan's "
+                               f"Llama 3)")
+        from .torchtitan import TorchtitanLlama
+        return TorchtitanLlama(p, hints or Hints())
+    if kind == "hf":
+        return HFFolder(p)
+    if is_checkpoint(p) or p.is_dir():
+        return StepSource(p)
+    if not p.exists() and not p.is_symlink():
+        raise ConvertError(f"model '{p}' does not exist")
+    if not p.is_file():
+        raise ConvertError(f"model '{p}' is {path_kind(p)}, expected a safetensors file or a transformers folder")
+    return FileSource(p)
