@@ -268,3 +268,26 @@ def test_check_off_and_bf16_tolerance(tmp_path, hf_gqa, capsys):
     assert "check: transformers' forward" in capsys.readouterr().err
     with pytest.raises(ConvertError, match=r"--check: .* has no model forward"):
         convert(f, tmp_path / "c", fmt="dcp", check=True)
+
+
+# ---------------------------------------------------------------- the commands docs/converting.md shows
+def test_the_documented_llama_commands(tmp_path):
+    """Each line of docs/converting.md's Llama block, run as shown (5 subprocesses) on a tiny Llama file."""
+    import shlex
+    from pathlib import Path
+
+    import helpers as H
+    doc = (Path(__file__).parents[1] / "docs" / "converting.md").read_text()
+    block = doc.split("test_the_documented_llama_commands", 1)[1].split("```bash\n", 1)[1].split("```", 1)[0]
+    lines = [ln for ln in block.splitlines() if ln.strip()]
+    assert len(lines) == 5 and all(ln.startswith("megalite ") for ln in lines)
+    (tmp_path / "llama").mkdir()
+    llama_file(tmp_path / "llama" / "model.safetensors", 2, False)
+    for line in lines:
+        r = H.cli(*shlex.split(line)[1:], cwd=tmp_path)
+        assert r.returncode == 0, (line, r.stderr[-2000:])
+        if "--format hf" in line:
+            assert "check: transformers' forward of the export: largest logit difference" in r.stderr
+    assert len(list((tmp_path / "llama" / "hf-sharded").glob("model-*-of-*.safetensors"))) > 2
+    src, back = open_source(tmp_path / "llama" / "model.safetensors"), open_source(tmp_path / "llama" / "back.safetensors")
+    assert all(torch.equal(src.read(n), back.read(n)) for n in src.specs)

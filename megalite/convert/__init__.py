@@ -9,13 +9,13 @@
     unpickle.py   the allow-list unpickler for the pickles those formats keep their indexes in
     sink.py       the outputs of `convert` (one file, DCP, transformers) and `deliver`: temp -> check -> move
     check.py      `convert --check`: the source's forward against the result's on fixed prompts
-    single.py     `megalite convert`, and reading one model (split, generate)
+    single.py     `megalite convert`: a source, a sink, the check
     resharding.py `megalite split` and `megalite reshard`: a whole checkpoint written in one process
 """
 from .common import DTYPES, ConvertError, Progress, Source, check_layout, check_manifest_tensors, model_partitions
 from .resharding import reshard, split
-from .single import FORMATS, convert, model_tokenizer, read_model_file
+from .single import FORMATS, convert
 from .sources import open_source
 
 __all__ = ["DTYPES", "FORMATS", "ConvertError", "Progress", "Source", "check_layout", "check_manifest_tensors",
-           "convert", "model_partitions", "model_tokenizer", "open_source", "read_model_file", "reshard", "split"]
+           "convert", "model_partitions", "open_source", "reshard", "split"]

@@ -19,7 +19,6 @@ Each output (sink.py: one file, DCP, transformers; resharding.py: a megalite lay
 """
 from __future__ import annotations
 
-import fcntl
 import json
 import os
 import re
@@ -34,14 +33,18 @@ from typing import Callable, Iterable, Iterator, Optional
 import torch
 from safetensors import safe_open
 
-from ..base.fs import kind_of, open_regular, read_all
+from ..base.fs import kind_of, output_refusal, read_all
+from ..base.lock import held
+from ..base.lock import held
 from ..checkpoint.manifest import FORMAT as MANIFEST_FORMAT, Manifest, entry_for
 from ..checkpoint.stream import read_metadata
 from ..checkpoint.tree import LATEST, LATEST_TMP, LOCK, MANIFEST, TMP_PREFIX, parse_step_dir
 from ..config import ModelConfig
 from ..base.errors import CheckpointError, ConvertError, LayoutError
 from ..base.jsonio import loads
-from ..parallel.grid import Layout
+from ..model import GPTStage
+from ..tokenizer import TOKENIZER_KEY
+from ..parallel.grid import Layout, ParallelGrid
 from ..parallel.partition import Partition
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
@@ -50,7 +53,7 @@ DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 KIND = "megalite.kind"  # what the file is: MODEL_KIND, "dcp" (a plain DCP source's tensors), HF_KIND
 MODEL_CONFIG = "megalite.model_config"  # the [model] dict, JSON
 PARTITIONS = "megalite.partitions"  # {name: partition tag}, JSON
-TOKENIZER = "megalite.tokenizer"  # the run's tokenizer.json text
+TOKENIZER = TOKENIZER_KEY  # the run's tokenizer.json text (tokenizer.py owns "which tokenizer an artifact carries")
 SKIPPED = "megalite.skipped"  # a DCP source's non-tensor entries, JSON list
 DCP_OUT = "megalite.output"  # the file of a `convert --format dcp` folder: "dcp"
 
@@ -197,25 +200,17 @@ def check_out(out: Path, force: bool, sources: Iterable[Path], kind: str) -> Non
     folder; that holds a live training run's lock; or that exists (without --force). With --force an existing
     output is replaced only if it is of the same `kind` (OUT_KINDS) and megalite wrote it (`not_ours`): never a
     file or folder of anything else."""
-    given = out
-    if given.name in ("", ".", ".."):
-        raise ConvertError(f"--out '{given}': expected the path of a new file or folder, not '{given}'")
-    out = out.resolve()
-    if out == Path.cwd() or out in Path.cwd().parents:
-        raise ConvertError(f"--out {out}: refusing to replace a folder that holds the current directory")
-    for src in sources:
-        src = src.resolve()
-        if out == src or src in out.parents:
-            raise ConvertError(f"--out {out}: refusing to write into the source checkpoint {src}")
-        if out in src.parents:
-            raise ConvertError(f"--out {out}: refusing to replace a folder that contains the source {src}")
+    refused = output_refusal(out, sources)
+    if refused:
+        raise ConvertError(refused)
+    given, out = out, out.resolve()
     if not os.path.lexists(given):
         return
     if not force:
         raise ConvertError(f"--out {out} already exists (pass --force to replace it)")
     if given.is_dir() and not given.is_symlink():
         for lock in [given / LOCK, *given.glob(f"*/{LOCK}")]:
-            if _held(lock):
+            if held(lock):
                 raise ConvertError(f"--out {out}: a training run holds {lock}; refusing to replace a live run's "
                                    f"checkpoint folder")
     why = not_ours(given, kind)
@@ -283,26 +278,10 @@ def _what(out: Path, marker: Optional[str]) -> str:
     return what
 
 
-def _held(lock: Path) -> bool:
-    """Whether a live process holds this flock (the training run's lock), without following symlinks or
-    waiting on a FIFO planted there (a lock that is not a regular file is no one's lock)."""
-    try:
-        fd = open_regular(lock, os.O_RDONLY)
-    except OSError:
-        return False
-    try:
-        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except BlockingIOError:
-        return True
-    finally:
-        os.close(fd)
-    return False
 
 
 def model_partitions(m: dict) -> dict[str, Partition]:
     """The partition tag of every parameter, asked of the model itself (built on the meta device)."""
-    from ..model import GPTStage
-    from ..parallel.grid import ParallelGrid
     with torch.device("meta"):
         stage = GPTStage(ModelConfig(**m), ParallelGrid.single())
     return {name: p.partition for name, p in stage.global_parameters()}

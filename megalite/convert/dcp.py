@@ -27,7 +27,7 @@ from typing import Iterable, Iterator, Optional
 
 import torch
 
-from ..config import path_kind
+from ..base.fs import path_kind
 from ..base.errors import ConvertError
 from ..base import limits
 from . import unpickle

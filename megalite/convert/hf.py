@@ -16,7 +16,7 @@ from ..base import limits
 from ..base.fs import write_new
 from ..checkpoint.stream import StreamingWriter
 from ..config import model_from
-from ..tokenizer import TOKENIZER_JSON, Tokenizer, byte_tokenizer, load as load_tokenizer, write_hf_folder
+from ..tokenizer import byte_tokenizer, carried_by, write_hf_folder
 from .common import HF_KIND, KIND, ConvertError, Progress, Source, Spec, model_partitions, open_safetensors, \
     parse_json
 from .family import BY_MODEL_TYPE, Family, family_of
@@ -24,13 +24,6 @@ from .family import BY_MODEL_TYPE, Family, family_of
 ST_FILE, ST_INDEX = "model.safetensors", "model.safetensors.index.json"
 MAX_SHARD = 5 * 10**9  # transformers' save_pretrained default max_shard_size ("5GB")
 TORCH_DTYPE = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
-
-
-def folder_tokenizer(p: Path) -> Optional[Tokenizer]:
-    """A folder's tokenizer (tokenizer.json, else GPT-2's vocab.json + merges.txt), None if it has none."""
-    if (p / TOKENIZER_JSON).exists() or (p / "vocab.json").exists():
-        return load_tokenizer(p, "model folder")
-    return None
 
 
 class HFFolder(Source):
@@ -119,7 +112,7 @@ class HFFolder(Source):
         return t if region is None else t[tuple(slice(a, b) for a, b in region)]
 
     def tokenizer(self):
-        return folder_tokenizer(self.folder)
+        return carried_by(self.folder)
 
     def reference(self):
         """transformers' own model on the folder, fp32 (None where transformers is not installed)."""

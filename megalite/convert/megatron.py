@@ -32,8 +32,8 @@ import torch
 from einops import rearrange
 
 from ..base import limits
-from ..base.fs import read_all
-from ..config import ModelConfig, model_from, path_kind
+from ..base.fs import path_kind, read_all
+from ..config import ModelConfig, model_from
 from ..base.errors import ConfigError, ConvertError
 from ..base.jsonio import loads
 from . import hints as hn
@@ -44,10 +44,6 @@ from .dcp import DcpFolder
 LATEST = "latest_checkpointed_iteration.txt"
 COMMON, META_JSON = "common.pt", "metadata.json"
 LAYERS = "decoder.layers."
-
-
-def is_megatron(path: Path) -> bool:
-    return path.is_dir() and ((path / META_JSON).is_file() or (path / LATEST).is_file())
 
 
 def iteration_folder(path: Path) -> Path:

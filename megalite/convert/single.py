@@ -6,7 +6,6 @@
     megatron                   one file, megalite names  the family's folder     megalite names, DCP
     plain dcp                  stored names and dtypes   (refused: no model)     the same tensors, DCP
 
-`read_model_file` and `model_tokenizer` are what split and generate read a model through.
 """
 from __future__ import annotations
 
@@ -45,8 +44,8 @@ def convert(ckpt, out, dtype: Optional[str] = None, fmt: str = "megalite", force
     torch_dtype = DTYPES[dtype] if dtype else (None if src.model is None else torch.float32)
     foreign = not isinstance(src, (StepSource, FileSource))
     if check is None:
-        check = checking.available() and src.model is not None and (fmt.startswith("hf") or foreign) \
-            and fmt != "dcp"
+        check = src.model is not None and (fmt.startswith("hf") or foreign) and fmt != "dcp" \
+            and checking.available()
     elif check and (src.model is None or fmt == "dcp"):
         raise ConvertError(f"--check: {src.where} -> --format {fmt} has no model forward to compare "
                            f"(a plain DCP source, or a DCP output)")
@@ -79,21 +78,6 @@ def _proof(src, fmt: str, dtype: torch.dtype, quiet: bool) -> Callable[[Path], N
             checking.check(src, lambda: checking.megalite_runner(result), dtype, "megalite's model on the "
                            "converted file", quiet)
     return run
-
-
-def read_model_file(path) -> tuple[dict, Callable[[str], torch.Tensor], list[str]]:
-    """(model config dict, get(name) -> full fp32 tensor, names) for any source that names a model: a
-    megalite checkpoint (root or step folder; every byte read checked against its block checksums), a
-    `megalite convert` file, a transformers folder, a Megatron checkpoint."""
-    src = open_source(Path(path))
-    if src.model is None:
-        raise ConvertError(f"{path}: a plain DCP checkpoint does not say what model its tensors make")
-    return src.model, (lambda name: src.read(name).float()), sorted(src.specs)
-
-
-def model_tokenizer(path):
-    """The tokenizer a model carries, or None."""
-    return open_source(Path(path)).tokenizer()
 
 
 UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "KIB": 2**10, "MIB": 2**20, "GIB": 2**30}

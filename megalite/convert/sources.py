@@ -9,18 +9,18 @@ from typing import Optional
 import torch
 
 from ..checkpoint import manifest as mf
-from ..checkpoint.check import read_tokenizer
 from ..checkpoint.read import SliceReader
-from ..checkpoint.tree import LATEST, MANIFEST, resolve, tokenizer_rel
-from ..config import model_from, path_kind
+from ..checkpoint.tree import LATEST, MANIFEST, resolve
+from ..base.fs import path_kind
+from ..config import model_from
 from ..parallel.partition import Box
-from ..tokenizer import from_json
-from .common import MODEL_CONFIG, TOKENIZER, ConvertError, Source, Spec, check_manifest_tensors, \
+from ..tokenizer import carried_by
+from .common import MODEL_CONFIG, ConvertError, Source, Spec, check_manifest_tensors, \
     open_safetensors, parse_json
 from .dcp import METADATA, DcpFolder
 from .hf import HFFolder
 from .hints import Hints
-from .megatron import MegatronGPT, is_megatron
+from .megatron import LATEST as MEGATRON_LATEST, META_JSON, MegatronGPT
 
 SOURCES = ("megalite", "dcp", "megatron", "hf")
 
@@ -48,8 +48,7 @@ class StepSource(Source):
         return {n: e.partition for n, e in self.man.model.items()}
 
     def tokenizer(self):
-        text = read_tokenizer(self.step, self.man)
-        return None if text is None else from_json(text.decode("utf-8"), f"{self.step / tokenizer_rel(self.man.layout.cp)}")
+        return carried_by(self.step)
 
 
 class FileSource(Source):
@@ -76,8 +75,7 @@ class FileSource(Source):
         return self.f.get_slice(name)[tuple(slice(a, b) for a, b in region)]
 
     def tokenizer(self):
-        text = self.meta.get(TOKENIZER)
-        return None if text is None else from_json(text, f"{self.where}: metadata '{TOKENIZER}'")
+        return carried_by(self.where)
 
 
 _ST = {"F32": torch.float32, "BF16": torch.bfloat16, "F16": torch.float16, "F64": torch.float64,
@@ -87,6 +85,11 @@ _ST = {"F32": torch.float32, "BF16": torch.bfloat16, "F16": torch.float16, "F64"
 
 def _dtype_of(st: str) -> torch.dtype:
     return _ST.get(st, torch.float32)
+
+
+def is_megatron(path: Path) -> bool:
+    """A Megatron torch_dist iteration folder (metadata.json) or a root naming one."""
+    return path.is_dir() and ((path / META_JSON).is_file() or (path / MEGATRON_LATEST).is_file())
 
 
 def is_checkpoint(p: Path) -> bool:
