@@ -1,5 +1,6 @@
 """megatron-core as an outside reference: checkpoints, logits, layer outputs and schedule tables, made by
-megatron-core 0.16 itself on CPU (gloo), once per test session (tests/test_foreign_megatron.py).
+megatron-core 0.16 itself on CPU (gloo), once per test session (the `mref` fixture in tests/conftest.py, for
+tests/test_foreign_megatron.py and tests/test_foreign_llama.py).
 
     python3 tests/megatron_ref.py OUT_DIR
 
@@ -9,7 +10,12 @@ writes into OUT_DIR:
     tied_tp2pp2.pt      {"ids", "logits"}: megatron-core's own forward (its pipeline schedule, forward only)
     untied_tp2/         untied output layer, GeLU through megatron's fused bias-GeLU (the tanh approximation),
     untied_tp2.pt       layernorm_epsilon 1e-6, TP=2, PP=1
-    llama_tp1/          RoPE + SwiGLU + RMSNorm + GQA + no biases (megalite must refuse it)
+    llama_tp2pp2/       Llama-shaped (RoPE, SwiGLU, RMSNorm, GQA 4 heads / 2 groups, untied, no linear biases), 4 layers,
+    llama_tp2pp2.pt     vocabulary 256 padded to 320, TP=2 PP=2; llama_tp2pp2_noargs/: the same model saved by
+                        megatron-core's dist_checkpointing.save alone (no args in common.pt)
+    llama_tp4/          8 heads / 4 groups, Qwen-style q/k/v biases, Llama 3 rope scaling, theta 500000, TP=4
+    llama_pp2vpp2/      PP=2 with 2 virtual chunks per stage (interleaved schedule), RoPE on interleaved pairs
+    untied_tp2_noargs/  the untied GPT-2, saved by dist_checkpointing.save alone
     layers.pt           ColumnParallelLinear / RowParallelLinear at tp=2, with and without sequence
                         parallelism: full weights, input, output gradient, and each rank's output and gradients
     schedule.json       get_schedule_table + get_pp_rank_microbatches for the interleaved 1F1B schedule
@@ -219,9 +225,9 @@ def _save_plain(root: Path, sharded: dict) -> None:
     dist_checkpointing.save(sharded, str(root))
 
 
-def _llama(rank, world, out, name, tp, pp, vpp, heads, groups, qkv_bias, scaling, theta, plain):
+def _llama(rank, world, out, name, tp, pp, vpp, heads, groups, qkv_bias, scaling, theta, plain, interleaved=False):
     """A Llama-shaped GPTModel (RoPE, SwiGLU, RMSNorm, GQA, untied, no linear biases; Qwen-style qkv biases when
-    `qkv_bias`; Llama 3 rope scaling when `scaling`) at TP=tp, PP=pp with `vpp` model chunks per stage; saved as
+    `qkv_bias`; Llama 3 rope scaling when `scaling`; RoPE on interleaved pairs when `interleaved`) at TP=tp, PP=pp with `vpp` model chunks per stage; saved as
     Megatron-LM does (and, when `plain`, again as megatron-core alone does); megatron-core's own forward (its
     pipeline schedule, interleaved when vpp > 1) on fixed tokens saved with the logits."""
     patch_for_cpu()
@@ -235,7 +241,7 @@ def _llama(rank, world, out, name, tp, pp, vpp, heads, groups, qkv_bias, scaling
     cfg = _config(num_layers=LLAMA_LAYERS, num_attention_heads=heads, num_query_groups=groups,
                   normalization="RMSNorm", layernorm_epsilon=1e-5, gated_linear_unit=True, activation_func=F.silu,
                   add_bias_linear=False, add_qkv_bias=qkv_bias, ffn_hidden_size=LLAMA_FFN,
-                  tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
+                  tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp, rotary_interleaved=interleaved,
                   virtual_pipeline_model_parallel_size=vpp if vpp > 1 else None)
     chunks = []
     for v in range(vpp):
@@ -270,6 +276,7 @@ def _llama(rank, world, out, name, tp, pp, vpp, heads, groups, qkv_bias, scaling
     args = megatron_args(num_layers=LLAMA_LAYERS, num_attention_heads=heads, kv_channels=N_EMBD // heads,
                          ffn_hidden_size=LLAMA_FFN, position_embedding_type="rope", rotary_base=theta,
                          rotary_percent=1.0, use_rope_scaling=scaling, rope_scaling_factor=8.0,
+                         rotary_interleaved=interleaved,
                          normalization="RMSNorm", norm_epsilon=1e-5, swiglu=True, add_bias_linear=False,
                          add_qkv_bias=qkv_bias, group_query_attention=True, num_query_groups=groups,
                          untie_embeddings_and_output_weights=True, padded_vocab_size=LLAMA_PADDED,
@@ -358,7 +365,7 @@ def main(out: Path) -> None:
     # name, tp, pp, vpp, heads, groups, qkv_bias, rope scaling, theta, also saved without args
     run_job(_llama, 4, out, out, "llama_tp2pp2", 2, 2, 1, 4, 2, False, False, 10000.0, True)
     run_job(_llama, 4, out, out, "llama_tp4", 4, 1, 1, 8, 4, True, True, 500000.0, False)
-    run_job(_llama, 2, out, out, "llama_pp2vpp2", 1, 2, 2, 4, 2, False, False, 10000.0, False)
+    run_job(_llama, 2, out, out, "llama_pp2vpp2", 1, 2, 2, 4, 2, False, False, 10000.0, False, True)
     (out / "done").write_text("ok")
 
 

@@ -2,8 +2,8 @@
 
 tests/megatron_ref.py runs megatron-core itself on CPU once per session (one subprocess; its ranks are forked
 after one import): GPT-2-shaped models saved as Megatron-LM does (torch_dist) at TP=2 PP=2 and TP=2, their
-logits from megatron's own forward (its pipeline schedule), a RoPE/SwiGLU/RMSNorm/GQA model, its tensor-
-parallel layers' outputs and gradients, and its interleaved-1F1B schedule table. Here:
+logits from megatron's own forward (its pipeline schedule), Llama-shaped models (tests/test_foreign_llama.py),
+its tensor-parallel layers' outputs and gradients, and its interleaved-1F1B schedule table. Here:
 
   * the checkpoints -> `megalite convert --format hf-gpt2` -> transformers' logits == megatron's (1e-5);
   * the TP=2 PP=2 checkpoint -> `megalite split` (2,2,1) -> megalite's pipeline logits == megatron's; a

@@ -18,6 +18,7 @@ from typing import Optional
 
 import torch
 
+from ..base import limits
 from ..base.errors import ConvertError
 from ..base.fs import read_all
 from ..base.jsonio import loads
@@ -144,9 +145,11 @@ def rope_scaling(s: Optional[dict]) -> dict:
     kind = s.get("rope_type", s.get("type"))
     if kind != "llama3":
         raise ConvertError(f"rope_scaling rope_type = {kind!r}: megalite models only Llama 3's ('llama3'), or none")
-    return {"rope_type": "llama3", "factor": float(s["factor"]), "low_freq_factor": float(s["low_freq_factor"]),
-            "high_freq_factor": float(s["high_freq_factor"]),
-            "original_max_position_embeddings": int(s["original_max_position_embeddings"])}
+    out = {"rope_type": "llama3"}
+    for k in ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings"):
+        out[k] = limits.finite(s.get(k), f"rope_scaling {k}", ConvertError, positive=True)
+    out["original_max_position_embeddings"] = int(out["original_max_position_embeddings"])
+    return out
 
 
 def llama_shapes(m: dict, qkv_bias: bool = False) -> dict:

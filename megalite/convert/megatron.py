@@ -279,6 +279,33 @@ class MegatronGPT(ForeignModel):
             self._check(where, padded)
         self.names = list(self.shapes)
 
+    @property
+    def native(self) -> dict:
+        """Where each part of a Llama is stored, for the own-layout reference forward (native.py)."""
+        qkv = LAYERS + "self_attention.linear_qkv."
+        return {"family": "megatron", "embed": "embedding.word_embeddings.weight", "ln_1": self.src["blocks.0.ln_1.weight"][0],
+                "qkv": qkv + "weight", "qkv_bias": self.qkv_bias and qkv + "bias",
+                "proj": LAYERS + "self_attention.linear_proj.weight", "ln_2": self.src["blocks.0.ln_2.weight"][0],
+                "fc1": LAYERS + "mlp.linear_fc1.weight", "fc2": LAYERS + "mlp.linear_fc2.weight",
+                "ln_f": "decoder.final_layernorm.weight", "interleaved": self.interleaved,
+                "head": None if self.m["tie_embeddings"] else "output_layer.weight"}
+
+    def reference(self):
+        """A Llama's own-layout forward (native.py) for --check; None for a GPT-2 (megalite's model on its
+        tensors is the source side there)."""
+        if self.m.get("arch") != "llama":
+            return None
+        from .native import reference_logits
+        return lambda ids: reference_logits(self, ids).float()
+
+    def raw(self, theirs: str, layer: Optional[int]) -> torch.Tensor:
+        """A tensor as stored (one layer of a stacked one), float64."""
+        region = [(0, n) for n in self.ck.tensors[theirs].shape]
+        if layer is not None:
+            region[0] = (layer, layer + 1)
+        t = self.ck.read(theirs, tuple(region)).double()
+        return t[0] if layer is not None else t
+
     def _check_llama(self, where: str, padded: int) -> None:
         want = megatron_llama.their_shapes(self.m, padded, self.qkv_bias)
         for name in self.shapes:

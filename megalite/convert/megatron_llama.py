@@ -18,6 +18,7 @@ from __future__ import annotations
 import torch
 from einops import rearrange
 
+from ..base import limits
 from ..base.errors import ConvertError
 from . import hints as hn
 
@@ -59,9 +60,7 @@ def llama_from_args(a: dict, where: str) -> dict:
     if get("rotary_percent", 1.0) != 1.0:
         raise _refuse(where, "rotary_percent", get("rotary_percent"), "RoPE on part of each head")
     for n in ("num_layers", "hidden_size", "num_attention_heads", "ffn_hidden_size", "max_position_embeddings"):
-        v = get(n)
-        if isinstance(v, bool) or not isinstance(v, int) or v < 1:
-            raise ConvertError(f"{where}: {n} = {v!r}, expected a positive integer")
+        limits.number(get(n), f"{where}: {n}", ConvertError, 1, limits.MAX_SIZE)
     C, H = get("hidden_size"), get("num_attention_heads")
     G = get("num_query_groups") if get("group_query_attention") else H
     if C % H or not isinstance(G, int) or G < 1 or H % G:
@@ -71,11 +70,14 @@ def llama_from_args(a: dict, where: str) -> dict:
         raise _refuse(where, "kv_channels", get("kv_channels"), f"a head width other than hidden / heads = {C // H}")
     scaling = None
     if get("use_rope_scaling"):  # megatron's Llama 3.x scaling: factor from args, the rest fixed in its code
-        scaling = {"rope_type": "llama3", "factor": float(get("rope_scaling_factor", 8.0)), "low_freq_factor": 1.0,
+        factor = limits.finite(get("rope_scaling_factor", 8.0), f"{where}: rope_scaling_factor", ConvertError, True)
+        scaling = {"rope_type": "llama3", "factor": factor, "low_freq_factor": 1.0,
                    "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}
-    eps = get("norm_epsilon", get("layernorm_epsilon", 1e-5))
+    eps = limits.finite(get("norm_epsilon", get("layernorm_epsilon", 1e-5)), f"{where}: norm_epsilon", ConvertError,
+                        positive=True)
+    theta = limits.finite(get("rotary_base", 10000), f"{where}: rotary_base", ConvertError, positive=True)
     m = hn.llama_model(get("num_layers"), H, G, C, get("ffn_hidden_size"), 1,
-                       not get("untie_embeddings_and_output_weights"), get("rotary_base", 10000), scaling, eps,
+                       not get("untie_embeddings_and_output_weights"), theta, scaling, eps,
                        get("max_position_embeddings"))
     m["_interleaved"] = bool(get("rotary_interleaved"))  # the reader's business, not the model's: popped there
     m["_qkv_bias"] = bool(get("add_qkv_bias"))

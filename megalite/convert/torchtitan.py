@@ -113,6 +113,24 @@ class TorchtitanLlama(ForeignModel):
             raise ConvertError(f"{where}: tensor '{extra[0]}' is not part of a torchtitan Llama ({len(extra)} such); "
                                f"refusing to drop it")
 
+    @property
+    def native(self) -> dict:
+        """Where each part is stored (per-layer names with {i}), for the own-layout reference (native.py)."""
+        layer = lambda ours: self.src[f"blocks.0.{ours}"].replace("layers.0.", "layers.{i}.", 1)  # noqa: E731
+        return {"family": "torchtitan", "embed": self.src["wte.weight"], "ln_1": layer("ln_1.weight"),
+                "wq": layer("attn.q.weight"), "wk": layer("attn.k.weight"), "wv": layer("attn.v.weight"),
+                "proj": layer("attn.proj.weight"), "ln_2": layer("ln_2.weight"), "w1": layer("mlp.gate.weight"),
+                "w3": layer("mlp.up.weight"), "fc2": layer("mlp.proj.weight"), "ln_f": self.src["ln_f.weight"],
+                "head": self.src.get("lm_head.weight"), "interleaved": True}
+
+    def reference(self):
+        """The source's own-layout forward (native.py): what --check compares the converted model against."""
+        from .native import reference_logits
+        return lambda ids: reference_logits(self, ids).float()
+
+    def raw(self, theirs: str, layer) -> torch.Tensor:
+        return self.ck.read(theirs if layer is None else theirs.format(i=layer)).double()
+
     def shape(self, name: str) -> tuple:
         return self.shapes[name]
 
