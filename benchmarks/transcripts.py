@@ -68,7 +68,7 @@ SMALL_ARGS = [
                                            "--vocab-size 256 --block-size 32 --tp 2 --pp 2 --dp 1,2,4 "
                                            "--reshard-to 1,4,2"),
     ("bench-plan", r"--reshard-to \S+", "--reshard-to 1,4,2"),
-    ("bench-prepare", r"--size-mb \S+ --rounds \d+", "--size-mb 0.3 --vocab-size 300 --rounds 1"),
+    ("bench-prepare", r"--size-mb \S+ --rounds \d+", "--size-mb 0.3 --vocab-size 300 --rounds 2"),
     ("gpu-dry", r"--dry-run$", "--dry-run --window 0.5"),
     ("gpu", r"--window \S+", "--window 5"),
     ("stress", r"--trials \d+", "--trials 1 --steps 8 --seed 11 --width 32"),
