@@ -42,7 +42,8 @@ EPILOGS = {
                "  megalite convert runs/demo/checkpoints --format dcp --out runs/demo/dcp/",
     "split": "example:\n  megalite split runs/demo/model.safetensors --tp 2 --pp 2 --dp 1 --out runs/split-221/",
     "reshard": "example:\n  megalite reshard runs/demo/checkpoints --tp 1 --pp 4 --dp 2 --out runs/reshard-142/",
-    "bench": "examples:\n  megalite bench ckpt --size-mb 1024 --world 4\n  megalite bench train --steps 10 --nproc 4\n"
+    "bench": "examples:\n  megalite bench ckpt --size-mb 1024 --world 4\n  megalite bench ckpt --sizes 128,512,1024\n"
+             "  megalite bench train --steps 10 --nproc 4\n"
              "  megalite bench plan --tp 8 --pp 16 --dp 8,32,128 --reshard-to 8,8,256   (GPT-3 175B shape)\n"
              "  megalite bench dcp --size-mb 300\n"
              "  megalite bench prepare --size-mb 64 --rounds 3",
@@ -359,8 +360,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--size-mb", type=float, default=None,
                    help="ckpt: model + optimizer bytes over all ranks (1024); dcp: the DCP checkpoint's size "
                         "(300); prepare: corpus size (32)")
-    p.add_argument("--sizes", default=None, help="ckpt, dcp: several sizes in MiB (e.g. 128,512,1024), one whole "
-                   "run each, then a scaling table: s/GiB per operation and size, megalite / peer, a fixed + per-GiB fit")
+    p.add_argument("--sizes", default=None,
+                   help="ckpt, dcp: several sizes in MiB (e.g. 128,512,1024), one whole run each, then a scaling "
+                        "table: s/GiB per operation and size, megalite / peer, a fixed + per-GiB fit")
     p.add_argument("--world", type=int, default=4, help="ckpt: gloo processes")
     p.add_argument("--repeats", type=int, default=3, help="ckpt: repetitions of each measurement")
     p.add_argument("--dir", default=None, help="ckpt: folder to write in (default: the temp folder)")

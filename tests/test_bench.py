@@ -41,7 +41,7 @@ def test_bench_ckpt_prints_its_table(tmp_path):
         assert f"\n{op} " in out, op
     assert "page cache:" in out
     # each measurement is printed as it is made, before the summary: one row per operation and repeat
-    live, summary = out.split("median s (min-max)")
+    live, summary = out.split("median s (min-max)", 1)  # the first size's live rows, then the rest
     for op in ("megalite save", "megalite async save: blocked", "megalite load, resharded", "DCP load"):
         assert re.search(rf"\n{re.escape(op)} +1 +\d+\.\d{{3}} ", live), op
     assert len(re.findall(r"\nmegalite load, resharded +1 ", live)) == 2, "same-layout and resharded loads: ABBA"
@@ -50,6 +50,13 @@ def test_bench_ckpt_prints_its_table(tmp_path):
     assert re.search(r"what an async save costs the training loop: blocked [\d.]+ s \+ the next step's extra "
                      r"-?[\d.]+ s = [\d.]+ s = [\d.]+% of the sync save", summary)
     assert re.search(r"resharded / same-layout load: [\d.]+x \(ratio of medians over 2 loads each", summary)
+    assert "megalite async save: cost to the loop " in summary and "disk probe: each repeat reads" in summary
+    # docs/performance.md runs it over sizes: one whole run per size, then the scaling table and the fits
+    assert "--sizes 4,8 --world 2 --repeats 1" in transcripts.small_command(
+        "bench-ckpt", "megalite bench ckpt --sizes 128,512,1024 --repeats 2")
+    assert out.count("bench ckpt: GPT n_layer=") == 2 and "\nscaling over 4, 8 MiB: seconds per GiB" in out
+    assert re.search(r"\nmegalite load \| DCP load +[\d.]+ +[\d.]+ +[\d.]+x +[\d.]+ +[\d.]+ +[\d.]+x\n", out)
+    assert re.search(r"\nmegalite save: -?[\d.]+ s fixed \+ -?[\d.]+ s/GiB \(least squares over 2 sizes\)", out)
     assert list(tmp_path.iterdir()) == [], "the benchmark leaves nothing behind"
     assert shown == [], "docs/performance.md shows lines the bench no longer prints"
 

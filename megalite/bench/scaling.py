@@ -21,6 +21,8 @@ def fit_line(points: list[tuple[float, float]]) -> tuple[float, float]:
     n = len(points)
     mx, mt = sum(x for x, _ in points) / n, sum(t for _, t in points) / n
     sxx = sum((x - mx) ** 2 for x, _ in points)
+    if sxx == 0:  # every size moved the same bytes (a bench rounds small sizes up to its smallest model)
+        return 0.0, mt / mx
     b = sum((x - mx) * (t - mt) for x, t in points) / sxx
     return mt - b * mx, b
 
@@ -51,7 +53,7 @@ def scaling_lines(runs: dict, pairs: list[tuple[str, str]], fit: list[str]) -> l
            table(head, rows)]
     for op in fit:
         pts = [(by[mb][op]["bytes"] / GIB, by[mb][op]["median_s"]) for mb in sizes if op in by[mb]]
-        if len(pts) >= 2:
+        if len({x for x, _ in pts}) >= 2:
             a, b = fit_line(pts)
             out.append(f"{op}: {a:.3f} s fixed + {b:.3f} s/GiB (least squares over {len(pts)} sizes)")
     return out
