@@ -7,6 +7,15 @@ A fenced block is marked by an HTML comment on the line before it (GitHub does n
     <!-- run: SESSION -->                 a ```bash or ```python block whose commands run in SESSION (output not shown)
     <!-- tested-by: tests/F.py::TEST ... (why) -->   a block that named test exercises (it needs hardware or hosts
           the suite has not, or the test reads the block itself)
+    <!-- fragment: WHY -->               a ```python block that is part of a program, not one (names it uses come
+          from around it); WHY says so and where the whole is tested. The only python blocks not run
+
+Every other ```python block runs as its own script in a fresh interpreter (as `python3 BLOCK.py`, nothing
+imported for it): a `run:` block in its session's folder (forked from a zygote that imported only torch:
+`Scripts`), a pytest block (one that defines `test_*`) under
+`python3 -m pytest` (tests/test_docs.py), the rest by the test that names it. Before any run, every name a
+non-fragment block reads must be bound in the block itself or be a builtin (`undefined_names`, a symtable
+walk): an import the reader would need is never supplied by the code around the check.
 
 The blocks of a session run in one scratch folder, in document order (README.md, then docs/*.md by name).
 `python3 -m benchmarks.transcripts --write` runs them as written and rewrites each transcript's output;
@@ -38,7 +47,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-MARKER = re.compile(r"^<!--\s*(transcript|run|tested-by):\s*(.*?)\s*-->\n```(\w*)\n(.*?)^```$", re.M | re.S)
+MARKER = re.compile(r"^<!--\s*(transcript|run|tested-by|fragment):\s*(.*?)\s*-->\n```(\w*)\n(.*?)^```$", re.M | re.S)
 FENCE = re.compile(r"^```(\w*)\n(.*?)^```$", re.M | re.S)
 COMMAND_LANGS = ("bash", "sh", "console", "python")  # a fenced block in one of these must carry a marker
 
@@ -128,7 +137,7 @@ def blocks(root: Path = ROOT) -> list:
         text = path.read_text(encoding="utf-8")
         for m in MARKER.finditer(text):
             words = m[2].split()
-            attrs = dict(w.split("=", 1) for w in words[1:] if "=" in w) if m[1] != "tested-by" else {}
+            attrs = dict(w.split("=", 1) for w in words[1:] if "=" in w) if m[1] in ("transcript", "run") else {}
             out.append(Block(str(path.relative_to(root)), text.count("\n", 0, m.start()) + 2, m[1], m[2], attrs,
                              m[3], m[4], (m.start(4), m.end(4))))
     return out
@@ -144,6 +153,154 @@ def unmarked(root: Path = ROOT) -> list:
             if m[1] in COMMAND_LANGS and m.start() not in marked:
                 out.append((str(path.relative_to(root)), text.count("\n", 0, m.start()) + 1, m[1]))
     return out
+
+
+def undefined_names(source: str, filename: str = "<block>") -> list:
+    """Names the code reads that nothing in it binds and that are not builtins, sorted: what a reader pasting
+    the block into an empty file would get a NameError for (an import left out, a variable from elsewhere)."""
+    import builtins
+    import symtable
+    top = symtable.symtable(source, filename, "exec")
+    bound = set(dir(builtins)) | {"__name__", "__file__", "__doc__", "__builtins__", "__spec__", "__loader__"}
+    bound |= {s.get_name() for s in top.get_symbols() if s.is_assigned() or s.is_imported()}
+    missing = set()
+
+    def walk(table, is_top):
+        for sym in table.get_symbols():
+            if not sym.is_referenced():
+                continue
+            if is_top and not (sym.is_assigned() or sym.is_imported()) or not is_top and sym.is_global():
+                missing.add(sym.get_name())
+        for child in table.get_children():
+            walk(child, False)
+
+    walk(top, True)
+    return sorted(missing - bound)
+
+
+def python_blocks(root: Path = ROOT) -> list:
+    """Every ```python block of README.md and docs/*.md with its marker (fragments included)."""
+    return [b for b in blocks(root) if b.lang == "python"]
+
+
+def run_script(body: str, work: Path, name: str, root: Path = ROOT, timeout: float = 600, pytest: bool = False,
+               keep: bool = False) -> tuple:
+    """(exit code, printed text, the names it left) of a python block run as its own script in a fresh
+    interpreter, in `work`: `python3 NAME.py` (`python3 -m pytest NAME.py` with `pytest`). With `keep`, the
+    plain values the script left at module level (numbers, strings, tensors, lists and dicts of them) come
+    back, saved by torch after the script ended and read with torch.load(weights_only=True)."""
+    work.mkdir(parents=True, exist_ok=True)
+    script = work / f"{name}.py"
+    script.write_text(body, encoding="utf-8")
+    if pytest:
+        argv = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "--rootdir", str(work),
+                "-o", "addopts=", str(script)]
+    elif keep:  # the script runs exactly as `python3 NAME.py` would (its own module namespace), then is read
+        argv = [sys.executable, "-c", _KEEP, str(script), str(work / f"{name}.kept.pt")]
+    else:
+        argv = [sys.executable, str(script)]
+    p = subprocess.run(argv, cwd=work, env=_env(root), timeout=timeout, text=True, stdout=subprocess.PIPE,
+                       stderr=subprocess.STDOUT)
+    kept = {}
+    if keep and p.returncode == 0:
+        import torch
+        kept = torch.load(work / f"{name}.kept.pt", weights_only=True)
+        (work / f"{name}.kept.pt").unlink()
+    return p.returncode, p.stdout, kept
+
+
+class Scripts:
+    """Python blocks run as scripts, each in a fresh interpreter forked from one that has imported torch and
+    nothing else (a zygote, as run_parallel's fork server): each block gets a new process with an empty
+    `__main__` namespace, its own working folder and argv, as `python3 BLOCK.py` would, while `import torch`
+    (~2 s, most of a block's start) is paid once per session instead of once per block. What the zygote
+    imported is exactly what any block's own `import torch` loads, so a block that forgets an import still
+    fails (the name is unbound; a submodule torch does not import by itself is not there either)."""
+
+    def __init__(self, root: Path = ROOT):
+        self.root, self.proc = root, None
+
+    def run(self, body: str, work: Path, name: str, keep: bool = False, timeout: float = 600) -> tuple:
+        """(exit code, printed text, the plain values it left when `keep`), as run_script."""
+        import json
+        import select
+        if self.proc is None:
+            self.proc = subprocess.Popen([sys.executable, "-c", _ZYGOTE], env=_env(self.root), text=True,
+                                         stdin=subprocess.PIPE, stdout=subprocess.PIPE)
+        script, log, kept_at = work / f"{name}.py", work / f"{name}.log", work / f"{name}.kept.pt"
+        script.write_text(body, encoding="utf-8")
+        self.proc.stdin.write(json.dumps({"script": str(script), "cwd": str(work), "log": str(log),
+                                          "keep": str(kept_at) if keep else ""}) + "\n")
+        self.proc.stdin.flush()
+        if not select.select([self.proc.stdout], [], [], timeout)[0]:
+            self.close()
+            return 124, f"timed out after {timeout:g} s", {}
+        rc = json.loads(self.proc.stdout.readline() or '{"rc": 1}')["rc"]
+        text = log.read_text(errors="replace")
+        kept = {}
+        if keep and rc == 0:
+            import torch
+            kept = torch.load(kept_at, weights_only=True)
+        for p in (script, log, kept_at):
+            p.unlink(missing_ok=True)
+        return rc, text, kept
+
+    def close(self) -> None:
+        if self.proc is not None:
+            self.proc.kill()
+            self.proc.wait()
+            self.proc = None
+
+
+_ZYGOTE = """import json, os, runpy, sys, traceback
+import torch  # what every block that uses torch imports first; nothing else is loaded here
+for line in sys.stdin:
+    req = json.loads(line)
+    pid = os.fork()
+    if pid == 0:
+        code = 1
+        try:
+            fd = os.open(req["log"], os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+            os.dup2(fd, 1)
+            os.dup2(fd, 2)
+            os.dup2(os.open(os.devnull, os.O_RDONLY), 0)
+            os.chdir(req["cwd"])
+            sys.argv = [req["script"]]
+            sys.path[0] = os.path.dirname(req["script"])
+            ns = runpy.run_path(req["script"], run_name="__main__")
+            if req["keep"]:
+                def plain(v):
+                    if isinstance(v, (bool, int, float, str, torch.Tensor)):
+                        return True
+                    if isinstance(v, (list, tuple)):
+                        return all(map(plain, v))
+                    return isinstance(v, dict) and all(isinstance(k, str) and plain(x) for k, x in v.items())
+                torch.save({k: v for k, v in ns.items() if not k.startswith("_") and plain(v)}, req["keep"])
+            code = 0
+        except SystemExit as e:
+            code = e.code if isinstance(e.code, int) else (0 if e.code is None else 1)
+        except BaseException:
+            traceback.print_exc()
+        finally:
+            sys.stdout.flush()
+            sys.stderr.flush()
+            os._exit(code)
+    _, status = os.waitpid(pid, 0)
+    print(json.dumps({"rc": os.waitstatus_to_exitcode(status)}), flush=True)
+"""
+
+
+_KEEP = """import runpy, sys
+ns = runpy.run_path(sys.argv[1], run_name="__main__")
+import torch
+def plain(v):
+    if isinstance(v, (bool, int, float, str, torch.Tensor)):
+        return True
+    if isinstance(v, (list, tuple)):
+        return all(map(plain, v))
+    return isinstance(v, dict) and all(isinstance(k, str) and plain(x) for k, x in v.items())
+torch.save({k: v for k, v in ns.items() if not k.startswith("_") and plain(v)}, sys.argv[2])
+"""
 
 
 def session_blocks(name: str, root: Path = ROOT) -> list:
@@ -330,11 +487,15 @@ class Result:
     work: Path
     small: bool
     runs: dict = field(default_factory=dict)        # block index in session_blocks -> list of (cmd, rc, text)
-    namespaces: dict = field(default_factory=dict)  # block index -> dict
+    namespaces: dict = field(default_factory=dict)  # python block index -> the plain values its script left
 
     def problems(self, root: Path = ROOT) -> list:
         out = []
         for i, b in enumerate(session_blocks(self.session, root)):
+            if b.lang == "python":
+                out += [f"{b.file}:{b.line}: the python block exited with {rc}:\n{text[-2000:]}"
+                        for _, rc, text in self.runs.get(i, []) if rc != 0]
+                continue
             for (shown_cmd, shown), (cmd, rc, text) in zip(b.commands(), self.runs.get(i, [])):
                 where = f"{b.file}:{b.line}"
                 if rc != 0 and not cmd.endswith("2>&1"):
@@ -348,15 +509,25 @@ class Result:
 def run_session(session: str, work: Path, small: bool = True, root: Path = ROOT, log=None) -> Result:
     """Run every block of `session` in `work` (set up here), in document order."""
     setup(session, work, small, root)
+    scripts = Scripts(root)
+    try:
+        return _run_blocks(session, work, small, root, log, scripts)
+    finally:
+        scripts.close()
+
+
+def _run_blocks(session, work, small, root, log, scripts) -> Result:
     res = Result(session, work, small)
     for i, b in enumerate(session_blocks(session, root)):
-        if b.lang == "python":
-            ns, t0 = {"__name__": "__main__"}, time.perf_counter()
-            with _cwd(work), contextlib.redirect_stdout(io.StringIO()):
-                exec(compile(b.body, f"{b.file}:{b.line}", "exec"), ns)
-            res.namespaces[i] = ns
+        if b.lang == "python":  # its own script in a fresh interpreter: nothing of this process leaks in
+            t0 = time.perf_counter()
+            rc, text, res.namespaces[i] = scripts.run(b.body, work, f".block-{Path(b.file).stem}-{b.line}",
+                                                      keep=True)
             if log:
                 log(f"[{session}] {time.perf_counter() - t0:5.1f} s  python block {b.file}:{b.line}")
+            res.runs[i] = [(f"python3 {b.file}:{b.line}", rc, text)]
+            if rc != 0:
+                return res
             continue
         res.runs[i] = []
         for shown_cmd, _ in b.commands():

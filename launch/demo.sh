@@ -17,13 +17,15 @@ if [ -e "$RUN" ] || [ -L "$RUN" ]; then
     mv "$RUN" "$aside"
     echo "demo: moved the earlier $RUN aside to $aside (nothing is deleted; rm -rf it yourself when done)"
 fi
-torchrun --standalone --nproc-per-node 8 -m megalite train --config configs/tiny-cpu.toml \
+# `megalite torchrun` is torchrun (its own agent) whose Ctrl-C ends with megalite's stop line, no traceback
+python3 -m megalite torchrun --standalone --nproc-per-node 8 -m megalite train --config configs/tiny-cpu.toml \
     --parallel.tp=2 --parallel.pp=2 --parallel.dp=2 \
     --train.out_dir="$RUN" --checkpoint.dir="$RUN/checkpoints" "$@"
 python3 -m megalite inspect "$RUN/checkpoints" --tree
 python3 -m megalite verify "$RUN/checkpoints"
 python3 -m megalite convert "$RUN/checkpoints" --out "$RUN/model.safetensors"
 echo "--- a sample: 60 new tokens after 'def ' (the model's block_size is 64)"
-echo "    150 steps of a 0.2M-parameter byte model (a minute of CPU) give Python-shaped fragments (indentation,"
-echo "    def, self., return), not working code; launch/demo-bpe.sh trains a larger pair for ten minutes"
+echo "    150 steps of a 0.2M-parameter byte model (a minute of CPU) learn which bytes are common and little"
+echo "    more: expect runs of letters and spaces, not Python yet; configs/small-cpu.toml (docs/training.md)"
+echo "    learns visibly in ten minutes, and launch/demo-bpe.sh trains a byte and a BPE model side by side"
 python3 -m megalite generate --model "$RUN/model.safetensors" --prompt "def " --max-new-tokens 60 --top-k 20 --seed 1

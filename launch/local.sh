@@ -30,11 +30,9 @@ else
     export OMP_NUM_THREADS="${OMP_NUM_THREADS:-1}"
 fi
 
-if command -v torchrun >/dev/null 2>&1; then
-    TORCHRUN=(torchrun)
-else
-    TORCHRUN=(python3 -m torch.distributed.run)
-fi
+# torchrun itself, through `megalite torchrun`: the same agent and arguments, but Ctrl-C or SIGTERM ends with
+# megalite's stop line (exit 128 + signal) rather than the agent's SignalException traceback (docs/training.md).
+TORCHRUN=(python3 -m megalite torchrun)
 
 echo "local.sh: ${NPROC} processes (GPUs found: ${GPUS})" >&2
 exec "${TORCHRUN[@]}" --standalone --nproc-per-node "${NPROC}" -m megalite train "$@"

@@ -53,11 +53,9 @@ else
     export OMP_NUM_THREADS="${OMP_NUM_THREADS:-1}"
 fi
 
-if command -v torchrun >/dev/null 2>&1; then
-    TORCHRUN=(torchrun)
-else
-    TORCHRUN=(python3 -m torch.distributed.run)
-fi
+# torchrun itself, through `megalite torchrun`: the same agent and arguments, but Ctrl-C or SIGTERM ends with
+# megalite's stop line (exit 128 + signal) rather than the agent's SignalException traceback (docs/training.md).
+TORCHRUN=(python3 -m megalite torchrun)
 # With the c10d rendezvous torchrun assigns node ranks itself in arrival order and warns that --node-rank
 # "will be ignored", so it is not passed; NODE_RANK only names this node in the line below.
 

@@ -12,7 +12,6 @@ from __future__ import annotations
 import argparse
 import functools
 import os
-import signal
 import sys
 import traceback
 
@@ -26,7 +25,9 @@ EPILOGS = {
               "  megalite config show > my.toml   # every field with its default, ready to edit",
     "prepare": "examples:\n  megalite prepare ~/books/ notes.txt --out data/mine.bin                # byte tokens\n"
                "  megalite prepare ~/books/ --tokenizer data/bpe-4k --out data/mine-bpe.bin   # a BPE folder\n"
-               "  megalite prepare ~/books/ --tokenizer gpt2/ --out data/gpt2.bin   # GPT-2's vocab.json + merges.txt",
+               "  megalite prepare ~/books/ --tokenizer gpt2/ --out data/gpt2.bin   # GPT-2's vocab.json + merges.txt\n"
+               "  megalite prepare fineweb/sample/ --tokenizer gpt2/ --out data/fw.bin   # its *.parquet, column text\n"
+               "  megalite prepare dump.jsonl --text-field content --out data/dump.bin   # one document per line",
     "tokenizer": "examples:\n  megalite tokenizer train ~/books/ notes.txt --vocab-size 8192 --out data/bpe-8k\n"
                  "  megalite tokenizer train --vocab-size 4096 --out data/bpe-4k   # on the default corpus",
     "inspect": "examples:\n  megalite inspect runs/demo/checkpoints\n  megalite inspect runs/demo/checkpoints --tree",
@@ -47,6 +48,8 @@ EPILOGS = {
              "  megalite bench plan --tp 8 --pp 16 --dp 8,32,128 --reshard-to 8,8,256   (GPT-3 175B shape)\n"
              "  megalite bench dcp --size-mb 300\n"
              "  megalite bench prepare --size-mb 64 --rounds 3",
+    "torchrun": "example:\n  megalite torchrun --standalone --nproc-per-node 8 -m megalite train --config configs/tiny-cpu.toml "
+                "--parallel.tp=2 --parallel.pp=2 --parallel.dp=2",
     "generate": "examples:\n"
                 "  megalite generate --model runs/demo/model.safetensors --prompt 'def ' --max-new-tokens 60\n"
                 "  megalite generate --model runs/demo/checkpoints --prompt 'def ' --temperature 0   # greedy\n"
@@ -69,26 +72,15 @@ class _Parser(argparse.ArgumentParser):
 
 def _cmd_train(args, rest) -> int:
     from .config import ConfigError, load_config
-    from .parallel.process_group import leave_distributed, world_size_from_env
+    from .parallel.process_group import world_size_from_env
     from .run.train import refuse_start, train
     try:
-        cfg, failed = load_config(args.config, rest), None
+        cfg = load_config(args.config, rest)
     except ConfigError as e:
         if world_size_from_env() == 1:
             raise
-        cfg, failed = None, e  # this rank's config file may not be the others': said once every rank has joined
-    try:
-        if failed is not None:
-            refuse_start(failed)
-        train(cfg, log=functools.partial(print, flush=True), force=args.force)  # lines appear as they happen
-    except BaseException as e:
-        # The job is stopping with an error on every rank. torchrun SIGTERMs the workers still running as
-        # soon as one has exited; ignoring that lets each rank finish with its own exit code (2).
-        if int(os.environ.get("WORLD_SIZE", "1")) > 1:
-            signal.signal(signal.SIGTERM, signal.SIG_IGN)
-        leave_distributed(error=e)  # at once, without a barrier: it could wait the whole timeout on a gone peer
-        raise
-    leave_distributed()
+        refuse_start(e)  # this rank's config file may not be the others': said once every rank has joined
+    train(cfg, log=functools.partial(print, flush=True), force=args.force)  # joins and leaves the job itself
     return 0
 
 
@@ -107,7 +99,8 @@ def _cmd_prepare(args, rest) -> int:
     check_out(Path(args.out), args.force)  # before the default corpus is even looked for
     sources = args.sources or default_corpus_files()
     prepare(sources, args.out, val_fraction=args.val_fraction, log=(lambda *a: None) if args.quiet else print,
-            tokenizer=args.tokenizer, progress=progress_on(args.quiet), force=args.force)
+            tokenizer=args.tokenizer, progress=progress_on(args.quiet), force=args.force, val_split=args.val_split,
+            text_field=args.text_field)
     return 0
 
 
@@ -256,6 +249,11 @@ def build_parser() -> argparse.ArgumentParser:
                    help="with --checkpoint.resume=none: move an earlier run's checkpoints aside (never deleted)")
     p.set_defaults(allow_rest=True)
 
+    add("torchrun", "torchrun itself, with the same arguments (`megalite torchrun --nproc-per-node 2 -m megalite "
+                    "train ...`), except that Ctrl-C or SIGTERM ends with megalite's stop line (exit 128 + signal) "
+                    "instead of torchrun's SignalException traceback; its options: `torchrun --help`",
+        None)
+
     p = add("config", "`config show`: print the resolved config (file + overrides, validated) as TOML",
             _cmd_config)
     p.add_argument("what", choices=["show"])
@@ -263,14 +261,22 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(allow_rest=True)
 
     p = add("prepare", "turn text files or folders into a token file (.bin, uint16 or uint32 ids, + .json) with a "
-                       "val split; each file is a document, separated by the tokenizer's end-of-text token",
+                       "val split; each text file is a document, and so is each record of a .jsonl or .parquet "
+                       "file, separated by the tokenizer's end-of-text token",
             _cmd_prepare)
     p.add_argument("sources", nargs="*", help="files or folders (default: the Python standard library's sources)")
     p.add_argument("--out", required=True, help="output .bin path")
     p.add_argument("--tokenizer", default="byte",
                    help="byte (the default: UTF-8 bytes, vocab 256) | a tokenizer.json | an HF tokenizer folder "
                         "(tokenizer.json, or GPT-2's vocab.json + merges.txt)")
-    p.add_argument("--val-fraction", type=float, default=0.1)
+    p.add_argument("--val-fraction", type=float, default=0.1, help="share held out for validation (default: "
+                                                                   "%(default)s)")
+    p.add_argument("--val-split", choices=["documents", "tail"], default="documents",
+                   help="documents: whole documents drawn across the corpus by a fixed hash of their index; "
+                        "tail: the last tokens (default: %(default)s)")
+    p.add_argument("--text-field", default="text",
+                   help="the field of a .jsonl record or the column of a .parquet file that holds each "
+                        "document's text (default: %(default)s)")
     p.add_argument("--force", action="store_true",
                    help="replace --out if it is a token file `megalite prepare` wrote (never any other file)")
     p.add_argument("--quiet", action="store_true", help="no progress bar, no summary line")
@@ -341,7 +347,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--model", required=True, help="a checkpoint (root or step folder), a `megalite convert` file "
                                                   "or an HF GPT-2 folder")
     p.add_argument("--prompt", default="\n", help="the text to continue (default: a newline)")
-    p.add_argument("--max-new-tokens", type=int, default=200, help="tokens to sample (default: %(default)s)")
+    p.add_argument("--max-new-tokens", type=int, default=None,
+                   help="tokens to sample (default: 200, or fewer so that prompt + sample fit the model's "
+                        "block_size)")
     p.add_argument("--temperature", type=float, default=0.8,
                    help="softmax temperature; 0: greedy, the likeliest token each time (default: %(default)s)")
     p.add_argument("--top-k", type=int, default=0,
@@ -440,6 +448,9 @@ def _stdout_reader_gone() -> bool:
 
 def _main(argv=None) -> int:
     argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["torchrun"] and argv[1:] not in (["-h"], ["--help"]):  # torchrun's own arguments follow
+        from .parallel.launch import torchrun
+        return torchrun(argv[1:])
     ap = build_parser()
     args, rest = ap.parse_known_args(argv)
     if args.command is None:

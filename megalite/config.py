@@ -16,6 +16,7 @@ from pathlib import Path
 
 from .base.errors import ConfigError, LayoutError
 from .base.limits import MAX_COUNT, MAX_SIZE  # noqa: F401 (re-exported: config.MAX_COUNT is read elsewhere)
+from .base.fs import path_kind
 from .parallel.grid import Layout
 
 if sys.version_info >= (3, 11):
@@ -90,6 +91,11 @@ class ParallelConfig:
     overlap_grad_reduce: bool = False  # all-reduce dp gradient buckets during backward, as they fill
     timeout_s: float = 1800.0  # how long a collective waits for a silent peer (the process-group timeout)
 
+    @property
+    def layout(self) -> Layout:
+        """The grid's sizes (dp as resolved: 0 until `resolve` fills it in). Built here only."""
+        return Layout(self.tp, self.pp, self.dp, self.cp)
+
 
 @dataclass
 class TrainConfig:
@@ -116,6 +122,8 @@ class TrainConfig:
     compile: bool = False  # torch.compile each transformer block of this rank's pipeline stage (megalite/run/compile.py)
     fused_adamw: str = "auto"  # torch's fused AdamW kernel: "auto" (on CUDA) | "on" (any device that has it) | "off"
     tensorboard: bool = False  # also write TensorBoard event files to <out_dir>/tensorboard (needs `tensorboard`)
+    wandb: bool = False  # also log to a Weights & Biases run, files in <out_dir>/wandb (needs `wandb`)
+    wandb_project: str = "megalite"
 
 
 DEFAULT_DATA_PATH = "data/stdlib.bin"  # the only path `auto_prepare` may build (from the stdlib sources)
@@ -124,7 +132,7 @@ DEFAULT_DATA_PATH = "data/stdlib.bin"  # the only path `auto_prepare` may build 
 @dataclass
 class DataConfig:
     path: str = DEFAULT_DATA_PATH
-    val_fraction: float = 0.1
+    val_fraction: float = 0.0  # 0: the split the token file records (prepare's); else its last share of tokens
     auto_prepare: bool = False  # build the default corpus when `path` is the default path and missing
 
 
@@ -230,20 +238,6 @@ def _set(cfg: Config, dotted: str, value, source: str, from_text: bool = False) 
     sec, f = _field(cfg, dotted, source)
     typ = f.type if isinstance(f.type, str) else f.type.__name__
     setattr(sec, f.name, _coerce(value, typ, dotted, source, from_text))
-
-
-def path_kind(p: str | Path) -> str:
-    """What is at `p`, for an error message about a path that is not the regular file expected: 'a folder',
-    'a character device' (/dev/null), 'a named pipe', 'a broken symlink to X', 'missing (no such file)', ..."""
-    p = Path(p)
-    try:
-        st = p.stat()
-    except FileNotFoundError:
-        return f"a broken symlink to '{os.readlink(p)}'" if p.is_symlink() else "a path that does not exist"
-    except OSError as e:
-        return f"not readable ({e.strerror})"
-    from .base.fs import kind_of  # here: the checkpoint package imports this module
-    return kind_of(st)
 
 
 def load_config(path: str | Path | None = None, overrides: typing.Sequence[str] = ()) -> Config:
@@ -413,6 +407,9 @@ def validate(cfg: Config, world_size: int | None = None) -> Config:
     if par.dp == 0 and world_size is not None and par.tp > 0 and par.pp > 0 and par.cp > 0 \
             and world_size % (par.tp * par.cp * par.pp):
         what, sizes, prod = _model_axes(par)
+        if world_size == 1:  # one process: the user meant a parallel run and forgot the launcher
+            raise ConfigError(f"world size 1: parallel.{what} = {sizes} needs {prod} processes (dp = 1); "
+                              f"{launch_hint(prod)}")
         raise ConfigError(f"parallel.dp is not set and world size {world_size} is not divisible by "
                           f"parallel.{what} = {sizes}; set {what.replace('*', ', ')} (and dp) so that "
                           f"{what}*dp = {world_size}")
@@ -443,8 +440,9 @@ def validate(cfg: Config, world_size: int | None = None) -> Config:
         raise ConfigError(f"parallel.timeout_s = {par.timeout_s}: must be a positive number of seconds")
     if not 0.0 <= m.dropout < 1.0:
         raise ConfigError(f"model.dropout = {m.dropout}: expected a value in [0, 1)")
-    if not 0.0 < cfg.data.val_fraction < 1.0:
-        raise ConfigError(f"data.val_fraction = {cfg.data.val_fraction}: expected a value in (0, 1)")
+    if not 0.0 <= cfg.data.val_fraction < 1.0:
+        raise ConfigError(f"data.val_fraction = {cfg.data.val_fraction}: expected 0 (the token file's own split) "
+                          f"or a value in (0, 1)")
     if par.schedule not in ("1f1b", "afab"):
         raise ConfigError(f"parallel.schedule = '{par.schedule}': expected '1f1b' or 'afab'")
     if cfg.checkpoint.on_error not in ("stop", "continue"):
@@ -456,12 +454,13 @@ def validate(cfg: Config, world_size: int | None = None) -> Config:
         raise ConfigError(f"model.n_embd = {m.n_embd} is not divisible by model.n_head = {m.n_head}")
     check_family(m)
     try:
-        Layout(par.tp, par.pp, par.dp, par.cp).validate(m, "parallel.")
+        par.layout.validate(m, "parallel.")
     except LayoutError as e:
         raise ConfigError(str(e)) from None
     if world_size is not None and world_size != par.tp * par.cp * par.pp * par.dp:
         what, sizes, prod = _model_axes(par)
-        raise ConfigError(f"world size {world_size} != parallel.{what}*dp = {sizes}*{par.dp} = {prod * par.dp}")
+        raise ConfigError(f"world size {world_size} != parallel.{what}*dp = {sizes}*{par.dp} = {prod * par.dp}; "
+                          f"{launch_hint(prod * par.dp)}")
     per_step = t.micro_batch_size * par.dp
     if t.global_batch_size % per_step:
         raise ConfigError(f"train.global_batch_size = {t.global_batch_size} is not divisible by "
@@ -533,6 +532,13 @@ def checkpoint_dir(cfg: Config) -> str:
     return cfg.checkpoint.dir.replace(OUT_DIR, cfg.train.out_dir.rstrip("/") or ".")
 
 
+def launch_hint(processes: int) -> str:
+    """What to type for a layout of `processes` ranks: torchrun starts them (on one machine; several machines
+    split them with --nnodes, docs/training.md)."""
+    return (f"launch {processes} processes with `torchrun --nproc-per-node {processes} -m megalite train ...` "
+            f"(the same arguments after `train`)")
+
+
 def infer_dp(cfg: Config, world_size: int | None) -> None:
     """parallel.dp = 0 means "whatever the world leaves": world_size / (tp * cp * pp), or 1 without a world. A
     world that tp * cp * pp does not divide leaves it at 0 (validate says so)."""
@@ -597,6 +603,9 @@ DOCS = {
     "train.compile": "torch.compile each transformer block (the first step pays the compilation)",
     "train.fused_adamw": "torch's fused AdamW kernel: auto (on CUDA) | on (wherever torch has it) | off",
     "train.tensorboard": "also write TensorBoard event files to <out_dir>/tensorboard (pip install tensorboard)",
+    "train.wandb": "also log the same scalars to a Weights & Biases run, its files in <out_dir>/wandb (pip install "
+                   "wandb; WANDB_MODE=offline works without a login)",
+    "train.wandb_project": "the W&B project of train.wandb's runs",
     "train.seed": "seed of the initial weights, the data order and dropout",
     "train.log_interval": "print a log line every N steps",
     "train.eval_interval": "validation loss every N steps (and at the end)",
@@ -604,7 +613,8 @@ DOCS = {
     "train.out_dir": "run folder (metrics.jsonl)",
     "train.precision": "auto (bf16 on GPU, fp32 on CPU) | fp32 | bf16",
     "data.path": "token file written by `megalite prepare` (uint16 .bin + .json)",
-    "data.val_fraction": "share of the token file held out for validation (its last tokens), in (0, 1)",
+    "data.val_fraction": "0: the validation split the token file records (prepare's: whole documents drawn "
+                         "across the corpus); in (0, 1): that share of its last tokens instead",
     "data.auto_prepare": f"build the default corpus (stdlib sources) when data.path is '{DEFAULT_DATA_PATH}' and missing",
     "checkpoint.dir": "checkpoint root; {out_dir} is train.out_dir; '' turns checkpoints off",
     "checkpoint.interval": "save every N steps, and always at the end and on SIGTERM/SIGINT (0: only then)",

@@ -16,7 +16,9 @@ from __future__ import annotations
 
 import hashlib
 import json
+import io
 import os
+import shutil
 import sys
 import sysconfig
 import time
@@ -26,14 +28,14 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from .base.fs import (folder_locked, fsync_dir, identity, kind_of, no_follow, open_read, read_all,
-                      unlink_quietly, write_new)
+from .base.fs import (folder_locked, fsync_dir, identity as file_identity, kind_of, no_follow, open_read,
+                      path_kind, read_all, unlink_quietly, write_new)
 from .base import limits
+from .base.corpus import DEFAULT_TEXT_FIELD, RECORD_SUFFIXES, records
 from .config import MAX_COUNT
 from .base.errors import DataError
 from .base.jsonio import loads
-from .tokenizer import (BYTE, FORCED_CUT, Tokenizer, byte_tokenizer, from_json, load as load_tokenizer,
-                        read_text_pieces)
+from .tokenizer import FORCED_CUT, Tokenizer, load as load_tokenizer, of_token_file, read_text_pieces
 
 if TYPE_CHECKING:  # torch is imported where batches are made: `megalite prepare` never loads it
     import torch
@@ -41,21 +43,8 @@ if TYPE_CHECKING:  # torch is imported where batches are made: `megalite prepare
 TOKEN_DTYPES = {"uint16": np.uint16, "uint32": np.uint32}
 FORMAT = "megalite-tokens"
 VERSION = 1
-TEXT_SUFFIXES = (".py", ".txt", ".md", ".rst", ".json", ".toml", ".c", ".h")
+TEXT_SUFFIXES = (".py", ".txt", ".md", ".rst", ".json", ".toml", ".c", ".h", *RECORD_SUFFIXES)
 _SKIP_STDLIB_DIRS = {"site-packages", "test", "tests", "idlelib", "lib2to3"}
-
-
-class ByteTokenizer:
-    """UTF-8 bytes as token ids: lossless for any text, no vocabulary file needed."""
-
-    vocab_size = 256
-
-    def encode(self, text: str) -> list[int]:
-        return list(text.encode("utf-8"))
-
-    def decode(self, ids) -> str:
-        # A sampled sequence may cut a multi-byte character; replace, don't fail.
-        return bytes(int(i) for i in ids).decode("utf-8", errors="replace")
 
 
 def meta_path(path: str | Path) -> Path:
@@ -136,14 +125,53 @@ class _Progress:
               flush=True)
 
 
-def _pieces(files: list[Path], piece_chars: int, specials: tuple = (), forced=None):
-    """(document index, text piece) for every file in order: each file is one document. `forced`: a list
-    that gets (file, character offset) for each cut made inside a run without any word boundary."""
-    for doc, path in enumerate(files):
-        note = None if forced is None else (lambda at, path=path: forced.append((path, at)))
-        for piece in read_text_pieces(path, piece_chars, specials=specials, on_forced_cut=note):
-            yield doc, piece, len(piece)
-        yield doc, "", 0  # marks the document even when the file is empty
+def _pieces(files: list[Path], piece_chars: int, specials: tuple = (), forced=None,
+            text_field: str = DEFAULT_TEXT_FIELD):
+    """(document index, text piece, its length) for every document in order: a plain file is one, and so is
+    each line of a .jsonl file and each row of a .parquet file (base.corpus.records); each document's last
+    item is (index, "", 0), even when it is empty. `forced`: a list that gets (file, character offset) for
+    each cut made inside a run without any word boundary."""
+    doc = 0
+    for path in files:
+        texts = (io.BytesIO(t) for t in records(path, text_field)) if path.suffix in RECORD_SUFFIXES else [path]
+        for text in texts:
+            note = None if forced is None else (lambda at, path=path: forced.append((path, at)))
+            for piece in read_text_pieces(text, piece_chars, specials=specials, on_forced_cut=note):
+                yield doc, piece, len(piece)
+            yield doc, "", 0
+            doc += 1
+
+
+VAL_SPLITS = ("documents", "tail")
+
+
+def is_val_document(index: int, val_fraction: float) -> bool:
+    """Whether document `index` (0-based, in corpus order: files as named, folders sorted, records in file
+    order) goes to the validation split: u = the 8-byte blake2b digest of the index's decimal digits, read as
+    a big-endian integer / 2**64, and the document is held out when u < val_fraction. A fixed draw (no seed,
+    the same on every machine), independent of the text, so ~val_fraction of the documents from all over
+    the corpus, whatever order it comes in."""
+    u = int.from_bytes(hashlib.blake2b(str(index).encode(), digest_size=8).digest(), "big") / 2**64
+    return u < val_fraction
+
+
+class _Split:
+    """One split's ids as they are written: a file, its token count, the last document written to it (a
+    separator goes between two documents of the same split) and how many documents it holds."""
+
+    def __init__(self, f, sep: np.ndarray):
+        self.f, self.sep, self.tokens, self.top, self.last, self.docs = f, sep, 0, -1, -1, 0
+
+    def write(self, doc: int, arr: np.ndarray) -> None:
+        if doc != self.last:
+            if self.docs:
+                self.f.write(self.sep.tobytes())
+                self.tokens, self.top = self.tokens + self.sep.size, max(self.top, int(self.sep.max(initial=0)))
+            self.last, self.docs = doc, self.docs + 1
+        if arr.size:
+            self.top = max(self.top, int(arr.max()))
+            self.f.write(arr.tobytes())
+            self.tokens += arr.size
 
 
 def _batches(pieces, batch_chars: int):
@@ -222,18 +250,23 @@ def _not_a_token_file(out: Path, sidecar: bool = False) -> str:
 
 def prepare(sources: list[str | Path], out: str | Path, val_fraction: float = 0.1, log=print,
             tokenizer="byte", progress: bool = False, piece_chars: int = 1 << 17, batch_chars: int = 0,
-            force: bool = False) -> dict:
+            force: bool = False, val_split: str = "documents", text_field: str = DEFAULT_TEXT_FIELD) -> dict:
     """Tokenize text files into ``out`` (.bin) and its ``.json``; return the meta dict.
 
-    Each file is a document; documents are separated by the tokenizer's end-of-text token (two newlines for
-    the byte tokenizer, which has none). `tokenizer`: "byte", a tokenizer.json, an HF tokenizer folder,
+    Each plain file is a document, each line of a .jsonl file and each row of a .parquet file one (its
+    `text_field`; base.corpus); documents are separated by the tokenizer's end-of-text token (two newlines
+    for the byte tokenizer, which has none). Validation (`val_split`): "documents" holds out the documents
+    `is_val_document` draws, ~`val_fraction` of them from all over the corpus, written after the training
+    documents (the file is [train | val], val_start where they meet); with fewer than two documents, or a
+    draw that leaves a split without one, it falls back to "tail": the last int(num_tokens * val_fraction)
+    tokens, in corpus order (the split before documents were drawn). `tokenizer`: "byte", a tokenizer.json, an HF tokenizer folder,
     GPT-2's vocab.json, or a megalite.tokenizer.Tokenizer. Streams: files are read in pieces of
     ~`piece_chars` characters (cut where the tokenizer gives the ids of the whole text; a tokenizer that
     cannot be cut reads each file whole), ~`batch_chars` at a time (default: 2 pieces per core, 4 to 16)
     encoded in parallel by the tokenizers library's threads while the next batch is read, ids written as they
     come. Memory: a batch being encoded (~360 bytes per token at the peak: 512K characters, ~60 MB) and the
-    next one's text, whatever the corpus size. The last ``val_fraction`` of
-    tokens is the validation split. A token file replaces an old one only once complete: the json is
+    next one's text, whatever the corpus size (a jsonl record or a parquet row group is read whole:
+    base.corpus bounds both). A token file replaces an old one only once complete: the json is
     written last, so a token file with a json beside it is always complete. An existing output (the .bin,
     its .json, the tokenizer copy beside it) is replaced only with `force`, and only if prepare wrote it
     (`check_out`); of two runs to one `out`, the second to finish is refused (`_commit`).
@@ -242,9 +275,11 @@ def prepare(sources: list[str | Path], out: str | Path, val_fraction: float = 0.
     check_out(out, force)
     if not 0.0 <= val_fraction < 1.0:
         raise DataError(f"prepare: val_fraction must be in [0, 1), got {val_fraction}")
+    if val_split not in VAL_SPLITS:
+        raise DataError(f"prepare: --val-split {val_split!r}: expected one of {', '.join(VAL_SPLITS)}")
     tok = tokenizer if isinstance(tokenizer, Tokenizer) else load_tokenizer(tokenizer)
     check_out(out, force, sidecar=not tok.is_byte)
-    found = {p: identity(p) for p in outputs(out, not tok.is_byte)}  # a writer finishing first changes these
+    found = {p: file_identity(p) for p in outputs(out, not tok.is_byte)}  # a writer finishing first changes these
     files = expand_sources(list(sources))
     if not files:
         raise DataError(f"prepare: no text found in sources {[str(s) for s in sources]} "
@@ -255,41 +290,62 @@ def prepare(sources: list[str | Path], out: str | Path, val_fraction: float = 0.
     if not tok.streams_by_words():
         piece_chars = 1 << 62  # each file whole: a cut could change its ids
     out.parent.mkdir(parents=True, exist_ok=True)
-    temps = {p: p.with_name(f".{p.name}.tmp-{os.getpid()}") for p in outputs(out, not tok.is_byte)}
+    run_id = f"{os.getpid()}-{os.urandom(3).hex()}"  # two writers never share a temporary name
+    temps = {p: p.with_name(f".{p.name}.tmp-{run_id}") for p in outputs(out, not tok.is_byte)}
     tmp = temps[out]
+    tmp_val = out.with_name(f".{out.name}.val-tmp-{os.getpid()}")  # the held-out documents, appended at the end
     bar = _Progress(sum(f.stat().st_size for f in files), progress)
-    num_tokens, top, chars, done_bytes, last_doc, forced = 0, -1, 0, 0, -1, []
+    chars, done_bytes, forced = 0, 0, []
+    draw = val_split == "documents" and val_fraction > 0
     try:
-        unlink_quietly(tmp)  # a stale one, or a symlink planted there: never written through
-        with open(tmp, "wb", opener=no_follow) as f, ThreadPoolExecutor(max_workers=1) as pool:
+        for t in (tmp, tmp_val):
+            unlink_quietly(t)  # a stale one, or a symlink planted there: never written through
+        with open(tmp, "wb", opener=no_follow) as f, open(tmp_val, "wb", opener=no_follow) as g, \
+                ThreadPoolExecutor(max_workers=1) as pool:
+            train, val = _Split(f, sep), _Split(g, sep)
+
             def write(batch, arrays):
-                nonlocal num_tokens, top, chars, last_doc
+                nonlocal chars
                 for (doc, _, n), arr in zip(batch, arrays):
-                    if doc != last_doc and doc > 0:
-                        f.write(sep.tobytes())
-                        num_tokens, top = num_tokens + sep.size, max(top, int(sep.max(initial=0)))
-                    last_doc, chars = doc, chars + n
-                    if arr.size:
-                        top = max(top, int(arr.max()))
-                        f.write(arr.tobytes())
-                        num_tokens += arr.size
+                    (val if draw and is_val_document(doc, val_fraction) else train).write(doc, arr)
+                    chars += n
 
             pending = None  # (batch, future): encoded in a tokenizers thread while the next batch is read
-            for batch in _batches(_pieces(files, piece_chars, tok.specials(), forced), batch_chars):
+            for batch in _batches(_pieces(files, piece_chars, tok.specials(), forced, text_field), batch_chars):
                 nxt = (batch, pool.submit(_encode, tok, [text for _, text, _ in batch], dtype))
                 if pending is not None:
                     write(pending[0], pending[1].result())
                     done_bytes += sum(n for _, _, n in pending[0])  # characters: ~bytes for most text
-                    bar.show(done_bytes, num_tokens)
+                    bar.show(done_bytes, train.tokens + val.tokens)
                 pending = nxt
             if pending is not None:
                 write(pending[0], pending[1].result())
+            documents_in, held_out = train.docs + val.docs, val.docs
+            if train.docs and val.docs:  # [train | sep | val]: val_start at the separator
+                val_start = train.tokens
+                f.write(sep.tobytes())
+                g.flush()
+                with open(tmp_val, "rb", opener=no_follow) as r:
+                    shutil.copyfileobj(r, f, 1 << 20)
+                num_tokens, top = train.tokens + sep.size + val.tokens, max(train.top, val.top, int(sep.max()))
+            else:  # one split holds every document, in corpus order: the tail split
+                whole = val if val.docs else train
+                if whole is val:
+                    g.flush()
+                    with open(tmp_val, "rb", opener=no_follow) as r:
+                        shutil.copyfileobj(r, f, 1 << 20)
+                num_tokens, top, held_out = whole.tokens, whole.top, 0
+                val_start = num_tokens - int(num_tokens * val_fraction)
             f.flush()
             os.fsync(f.fileno())
+        unlink_quietly(tmp_val)
         bar.show(bar.total, num_tokens, final=True)
-        if chars == 0 and len(files) == 1:
+        if chars == 0 and len(files) == 1 and files[0].suffix not in RECORD_SUFFIXES:
             raise DataError(f"prepare: no text found in sources {[str(s) for s in sources]} "
                             f"(the file is empty)")
+        if documents_in == 0:
+            raise DataError(f"prepare: no documents found in sources {[str(s) for s in sources]} "
+                            f"(every record file is empty)")
         meta = {
             "format": FORMAT,
             "version": VERSION,
@@ -300,8 +356,11 @@ def prepare(sources: list[str | Path], out: str | Path, val_fraction: float = 0.
             "max_token": top,  # checked against model.vocab_size when a run opens the file
             "dtype": np.dtype(dtype).name,
             "num_tokens": num_tokens,
-            "val_start": num_tokens - int(num_tokens * val_fraction),
-            "documents": len(files),
+            "val_start": val_start,
+            "val_split": "documents" if held_out else "tail",
+            "val_fraction": val_fraction,
+            "val_documents": held_out,
+            "documents": documents_in,
             "sources": [str(s) for s in sources],
         }
         if not tok.is_byte:
@@ -310,15 +369,18 @@ def prepare(sources: list[str | Path], out: str | Path, val_fraction: float = 0.
         write_new(temps[meta_path(out)], (json.dumps(meta, indent=2) + "\n").encode("utf-8"))
         _commit(out, temps, found)
     except BaseException:
-        for t in temps.values():
+        for t in [*temps.values(), tmp_val]:
             unlink_quietly(t)
         raise
     if forced:
         log(f"prepare: WARNING: {len(forced)} cut(s) inside runs of {piece_chars * FORCED_CUT:,} characters without "
             f"a space or any other word boundary, the first in {forced[0][0]} at character {forced[0][1]:,}: the "
             f"ids next to such a cut may differ from encoding the run whole (memory stays bounded)")
+    docs = f" ({documents_in:,} documents)" if documents_in != len(files) else ""
+    how = (f"{held_out:,} documents drawn across the corpus" if held_out
+           else f"the last {val_fraction:.0%} of the tokens")
     log(f"prepare: wrote {num_tokens:,} tokens ({tok.kind} tokenizer, vocab {tok.vocab_size:,}, "
-        f"{meta['dtype']}) from {len(files)} files to {out} (val from token {meta['val_start']:,})")
+        f"{meta['dtype']}) from {len(files)} files{docs} to {out} (val: {how}, from token {val_start:,})")
     return meta
 
 
@@ -328,7 +390,7 @@ def _commit(out: Path, temps: dict, found: dict) -> None:
     started: of two `prepare` runs to one --out, the second to finish is refused instead of replacing the
     first's file (or a file that appeared meanwhile) without a word."""
     with folder_locked(out.parent):
-        changed = [p for p, was in found.items() if identity(p) != was]
+        changed = [p for p, was in found.items() if file_identity(p) != was]
         if changed:
             raise DataError(f"prepare: '{changed[0]}' was written by another process while this one ran (two "
                             f"prepare runs to one --out?); this run's output is discarded and the other's kept: "
@@ -389,7 +451,6 @@ class TokenDataset:
             raise DataError(f"data.path: token file '{path}' does not exist "
                             "(run `megalite prepare` or remove data.path to use the default corpus)")
         if not path.is_file():
-            from .config import path_kind
             raise DataError(f"data.path: '{path}' is {path_kind(path)}, expected a token file written by "
                             f"`megalite prepare`")
         mpath = meta_path(path)
@@ -419,7 +480,7 @@ class TokenDataset:
             raise DataError(f"data.path: the {split} split of '{path}' is empty "
                             f"(num_tokens={num_tokens}, val_start={val_start}){how}")
         self.path, self.split, self.meta, self.how = path, split, meta, how
-        vocab = meta.get("vocab_size", ByteTokenizer.vocab_size)
+        vocab = meta.get("vocab_size", 256)  # a file that records none is the byte tokenizer's
         if not isinstance(vocab, int) or isinstance(vocab, bool) or vocab < 1:
             raise DataError(f"data.path: metadata '{mpath}' has vocab_size {vocab!r}, expected a positive integer")
         self.vocab_size = vocab
@@ -429,38 +490,9 @@ class TokenDataset:
     def __len__(self) -> int:
         return int(self.tokens.shape[0])
 
-
-def tokenizer_of(dataset: TokenDataset) -> Tokenizer:
-    """The tokenizer that made a token file: the `tokenizer_file` its json names (its bytes checked against
-    the recorded `tokenizer_sha256`), or the byte tokenizer for a file that names none and records at most
-    256 ids (every token file written before tokenizers were recorded is one)."""
-    meta, mpath = dataset.meta, meta_path(dataset.path)
-    name = meta.get("tokenizer_file")
-    if name is None:
-        if meta.get("tokenizer", BYTE) != BYTE or dataset.vocab_size > 256:
-            raise DataError(f"data.path: '{mpath}' records vocab_size {dataset.vocab_size} (tokenizer "
-                            f"{meta.get('tokenizer', BYTE)!r}) but names no tokenizer_file; add \"tokenizer_file\": "
-                            f"the path of the tokenizer.json that made it (docs/tokenizers.md)")
-        return byte_tokenizer()
-    if not isinstance(name, str) or not name:
-        raise DataError(f"data.path: '{mpath}' has tokenizer_file {name!r}, expected the path of a tokenizer.json")
-    tpath = mpath.parent / name
-    if not tpath.is_file():
-        from .config import path_kind
-        raise DataError(f"data.path: tokenizer_file '{tpath}' named by '{mpath.name}' is {path_kind(tpath)}, "
-                        f"expected the tokenizer.json that made the token file")
-    limits.within(tpath.stat().st_size, "tokenizer", f"data.path: tokenizer_file '{tpath}'", DataError)
-    raw = tpath.read_bytes()
-    sha = meta.get("tokenizer_sha256")
-    if sha is not None and sha != hashlib.sha256(raw).hexdigest():
-        raise DataError(f"data.path: tokenizer_file '{tpath}' has sha256 {hashlib.sha256(raw).hexdigest()[:16]}..., "
-                        f"not the tokenizer_sha256 {str(sha)[:16]}... recorded in '{mpath.name}' (the tokenizer was "
-                        f"changed after `megalite prepare`; prepare the data again)")
-    tok = from_json(raw.decode("utf-8", errors="replace"), f"data.path: tokenizer_file '{tpath}'")
-    if dataset.vocab_size > tok.vocab_size:
-        raise DataError(f"data.path: '{mpath}' records vocab_size {dataset.vocab_size} but its tokenizer "
-                        f"'{tpath}' has {tok.vocab_size} ids")
-    return tok
+    def tokenizer(self) -> Tokenizer:
+        """The tokenizer that made this token file (tokenizer.of_token_file: the one owner of that question)."""
+        return of_token_file(meta_path(self.path), self.meta, self.vocab_size)
 
 
 SAMPLE_TOKENS = 1 << 20  # tokens read at start-up to check a recorded max_token (a strided sample)

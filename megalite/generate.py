@@ -12,10 +12,9 @@ import torch
 
 from .config import ConfigError, ModelConfig
 from .convert import ConvertError, read_model_file
-from .convert.single import model_tokenizer
 from .model import GPTStage
 from .parallel.grid import ParallelGrid
-from .tokenizer import Tokenizer, byte_tokenizer
+from .tokenizer import Tokenizer, byte_tokenizer, carried_by
 
 
 def load_model(path) -> GPTStage:
@@ -23,7 +22,7 @@ def load_model(path) -> GPTStage:
     none, as every model did before tokenizers were carried). Ids past the tokenizer's vocabulary are
     padding rows: `generate` never draws them (`.real_vocab`)."""
     m, get, names = read_model_file(path)
-    tok = model_tokenizer(path)
+    tok = carried_by(path)
     if tok is None:
         if m["vocab_size"] > 256:
             _warn(f"{path} carries no tokenizer; its ids are read as bytes (ids 256 and up are never drawn)")
@@ -56,17 +55,29 @@ def context_warning(n_prompt: int, max_new_tokens: int, block: int) -> Optional[
     return None
 
 
+DEFAULT_NEW_TOKENS = 200
+
+
+def default_new_tokens(n_prompt: int, block: int) -> int:
+    """--max-new-tokens when not given: 200, or fewer so that the prompt and the sample fit the model's
+    block_size (the model then sees all of it); at least 1."""
+    return max(1, min(DEFAULT_NEW_TOKENS, block - n_prompt))
+
+
 @torch.no_grad()
-def generate(model: GPTStage, ids: list[int], max_new_tokens: int = 200, temperature: float = 0.8,
+def generate(model: GPTStage, ids: list[int], max_new_tokens: Optional[int] = None, temperature: float = 0.8,
              top_k: int = 0, seed: int = 0, warn=_warn, on_token=None, stop_id: Optional[int] = None) -> list[int]:
     """Autoregressive sampling; temperature 0 means greedy. `on_token(id)` is called with each new token as
     soon as it is drawn (streaming). Drawing `stop_id` (the end-of-text token) ends the sampling after it,
     as transformers' generate does with eos_token_id. Padding ids (model.real_vocab and up) are never drawn.
 
     The model has block_size positions. A longer context is cropped to its last block_size tokens (a
-    sliding window; transformers refuses instead), and `warn` says so once, before the first token."""
-    check_sampling(max_new_tokens, temperature, top_k, seed)
+    sliding window; transformers refuses instead), and `warn` says so once, before the first token.
+    `max_new_tokens` None: `default_new_tokens`."""
     block = model.cfg.block_size
+    if max_new_tokens is None:
+        max_new_tokens = default_new_tokens(len(ids), block)
+    check_sampling(max_new_tokens, temperature, top_k, seed)
     note = context_warning(len(ids), max_new_tokens, block)
     if note:
         warn(note)
@@ -109,7 +120,9 @@ def check_sampling(max_new_tokens: int, temperature: float, top_k: int, seed: in
         raise ConfigError(f"--top-k {top_k}: expected 0 (off) or a positive integer")
     if not isinstance(temperature, (int, float)) or not math.isfinite(temperature) or temperature < 0:
         raise ConfigError(f"--temperature {temperature}: expected a finite number >= 0 (0: greedy)")
-    if (not isinstance(max_new_tokens, int) or isinstance(max_new_tokens, bool)
+    if max_new_tokens is None:  # the default: decided once the prompt and the model are known
+        pass
+    elif (not isinstance(max_new_tokens, int) or isinstance(max_new_tokens, bool)
             or not 0 <= max_new_tokens <= NEW_TOKENS_MAX):
         raise ConfigError(f"--max-new-tokens {max_new_tokens}: expected a number >= 0 and <= {NEW_TOKENS_MAX}")
     if not isinstance(seed, int) or isinstance(seed, bool) or not 0 <= seed <= SEED_MAX:
@@ -164,7 +177,9 @@ def sample_text(path: str | Path, prompt: str, as_ids: bool = False, stream=None
         raise ConvertError(f"{path}: the prompt encodes to id {max(ids)}, but the model has {model.cfg.vocab_size} "
                            f"token rows (its tokenizer, {tok.vocab_size} ids, does not fit it)")
     stop = tok.eot_id if stop_at_eot else None
-    note = context_warning(len(ids), kw.get("max_new_tokens", 200), model.cfg.block_size)
+    if kw.get("max_new_tokens") is None:
+        kw["max_new_tokens"] = default_new_tokens(len(ids), model.cfg.block_size)
+    note = context_warning(len(ids), kw["max_new_tokens"], model.cfg.block_size)
     if note:
         _warn(note)
     on_token, text = None, None

@@ -8,6 +8,8 @@ a run carries them in: a `tokenizer.json` of the `tokenizers` library.
     train_bpe(...)     `megalite tokenizer train`: a GPT-2-style byte-level BPE over some files
     write_hf_folder    tokenizer.json + tokenizer_config.json (+ special_tokens_map.json) that
                        transformers' AutoTokenizer loads as is
+    carried_by(path)   which tokenizer an artifact carries (a checkpoint, a converted model file, an HF
+                       folder), of_token_file(...) which one made a token file: the one owner of that question
 
 The byte tokenizer is token id = byte value (0..255), built with `tokenizers` as a BPE with no merges over
 GPT-2's byte-to-character alphabet and the ByteLevel pre-tokenizer without its regex split or a prefix
@@ -19,6 +21,7 @@ special token, and the ByteLevel decoder. Identity is the sha256 of the canonica
 from __future__ import annotations
 
 import codecs
+import contextlib
 import functools
 import hashlib
 import json
@@ -29,10 +32,16 @@ from pathlib import Path
 from typing import Iterable, Iterator, Optional
 
 from .base import limits
-from .base.errors import DataError
+from .base.errors import CheckpointError, DataError
+from .base.fs import folder_locked, output_refusal, path_kind, remove_tree, replace_output
 from .base.jsonio import loads
+from .checkpoint.check import read_tokenizer
+from .checkpoint.manifest import read as read_manifest
+from .checkpoint.stream import read_metadata
+from .checkpoint.tree import LATEST, MANIFEST, resolve, tokenizer_rel
 
 EOT = "<|endoftext|>"  # GPT-2's end-of-text token
+TOKENIZER_KEY = "megalite.tokenizer"  # safetensors metadata of a converted model file: the run's tokenizer.json
 BYTE = "byte"
 TOKENIZER_JSON = "tokenizer.json"
 
@@ -74,11 +83,7 @@ class Tokenizer:
         ids = backend.get_vocab(with_added_tokens=True).values()
         # the largest id + 1, not the count of ids: a vocabulary with holes (ids 0..255 and 70000) would
         # otherwise be stored as uint16 and its id 70000 lost
-        self.vocab_size = max(ids, default=-1) + 1
-        if self.vocab_size > limits.HOLES * len(ids) + limits.SLACK:
-            raise DataError(f"{source}: the largest token id is {self.vocab_size - 1:,}, but the tokenizer lists only "
-                            f"{len(ids):,} ids; expected ids numbered from 0 with at most {limits.HOLES}x as many "
-                            f"unused ones (per-id tables are sized by the largest id)")
+        self.vocab_size = check_ids(ids, source) + 1
         self.is_byte = self.sha256 == _byte_sha256()
         self.eot_id = None if self.is_byte else backend.token_to_id(EOT)
 
@@ -160,6 +165,20 @@ def sha256_text(text: str) -> str:
 
 
 # ---------------------------------------------------------------- loading
+def check_ids(ids, where: str) -> int:
+    """The largest of a vocabulary's `ids`, which must lie within limits.HOLES x their count (+ SLACK): per-id
+    tables (the token dtype, bytes per token) are sized by the largest id, and the tokenizers library itself
+    walks every id up to it when it writes a tokenizer out (an id of 2**31 - 1 among 27: minutes)."""
+    ids = [i for i in ids if isinstance(i, int) and not isinstance(i, bool)]
+    top = max(ids, default=-1)
+    if top + 1 > limits.HOLES * len(set(ids)) + limits.SLACK:
+        shown = f"{top:,}" if top.bit_length() <= 128 else limits.describe(top)
+        raise DataError(f"{where}: the largest token id is {shown}, but the tokenizer lists only "
+                        f"{len(set(ids)):,} ids; expected ids numbered from 0 with at most {limits.HOLES}x as many "
+                        f"unused ones (per-id tables are sized by the largest id)")
+    return top
+
+
 def from_json(text: str, where: str) -> Tokenizer:
     """A Tokenizer from tokenizer.json text; `where` names its source in a one-line error."""
     from tokenizers import Tokenizer as Backend
@@ -167,6 +186,9 @@ def from_json(text: str, where: str) -> Tokenizer:
     if not isinstance(d, dict) or not isinstance(d.get("model"), dict):
         raise DataError(f"{where}: not a tokenizer.json (no 'model' object; expected a file saved by the "
                         f"tokenizers library, e.g. `megalite tokenizer train` or an HF tokenizer folder)")
+    vocab = d["model"].get("vocab")  # checked before the library builds anything from it
+    check_ids([*(vocab.values() if isinstance(vocab, dict) else range(len(vocab)) if isinstance(vocab, list) else []),
+               *(t.get("id") for t in d.get("added_tokens") or [] if isinstance(t, dict))], where)
     try:
         backend = Backend.from_str(text)
     except Exception as e:  # noqa: BLE001 - the library's own parse error (a Rust message)
@@ -183,7 +205,6 @@ def from_json(text: str, where: str) -> Tokenizer:
 
 def _read_text(path: Path, what: str) -> str:
     if not path.is_file():
-        from .config import path_kind
         raise DataError(f"{what} '{path}' is {path_kind(path)}, expected a file")
     limits.within(path.stat().st_size, "tokenizer", f"{what} '{path}'", DataError)
     data = path.read_bytes()
@@ -201,6 +222,7 @@ def gpt2_from_files(vocab: Path, merges: Path) -> Tokenizer:
     if not isinstance(table, dict) or not table or not all(
             isinstance(k, str) and isinstance(v, int) and not isinstance(v, bool) and v >= 0 for k, v in table.items()):
         raise DataError(f"{vocab}: expected GPT-2's vocab.json, a JSON object of token -> non-negative id")
+    check_ids(table.values(), str(vocab))
     _read_text(merges, "merges.txt")
     try:
         backend = Backend(models.BPE.from_file(str(vocab), str(merges)))
@@ -353,8 +375,9 @@ def train_folder(files: list[Path], vocab_size: int, out, force: bool = False, q
     only with `force`, and only then replaced)."""
     from .base.fs import identity
     out = Path(out)
-    if out.name in ("", ".", ".."):
-        raise DataError(f"--out '{out}': expected the path of a new folder")
+    refused = output_refusal(out)  # no name, the current folder or one holding it
+    if refused:
+        raise DataError(refused)
     if os.path.lexists(out) and not force:
         raise DataError(f"--out '{out}' already exists (pass --force to replace it)")
     if os.path.lexists(out):
@@ -380,7 +403,6 @@ def train_folder(files: list[Path], vocab_size: int, out, force: bool = False, q
     if tok.vocab_size < vocab_size and not quiet:
         log(f"tokenizer: WARNING: the text gives only {tok.vocab_size:,} ids (pairs seen fewer than "
             f"{min_frequency} times are not merged), not {vocab_size:,}")
-    from .base.fs import folder_locked, remove_tree, replace_output
     tmp = out.with_name(f".{out.name}.tmp-{os.getpid()}")
     remove_tree(tmp)
     tmp.mkdir(parents=True)
@@ -417,9 +439,9 @@ _CUT_IN_WORDS = re.compile(rf"(?<=[A-Za-z])[0-9{_PUNCT}]|(?<=[0-9])[A-Za-z{_PUNC
 FORCED_CUT = 2  # a run of FORCED_CUT x piece_chars characters with no cut at all is cut anyway (see below)
 
 
-def read_text_pieces(path: Path, piece_chars: int = 1 << 20, block: int = 1 << 20, specials: tuple = (),
+def read_text_pieces(path, piece_chars: int = 1 << 20, block: int = 1 << 20, specials: tuple = (),
                      on_forced_cut=None) -> Iterator[str]:
-    """The text of one file in pieces of at least `piece_chars` characters (the last may be shorter), read
+    """The text of one file (a path, or a binary file object: a jsonl or parquet record) in pieces of at least `piece_chars` characters (the last may be shorter), read
     `block` bytes at a time: UTF-8 decoded with invalid bytes as U+FFFD (as `bytes.decode(errors="replace")`
     does on the whole file), each piece cut only where a word-streaming tokenizer (Tokenizer.streams_by_words)
     gives the ids of the whole text: before whitespace that follows a non-whitespace character, else at the
@@ -434,7 +456,7 @@ def read_text_pieces(path: Path, piece_chars: int = 1 << 20, block: int = 1 << 2
     decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
     buf, scanned, offset = "", 0, 0
     hard = FORCED_CUT * piece_chars
-    with open(path, "rb") as f:
+    with open(path, "rb") if isinstance(path, (str, os.PathLike)) else contextlib.nullcontext(path) as f:
         while True:
             raw = f.read(block)
             buf += decoder.decode(raw, final=not raw)
@@ -469,3 +491,71 @@ def _clear_of(text: str, at: int, specials: tuple) -> int:
             if 0 <= i < at < i + len(s):
                 at, moved = i, True
     return at
+
+
+# ---------------------------------------------------------------- which tokenizer an artifact carries
+def carried_by(path) -> Optional[Tokenizer]:
+    """The tokenizer a model artifact carries, or None where it carries none: a checkpoint (root or step
+    folder: its tokenizer.json, checked against the manifest), a converted model file (its safetensors metadata
+    TOKENIZER_KEY), an HF folder (its tokenizer.json, else GPT-2's vocab.json + merges.txt)."""
+    p = Path(path)
+    if p.is_dir() and ((p / MANIFEST).exists() or (p / LATEST).exists()):  # a checkpoint, not an HF folder
+        step = resolve(p)
+        man = read_manifest(step)
+        text, where = read_tokenizer(step, man), f"{step / tokenizer_rel(man.layout.cp)}"
+    elif p.is_dir():
+        return load(p, "model folder") if (p / TOKENIZER_JSON).exists() or (p / "vocab.json").exists() else None
+    else:
+        try:
+            text = read_metadata(p).get(TOKENIZER_KEY)
+        except (OSError, ValueError) as e:
+            raise DataError(f"{p}: cannot read its safetensors metadata ({e})") from None
+        where = f"{p}: metadata '{TOKENIZER_KEY}'"
+    if text is None:
+        return None
+    return from_json(text if isinstance(text, str) else text.decode("utf-8", errors="replace"), where)
+
+
+def of_token_file(path: Path, meta: dict, vocab_size: int) -> Tokenizer:
+    """The tokenizer that made a token file (its .json `meta` at `path`): the `tokenizer_file` it names (its bytes
+    checked against the recorded `tokenizer_sha256`), or the byte tokenizer for a file that names none and
+    records at most 256 ids (every token file written before tokenizers were recorded is one)."""
+    mpath = Path(path)
+    name = meta.get("tokenizer_file")
+    if name is None:
+        if meta.get("tokenizer", BYTE) != BYTE or vocab_size > 256:
+            raise DataError(f"data.path: '{mpath}' records vocab_size {vocab_size} (tokenizer "
+                            f"{meta.get('tokenizer', BYTE)!r}) but names no tokenizer_file; add \"tokenizer_file\": "
+                            f"the path of the tokenizer.json that made it (docs/tokenizers.md)")
+        return byte_tokenizer()
+    if not isinstance(name, str) or not name:
+        raise DataError(f"data.path: '{mpath}' has tokenizer_file {name!r}, expected the path of a tokenizer.json")
+    tpath = mpath.parent / name
+    if not tpath.is_file():
+        raise DataError(f"data.path: tokenizer_file '{tpath}' named by '{mpath.name}' is {path_kind(tpath)}, "
+                        f"expected the tokenizer.json that made the token file")
+    limits.within(tpath.stat().st_size, "tokenizer", f"data.path: tokenizer_file '{tpath}'", DataError)
+    raw = tpath.read_bytes()
+    sha = meta.get("tokenizer_sha256")
+    if sha is not None and sha != hashlib.sha256(raw).hexdigest():
+        raise DataError(f"data.path: tokenizer_file '{tpath}' has sha256 {hashlib.sha256(raw).hexdigest()[:16]}..., "
+                        f"not the tokenizer_sha256 {str(sha)[:16]}... recorded in '{mpath.name}' (the tokenizer was "
+                        f"changed after `megalite prepare`; prepare the data again)")
+    tok = from_json(raw.decode("utf-8", errors="replace"), f"data.path: tokenizer_file '{tpath}'")
+    if vocab_size > tok.vocab_size:
+        raise DataError(f"data.path: '{mpath}' records vocab_size {vocab_size} but its tokenizer "
+                        f"'{tpath}' has {tok.vocab_size} ids")
+    return tok
+
+
+def check_same(saved: Optional[Tokenizer], ours: Optional[Tokenizer], where: str, data_path: str) -> None:
+    """On resume: the token file must come from the checkpoint's tokenizer (compared as re-serialized by this
+    tokenizers library, so a library upgrade alone changes nothing); a checkpoint without one (older, or saved
+    by the API) is not checked."""
+    if saved is None or ours is None or saved.sha256 == ours.sha256:
+        return
+    raise CheckpointError(
+        f"checkpoint.resume: {where} ({saved.kind}, vocab {saved.vocab_size}, sha256 {saved.sha256[:12]}) is not "
+        f"the tokenizer of data.path '{data_path}' ({ours.kind}, vocab {ours.vocab_size}, sha256 "
+        f"{ours.sha256[:12]}); prepare the data with the checkpoint's tokenizer: megalite prepare FILES "
+        f"--tokenizer {where} --out X.bin")

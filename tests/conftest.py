@@ -24,6 +24,32 @@ def convert_tokens(tmp_path_factory) -> Path:
     return H.make_token_file(tmp_path_factory.mktemp("convert_tokens"), H.synthetic_text())
 
 
+# ---------------------------------------------------------------- read-only inputs of the bad-input tests
+@pytest.fixture(scope="session")
+def inputs_world(tmp_path_factory, token_file) -> dict:
+    """One folder of read-only inputs, trained once per session for the bad-input and error-contract tests
+    (each snapshots the folder to check that a refused command touched none of it): a tiny config, token
+    files (a normal one and one of 44 tokens), a checkpoint (step 1) of the tiny model (n_layer=2, n_head=4),
+    its model file and HF folder, an empty folder, a random file and a file that must not change."""
+    import os
+    from megalite.convert import convert
+    from megalite.data import prepare
+    d = tmp_path_factory.mktemp("inputs-world")
+    toml = H.CKPT.toml(d / "tiny.toml", token_file, model={"n_layer": 2})
+    (d / "small.txt").write_text("0123456789\n" * 4)  # 44 byte tokens: 40 for train, 4 for val
+    prepare([d / "small.txt"], d / "small.bin", log=lambda *a: None)
+    H.train_in_process(H.CKPT.config(token_file, d / "run", **{"model.n_layer": 2, "train.steps": 1,
+                                                                "checkpoint.dir": str(d / "ckpt")}))
+    convert(d / "ckpt", d / "model.safetensors", quiet=True)
+    convert(d / "ckpt", d / "hf", fmt="hf-gpt2", quiet=True)
+    (d / "empty").mkdir()
+    (d / "random.bin").write_bytes(os.urandom(300))
+    (d / "victim.txt").write_text("must not change\n")
+    return {"toml": toml, "tokens": Path(token_file), "small": d / "small.bin", "ckpt": d / "ckpt",
+            "model": d / "model.safetensors", "hf": d / "hf", "empty": d / "empty", "random": d / "random.bin",
+            "victim": d / "victim.txt", "dir": d}
+
+
 # ---------------------------------------------------------------- the tiny config
 @pytest.fixture
 def tiny_config(token_file, tmp_path):

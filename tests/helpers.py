@@ -203,6 +203,17 @@ def run(argv: list, *, cwd=None, timeout: float = CLI_TIMEOUT, text: bool = True
                           timeout=timeout)
 
 
+def cli_in_process(*args) -> tuple[int, str, str]:
+    """`megalite ARGS` in this process (no interpreter start): (exit code, stdout, stderr)."""
+    import contextlib
+    import io
+    from megalite.cli import main
+    out, err = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        rc = main([str(a) for a in args])
+    return rc, out.getvalue(), err.getvalue()
+
+
 def cli(*args, cwd=None, timeout: float = CLI_TIMEOUT) -> subprocess.CompletedProcess:
     """`megalite ARGS` in a plain subprocess (no torchrun)."""
     return run([*MEGALITE, *args], cwd=cwd, timeout=timeout)

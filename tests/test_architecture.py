@@ -33,13 +33,14 @@ FLOORS = {
     "base": 1,                                  # torch-free: errors, jsonio, faults, fs
     "parallel": 2,                              # the grid, the process group, the parallel layers
     "config": 3,
-    "tokenizer": 4, "model": 4, "checkpoint": 4,  # the format's engine
-    "data": 5, "convert": 5,
-    "run": 6, "generate": 6,                    # the training run and its policies
-    "testing": 7,
-    "bench": 8,                                 # what a user measures: `megalite bench ...`
-    "cli": 9,
-    "__main__": 10,
+    "model": 4, "checkpoint": 4,                # checkpoint/: the format's engine
+    "tokenizer": 5,                             # which tokenizer an artifact carries: it reads checkpoints
+    "data": 6, "convert": 6,
+    "run": 7, "generate": 7,                    # the training run and its policies
+    "testing": 8,
+    "bench": 9,                                 # what a user measures: `megalite bench ...`
+    "cli": 10,
+    "__main__": 11,
 }
 MAX_TOP_MODULES = 8  # modules loose at the top of megalite/ (its __init__ aside)
 

@@ -44,6 +44,32 @@ def test_top_k_draws_exactly_the_k_ids_torch_topk_keeps(k):
     assert set(out[1:]) == set(torch.topk(logits, k).indices.tolist())
 
 
+class Recorder(FixedLogits):
+    """FixedLogits that records every context it is given."""
+
+    def __init__(self, logits: torch.Tensor):
+        super().__init__(logits)
+        self.seen = []
+
+    def forward(self, x):
+        self.seen.append(x[0].tolist())
+        return super().forward(x)
+
+
+def test_generate_feeds_the_model_exactly_its_last_block_size_tokens():
+    """A context longer than the model's block_size (8) is cropped to its last 8 tokens at every step: the
+    sliding window written out by hand (a window one shorter still samples, so only the input shows it)."""
+    from megalite.generate import generate
+    model = Recorder(torch.arange(10, dtype=torch.float32))
+    ids = [3, 1, 4, 1, 5, 9, 2, 6, 5]  # 9 > block_size
+    out = generate(model, ids, max_new_tokens=3, temperature=0, warn=lambda msg: None)
+    assert out == ids + [9, 9, 9]
+    assert model.seen == [out[k - 8:k] for k in (9, 10, 11)]
+    model.seen.clear()
+    generate(model, ids[:4], max_new_tokens=2, temperature=0)  # shorter than the block: the whole context
+    assert model.seen == [ids[:4], ids[:4] + [9]]
+
+
 # ---------------------------------------------------------------- bits per byte: <|endoftext|> is no text
 def _docs(n: int) -> list[str]:
     words = "the cat sat on a mat while model and data ran fast over every token in all ranks".split()
@@ -78,6 +104,19 @@ def test_bits_per_byte_counts_no_bytes_for_end_of_text(tmp_path):
     assert eval_tokens_per_byte(val, 16, 8, 2, 7, tok) == pytest.approx(by_hand, rel=1e-12)
 
 
+def test_bytes_per_id_of_a_tokenizer_without_byte_level_decoding_are_utf8_bytes():
+    """A word-level vocabulary with accents, CJK and an emoji: each id stands for its word's UTF-8 bytes
+    (str.encode), not its characters; the special end-of-text token for none."""
+    from tokenizers import Tokenizer as Backend, models, pre_tokenizers
+    from megalite.tokenizer import from_json
+    words = ["[UNK]", "cat", "café", "日本語", "🚀", "naïve"]
+    lib = Backend(models.WordLevel({w: i for i, w in enumerate(words)}, unk_token="[UNK]"))
+    lib.pre_tokenizer = pre_tokenizers.Whitespace()
+    lib.add_special_tokens([EOT])
+    tok = from_json(lib.to_str(), "test")
+    assert tok.token_bytes() == [len(w.encode("utf-8")) for w in words] + [0] == [5, 3, 5, 9, 4, 6, 0]
+
+
 # ---------------------------------------------------------------- prepare: where a corpus may be cut
 @pytest.mark.parametrize("prefix_space", [False, True])
 def test_prepare_in_small_pieces_gives_the_librarys_ids_of_the_whole_text(tmp_path, prefix_space):
@@ -97,6 +136,39 @@ def test_prepare_in_small_pieces_gives_the_librarys_ids_of_the_whole_text(tmp_pa
     got = np.fromfile(tmp_path / "t.bin", dtype=meta["dtype"]).tolist()
     want = Backend.from_file(str(tmp_path / "bpe.json")).encode(text).ids
     assert len(text) > 20 * 64 and got == want
+
+
+def test_prepare_records_the_largest_id_written_separators_included(tmp_path):
+    """`max_token` in the .json is the largest id in the .bin (numpy's max of the file), also when that id is
+    the end-of-text separator between documents (GPT-2 puts <|endoftext|> last: 50256); a run then opens the
+    file at the vocabulary that holds it, not refusing it as corrupt."""
+    from tokenizers import Tokenizer as Backend, models, pre_tokenizers
+    from megalite.data import TokenDataset, check_vocab, prepare
+    lib = Backend(models.WordLevel({"[UNK]": 0, "the": 1, "cat": 2, "sat": 3}, unk_token="[UNK]"))
+    lib.pre_tokenizer = pre_tokenizers.Whitespace()
+    lib.add_special_tokens([EOT])  # id 4: the largest, written only between documents
+    (tmp_path / "wl.json").write_text(lib.to_str())
+    files = []
+    for i, text in enumerate(["the cat sat", "sat the cat the", "cat"]):
+        files.append(tmp_path / f"d{i}.txt")
+        files[-1].write_text(text)
+    meta = prepare(files, tmp_path / "t.bin", val_fraction=0.0, tokenizer=tmp_path / "wl.json", log=lambda *a: None)
+    ids = np.fromfile(tmp_path / "t.bin", dtype=meta["dtype"])
+    assert ids.tolist() == [1, 2, 3, 4, 3, 1, 2, 1, 4, 2]
+    assert meta["max_token"] == int(ids.max()) == json.loads((tmp_path / "t.json").read_text())["max_token"]
+    check_vocab(TokenDataset(tmp_path / "t.bin", "train"), 5)
+
+
+# ---------------------------------------------------------------- the allow-list unpickler: package prefixes
+@pytest.mark.parametrize("module", ["megatron_tools", "megatronx.core", "megatron2", "megatron-evil"])
+def test_a_package_prefix_allows_that_package_only_not_every_module_name_starting_so(module):
+    """MEGATRON_COMMON lets megatron's own enums through as inert records: `megatron` and `megatron.*` (Python's
+    package paths), never another top-level module whose name merely starts with those letters."""
+    from megalite.convert.unpickle import MEGATRON_COMMON, Record, RefusedGlobal, load
+    for inside in ("megatron", "megatron.core.enums"):
+        assert issubclass(load(f"c{inside}\nModelType\n.".encode(), MEGATRON_COMMON), Record)
+    with pytest.raises(RefusedGlobal, match=module):
+        load(f"c{module}\nrun\n.".encode(), MEGATRON_COMMON)
 
 
 # ---------------------------------------------------------------- train.compile: every block

@@ -3,31 +3,17 @@ with exactly one line on stderr naming the field or path and what was expected, 
 without writing anything: no out_dir, no --out, no checkpoint folder, the inputs untouched."""
 from __future__ import annotations
 
-import os
 from pathlib import Path
 
 import pytest
 
-from helpers import CKPT, cli, one_line_error, train_in_process
+from helpers import cli, one_line_error
 
 
 @pytest.fixture(scope="module")
-def world(tmp_path_factory, token_file):
-    """Shared read-only inputs: a tiny config, token files (a normal one and one of 44 tokens), a
-    checkpoint and a model file of the tiny model (n_layer=2, n_head=4), an empty folder, a random file."""
-    from megalite.convert import convert
-    from megalite.data import prepare
-    d = tmp_path_factory.mktemp("bad-input-world")
-    toml = CKPT.toml(d / "tiny.toml", token_file, model={"n_layer": 2})
-    (d / "small.txt").write_text("0123456789\n" * 4)  # 44 byte tokens: 40 for train, 4 for val
-    prepare([d / "small.txt"], d / "small.bin", log=lambda *a: None)
-    train_in_process(CKPT.config(token_file, d / "run", **{"model.n_layer": 2, "train.steps": 1,
-                                                            "checkpoint.dir": str(d / "ckpt")}))
-    convert(d / "ckpt", d / "model.safetensors", quiet=True)
-    (d / "empty").mkdir()
-    (d / "random.bin").write_bytes(os.urandom(300))
-    return {"toml": toml, "tokens": token_file, "small": d / "small.bin", "ckpt": d / "ckpt",
-            "model": d / "model.safetensors", "empty": d / "empty", "random": d / "random.bin", "dir": d}
+def world(inputs_world):
+    """The session's read-only inputs (conftest.inputs_world): trained once, shared with test_error_contract."""
+    return inputs_world
 
 
 def _snapshot(root: Path) -> dict:

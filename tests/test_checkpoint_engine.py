@@ -105,6 +105,25 @@ def test_the_safe_opener_refuses_a_symlink_and_a_fifo(tmp_path):
     assert isinstance(got.get("error"), OSError) and got["error"].errno == errno.EINVAL, got
 
 
+@pytest.mark.parametrize("planted", ["tp00-pp00-dp00/model.safetensors", STATE, "tp00-pp00-dp00"])
+def test_a_file_of_the_step_reached_through_a_symlink_is_refused_by_load_and_verify(tmp_path, planted):
+    """A shard, a state.json or a whole coordinate folder replaced by a symlink to an identical copy elsewhere
+    (every byte and checksum right): base/fs.linked refuses it in one line naming it, the loader before any
+    parameter changes; nothing is read through the link."""
+    net, opt, grid, step = _saved(tmp_path)
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    target = elsewhere / Path(planted).name
+    os.replace(step / planted, target)
+    (step / planted).symlink_to(target)
+    before = [p.detach().clone() for p in net.parameters()]
+    problems = verify(step)[1]
+    assert any("symbolic link" in p and Path(planted).name in p for p in problems), problems
+    error = _load_error(step, net, opt, grid)
+    assert "symbolic link" in error and "\n" not in error, error
+    assert all(torch.equal(a, b) for a, b in zip(before, net.parameters()))
+
+
 def test_a_fifo_planted_as_state_json_is_reported_not_waited_on(tmp_path):
     """verify and load name the file in one line instead of blocking forever on the FIFO's open."""
     net, opt, grid, step = _saved(tmp_path)

@@ -145,7 +145,7 @@ def test_missing_file(tmp_path):
     (["--parallel.schedule=gpipe"], 1, ["parallel.schedule", "gpipe"]),
     (["--train.precision=fp16"], 1, ["train.precision"]),
     (["--model.dropout=1.0"], 1, ["model.dropout"]),
-    (["--data.val_fraction=0"], 1, ["data.val_fraction"]),
+    (["--data.val_fraction=1"], 1, ["data.val_fraction"]),  # 0 is the default: the file's own split
     (["--train.min_lr=1", "--train.lr=0.1"], 1, ["train.min_lr", "train.lr"]),
 ])
 def test_validate_errors(overrides, world, names):

@@ -17,7 +17,8 @@ from megalite.checkpoint import manifest as mf
 from megalite.checkpoint.tree import resolve
 from megalite.checkpoint.verify import verify
 from megalite.convert import convert, reshard, split
-from megalite.data import BatchSampler, ByteTokenizer, TokenDataset
+from megalite.data import BatchSampler, TokenDataset
+from megalite.tokenizer import byte_tokenizer
 from megalite.generate import generate, load_model, sample_text
 from megalite.testing import full_state
 
@@ -194,7 +195,7 @@ def test_hf_export_from_a_parallel_layout_is_identical(tmp_path, run111):
 # ---------------------------------------------------------------- 5. generate
 def test_generate_is_deterministic_and_respects_lengths(model_file):
     model = load_model(model_file)
-    ids = ByteTokenizer().encode("the model ")
+    ids = byte_tokenizer().encode("the model ")
     a = generate(model, ids, max_new_tokens=12, temperature=0.8, top_k=20, seed=3)
     b = generate(model, ids, max_new_tokens=12, temperature=0.8, top_k=20, seed=3)
     assert a == b
@@ -211,7 +212,7 @@ def test_generate_is_deterministic_and_respects_lengths(model_file):
             x.append(int(model(torch.tensor([x[-16:]]))[0, -1].argmax()))
     assert g1 == x
     # a prompt longer than block_size is cropped, not an error; zero new tokens returns the prompt
-    long = ByteTokenizer().encode("x" * 40)
+    long = byte_tokenizer().encode("x" * 40)
     assert len(generate(model, long, max_new_tokens=5, seed=0)) == 45
     assert generate(model, ids, max_new_tokens=0) == ids
 

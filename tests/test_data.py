@@ -8,7 +8,8 @@ import pytest
 import torch
 
 from megalite import data as D
-from megalite.data import (BatchSampler, ByteTokenizer, DataError, TokenDataset, default_corpus_files,
+from megalite.tokenizer import byte_tokenizer
+from megalite.data import (BatchSampler, DataError, TokenDataset, default_corpus_files,
                            ensure_data, eval_batches, prepare)
 
 
@@ -31,12 +32,12 @@ def corpus(tmp_path):
 @pytest.fixture
 def token_file(tmp_path, corpus):
     out = tmp_path / "data" / "tokens.bin"
-    prepare([corpus], out, val_fraction=0.25, log=quiet)
+    prepare([corpus], out, val_fraction=0.25, log=quiet, val_split="tail")  # corpus order (test_corpus: documents)
     return out
 
 
 def test_tokenizer_round_trip_non_ascii():
-    tok = ByteTokenizer()
+    tok = byte_tokenizer()
     text = "plain, naïve café, 日本語, emoji 🚀"
     ids = tok.encode(text)
     assert tok.vocab_size == 256
@@ -51,7 +52,7 @@ def test_tokenizer_round_trip_non_ascii():
 def test_prepare_writes_tokens_and_meta(tmp_path, corpus, token_file):
     expected = "\n\n".join((corpus / name).read_text(encoding="utf-8") for name in ("a.py", "b.txt", "sub/c.md"))
     tokens = np.fromfile(token_file, dtype=np.uint16)
-    assert ByteTokenizer().decode(tokens.tolist()) == expected
+    assert byte_tokenizer().decode(tokens.tolist()) == expected
 
     meta = json.loads(token_file.with_suffix(".json").read_text())
     assert meta["format"] == "megalite-tokens" and meta["version"] == 1
@@ -122,7 +123,7 @@ def test_offsets_cover_both_ends(tmp_path):
     out = tmp_path / "t.bin"
     prepare([src], out, val_fraction=0.0, log=quiet)
     x, _ = BatchSampler(TokenDataset(out, "train"), 4, 64, 0, 1, seed=0).next_batch()
-    assert {ByteTokenizer().decode(r.tolist()) for r in x} == {"abcd", "bcde"}
+    assert {byte_tokenizer().decode(r.tolist()) for r in x} == {"abcd", "bcde"}
 
 
 def test_determinism_and_seed_sensitivity(token_file):

@@ -36,13 +36,100 @@ def test_every_session_is_known_to_a_test():
 
 def test_tested_by_names_tests_that_exist():
     for b in T.blocks():
-        if b.kind != "tested-by":
+        if b.kind not in ("tested-by", "fragment"):
             continue
         names = re.findall(r"(tests/\S+\.py)::(\w+)", b.arg)
-        assert names, f"{b.file}:{b.line}: tested-by names no test"
+        assert names or b.kind == "fragment", f"{b.file}:{b.line}: tested-by names no test"
         for path, test in names:
             tree = ast.parse((ROOT / path).read_text())
             assert test in {n.name for n in ast.walk(tree) if isinstance(n, ast.FunctionDef)}, (b.file, path, test)
+
+
+def test_every_python_block_is_whole_or_a_fragment_that_says_why():
+    """A reader pastes a block into an empty file: every name it reads is bound in it (an import the page left
+    out was once supplied by the test file around the check); the exceptions are marked fragments, with why."""
+    found = T.python_blocks()
+    assert len(found) >= 8
+    for b in found:
+        where = f"{b.file}:{b.line}"
+        if b.kind == "fragment":
+            assert len(b.arg.split()) >= 4, f"{where}: a fragment says why it is one"
+            continue
+        assert T.undefined_names(b.body) == [], f"{where}: reads names the block never binds"
+
+
+def test_undefined_names_finds_a_missing_import_and_a_variable_from_elsewhere():
+    assert T.undefined_names("import torch\nx = torch.ones(2)\nprint(len(x))") == []
+    assert T.undefined_names("def f():\n    return torch.zeros(1)\n") == ["torch"]  # read only when called
+    assert T.undefined_names("state = model.state_dict()\n") == ["model"]
+    assert T.undefined_names("class A:\n    y = np.pi\n    def g(self, a=F):\n        return [a for _ in z]\n") \
+        == ["F", "np", "z"]
+    assert T.undefined_names("import os.path\nfor i in range(3):\n    j = i\nprint(os, j, [k for k in 'ab'])") == []
+
+
+def test_each_script_gets_a_fresh_interpreter_forked_from_one_that_imported_torch(tmp_path):
+    """T.Scripts (the session runner's python blocks): a forgotten import fails as in `python3 BLOCK.py`, nothing
+    one block binds or sets reaches the next, the working folder is the block's, the values come back."""
+    scripts = T.Scripts()
+    try:
+        rc, out, _ = scripts.run("x = torch.ones(1)\n", tmp_path, "a")
+        assert rc == 1 and "NameError: name 'torch' is not defined" in out, out
+        rc, out, kept = scripts.run("import colorsys, os, torch\ntorch.manual_seed(7)\n"
+                                    "secret = 1\nprint(os.getcwd())\nt = torch.rand(2)\n", tmp_path, "b", keep=True)
+        assert rc == 0 and out.strip() == str(tmp_path) and kept["secret"] == 1, out
+        assert torch.equal(kept["t"], torch.rand(2, generator=torch.Generator().manual_seed(7)))
+        rc, out, kept = scripts.run("import sys, torch\nseen = ['secret' in globals(), 'colorsys' in sys.modules]\n"
+                                    "t = torch.rand(2)\n", tmp_path, "c", keep=True)
+        assert rc == 0 and kept["seen"] == [False, False], (out, kept)  # b's import stayed in b
+        assert not torch.equal(kept["t"], torch.rand(2, generator=torch.Generator().manual_seed(7)))  # b's seed
+        assert scripts.run("raise SystemExit(3)\n", tmp_path, "d")[0] == 3
+        assert sorted(p.name for p in tmp_path.iterdir()) == []  # its files are removed
+    finally:
+        scripts.close()
+
+
+def test_every_pytest_block_passes_as_its_own_file(tmp_path):
+    """docs/testing.md's examples are test files: each runs as its own file under `python3 -m pytest` in a fresh
+    interpreter (two at a time), so the page's imports are the only ones it gets."""
+    from concurrent.futures import ThreadPoolExecutor
+    found = [b for b in T.python_blocks() if b.kind != "fragment" and re.search(r"^def test_", b.body, re.M)]
+    assert [b.file for b in found] == ["docs/testing.md", "docs/testing.md"]
+    with ThreadPoolExecutor(2) as pool:
+        runs = list(pool.map(lambda ib: T.run_script(ib[1].body, tmp_path / str(ib[0]), f"test_block_{ib[0]}",
+                                                     pytest=True), enumerate(found)))
+    for b, (rc, out, _) in zip(found, runs):
+        assert rc == 0 and re.search(r"\b\d+ passed\b", out), f"{b.file}:{b.line}:\n{out[-3000:]}"
+
+
+def test_output_shown_without_a_run_has_the_shape_a_run_prints():
+    """A console block the suite does not run (its test reads it) shows a line such as `prepare: wrote ...`,
+    `data: ...` or `step 1/40 | ...` that a checked transcript also shows: it must have the shape of one of
+    those (a line that changed since the block was written is then found: docs/parallelism.md's prepare line)."""
+    def shape(line):  # paths masked too: runs/long/ckpt and runs/walk/ckpt are the same kind of line
+        return re.sub(r"'?[\w.#-]*/[\w./#-]*'?", "PATH", T.shape(line))
+
+    def key(line):  # a message line (`prepare: wrote`, `data: PATH`) or a step line, by its first two words
+        words = shape(line).split()
+        return " ".join(words[:2]) if words and (words[0].endswith(":") or words[0] == "step") else None
+
+    checked = {}
+    for b in T.blocks():
+        if b.kind == "transcript" and "measured" not in b.attrs:
+            for _, shown in b.commands():
+                for line in shown or []:
+                    if key(line) and not line.startswith("megalite:"):  # megalite: lines differ by layout
+                        checked.setdefault(key(line), set()).add(shape(line))
+    stale, looked = [], 0
+    for b in T.blocks():
+        if b.kind != "tested-by" or b.lang != "console":
+            continue
+        for _, shown in b.commands():
+            for line in shown or []:
+                if key(line) in checked:
+                    looked += 1
+                    if shape(line) not in checked[key(line)]:
+                        stale.append(f"{b.file}:{b.line}: {line}")
+    assert looked >= 5 and stale == []
 
 
 def _slug(heading: str) -> str:
@@ -136,7 +223,7 @@ def test_the_json_and_safetensors_recipe_reads_a_zero1_checkpoint(walk):
     from megalite.cli import main
     (i,) = [i for i, b in enumerate(T.session_blocks("walk")) if b.file == "docs/checkpoint-format.md"
             and b.lang == "python"]
-    state = walk.namespaces[i]["state"]
+    state = walk.namespaces[i]["state"]  # what the block's own script left, run in a fresh interpreter
     w = walk.work
     step = w / "runs/walk/ckpt" / (w / "runs/walk/ckpt/latest").read_text().strip()
     man = json.loads((step / "manifest.json").read_text())
@@ -162,7 +249,7 @@ def test_the_hugging_face_snippet_gives_megalites_logits(walk):
     (i,) = [i for i, b in enumerate(T.session_blocks("walk")) if b.lang == "python" and "pipeline(" in b.body]
     ns = walk.namespaces[i]
     assert ns["diff"] < 1e-5  # absolute, on logits of a few units: fp32 rounding (docs/converting.md)
-    assert ns["tok"]("def ").input_ids == [100, 101, 102, 32]
+    assert ns["ids"].tolist() == [[100, 101, 102, 32]]  # tok("def ").input_ids
 
 
 # ---------------------------------------------------------------- the other sessions

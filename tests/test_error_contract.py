@@ -19,25 +19,15 @@ from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
 import helpers as H
-from helpers import CKPT, train_in_process
 from megalite.cli import main
 
 STEP = "step_00000001"
 
 
 @pytest.fixture(scope="module")
-def world(tmp_path_factory, token_file):
-    """Read-only inputs: a tiny config, a checkpoint of it (step 1), its model file and HF folder."""
-    from megalite.convert import convert
-    d = tmp_path_factory.mktemp("contract-world")
-    toml = CKPT.toml(d / "tiny.toml", token_file, model={"n_layer": 2})
-    train_in_process(CKPT.config(token_file, d / "run", **{"model.n_layer": 2, "train.steps": 1,
-                                                            "checkpoint.dir": str(d / "ckpt")}))
-    convert(d / "ckpt", d / "model.safetensors", quiet=True)
-    convert(d / "ckpt", d / "hf", fmt="hf-gpt2", quiet=True)
-    (d / "victim.txt").write_text("must not change\n")
-    return {"toml": toml, "tokens": Path(token_file), "ckpt": d / "ckpt", "model": d / "model.safetensors",
-            "hf": d / "hf", "victim": d / "victim.txt", "dir": d}
+def world(inputs_world):
+    """The session's read-only inputs (conftest.inputs_world): trained once, shared with test_bad_input."""
+    return inputs_world
 
 
 # ---------------------------------------------------------------- crafted inputs, made in the case folder

@@ -125,6 +125,65 @@ def test_generate_help_shows_the_defaults(capsys):
     with pytest.raises(SystemExit):
         megalite_main(["generate", "--help"])
     out = " ".join(capsys.readouterr().out.split())
-    for want in ("--max-new-tokens MAX_NEW_TOKENS tokens to sample (default: 200)", "(default: 0.8)",
+    for want in ("--max-new-tokens MAX_NEW_TOKENS tokens to sample (default: 200, or fewer so that prompt + sample "
+                 "fit the model's block_size)", "(default: 0.8)",
                  "0: all of them (default: 0)", "seed of the sampling (default: 0)", "(default: a newline)"):
         assert want in out, (want, out)
+
+
+def test_generate_samples_no_more_than_fits_the_block_by_default(tmp_path, capsys):
+    """The default --max-new-tokens: 200, or block_size - prompt tokens when fewer (the README model's block is
+    64: 'def ' + 60), so the model sees the whole sample and no context warning is printed."""
+    from megalite.generate import default_new_tokens
+    assert (default_new_tokens(4, 64), default_new_tokens(4, 1024), default_new_tokens(70, 64)) == (60, 200, 1)
+    from helpers import CKPT, make_token_file, stdlib_text, train_in_process
+    (tmp_path / "tok").mkdir()
+    tokens = make_token_file(tmp_path / "tok", stdlib_text()[:20_000])
+    train_in_process(CKPT.config(tokens, tmp_path / "run", **{"model.n_layer": 2, "model.block_size": 32,
+                                                              "train.steps": 1, "checkpoint.dir": str(tmp_path / "ck")}))
+    assert megalite_main(["generate", "--model", str(tmp_path / "ck"), "--prompt", "def ", "--ids"]) == 0
+    out, err = capsys.readouterr()
+    assert err == "" and len(out.split()) == 32  # 4 prompt ids + 28 new ones: the block, exactly
+
+
+def test_a_parallel_layout_without_torchrun_names_the_torchrun_command(tmp_path, monkeypatch, capsys):
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
+    for args, n in ((["--parallel.tp=2"], 2), (["--parallel.tp=2", "--parallel.pp=2", "--parallel.dp=2"], 8)):
+        assert megalite_main(["train", *args, f"--train.out_dir={tmp_path / 'run'}"]) == 2
+        err = capsys.readouterr().err
+        assert err.count("\n") == 1 and f"launch {n} processes with `torchrun --nproc-per-node {n} -m megalite " \
+            f"train ...` (the same arguments after `train`)" in err, err
+    assert not (tmp_path / "run").exists()
+
+
+def test_ctrl_c_under_megalite_torchrun_ends_with_megalites_line(tmp_path):
+    """Ctrl-C is SIGINT to the terminal's foreground process group: the torchrun agent and its workers. Sent
+    so to `megalite torchrun` (torchrun's own agent): the workers finish the step, save it, rank 0 prints the
+    stop line; the agent then ends without its SignalException traceback, exit 130 (128 + SIGINT). The
+    checkpoint verifies. (Plain torchrun ends the same run with ~25 lines of traceback and exit 1.)"""
+    import os
+    import signal
+    import subprocess
+    from helpers import CKPT, env, kill_tree, make_token_file, metrics, stdlib_text, wait_for
+    from megalite.checkpoint.verify import verify
+    (tmp_path / "tok").mkdir()
+    tokens = make_token_file(tmp_path / "tok", stdlib_text()[:40_000])
+    toml = CKPT.toml(tmp_path / "tiny.toml", tokens, model={"n_layer": 2})
+    out, ck = tmp_path / "out", tmp_path / "ck"
+    proc = subprocess.Popen([sys.executable, "-m", "megalite", "torchrun", "--standalone", "--nproc-per-node", "2",
+                             "-m", "megalite", "train", "--config", str(toml), "--parallel.dp=2",
+                             "--train.steps=100000", "--train.log_interval=1", f"--train.out_dir={out}",
+                             f"--checkpoint.dir={ck}"], env=env(), cwd=tmp_path, start_new_session=True,
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        assert wait_for(lambda: (out / "metrics.jsonl").exists() and len(metrics(out)) >= 2, 150, 0.05)
+        os.killpg(proc.pid, signal.SIGINT)  # what the terminal does on Ctrl-C
+        text, _ = proc.communicate(timeout=150)
+    finally:
+        kill_tree(proc)
+    lines = [ln for ln in text.splitlines() if ln.strip()]
+    assert "Traceback" not in text and "SignalException" not in text, text[-3000:]
+    assert re.fullmatch(rf"megalite: stopped by SIGINT at step (\d+)/100000; checkpoint {re.escape(str(ck))}/"
+                        rf"step_0*\1; to resume, run the same command again", lines[-1]), text[-3000:]
+    assert proc.returncode == 128 + signal.SIGINT, (proc.returncode, text[-3000:])
+    assert verify(ck)[1] == []

@@ -9,7 +9,6 @@ symlinked paths, a truncated .distcp, an armed pickle inside a chunk, storage ex
 """
 from __future__ import annotations
 
-import contextlib
 import copy
 import dataclasses
 import io
@@ -32,17 +31,11 @@ from safetensors.torch import save_file
 from megalite.convert import ConvertError, convert, model_partitions, split
 from megalite.convert import unpickle
 from megalite.testing import run_parallel
+from helpers import cli_in_process as cli  # `megalite ARGS` in this process
 
 MiB = 2**20
 
 
-def cli(*args) -> tuple[int, str, str]:
-    """`megalite ARGS` in this process: (exit code, stdout, stderr)."""
-    from megalite.cli import main
-    out, err = io.StringIO(), io.StringIO()
-    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
-        rc = main([str(a) for a in args])
-    return rc, out.getvalue(), err.getvalue()
 
 
 def full_tensors() -> dict:

@@ -15,9 +15,7 @@ parallel layers' outputs and gradients, and its interleaved-1F1B schedule table.
 """
 from __future__ import annotations
 
-import contextlib
 import importlib.util
-import io
 import json
 import re
 import shutil
@@ -31,6 +29,7 @@ import torch.distributed as dist
 import helpers as H
 from megalite.convert import convert, split
 from megalite.testing import run_parallel
+from helpers import cli_in_process as cli  # `megalite ARGS` in this process
 
 pytestmark = pytest.mark.skipif(importlib.util.find_spec("megatron") is None
                                 or importlib.util.find_spec("megatron.core") is None,
@@ -40,12 +39,6 @@ REF_SCRIPT = H.MEGATRON_REF  # the `mref` fixture (conftest.py) runs it once per
 VOCAB = 256  # the real vocabulary; megatron's tensors hold 384 rows (padded)
 
 
-def cli(*args) -> tuple[int, str, str]:
-    from megalite.cli import main
-    out, err = io.StringIO(), io.StringIO()
-    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
-        rc = main([str(a) for a in args])
-    return rc, out.getvalue(), err.getvalue()
 
 
 def max_rel(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -115,6 +108,24 @@ def test_untied_checkpoint_cut_to_the_real_vocabulary_gives_megatrons_first_logi
     assert json.loads((hf / "config.json").read_text())["vocab_size"] == VOCAB
     assert got.shape == want.shape and max_rel(got, want) < 1e-5
     assert max_rel(hf_logits(hf, ref["ids"]), want) < 1e-5
+
+
+def test_args_without_bias_gelu_fusion_mean_megatrons_default_fused_tanh_gelu(tmp_path, mref):
+    """Megatron-LM fuses bias + GeLU unless told not to (`--no-bias-gelu-fusion`: the field defaults to true, and
+    args saved before the flag existed have no such field). The untied checkpoint was made fused; with the field
+    deleted from its args it still converts to megatron's logits (the tanh GeLU), 1e-5."""
+    from megalite.generate import load_model
+    src = tmp_path / "untied"
+    shutil.copytree(mref / "untied_tp2", src)
+    common = next(src.rglob("common.pt"))
+    saved = torch.load(common, weights_only=False)  # our own reference file
+    assert saved["args"].bias_gelu_fusion is True
+    del saved["args"].bias_gelu_fusion
+    torch.save(saved, common)
+    ref = torch.load(mref / "untied_tp2.pt")
+    f = convert(src, tmp_path / "m.safetensors", quiet=True)
+    with torch.no_grad():
+        assert max_rel(load_model(f)(ref["ids"]), ref["logits"]) < 1e-5
 
 
 def _pipeline_logits(rank, world, tmp, step, model_cfg, ids, out):

@@ -215,8 +215,12 @@ def test_tensorboard_events_equal_metrics_jsonl(tiny_config, tmp_path):
     acc.Reload()
     rows = metrics.read(tmp_path / "run")
     assert len(rows) == 4
-    for key, tb in (("loss", "train/loss"), ("lr", "train/lr"), ("grad_norm", "train/grad_norm"),
-                    ("tokens_per_s", "train/tokens_per_s"), ("val_loss", "val/loss")):
+    # the scalars docs/training.md lists, every one of them (a byte-level run logs bits per byte too)
+    documented = (("loss", "train/loss"), ("lr", "train/lr"), ("grad_norm", "train/grad_norm"),
+                  ("tokens_per_s", "train/tokens_per_s"), ("ms_per_step", "train/ms_per_step"),
+                  ("val_loss", "val/loss"), ("val_bpb", "val/bits_per_byte"))
+    assert sorted(acc.Tags()["scalars"]) == sorted(tb for _, tb in documented)
+    for key, tb in documented:
         got = [(e.step, e.value) for e in acc.Scalars(tb)]
         want = [(r["step"], r[key]) for r in rows if key in r]
         assert [s for s, _ in got] == [s for s, _ in want], tb

@@ -6,7 +6,7 @@ import torch
 
 from megalite.convert import convert
 from megalite.tokenizer import build_byte_tokenizer
-from megalite.data import ByteTokenizer
+from megalite.tokenizer import byte_tokenizer
 
 TEXTS = ["def f(x):\n\treturn x  # two  spaces", "héllo ☃ — ünïcode", "\x00\x01 control \x7f bytes", ""]
 
@@ -16,7 +16,7 @@ def test_byte_tokenizer_ids_are_the_bytes_and_decode_back():
     assert tok.get_vocab_size() == 256
     for text in TEXTS:
         ids = tok.encode(text).ids
-        assert ids == list(text.encode("utf-8")) == ByteTokenizer().encode(text)
+        assert ids == list(text.encode("utf-8")) == byte_tokenizer().encode(text)
         assert tok.decode(ids) == text
 
 

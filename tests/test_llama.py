@@ -185,6 +185,15 @@ def test_bad_llama_config_is_one_line(tiny_toml, overrides, match):
     assert "\n" not in str(e.value)
 
 
+def test_bad_llama_config_on_the_command_line_is_one_line_and_writes_nothing(tiny_toml, tmp_path):
+    out = tmp_path / "never"
+    for flags, match in ((["--model.n_kv_head=3"], r"model\.n_kv_head = 3 does not divide model\.n_head = 4"),
+                         (['--model.rope_scaling={rope_type="dynamic", factor=2.0}'], r"rope_type = 'dynamic'")):
+        p = H.cli("train", "--config", tiny_toml, "--model.arch=llama", f"--train.out_dir={out}", *flags)
+        H.one_line_error(p, match=match)
+        assert not out.exists()
+
+
 def test_gpt2_refuses_llama_keys(tiny_toml):
     with pytest.raises(ConfigError, match=r"model\.n_kv_head = 2 applies to model\.arch = 'llama' only"):
         validate(resolve(load_config(tiny_toml, ["--model.n_kv_head=2"])))

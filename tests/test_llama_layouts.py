@@ -23,8 +23,9 @@ MICRO4 = {"train.micro_batch_size": 4}
 A = {"parallel.tp": 2, "parallel.pp": 2, "parallel.dp": 2, "parallel.sp": True, "parallel.vpp": 2,
      "train.recompute": "selective", "parallel.overlap_grad_reduce": True, "parallel.zero1": True,
      "parallel.bucket_mb": 0.02, **MICRO4}
-# tp = 4 > n_kv_head = 2: each kv head held by two tp ranks; with sp and full recompute
-SHARED = {"parallel.tp": 4, "parallel.dp": 2, "parallel.sp": True, "train.recompute": "full", "train.micro_batch_size": 8}
+# tp = 4 > n_kv_head = 2: each kv head held by two tp ranks; with sp, full recompute and ZeRO-1 over dp 2
+SHARED = {"parallel.tp": 4, "parallel.dp": 2, "parallel.sp": True, "train.recompute": "full", "parallel.zero1": True,
+          "train.micro_batch_size": 8}
 # context parallelism: rotary at each token's global position (two chunks per rank), with tp and dp
 CP = {"parallel.cp": 2, "parallel.tp": 2, "parallel.dp": 2, "parallel.zero1": True, **MICRO4}
 CP4 = {"parallel.cp": 4, "parallel.tp": 2, "train.micro_batch_size": 8}

@@ -12,7 +12,7 @@ from safetensors.torch import save_file
 
 import megalite.generate as gen
 from megalite.config import ModelConfig
-from megalite.data import ByteTokenizer
+from megalite.tokenizer import byte_tokenizer
 from megalite.model import GPTStage
 from megalite.parallel.grid import ParallelGrid
 
@@ -69,4 +69,4 @@ def test_generate_streams_each_token_before_drawing_the_next(tmp_path, monkeypat
     ids = io.StringIO()
     out = gen.sample_text(path, prompt, max_new_tokens=5, temperature=0, as_ids=True, stream=ids)
     assert ids.getvalue() == out and out.split()[:len(prompt.encode())] == [str(b) for b in prompt.encode()]
-    assert ByteTokenizer().decode(map(int, out.split())).startswith(prompt)
+    assert byte_tokenizer().decode(map(int, out.split())).startswith(prompt)

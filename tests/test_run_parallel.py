@@ -5,7 +5,6 @@ in-memory state, and that a failing rank is reported with its rank and traceback
 import json
 import os
 import re
-from pathlib import Path
 
 import pytest
 
@@ -52,26 +51,8 @@ def test_a_failing_rank_is_reported_with_its_traceback(tmp_path):
         run_parallel(_fail_on_rank_1, 2, tmp_path)
 
 
-# docs/testing.md: begin
-import torch, torch.distributed as dist
-from megalite.testing import run_parallel
-
-def _check_allreduce(rank, world_size, tmp_dir):
-    # runs on each of 4 gloo CPU ranks; torch.distributed is already initialised
-    x = torch.tensor([float(rank)])
-    dist.all_reduce(x)
-    assert x.item() == sum(range(world_size))
-
-def test_allreduce(tmp_path):
-    run_parallel(_check_allreduce, world_size=4, tmp_dir=tmp_path)  # a failing rank's traceback is re-raised
-# docs/testing.md: end
-
-
-def test_the_docs_show_this_files_run_parallel_example_verbatim():
-    here = Path(__file__).read_text()
-    example = here.split("# docs/testing.md: begin\n")[1].split("# docs/testing.md: end\n")[0]
-    docs = (Path(__file__).resolve().parent.parent / "docs" / "testing.md").read_text()
-    assert any(example.strip() == b.strip() for b in re.findall(r"```python\n(.*?)```", docs, re.S))
+# docs/testing.md's run_parallel example (test_allreduce) runs from the page itself, as its own test file in a
+# fresh interpreter: tests/test_docs.py::test_every_pytest_block_passes_as_its_own_file
 
 
 def test_a_worker_that_cannot_import_its_function_says_so(tmp_path, monkeypatch):

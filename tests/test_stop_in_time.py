@@ -25,7 +25,9 @@ def _fake_tools(folder: Path) -> Path:
     folder.mkdir()
     tools = {"torchrun": 'echo "grace=${TORCH_ELASTIC_SHUTDOWN_TIMEOUT:-unset}"',
              "srun": 'while [ "${1#-}" != "$1" ]; do shift; done; exec "$@"',
-             "scontrol": "echo node0", "python3": "exit 3"}  # demo.sh's later steps: stop at once
+             "scontrol": "echo node0",  # python3 -m megalite torchrun: as torchrun; demo.sh's later steps: stop
+             "python3": 'case " $* " in *" torchrun "*) echo "grace=${TORCH_ELASTIC_SHUTDOWN_TIMEOUT:-unset}";; '
+                        '*) exit 3;; esac'}
     for name, body in tools.items():
         (folder / name).write_text(f"#!/bin/sh\n{body}\n")
         (folder / name).chmod(0o755)

@@ -175,7 +175,7 @@ def check_sp_dropout(tp: Axis):
                          grid, sp=sp)
         model.init_weights(1)
         model.train()
-        torch.manual_seed(5)  # the tp ranks share one stream (checkpoint.state.seed_everything)
+        torch.manual_seed(5)  # the tp ranks share one stream (parallel.rng.seed_everything)
         losses[sp, dropout] = model(ids[:, :-1], ids[:, 1:]).item()
     assert losses[True, 0.1] == pytest.approx(losses[False, 0.1], rel=1e-6), (tp.size, losses)
     assert abs(losses[False, 0.1] - losses[False, 0.0]) > 1e-3, losses  # dropout acted

@@ -25,6 +25,7 @@ import torch.nn.functional as F
 import helpers as H
 from megalite.cli import main
 from megalite.config import Config
+from helpers import cli_in_process as cli  # `megalite ARGS` in this process
 
 transformers = pytest.importorskip("transformers")
 
@@ -45,12 +46,6 @@ def _one_thread():
     torch.set_num_threads(before)
 
 
-def cli(*args) -> tuple[int, str, str]:
-    """`megalite ARGS` in this process: (exit code, stdout, stderr)."""
-    out, err = io.StringIO(), io.StringIO()
-    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
-        rc = main([str(a) for a in args])
-    return rc, out.getvalue(), err.getvalue()
 
 
 def one_line(rc, out, err, *fragments) -> str:
@@ -561,18 +556,20 @@ def test_old_token_files_without_tokenizer_fields_still_train_as_bytes(tmp_path)
 
 
 def test_the_documented_numpy_recipe_writes_a_token_file_megalite_trains_on(tmp_path, monkeypatch):
-    """docs/tokenizers.md's token-file format, as a user would follow it: its Python block run as written."""
-    from megalite.data import TokenDataset, check_vocab, tokenizer_of
+    """docs/tokenizers.md's token-file format, as a user would follow it: its Python block run as written, as its
+    own script in a fresh interpreter."""
+    from benchmarks.transcripts import run_script
+    from megalite.data import TokenDataset, check_vocab
     from megalite.tokenizer import train_bpe, write_hf_folder
     doc = (Path(__file__).resolve().parents[1] / "docs" / "tokenizers.md").read_text()
     block = doc.split("```python\n", 1)[1].split("```", 1)[0]
     (tmp_path / "data" / "bpe-4k").mkdir(parents=True)
     write_hf_folder(train_bpe([words(random.Random(4), 3000)], 300), tmp_path / "data" / "bpe-4k", None)
-    monkeypatch.chdir(tmp_path)
-    exec(compile(block, "docs/tokenizers.md", "exec"), {})
+    rc, out, _ = run_script(block, tmp_path, "numpy_recipe")
+    assert rc == 0, out
     ds = TokenDataset(tmp_path / "data" / "mine.bin", "train")
     check_vocab(ds, 300)
-    tok = tokenizer_of(ds)
+    tok = ds.tokenizer()
     every = np.concatenate([ds.tokens, TokenDataset(tmp_path / "data" / "mine.bin", "val").tokens]).tolist()
     assert tok.vocab_size == 300 and tok.decode(every) == "first document" + EOT + "second document"
 

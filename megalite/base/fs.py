@@ -1,5 +1,5 @@
-"""Files on disk: the one durable writer and the one safe opener of megalite (checkpoints, converter outputs,
-the run folder, token files).
+"""Files on disk: every file-safety rule of megalite, in one place (checkpoints, converter outputs, the run
+folder, token files, tokenizer folders). The run lock is lock.py's, on top of this module.
 
     write_new(path, data)           a new plain file holding `data`, fsynced; never through what was at `path`
     replace_atomically(path, data)  `path` replaced by a file holding `data` (write_new of a temporary name,
@@ -9,6 +9,13 @@ the run folder, token files).
     open_append(path)               a regular file of its folder appended to (metrics.jsonl, errors.log): never
                                     through a symlink, never a FIFO or device, never a name shared by hard links
     fsync_dir, unlink_quietly, remove_tree
+    path_kind(p), kind_of(st)       what is at a path, for a message ('a named pipe (FIFO)', 'a broken symlink ...')
+    linked(path, parents)           `path`, or one of its nearest folders, is a symbolic link (refused, never read)
+    regular_or_absent(path, what)   the lstat of a file we will append to or move: nothing, or a regular file
+    move_aside(path)                an earlier output renamed out of the way (`<dir>.old-<time>`,
+                                    `<stem>.<time><suffix>`); nothing is ever deleted
+    replace_output(tmp, out)        a finished output moved into place; the old one removed only after
+    output_refusal(out, sources)    why a command must not write `out` (the current folder, `/`, a source)
     identity(path), folder_locked   what is at a path now (to see another writer's output appear), and a lock
                                     on a folder held while outputs are moved into it (one writer at a time)
 
@@ -28,9 +35,10 @@ import fcntl
 import os
 import shutil
 import stat
+import time
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Callable, Iterator, Optional
+from typing import Callable, Iterable, Iterator, Optional
 
 from .errors import UnsafeFileError
 
@@ -196,6 +204,67 @@ def replace_output(tmp: Path, out: Path) -> None:
         remove_tree(tmp)
         raise
     fsync_dir(out.parent)
+
+
+# ---------------------------------------------------------------- what is there, for a refusal that names it
+def path_kind(p) -> str:
+    """What is at `p`, for an error message about a path that is not the regular file expected: 'a folder',
+    'a character device' (/dev/null), 'a named pipe', 'a broken symlink to X', 'missing (no such file)', ..."""
+    p = Path(p)
+    try:
+        st = p.stat()
+    except FileNotFoundError:
+        return f"a broken symlink to '{os.readlink(p)}'" if p.is_symlink() else "a path that does not exist"
+    except OSError as e:
+        return f"not readable ({e.strerror})"
+    return kind_of(st)
+
+
+def linked(path: Path, parents: int = 0) -> bool:
+    """Whether `path`, or one of its `parents` nearest folders, is a symbolic link: a file of a checkpoint must
+    live in its step folder, never be reached through a link to somewhere else."""
+    path = Path(path)
+    return any(p.is_symlink() for p in [path, *list(path.parents)[:parents]])
+
+
+def regular_or_absent(path: Path, what: str) -> Optional[os.stat_result]:
+    """The lstat of `path` (None if nothing is there); an UnsafeFileError naming `what` if something other than a
+    regular file is there (a symlink, a FIFO, a folder): a file megalite appends to or moves aside is its own."""
+    path = Path(path)
+    st = os.lstat(path) if os.path.lexists(path) else None
+    if st is not None and not stat.S_ISREG(st.st_mode):
+        raise UnsafeFileError(f"{what}: {path} is {kind_of(st)}, expected the run's own file (a regular file); "
+                              f"megalite never writes through it: remove it",
+                              errno.ELOOP if stat.S_ISLNK(st.st_mode) else errno.EINVAL)
+    return st
+
+
+def move_aside(path: Path) -> Path:
+    """Rename an earlier output out of the way, never deleting it: a folder to `<name>.old-<time>`, a file to
+    `<stem>.<time><suffix>` (metrics.jsonl -> metrics.20261204-170000.jsonl). Returns the new path."""
+    path, now = Path(path), time.strftime("%Y%m%d-%H%M%S")
+    aside = (path.with_name(f"{path.name}.old-{now}") if path.is_dir() and not path.is_symlink()
+             else path.with_name(f"{path.stem}.{now}{path.suffix}"))
+    os.rename(path, aside)
+    return aside
+
+
+def output_refusal(out: Path, sources: Iterable[Path] = ()) -> str:
+    """Why a command must not write (and perhaps replace) `out`, or '' if it may: a name that is no name ('',
+    '.', '..'), the current folder or one holding it, a source of the command, inside one or holding one."""
+    given = Path(out)
+    if given.name in ("", ".", ".."):
+        return f"--out '{given}': expected the path of a new file or folder, not '{given}'"
+    out = given.resolve()
+    if out == Path.cwd() or out in Path.cwd().parents:
+        return f"--out {out}: refusing to replace a folder that holds the current directory"
+    for src in sources:
+        src = Path(src).resolve()
+        if out == src or src in out.parents:
+            return f"--out {out}: refusing to write into the source checkpoint {src}"
+        if out in src.parents:
+            return f"--out {out}: refusing to replace a folder that contains the source {src}"
+    return ""
 
 
 def identity(path: Path) -> Optional[tuple]:

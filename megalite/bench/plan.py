@@ -111,7 +111,7 @@ def _reports(stages: list, layout) -> tuple[list, list]:
             tensors.append((proto, mf.SliceRef(f"{rel}/{it.file}", it.key, it.box, it.flat, crcs)))
         files = {f"{rel}/{f}": mf.FileRecord(n, "00000000") for f, n in sizes.items()}
         files[f"{rel}/{STATE_FILE}"] = mf.FileRecord(0, "00000000")
-        reports.append({"files": files, "tensors": tensors})
+        reports.append(mf.RankReport(files, tensors))
         written.append(sum(sizes.values()))
     return reports, written
 
@@ -130,11 +130,11 @@ def validate(d: dict) -> list[str]:
 def gather_to_rank0(reports: list, layout) -> tuple[int, int]:
     """(bytes, messages) rank 0 receives in the commit's two-level gather (`commit._gather`): the pickled
     reports of the other ranks of stage 0, then the merged part of every other stage from its leader."""
-    from ..checkpoint.commit import merge_reports
+    from ..checkpoint.manifest import RankReport
     leaders = layout.leader_ranks()  # reports are in rank order (layout.coords())
     stages = [layout.stage_ranks(layout.coord_of(r)) for r in leaders]
     first = sum(len(pickle.dumps(reports[r])) for r in stages[0][1:])
-    parts = sum(len(pickle.dumps(merge_reports([reports[r] for r in members]))) for members in stages[1:])
+    parts = sum(len(pickle.dumps(RankReport.merged([reports[r] for r in members]))) for members in stages[1:])
     return first + parts, len(stages[0]) - 1 + len(leaders) - 1
 
 

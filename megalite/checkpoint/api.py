@@ -30,12 +30,12 @@ from pathlib import Path
 from typing import Optional
 
 import torch
-import torch.distributed as dist
 
 from ..base.errors import CheckpointError
 from ..base.jsonio import NotEncodable, decode, encode, plain_problem
 from .async_save import AsyncSaver
-from .commit import save_collective
+from ..parallel.agree import agreed, everyone
+from .commit import commit_groups, save_collective
 from .load import Loaded, load_into
 from .manifest import DTYPES, check_meta, step_meta
 from .optimizer import optimizer_state
@@ -83,18 +83,6 @@ def encode_scheduler(scheduler) -> Optional[dict]:
         raise CheckpointError(f"scheduler state: {e}") from None
 
 
-def agreed(problem: Optional[str], grid, what: str) -> None:
-    """Raise on every rank if any rank found a problem (one all_gather_object over the grid's gloo group):
-    the lowest failing rank's one line, the same CheckpointError everywhere, before anything is written."""
-    everyone = [problem]
-    if grid.layout.world_size > 1:
-        everyone = [None] * grid.layout.world_size
-        dist.all_gather_object(everyone, problem, group=grid.cpu)
-    for r, p in enumerate(everyone):
-        if p is not None:
-            raise CheckpointError(f"{what}: rank {r}: {p}" if len(everyone) > 1 else f"{what}: {p}", shared=True)
-
-
 def save_checkpoint(root, step: int, model, optimizer, grid, *, scheduler=None, client_state: Optional[dict] = None,
                     config: Optional[dict] = None, tokens_seen: int = 0, data_state: Optional[dict] = None,
                     keep_last: int = 0, saver: Optional[AsyncSaver] = None, keep=(),
@@ -125,6 +113,7 @@ def save_checkpoint(root, step: int, model, optimizer, grid, *, scheduler=None, 
     except CheckpointError as e:
         problem = str(e)
     agreed(problem, grid, f"checkpoint step {step} was not saved")
+    commit_groups(grid)  # the commit's own groups, made now by every rank in this (the main) thread
     opt = optimizer_state(optimizer)
     section = opt.section(named, grid)  # with torch.optim, a collective that checks every rank's state
     pay = collect(named, opt, grid, StepState.capture(step, tokens_seen, data_state, sched), buffers=buffers)
@@ -141,12 +130,7 @@ def exchange_names(named, grid) -> Optional[set]:
     """Every name the whole model holds (the union over pipeline stages), for the unexpected-key check; the
     names of this rank alone when there is one stage. One all_gather_object over the pp axis: called first
     in load_checkpoint, before anything can fail, so every rank reaches it."""
-    mine = [n for n, _ in named]
-    if not grid.pp.active:
-        return set(mine)
-    everyone = [None] * grid.pp.size
-    dist.all_gather_object(everyone, mine, group=grid.pp.group)
-    return {n for names in everyone for n in names}
+    return {n for names in everyone([n for n, _ in named], grid, grid.pp) for n in names}
 
 
 def load_checkpoint(path, model, optimizer, grid, *, scheduler=None, model_config: Optional[dict] = None) -> Loaded:

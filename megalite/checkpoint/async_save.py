@@ -13,7 +13,7 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
-from .commit import save_collective
+from .commit import commit_groups, save_collective
 from .plan import Payload
 
 
@@ -93,6 +93,7 @@ class AsyncSaver:
 
     def submit(self, root, step, pay, grid, meta, keep_last, keep=(), optimizer=None) -> None:
         self.wait()  # the previous save's tensors are free again (a held tensor's old buffer becomes its spare)
+        every = commit_groups(grid).every  # made here, in the main thread, on every rank (new_group is collective)
         keys = self.held_keys(pay, optimizer)
         staged = self.stager.stage(pay, lambda t: bool(keys) and optimizer.holdable(t) is not None)
         if keys:
@@ -101,7 +102,7 @@ class AsyncSaver:
         def run():
             try:
                 if grid.layout.world_size > 1:  # write once every rank has its snapshot: ranks sharing a
-                    dist.barrier(group=grid.aux)  # host's cores never slow another's copy with their writes
+                    dist.barrier(group=every)  # host's cores never slow another's copy with their writes
                 self.last = save_collective(root, step, staged, grid, meta, keep_last, keep)
             except BaseException as e:  # noqa: BLE001
                 self.error = e

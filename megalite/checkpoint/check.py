@@ -1,11 +1,12 @@
-"""The loader's checks run without loading: `verify` (for `megalite verify`, resume=auto's choice, and the
-commit's `recover`, which moves in an interrupted re-save only if it verifies), and the checked read of a
-whole small file of a step (state.json) that the loader and `verify` share.
+"""The checkpoint's validation home: every check a file of a step must pass before any of it is used, shared by
+the loader (load.py, read.py), the commit and `verify` (verify.py, which runs them all without loading).
 
-`verify` runs the same manifest parser (every field, paths, dtypes, exact tiling, the manifest's checksum),
-the same file checks (no symlinks, sizes, header checksums and well-formed headers), the same key/dtype/shape
-checks, and every checksum block of every slice, every state.json and the tokenizer.json. So a checkpoint `verify` calls intact
-is one every loader accepts, and any checkpoint problem a loader would refuse, `verify` reports.
+    read_checked(step, man, rel)   a small file read whole, checked against its size and CRC32C (state.json,
+                                   tokenizer.json); read_state, read_tokenizer
+    check_file(step, rel, man)     a safetensors file as the loader opens it: inside the step folder (no link),
+                                   the manifest's size, a well-formed header whose CRC32C matches
+    check_key(step, header, ...)   a slice's key in its file, with the manifest's dtype and stored shape
+Each block of tensor bytes is checked as it is read (read.py's SliceReader).
 """
 from __future__ import annotations
 
@@ -13,18 +14,17 @@ from pathlib import Path
 from typing import Optional
 
 from ..base.errors import CheckpointError
-from ..base.fs import read_all
-from .manifest import Manifest, read
-from .read import SliceReader, check_key
+from ..base.fs import linked, read_all
+from .manifest import Manifest, SliceRef, TensorEntry
 from .state import StepState
-from .stream import crc32c
-from .tree import MANIFEST, STATE_FILE, coord_dir, resolve, tokenizer_rel
+from .stream import check_header, crc32c, read_header, st_dtype
+from .tree import STATE_FILE, coord_dir, tokenizer_rel
 
 
 def read_checked(step: Path, man: Manifest, rel: str) -> bytes:
     """A small file of the step read whole, checked against the size and CRC32C the manifest records."""
     path, rec = step / rel, man.files[rel]
-    if path.is_symlink() or path.parent.is_symlink():
+    if linked(path, parents=1):
         raise CheckpointError(f"{step.name}: {rel} is a symbolic link (refused: files must live in the step folder)")
     try:
         data = read_all(path)
@@ -51,52 +51,41 @@ def read_tokenizer(step: Path, man: Manifest) -> Optional[bytes]:
     return read_checked(step, man, rel) if rel in man.files else None
 
 
-def verify(path, data: bool = True) -> tuple[Path, list[str]]:
-    """Every problem, one line each: the manifest, then per coordinate, per file and per tensor slice.
-    `data=False` (the commit's check of what it is about to commit) skips reading the tensors' bytes: every
-    file is still there, a regular file of its coordinate's folder, of its size, with its header checksum (and
-    every state.json whole), which is what a rank that wrote somewhere else would leave missing."""
+def check_file(step: Path, rel: str, man: Manifest) -> tuple[dict, int]:
+    """Open one safetensors file of the step as the loader does: a regular file inside the step folder,
+    the size the manifest says, a well-formed header whose CRC32C matches. Returns (header, data start)."""
+    path, rec = step / rel, man.files[rel]
+    if linked(path, parents=1):
+        raise CheckpointError(f"{step.name}: {rel} is a symbolic link (refused: files must live in the step folder)")
+    if not path.is_file():
+        raise CheckpointError(f"{step.name}: shard {rel} is missing (layout {man.layout} expects it)")
+    size = path.stat().st_size
+    if size != rec.bytes:
+        raise CheckpointError(f"{step.name}: {rel} is {size} bytes, the manifest says {rec.bytes} "
+                              f"(truncated or replaced?)")
     try:
-        step = resolve(path)
-        man = read(step)
-    except CheckpointError as e:
-        return Path(path), [str(e)]
-    problems = []
-    for c in man.layout.coords():
-        rel = coord_dir(c, man.layout.cp)
-        if not (step / rel).is_dir():
-            problems.append(f"{step.name}: folder {rel}/ is missing (layout {man.layout} expects it)")
-            continue
-        try:
-            read_state(step, man, c)
-        except CheckpointError as e:
-            problems.append(str(e))
+        header, start, crc = read_header(path)
+    except (ValueError, UnicodeDecodeError) as e:  # a damaged header, or not safetensors at all
+        raise CheckpointError(f"{step.name}: {rel} is not a readable safetensors file ({e})") from None
+    if f"{crc:08x}" != rec.crc32c:
+        raise CheckpointError(f"{step.name}: {rel} fails its header checksum (crc32c {crc:08x}, manifest "
+                              f"{rec.crc32c}): the file is corrupted")
     try:
-        read_tokenizer(step, man)
-    except CheckpointError as e:
-        problems.append(str(e))
-    reader = SliceReader(step, man)
-    bad_files = set()
-    for rel in man.files:
-        if rel.endswith(".safetensors"):
-            try:
-                reader.header(rel)
-            except CheckpointError as e:
-                problems.append(str(e))
-                bad_files.add(rel)
-    for entry in man.tensors():
-        for sl in entry.slices:
-            if sl.file in bad_files:
-                continue
-            try:
-                check_key(step, reader.header(sl.file)[0], entry, sl)
-                if data:
-                    reader.read_stored(entry, sl)  # all its blocks, checked
-            except CheckpointError as e:
-                problems.append(str(e))
-    return step, problems
+        check_header(header, start, size)
+    except ValueError as e:
+        raise CheckpointError(f"{step.name}: {rel} has a bad safetensors header ({e})") from None
+    return header, start
 
 
-def complete(folder: Path) -> bool:
-    """A step folder with a manifest that verifies (what the commit's `recover` may move into place)."""
-    return (folder / MANIFEST).is_file() and not verify(folder)[1]
+def check_key(step: Path, header: dict, entry: TensorEntry, sl: SliceRef) -> dict:
+    """The slice's key is in its file with the manifest's dtype and stored shape."""
+    h = header.get(sl.key)
+    if h is None:
+        raise CheckpointError(f"{step.name}: tensor '{entry.name}' (key '{sl.key}') is missing from {sl.file}")
+    if list(h["shape"]) != sl.shape:
+        raise CheckpointError(f"{step.name}: tensor '{entry.name}' in {sl.file} has shape {list(h['shape'])}, "
+                              f"the manifest says {sl.shape}")
+    if h["dtype"] != st_dtype(entry.torch_dtype):
+        raise CheckpointError(f"{step.name}: tensor '{entry.name}' in {sl.file} is stored as {h['dtype']}, "
+                              f"the manifest says {entry.dtype}")
+    return h

@@ -1,6 +1,6 @@
 """The commit protocol: every rank's folder written, gathered, committed atomically, pruned; and its repair.
 
-Commit protocol (all coordination on the grid's `aux` gloo group, never shared with training):
+Commit protocol (all coordination on the commit's own gloo groups, `CommitGroups`, never shared with training):
   1. rank 0 finishes or undoes what a killed save left (`recover`) and creates `.tmp-step_N/`;
   2. every rank writes its own `tpXX-ppXX-dpXX/` folder (safetensors + JSON), fsyncs, and reports the
      files with sizes and checksums (or its error) to rank 0, through its stage's leader (`_gather`)
@@ -15,7 +15,7 @@ protocol leaves at worst a `.tmp-*` folder that the next start finishes or remov
 points of megalite.base.faults (`kill_point`) sit at each boundary, and tests kill a rank at each in turn.
 
 An async save (async_save.AsyncSaver) runs steps 1-4 in a background thread. Before a re-saved step is moved
-in by `recover`, it is verified (check.complete), as every loader would check it.
+in by `recover`, it is verified (verify.complete), as every loader would check it.
 """
 from __future__ import annotations
 
@@ -24,6 +24,8 @@ import errno
 import os
 import sys
 import traceback
+import weakref
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterable, Optional
 
@@ -31,57 +33,66 @@ import torch.distributed as dist
 
 from ..base.errors import CheckpointError
 from ..base.faults import kill_point, no_rename_exchange
-from .check import complete, verify
 from ..base.fs import fsync_dir, remove_tree, unlink_quietly
-from .manifest import Manifest, StepMeta, build, write
+from ..parallel.agree import bcast_object, gather_to_first
+from ..parallel.grid import Axis
+from .verify import complete, verify
+from .manifest import Manifest, RankReport, StepMeta, build, write
 from .plan import Payload
 from .tree import LATEST, LATEST_TMP, TMP_PREFIX, committed_steps, coord_dir, parse_step_dir, read_latest, step_dir, \
     tmp_dir, write_latest
 from .write import write_rank
 
 
-# ---------------------------------------------------------------- collective helpers (world of one allowed)
-def bcast_object(obj, grid, group=None):
-    """Rank 0's `obj` on every rank (on `group`, by default the checkpoint's own aux group)."""
-    if grid.layout.world_size == 1:
-        return obj
-    box = [obj]
-    dist.broadcast_object_list(box, src=0, group=group or grid.aux)
-    return box[0]
+# ---------------------------------------------------------------- the commit's own groups
+@dataclass
+class CommitGroups:
+    """The gloo groups only the commit uses, never shared with training (a background commit's collectives
+    must not interleave with the loop's): one over every rank, one per pipeline stage (its ranks report to the
+    stage's leader) and one over the stage leaders. Made on a grid's first save, by every rank in the main
+    thread (new_group is collective), and kept for the grid's life."""
+    every: object
+    stage: Axis
+    leaders: Axis
 
 
-def merge_reports(reports: list) -> dict:
-    """One report holding several ranks' (a stage leader's part): their files and slices, and their errors."""
-    out = {"files": {}, "tensors": [], "errors": []}
-    for r in reports:
-        if "error" in r:
-            out["errors"].append(r["error"])
-        else:
-            out["files"].update(r["files"])
-            out["tensors"] += r["tensors"]
-            out["errors"] += r.get("errors", [])
-    return out
+_GROUPS: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
 
 
-def _gather_object(obj, axis) -> Optional[list]:
-    """Every member's `obj` on the axis' rank 0 (None elsewhere)."""
-    if not axis.active:
-        return [obj]
-    out = [None] * axis.size if axis.rank == 0 else None
-    dist.gather_object(obj, out, group=axis.group, group_dst=0)
-    return out
+def commit_groups(grid) -> CommitGroups:
+    """The grid's CommitGroups, made on first use (all ranks call it at the same save)."""
+    if grid in _GROUPS:
+        return _GROUPS[grid]
+    layout, one = grid.layout, Axis(1, 0)
+    if layout.world_size == 1:
+        groups = CommitGroups(None, one, one)
+    else:
+        timeout, rank = getattr(grid, "timeout", None), grid.rank
+        every = dist.new_group(backend="gloo", timeout=timeout)
+        axes = {"stage": one, "leaders": one}
+        for name, sets in [("stage", [layout.stage_ranks(layout.coord_of(r)) for r in layout.leader_ranks()]),
+                           ("leaders", [layout.leader_ranks()])]:
+            for members in sets:
+                if len(members) > 1:
+                    group = dist.new_group(members, backend="gloo", timeout=timeout)
+                    if rank in members:
+                        axes[name] = Axis(len(members), members.index(rank), group)
+        groups = CommitGroups(every, **axes)
+    _GROUPS[grid] = groups
+    return groups
 
 
-def _gather(report: dict, grid) -> Optional[list]:
+def _gather(report: RankReport, grid) -> Optional[list]:
     """Every rank's report on rank 0, in two levels so that no rank receives a message per rank: the
     ranks of each pipeline stage send theirs to the stage's leader (its first rank), which merges them;
     rank 0 (the leader of stage 0) then gathers the pp merged parts. Rank 0 receives tp*dp - 1 + pp - 1
     messages instead of world - 1, and the stages gather in parallel. None on every other rank."""
-    part = _gather_object(report, grid.aux_stage)
+    groups = commit_groups(grid)
+    part = gather_to_first(report, groups.stage)
     if part is None:
         return None
-    merged = merge_reports(part)
-    return _gather_object(merged, grid.aux_leaders)
+    merged = RankReport.merged(part)
+    return gather_to_first(merged, groups.leaders)
 
 
 OLD_PREFIX = TMP_PREFIX + "old-"  # a step being replaced, kept until its replacement is in place
@@ -103,6 +114,15 @@ def _exchange(a: Path, b: Path) -> bool:
     if err in (errno.EINVAL, errno.ENOSYS, errno.EOPNOTSUPP):
         return False
     raise OSError(err, os.strerror(err), str(a))
+
+
+_RECOVERED: set = set()  # the roots (real paths) this process has put right since its last failed save
+
+
+def recover_once(root: Path) -> list[str]:
+    """`recover(root)` the first time this process saves into (or starts a run on) `root`, and again after a
+    save there failed; not in every save: between two good saves of this process nothing is left to repair."""
+    return [] if os.path.realpath(root) in _RECOVERED else recover(root)
 
 
 def recover(root: Path) -> list[str]:
@@ -134,6 +154,7 @@ def recover(root: Path) -> list[str]:
     if os.path.lexists(root / LATEST_TMP):
         unlink_quietly(root / LATEST_TMP)
         done.append(f"removed {LATEST_TMP}")
+    _RECOVERED.add(os.path.realpath(root))
     return done
 
 
@@ -240,11 +261,11 @@ def save_collective(root: Path, step: int, pay: Payload, grid, meta: StepMeta, k
     if grid.rank == 0:
         try:
             root.mkdir(parents=True, exist_ok=True)
-            recover(root)
+            recover_once(root)
             tmp.mkdir()
         except OSError as e:
             err = f"checkpoint step {step}: cannot create {tmp} ({e.strerror or e})"
-    err, root0 = bcast_object((err, mine), grid)
+    err, root0 = bcast_object((err, mine), grid, commit_groups(grid).every)
     if err:
         raise CheckpointError(err, shared=True)
     rel = coord_dir(grid.coord, grid.layout.cp)
@@ -255,13 +276,13 @@ def save_collective(root: Path, step: int, pay: Payload, grid, meta: StepMeta, k
         report = write_rank(tmp / rel, pay, rel)
         kill_point("slices_written")
     except CheckpointError as e:
-        report = {"error": str(e)}
+        report = RankReport.failed(str(e))
     except Exception as e:  # noqa: BLE001 - every failure becomes the same error on all ranks
-        report = {"error": _write_failure(grid.rank, rel, e)}
+        report = RankReport.failed(_write_failure(grid.rank, rel, e))
     reports = _gather(report, grid)
     outcome = None
     if grid.rank == 0:
-        failures = [e for r in reports for e in r["errors"]]
+        failures = [e for r in reports for e in r.errors]
         try:
             if failures:
                 remove_tree(tmp)
@@ -270,7 +291,8 @@ def save_collective(root: Path, step: int, pay: Payload, grid, meta: StepMeta, k
             commit_step(root, step, build(meta, reports), keep_last, keep)
         except CheckpointError as e:
             outcome = str(e)
-    outcome = bcast_object(outcome, grid)
+    outcome = bcast_object(outcome, grid, commit_groups(grid).every)
     if outcome:
+        _RECOVERED.discard(mine)  # a failed save may leave what the next one must put right first
         raise CheckpointError(outcome, shared=True)
     return root / step_dir(step)

@@ -52,7 +52,7 @@ from ..base.errors import CheckpointError, ConfigError, LayoutError, UnsafeFileE
 from ..base.jsonio import decode, loads
 from ..parallel.grid import Layout
 from ..parallel.partition import Box, Partition
-from ..base.fs import open_read, read_all, write_new
+from ..base.fs import linked, open_read, read_all, write_new
 from .stream import crc32c
 from .tiling import tiling_problems
 from .tree import COORD_PATTERN, MANIFEST, MODEL_FILE, OPTIM_FILE, STATE_FILE, TOKENIZER_FILE, coord_dir
@@ -571,15 +571,35 @@ def check_meta(meta: StepMeta, where: str = "save_checkpoint") -> None:
     decode(meta.scheduler, "scheduler", p.error)
 
 
-def build(meta: StepMeta, reports: list[dict]) -> Manifest:
-    """Merge every rank's report (the files it wrote, the slices they hold) into one manifest.
+@dataclass
+class RankReport:
+    """What a rank wrote in a save (or a stage's ranks, merged by its leader): the files, each with its size and
+    checksum, the slices they hold as (entry prototype, SliceRef), and one line per rank that failed."""
+    files: dict = field(default_factory=dict)    # rel -> FileRecord
+    tensors: list = field(default_factory=list)  # [(TensorEntry, SliceRef)]
+    errors: list = field(default_factory=list)   # [str]
 
-    A report: {"files": {rel: FileRecord}, "tensors": [(TensorEntry, SliceRef)]}.
-    """
+    @classmethod
+    def failed(cls, error: str) -> "RankReport":
+        return cls(errors=[error])
+
+    @classmethod
+    def merged(cls, reports: list) -> "RankReport":
+        """One report holding several ranks' (a stage leader's part): their files, slices and errors."""
+        out = cls()
+        for r in reports:
+            out.files.update(r.files)
+            out.tensors += r.tensors
+            out.errors += r.errors
+        return out
+
+
+def build(meta: StepMeta, reports: list) -> Manifest:
+    """Merge every rank's RankReport (the files it wrote, the slices they hold) into one manifest."""
     files, sections = {}, {"model": {}, "optimizer_state": {}}
     for rep in reports:
-        files.update(rep["files"])
-        for proto, sl in rep["tensors"]:
+        files.update(rep.files)
+        for proto, sl in rep.tensors:
             section = sections["model" if proto.kind == "model" else "optimizer_state"]
             section.setdefault(proto.name, []).append((proto, sl))
     out = {}
@@ -608,7 +628,7 @@ def entry_for(section: dict, name: str, shape, step: Path) -> TensorEntry:
 def read_json(step_dir: Path) -> dict:
     """The raw JSON of manifest.json (for tools and tests that craft manifests; loaders use `read`)."""
     path = Path(step_dir) / MANIFEST
-    if path.is_symlink():
+    if linked(path):
         raise CheckpointError(f"{path}: manifest is a symbolic link (refused: files must live in the step folder)")
     try:
         data = read_all(path)

@@ -35,9 +35,9 @@ import math
 from typing import Optional
 
 import torch
-import torch.distributed as dist
 
 from ..base.errors import CheckpointError
+from ..parallel.agree import everyone
 from ..parallel.data import ShardedAdamW
 from ..parallel.partition import Box, Partition, local_shape, partition_of, valid_view
 from .manifest import (DTYPE_NAMES, DTYPES, MOMENTS, SCALAR_DTYPES, STATE_KEY, TORCH_OPTIM, Manifest, entry_for,
@@ -264,18 +264,15 @@ def _describe(owner: TorchOptimState, named, grid) -> dict:
     except CheckpointError as e:
         mine, error = None, f"rank {grid.rank}: {e}" if grid.layout.world_size > 1 else str(e)
     entry = (error, None if mine is None else {k: v for k, v in mine.items() if k != "tensors"})
-    everyone = [entry]
-    if grid.layout.world_size > 1:
-        everyone = [None] * grid.layout.world_size
-        dist.all_gather_object(everyone, entry, group=grid.cpu)
-    errors = [e for e, _ in everyone if e]
+    found = everyone(entry, grid)
+    errors = [e for e, _ in found if e]
     if errors:
         raise CheckpointError(errors[0])
-    first = everyone[0][1]
+    first = found[0][1]
     groups = [{"params": [], **g["hyper"]} for g in first["groups"]]
     listed = [set() for _ in groups]
     scalars = {}
-    for r, (_, d) in enumerate(everyone):
+    for r, (_, d) in enumerate(found):
         if d["class"] != first["class"] or len(d["groups"]) != len(groups):
             raise CheckpointError(f"rank {r} has a {d['class']} with {len(d['groups'])} param groups, rank 0 a "
                                   f"{first['class']} with {len(groups)}: every rank must build the same optimizer")

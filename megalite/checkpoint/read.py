@@ -19,47 +19,8 @@ import torch
 from ..base.errors import CheckpointError
 from ..parallel.partition import Box
 from .manifest import Manifest, SliceRef, TensorEntry
-from .stream import check_header, crc32c, raw_bytes, read_bytes, read_header, st_dtype
-
-
-def check_file(step: Path, rel: str, man: Manifest) -> tuple[dict, int]:
-    """Open one safetensors file of the step as the loader does: a regular file inside the step folder,
-    the size the manifest says, a well-formed header whose CRC32C matches. Returns (header, data start)."""
-    path, rec = step / rel, man.files[rel]
-    if path.is_symlink() or path.parent.is_symlink():
-        raise CheckpointError(f"{step.name}: {rel} is a symbolic link (refused: files must live in the step folder)")
-    if not path.is_file():
-        raise CheckpointError(f"{step.name}: shard {rel} is missing (layout {man.layout} expects it)")
-    size = path.stat().st_size
-    if size != rec.bytes:
-        raise CheckpointError(f"{step.name}: {rel} is {size} bytes, the manifest says {rec.bytes} "
-                              f"(truncated or replaced?)")
-    try:
-        header, start, crc = read_header(path)
-    except (ValueError, UnicodeDecodeError) as e:  # a damaged header, or not safetensors at all
-        raise CheckpointError(f"{step.name}: {rel} is not a readable safetensors file ({e})") from None
-    if f"{crc:08x}" != rec.crc32c:
-        raise CheckpointError(f"{step.name}: {rel} fails its header checksum (crc32c {crc:08x}, manifest "
-                              f"{rec.crc32c}): the file is corrupted")
-    try:
-        check_header(header, start, size)
-    except ValueError as e:
-        raise CheckpointError(f"{step.name}: {rel} has a bad safetensors header ({e})") from None
-    return header, start
-
-
-def check_key(step: Path, header: dict, entry: TensorEntry, sl: SliceRef) -> dict:
-    """The slice's key is in its file with the manifest's dtype and stored shape."""
-    h = header.get(sl.key)
-    if h is None:
-        raise CheckpointError(f"{step.name}: tensor '{entry.name}' (key '{sl.key}') is missing from {sl.file}")
-    if list(h["shape"]) != sl.shape:
-        raise CheckpointError(f"{step.name}: tensor '{entry.name}' in {sl.file} has shape {list(h['shape'])}, "
-                              f"the manifest says {sl.shape}")
-    if h["dtype"] != st_dtype(entry.torch_dtype):
-        raise CheckpointError(f"{step.name}: tensor '{entry.name}' in {sl.file} is stored as {h['dtype']}, "
-                              f"the manifest says {entry.dtype}")
-    return h
+from .check import check_file, check_key
+from .stream import crc32c, raw_bytes, read_bytes
 
 
 def lands_in(out: Optional[torch.Tensor], dtype: torch.dtype, numel: int) -> bool:

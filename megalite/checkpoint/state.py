@@ -99,13 +99,5 @@ def restore_rng(state: dict) -> None:
         torch.cuda.set_rng_state(_unb64(state["cuda"]))
 
 
-def seed_everything(seed: int, grid) -> None:
-    """tp ranks share a stream (dropout on the replicated residual must agree); pp/dp ranks differ."""
-    s = seed + 1000 * grid.coord.pp + grid.coord.dp
-    random.seed(s)
-    np.random.seed(s % 2**32)
-    torch.manual_seed(s)
-
-
 def dumps_json(obj) -> str:
     return json.dumps(obj, separators=(",", ":"))

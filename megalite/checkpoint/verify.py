@@ -1,17 +1,27 @@
-"""`megalite verify`, `megalite inspect` and `inspect --tree`: check a checkpoint as the loader would
-(`verify`, the loader's own validation run without loading: check.py); describe it.
+"""`megalite verify`, `megalite inspect` and `inspect --tree`: check a whole checkpoint as the loader would,
+without loading it (`verify`: every check of check.py, for `megalite verify`, resume=auto's choice and the
+commit's `recover`, which moves in an interrupted re-save only if it verifies); describe it.
+
+`verify` runs the same manifest parser (every field, paths, dtypes, exact tiling, the manifest's checksum),
+the same file checks (no symlinks, sizes, header checksums and well-formed headers), the same key/dtype/shape
+checks, and every checksum block of every slice, every state.json and the tokenizer.json. So a checkpoint
+`verify` calls intact is one every loader accepts, and any checkpoint problem a loader would refuse, `verify`
+reports.
 """
 from __future__ import annotations
 
 from collections import defaultdict
+from pathlib import Path
 
+from ..base.errors import CheckpointError
 from ..parallel.grid import Coord
 from ..parallel.pipeline import stage_of
-from .check import verify
+from .check import check_key, read_state, read_tokenizer
 from .manifest import FORMAT_VERSION, read
-from .tree import MODEL_FILE, OPTIM_FILE, coord_dir, parse_coord_dir, resolve
+from .read import SliceReader
+from .tree import MANIFEST, MODEL_FILE, OPTIM_FILE, coord_dir, parse_coord_dir, resolve
 
-__all__ = ["verify", "inspect", "tree"]
+__all__ = ["verify", "complete", "inspect", "tree"]
 
 
 def _stage_layers(man: dict) -> dict[int, list[int]]:
@@ -110,3 +120,54 @@ def tree(path) -> str:
                 row += f"{rel + '  r' + str(layout.rank_of(c)) + '  ' + _h(size[rel]):<{cell}}"
             lines.append(row.rstrip())
     return "\n".join(lines)
+
+
+def verify(path, data: bool = True) -> tuple[Path, list[str]]:
+    """Every problem, one line each: the manifest, then per coordinate, per file and per tensor slice.
+    `data=False` (the commit's check of what it is about to commit) skips reading the tensors' bytes: every
+    file is still there, a regular file of its coordinate's folder, of its size, with its header checksum (and
+    every state.json whole), which is what a rank that wrote somewhere else would leave missing."""
+    try:
+        step = resolve(path)
+        man = read(step)
+    except CheckpointError as e:
+        return Path(path), [str(e)]
+    problems = []
+    for c in man.layout.coords():
+        rel = coord_dir(c, man.layout.cp)
+        if not (step / rel).is_dir():
+            problems.append(f"{step.name}: folder {rel}/ is missing (layout {man.layout} expects it)")
+            continue
+        try:
+            read_state(step, man, c)
+        except CheckpointError as e:
+            problems.append(str(e))
+    try:
+        read_tokenizer(step, man)
+    except CheckpointError as e:
+        problems.append(str(e))
+    reader = SliceReader(step, man)
+    bad_files = set()
+    for rel in man.files:
+        if rel.endswith(".safetensors"):
+            try:
+                reader.header(rel)
+            except CheckpointError as e:
+                problems.append(str(e))
+                bad_files.add(rel)
+    for entry in man.tensors():
+        for sl in entry.slices:
+            if sl.file in bad_files:
+                continue
+            try:
+                check_key(step, reader.header(sl.file)[0], entry, sl)
+                if data:
+                    reader.read_stored(entry, sl)  # all its blocks, checked
+            except CheckpointError as e:
+                problems.append(str(e))
+    return step, problems
+
+
+def complete(folder: Path) -> bool:
+    """A step folder with a manifest that verifies (what the commit's `recover` may move into place)."""
+    return (folder / MANIFEST).is_file() and not verify(folder)[1]

@@ -9,30 +9,30 @@ from __future__ import annotations
 from pathlib import Path
 
 from ..base.fs import fsync_dir, write_new
-from .manifest import FileRecord, SliceRef, checksum_block
+from .manifest import FileRecord, RankReport, SliceRef, checksum_block
 from .plan import Payload
 from .stream import StreamingWriter, crc32c
 from .tree import STATE_FILE
 
 
-def write_rank(folder: Path, pay: Payload, rel: str) -> dict:
+def write_rank(folder: Path, pay: Payload, rel: str) -> RankReport:
     """Write one coordinate's folder; return its report for the manifest (see manifest.build)."""
     block = checksum_block()
     folder.mkdir(parents=True, exist_ok=True)
-    report = {"files": {}, "tensors": []}
+    report = RankReport()
     crcs = {}
     for fname, tensors in pay.files.items():
         size, crc, crcs[fname] = _write_tensors(folder / fname, tensors, block)
-        report["files"][f"{rel}/{fname}"] = FileRecord(size, crc)
+        report.files[f"{rel}/{fname}"] = FileRecord(size, crc)
     data = pay.state.to_json()
     write_new(folder / STATE_FILE, data)
-    report["files"][f"{rel}/{STATE_FILE}"] = FileRecord(len(data), f"{crc32c(data):08x}")
+    report.files[f"{rel}/{STATE_FILE}"] = FileRecord(len(data), f"{crc32c(data):08x}")
     for name, data in pay.step_files.items():
         write_new(folder / name, data)
-        report["files"][f"{rel}/{name}"] = FileRecord(len(data), f"{crc32c(data):08x}")
+        report.files[f"{rel}/{name}"] = FileRecord(len(data), f"{crc32c(data):08x}")
     for proto, it in pay.records:
         sl = SliceRef(f"{rel}/{it.file}", it.key, it.box, it.flat, crcs[it.file][it.key])
-        report["tensors"].append((proto, sl))
+        report.tensors.append((proto, sl))
     fsync_dir(folder)
     return report
 

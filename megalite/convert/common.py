@@ -3,7 +3,6 @@ tags, reading a checkpoint's model one full tensor at a time, and opening input 
 with one-line errors."""
 from __future__ import annotations
 
-import fcntl
 import json
 import os
 import stat
@@ -16,7 +15,8 @@ from typing import Iterable, Optional
 import torch
 from safetensors import safe_open
 
-from ..base.fs import kind_of, open_regular, read_all
+from ..base.fs import kind_of, output_refusal, read_all
+from ..base.lock import held
 from ..checkpoint.manifest import FORMAT as MANIFEST_FORMAT, Manifest, entry_for
 from ..checkpoint.read import SliceReader
 from ..checkpoint.stream import read_metadata
@@ -24,7 +24,8 @@ from ..checkpoint.tree import LATEST, LATEST_TMP, LOCK, MANIFEST, TMP_PREFIX, pa
 from ..config import ModelConfig
 from ..base.errors import CheckpointError, ConvertError, LayoutError
 from ..base.jsonio import loads
-from ..parallel.grid import Layout
+from ..model import GPTStage
+from ..parallel.grid import Layout, ParallelGrid
 from ..parallel.partition import Box, Partition
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
@@ -69,25 +70,17 @@ def _check_out(out: Path, force: bool, sources: Iterable[Path], kind: str) -> No
     folder; that holds a live training run's lock; or that exists (without --force). With --force an existing
     output is replaced only if it is of the same `kind` (OUT_KINDS) and megalite wrote it (`not_ours`): never a
     file or folder of anything else."""
-    given = out
-    if given.name in ("", ".", ".."):
-        raise ConvertError(f"--out '{given}': expected the path of a new file or folder, not '{given}'")
-    out = out.resolve()
-    if out == Path.cwd() or out in Path.cwd().parents:
-        raise ConvertError(f"--out {out}: refusing to replace a folder that holds the current directory")
-    for src in sources:
-        src = src.resolve()
-        if out == src or src in out.parents:
-            raise ConvertError(f"--out {out}: refusing to write into the source checkpoint {src}")
-        if out in src.parents:
-            raise ConvertError(f"--out {out}: refusing to replace a folder that contains the source {src}")
+    refused = output_refusal(out, sources)
+    if refused:
+        raise ConvertError(refused)
+    given, out = out, out.resolve()
     if not os.path.lexists(given):
         return
     if not force:
         raise ConvertError(f"--out {out} already exists (pass --force to replace it)")
     if given.is_dir() and not given.is_symlink():
         for lock in [given / LOCK, *given.glob(f"*/{LOCK}")]:
-            if _held(lock):
+            if held(lock):
                 raise ConvertError(f"--out {out}: a training run holds {lock}; refusing to replace a live run's "
                                    f"checkpoint folder")
     why = not_ours(given, kind)
@@ -150,22 +143,6 @@ def _what(out: Path, marker: Optional[str]) -> str:
     return what
 
 
-def _held(lock: Path) -> bool:
-    """Whether a live process holds this flock (the training run's lock), without following symlinks or
-    waiting on a FIFO planted there (a lock that is not a regular file is no one's lock)."""
-    try:
-        fd = open_regular(lock, os.O_RDONLY)
-    except OSError:
-        return False
-    try:
-        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except BlockingIOError:
-        return True
-    finally:
-        os.close(fd)
-    return False
-
-
 def _full_tensors(step: Path, man: Manifest, progress: Progress):
     """Yield (name, full tensor) for every model tensor, assembled from the slices, one at a time.
 
@@ -189,8 +166,6 @@ def _full_tensors(step: Path, man: Manifest, progress: Progress):
 
 def model_partitions(m: dict) -> dict[str, Partition]:
     """The partition tag of every parameter, asked of the model itself (built on the meta device)."""
-    from ..model import GPTStage
-    from ..parallel.grid import ParallelGrid
     with torch.device("meta"):
         stage = GPTStage(ModelConfig(**m), ParallelGrid.single())
     return {name: p.partition for name, p in stage.global_parameters()}

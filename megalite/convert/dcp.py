@@ -29,7 +29,7 @@ import torch
 
 from ..checkpoint.stream import StreamingWriter, raw_bytes
 from ..base.fs import remove_tree, replace_output
-from ..config import path_kind
+from ..base.fs import path_kind
 from ..base.errors import ConvertError
 from ..base import limits
 from . import unpickle

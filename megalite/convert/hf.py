@@ -17,7 +17,7 @@ from ..checkpoint.stream import StreamingWriter
 from ..config import ACTIVATIONS, ModelConfig, model_from
 from .common import (HF_KIND, ConvertError, Progress, _full_tensors, model_partitions, open_safetensors,
                      parse_json)
-from ..tokenizer import TOKENIZER_JSON, Tokenizer, byte_tokenizer, load as load_tokenizer, write_hf_folder
+from ..tokenizer import Tokenizer, byte_tokenizer, write_hf_folder
 
 
 def _to_hf(name: str, t: torch.Tensor) -> list[tuple[str, torch.Tensor]]:
@@ -193,13 +193,6 @@ def write_hf(out: Path, model_config: dict, shapes: dict, tensors, dtype: torch.
         raise
     replace_output(tmp, out)
     return out
-
-
-def folder_tokenizer(p: Path) -> Optional[Tokenizer]:
-    """An HF folder's tokenizer (tokenizer.json, else GPT-2's vocab.json + merges.txt), None if it has none."""
-    if (p / TOKENIZER_JSON).exists() or (p / "vocab.json").exists():
-        return load_tokenizer(p, "model folder")
-    return None
 
 
 def _sizes_stored(hf: dict, shapes: dict, cfg_file: Path, st: Path) -> None:

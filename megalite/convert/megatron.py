@@ -32,8 +32,8 @@ import torch
 from einops import rearrange
 
 from ..base import limits
-from ..base.fs import read_all
-from ..config import ModelConfig, model_from, path_kind
+from ..base.fs import path_kind, read_all
+from ..config import ModelConfig, model_from
 from ..base.errors import ConfigError, ConvertError
 from ..base.jsonio import loads
 from . import hints as hn

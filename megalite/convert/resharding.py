@@ -23,7 +23,8 @@ from ..parallel.pipeline import stage_of
 from ..parallel.partition import Partition
 from .common import ConvertError, Progress, _check_out, check_layout, check_manifest_tensors, \
     model_partitions
-from .single import model_tokenizer, read_model_file
+from ..tokenizer import carried_by
+from .single import read_model_file
 
 
 def write_offline(out: Path, layout: Layout, tensors: dict[str, Partition], n_layer: int, read: Callable,
@@ -99,7 +100,7 @@ def split(model, out, tp: int, pp: int, dp: int, zero1: bool = False, step: int 
 
     cfg = Config.from_dict({"model": m, "parallel": {"tp": tp, "pp": pp, "dp": dp, "cp": cp, "zero1": zero1}}).to_dict()
     meta = mf.step_meta(step, layout, cfg, data={"batch_index": step}, zero1=zero1)
-    tok = model_tokenizer(model)  # an HF folder's own (GPT-2's vocab.json + merges.txt too), or a file's
+    tok = carried_by(model)  # an HF folder's own (GPT-2's vocab.json + merges.txt too), or a file's
     return write_offline(out, layout, parts, m["n_layer"], read, meta, False, "split", quiet, lambda it: 4,
                          None if tok is None else tok.json.encode())
 

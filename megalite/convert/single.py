@@ -10,18 +10,18 @@ import torch
 from ..checkpoint import manifest as mf
 from ..checkpoint.check import read_tokenizer
 from ..checkpoint.read import SliceReader
-from ..checkpoint.tree import LATEST, MANIFEST, resolve, tokenizer_rel
-from ..config import model_from, path_kind
+from ..checkpoint.tree import LATEST, MANIFEST, resolve
+from ..base.fs import path_kind
+from ..config import model_from
 from ..parallel.partition import Box
-from ..tokenizer import Tokenizer, from_json
+from ..tokenizer import TOKENIZER_KEY, carried_by
 from .common import (DTYPES, MODEL_KIND, ConvertError, Progress, _check_out, _full_tensors, check_manifest_tensors,
                      open_safetensors, parse_json)
 from .dcp import write_file
 from .foreign import convert_foreign, export_dcp, read_megatron_model, source_kind
-from .hf import export_hf, folder_tokenizer, read_hf_folder
+from .hf import export_hf, read_hf_folder
 
 FORMATS = ("megalite", "hf-gpt2", "dcp")
-TOKENIZER_KEY = "megalite.tokenizer"  # safetensors metadata: the run's tokenizer.json text
 
 
 def convert(ckpt, out, dtype: Optional[str] = None, fmt: str = "megalite", force: bool = False,
@@ -51,8 +51,7 @@ def convert(ckpt, out, dtype: Optional[str] = None, fmt: str = "megalite", force
     progress = Progress("convert", len(man.model), total, quiet)
     tokenizer = read_tokenizer(step, man)
     if fmt == "hf-gpt2":
-        tok = from_json(tokenizer.decode("utf-8"), f"{step / tokenizer_rel(man.layout.cp)}") if tokenizer is not None else None
-        return export_hf(step, man, out, DTYPES[dtype], progress, tok)
+        return export_hf(step, man, out, DTYPES[dtype], progress, carried_by(step))
     if fmt == "dcp":
         return export_dcp(step, man, out, DTYPES[dtype], progress)
     torch_dtype = DTYPES[dtype]
@@ -101,22 +100,3 @@ def read_model_file(path) -> tuple[dict, Callable[[str], torch.Tensor], list[str
     m = model_from(parse_json(meta["megalite.model_config"], f"{p}: metadata 'megalite.model_config'"),
                    f"{p}: metadata 'megalite.model_config'")
     return m, (lambda name: f.get_tensor(name).float()), sorted(f.keys())
-
-
-def model_tokenizer(path) -> Optional[Tokenizer]:
-    """The tokenizer a model carries, or None: a checkpoint's tokenizer.json, a converted file's metadata
-    'megalite.tokenizer', an HF folder's tokenizer.json or vocab.json + merges.txt."""
-    p = Path(path)
-    if is_checkpoint(p):
-        step = resolve(p)
-        man = mf.read(step)
-        text = read_tokenizer(step, man)
-        where = f"{step / tokenizer_rel(man.layout.cp)}"
-    elif p.is_dir():
-        return folder_tokenizer(p)
-    else:
-        text = (open_safetensors(p).metadata() or {}).get(TOKENIZER_KEY)
-        where = f"{p}: metadata '{TOKENIZER_KEY}'"
-    if text is None:
-        return None
-    return from_json(text if isinstance(text, str) else text.decode("utf-8", errors="replace"), where)

@@ -180,21 +180,16 @@ class ParallelGrid:
     """
 
     def __init__(self, layout: Layout, rank: int, tp: Axis, pp: Axis, dp: Axis, mp: Axis, embed: Axis,
-                 world: Optional[object] = None, cpu: Optional[object] = None, aux: Optional[object] = None,
-                 aux_stage: Optional[Axis] = None, aux_leaders: Optional[Axis] = None, cp: Optional[Axis] = None,
-                 dp_cp: Optional[Axis] = None):
+                 world: Optional[object] = None, cpu: Optional[object] = None, cp: Optional[Axis] = None,
+                 dp_cp: Optional[Axis] = None, timeout=None):
         self.layout, self.rank = layout, rank
         self.coord = layout.coord_of(rank)
         self.tp, self.pp, self.dp, self.mp, self.embed = tp, pp, dp, mp, embed
         self.cp = cp or Axis(1, 0)  # the context-parallel ring (parallel/context.py)
         self.dp_cp = dp_cp or dp  # every rank holding this (tp, pp) slice: the gradient mean and ZeRO-1 cut
         self.world = world  # the default group; None for single()
-        self.cpu = cpu  # a gloo group over all ranks for small host-side values (loss, stop flag)
-        self.aux = aux  # another gloo group, used only by background work (async checkpoint commits)
-        # Background-only gloo groups for the commit's two-level gather: this rank's pipeline stage (rank 0 of
-        # the Axis is the stage's leader), and the stage leaders (size 1 on every other rank).
-        self.aux_stage = aux_stage or Axis(1, 0)
-        self.aux_leaders = aux_leaders or Axis(1, 0)
+        self.cpu = cpu  # a gloo group over all ranks for small host-side values (loss, stop flag, agreement)
+        self.timeout = timeout  # what the groups were made with; a group made later (the commit's) uses it too
 
     @classmethod
     def single(cls) -> "ParallelGrid":
@@ -225,15 +220,7 @@ class ParallelGrid:
                     axes[name] = Axis(len(members), members.index(rank), group)
         axes.setdefault("embed", Axis(1, 0))  # middle pipeline stages hold no embedding copy
         cpu = dist.new_group(backend="gloo", timeout=timeout)
-        aux = dist.new_group(backend="gloo", timeout=timeout)
-        for name, groups in [("aux_stage", [layout.stage_ranks(layout.coord_of(r)) for r in layout.leader_ranks()]),
-                             ("aux_leaders", [layout.leader_ranks()])]:
-            for members in groups:
-                if len(members) > 1:
-                    group = dist.new_group(members, backend="gloo", timeout=timeout)
-                    if rank in members:
-                        axes[name] = Axis(len(members), members.index(rank), group)
-        return cls(layout, rank, world=dist.group.WORLD, cpu=cpu, aux=aux, **axes)
+        return cls(layout, rank, world=dist.group.WORLD, cpu=cpu, timeout=timeout, **axes)
 
     # Pipeline neighbours, as global ranks for point-to-point sends.
     @property

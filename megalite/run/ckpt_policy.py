@@ -1,13 +1,9 @@
 """The training loop's checkpoint policy: resume, save every `interval`, at the end, and on SIGTERM/SIGINT."""
 from __future__ import annotations
 
-import errno
-import fcntl
 import os
 import shutil
 import signal
-import socket
-import stat
 import time
 from pathlib import Path
 
@@ -15,14 +11,18 @@ import torch
 import torch.distributed as dist
 
 from ..checkpoint import AsyncSaver, load_checkpoint, save_checkpoint
-from ..checkpoint.check import read_tokenizer, verify
-from ..checkpoint.commit import bcast_object, recover
-from ..base.fs import unlink_quietly, write_new
+from ..checkpoint.verify import verify
+from ..checkpoint.commit import recover
+from ..base.fs import move_aside, unlink_quietly, write_new
+from ..base.lock import RunLock, held
+from ..parallel.agree import bcast_object
 from ..checkpoint.plan import collect
-from ..checkpoint.state import seed_everything
+from ..parallel.rng import seed_everything
 from ..checkpoint.tree import LATEST, LOCK, committed_steps, parse_step_dir, read_latest, step_dir, tokenizer_rel
 from ..base.errors import CheckpointError
-from ..tokenizer import from_json
+from ..config import checkpoint_dir
+from .schedule import lr_at
+from ..tokenizer import carried_by, check_same
 
 
 DEFAULT_SHUTDOWN_TIMEOUT_S = 120  # what launch/*.sh export as TORCH_ELASTIC_SHUTDOWN_TIMEOUT (unless set)
@@ -50,7 +50,6 @@ def signal_grace(cfg) -> tuple:
 
 class CheckpointManager:
     def __init__(self, cfg, grid, log=print, force: bool = False):
-        from ..config import checkpoint_dir
         self.cfg, self.grid, self.c = cfg, grid, cfg.checkpoint
         self.root = Path(checkpoint_dir(cfg)) if self.c.dir else None
         self.force = force  # a fresh start may move an earlier run's checkpoints aside (never deletes them)
@@ -60,7 +59,7 @@ class CheckpointManager:
         self.last_saved = -1
         self._signal = 0
         self._old_handlers = {}
-        self._lock_fd = None
+        self.lock = RunLock(self.root / LOCK) if self.root is not None else None
         self._created: list = []  # what check_writable made (folders, the lock file): removed if start-up fails
         self.resumed_from = 0  # the step resumed from (0: fresh)
         self.keep: set = set()  # steps pruning must never delete (see _protect)
@@ -88,11 +87,11 @@ class CheckpointManager:
                     probe.unlink()
                 except OSError as e:
                     err = f"{field}: cannot write to '{folder}' ({e.strerror or e})"
-            if not err and self.root is not None:
-                err = self._take_lock()
+            if not err and self.lock is not None:
+                err = self.lock.take()
             if not err and self.root is not None:
                 try:
-                    for line in recover(self.root):
+                    for line in recover(self.root):  # at every start, under the lock
                         self.log(f"checkpoint: {line} (left by a killed save)")
                 except OSError as e:
                     err = f"checkpoint.dir: cannot tidy '{self.root}' ({e.strerror or e})"
@@ -105,10 +104,9 @@ class CheckpointManager:
     def abandon(self) -> None:
         """Start-up failed (a bad resume, say): release the lock and remove what check_writable made, so a
         failed start leaves nothing behind. Folders that hold any file are kept."""
-        lock_created = self.root is not None and self.root / LOCK in self._created
         self.release()
-        if lock_created:
-            unlink_quietly(self.root / LOCK)
+        if self.lock is not None and self.lock.created:
+            unlink_quietly(self.lock.path)
         for folder in reversed(self._created):
             if folder.is_dir() and not folder.is_symlink() and not any(p.is_file() for p in folder.rglob("*")):
                 shutil.rmtree(folder, ignore_errors=True)
@@ -126,56 +124,15 @@ class CheckpointManager:
         if not self.force:
             return (f"checkpoint.dir {what}; continue that run with --checkpoint.resume=auto (the default), "
                     f"start fresh in a new --checkpoint.dir, or pass --force to move the old one aside")
-        lock = self.root / LOCK
-        if lock.is_file() and not lock.is_symlink():
-            fd = os.open(lock, os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0))
-            try:
-                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-            except BlockingIOError:
-                return f"checkpoint.dir '{self.root}' is in use by a live run ({lock} is locked); not moving it"
-            finally:
-                os.close(fd)  # closing the descriptor releases the probe's lock
-        aside = self.root.with_name(f"{self.root.name}.old-{time.strftime('%Y%m%d-%H%M%S')}")
-        os.rename(self.root, aside)
+        if held(self.lock.path):
+            return f"checkpoint.dir '{self.root}' is in use by a live run ({self.lock.path} is locked); not moving it"
+        aside = move_aside(self.root)
         self.log(f"megalite: --force: moved the previous checkpoints {self.root} aside to {aside}")
         return None
 
-    def _take_lock(self):
-        lock = self.root / LOCK
-        existed = os.path.lexists(lock)
-        try:  # never through a symlink planted in the folder: it would overwrite what it points to
-            fd = os.open(lock, os.O_RDWR | os.O_CREAT | getattr(os, "O_NOFOLLOW", 0), 0o644)
-        except OSError as e:
-            if e.errno == errno.ELOOP or os.path.islink(lock):
-                return f"checkpoint.dir: {lock} is a symlink; refusing to follow it (remove it)"
-            return f"checkpoint.dir: cannot open {lock} ({e.strerror or e})"
-        st = os.fstat(fd)
-        if not stat.S_ISREG(st.st_mode):
-            os.close(fd)
-            return f"checkpoint.dir: {lock} is not a plain file (remove it)"
-        if st.st_nlink > 1:  # shared with another root (`cp -al`): that run's lock, not this folder's own
-            os.close(fd)
-            unlink_quietly(lock)
-            return self._take_lock()
-        if not existed:
-            self._created.append(lock)
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            holder = os.pread(fd, 200, 0).decode(errors="replace").strip() or "another process"
-            os.close(fd)
-            return (f"checkpoint.dir '{self.root}' is in use by another run ({holder} holds {self.root / LOCK}); "
-                    f"point this run at another checkpoint.dir")
-        os.ftruncate(fd, 0)
-        os.pwrite(fd, f"pid {os.getpid()} on {socket.gethostname()}".encode(), 0)
-        self._lock_fd = fd
-        return None
-
     def release(self) -> None:
-        if self._lock_fd is not None:
-            fcntl.flock(self._lock_fd, fcntl.LOCK_UN)
-            os.close(self._lock_fd)
-            self._lock_fd = None
+        if self.lock is not None:
+            self.lock.release()
 
     def _choose_auto(self):
         """resume=auto: the step `latest` names if it verifies, else the newest that does (said loudly).
@@ -268,25 +225,12 @@ class CheckpointManager:
         self._schedule_note((info.manifest.config or {}).get("train") or {}, info.step)
 
     def _check_tokenizer(self, info, tr) -> None:
-        """The token file must come from the checkpoint's tokenizer (compared as re-serialized by this
-        tokenizers library, so a library upgrade alone changes nothing); a checkpoint without one (older, or
-        saved by the API) is not checked."""
-        saved = read_tokenizer(info.path, info.manifest)
-        if saved is None or tr.tokenizer is None:
-            return
-        rel = tokenizer_rel(info.manifest.layout.cp)
-        theirs = from_json(saved.decode("utf-8", errors="replace"), f"{info.path.name}/{rel}")
-        if theirs.sha256 != tr.tokenizer.sha256:
-            raise CheckpointError(
-                f"checkpoint.resume: {info.path / rel} ({theirs.kind}, vocab {theirs.vocab_size}, sha256 "
-                f"{theirs.sha256[:12]}) is not the tokenizer of data.path '{self.cfg.data.path}' ({tr.tokenizer.kind}, "
-                f"vocab {tr.tokenizer.vocab_size}, sha256 {tr.tokenizer.sha256[:12]}); prepare the data with the "
-                f"checkpoint's tokenizer: megalite prepare FILES --tokenizer {info.path / rel} --out X.bin")
+        check_same(carried_by(info.path), tr.tokenizer, info.path / tokenizer_rel(info.manifest.layout.cp),
+                   self.cfg.data.path)
 
     def _schedule_note(self, saved: dict, step: int) -> None:
         """The LR schedule is a function of (step, train.steps, warmup, lr, min_lr): changing train.steps on
         resume re-shapes it from here on. That is deliberate (the new total is the run's length); say so."""
-        from .schedule import lr_at
         t = self.cfg.train
         if not isinstance(saved.get("steps"), int) or saved["steps"] == t.steps or step >= t.steps:
             return

@@ -11,15 +11,11 @@ FIFO or a device there is refused before the first step, and a file shared by ha
 """
 from __future__ import annotations
 
-import errno
 import json
-import os
-import stat
-import time
 from pathlib import Path
 
-from ..base.fs import kind_of, open_append, read_all
-from ..base.errors import MetricsError, UnsafeFileError
+from ..base.errors import MetricsError
+from ..base.fs import move_aside, open_append, read_all, regular_or_absent
 from ..base.jsonio import loads
 
 NAME = "metrics.jsonl"
@@ -28,13 +24,7 @@ NAME = "metrics.jsonl"
 def check_path(out_dir: Path):
     """The lstat of <out_dir>/metrics.jsonl (None if there is none yet); an UnsafeFileError if it is not a
     regular file (a symlink, a FIFO, a folder). Start-up calls it before anything is written."""
-    path = Path(out_dir) / NAME
-    st = os.lstat(path) if os.path.lexists(path) else None
-    if st is not None and not stat.S_ISREG(st.st_mode):
-        raise UnsafeFileError(f"train.out_dir: {path} is {kind_of(st)}, expected the run's own metrics file (a "
-                              f"regular file); megalite never appends through it: remove it",
-                              errno.ELOOP if stat.S_ISLNK(st.st_mode) else errno.EINVAL)
-    return st
+    return regular_or_absent(Path(out_dir) / NAME, "train.out_dir")
 
 
 def open_for_run(out_dir: Path, resumed_step: int, event: dict | None = None, log=print):
@@ -43,8 +33,7 @@ def open_for_run(out_dir: Path, resumed_step: int, event: dict | None = None, lo
     path = out_dir / NAME
     st = check_path(out_dir)  # before anything moves: a refused file leaves everything as it was
     if not resumed_step and st is not None and st.st_size:
-        aside = out_dir / f"metrics.{time.strftime('%Y%m%d-%H%M%S')}.jsonl"
-        os.replace(path, aside)
+        aside = move_aside(path)
         log(f"megalite: fresh start: moved the previous {path} aside to {aside.name}")
     f = open_append(path, log)
     if resumed_step:

@@ -25,22 +25,23 @@ import torch
 import torch.distributed as dist
 
 from ..base import faults
-from . import metrics, tensorboard_log
-from ..checkpoint.state import seed_everything
+from . import metrics, tensorboard_log, wandb_log
+from ..parallel.rng import seed_everything
 from .ckpt_policy import CheckpointManager
 from .compile import compile_blocks
 from ..config import DEFAULT_DATA_PATH, Config, ParallelConfig, num_microbatches, resolve, seq_len, settings, validate
 from ..data import (HASH_BITS, BatchSampler, TokenDataset, check_vocab, ensure_data, eval_batches,
-                    eval_tokens_per_byte, identity as data_identity, token_hash, tokenizer_of)
+                    eval_tokens_per_byte, identity as data_identity, token_hash)
 from ..base.errors import ConfigError, DataError, NonFiniteError
 from ..model import GPTStage
 from .schedule import clip_scale, lr_at
 from ..parallel.context import local_positions, split_sequence
 from ..parallel.data import GradBuffer, ShardedAdamW, use_fused
 from ..parallel.finalize import finalize_grads
-from ..parallel.grid import Layout, ParallelGrid
+from ..parallel.grid import ParallelGrid
 from ..parallel.pipeline import P2P, get_schedule
-from ..parallel.process_group import agree, agree_settings, init_distributed, world_size_from_env
+from ..parallel.agree import agree, agree_settings
+from ..parallel.process_group import joined, world_size_from_env
 from .runlog import log_traceback, progress, start_line, step_line, stop_line
 from ..tokenizer import Tokenizer
 
@@ -78,11 +79,11 @@ class Trainer:
 
 def build(cfg: Config, grid: ParallelGrid, device: torch.device) -> Trainer:
     t, par = cfg.train, cfg.parallel
-    frac = cfg.data.val_fraction  # the last share of the tokens is held out for validation
+    frac = cfg.data.val_fraction or None  # 0: the file's own split; else the last share of its tokens
     train_ds, val_ds = TokenDataset(cfg.data.path, "train", frac), TokenDataset(cfg.data.path, "val", frac)
     check_vocab(train_ds, cfg.model.vocab_size)
     check_vocab(val_ds, cfg.model.vocab_size)
-    tok = tokenizer_of(train_ds)  # carried by every checkpoint; rows past its vocab are never predicted
+    tok = train_ds.tokenizer()  # carried by every checkpoint; rows past its vocab are never predicted
     model = GPTStage(cfg.model, grid, vpp=par.vpp, sp=par.sp, recompute=t.recompute,
                      real_vocab=tok.vocab_size).to(device)
     model.init_weights(t.seed)
@@ -200,15 +201,22 @@ def train(cfg: Config, log=print, force: bool = False) -> Trainer:
     par, t0 = cfg.parallel, time.perf_counter()
     cp = f"cp {par.cp}, " if par.cp != 1 else ""
     progress(f"starting {world} rank(s) (tp {par.tp}, {cp}pp {par.pp}, dp {par.dp}); joining the process group...")
-    device, _ = init_distributed(par.timeout_s if problem is None else ParallelConfig.timeout_s)
+    with joined(par.timeout_s if problem is None else ParallelConfig.timeout_s) as device:  # left when train ends
+        return _run(cfg, world, problem, device, t0, log, force)
+
+
+def _run(cfg: Config, world: int, problem, device, t0: float, log, force: bool) -> Trainer:
+    """train() inside the joined job: agree, build the grid, start, loop."""
+    par = cfg.parallel
     if world > 1:  # every rank runs the same settings, or none starts: before anything is read or written
         agree_settings({**settings(cfg), "data.path (token file)": data_identity(cfg.data.path)}, problem)
-    grid = ParallelGrid.create(Layout(par.tp, par.pp, par.dp, par.cp), timeout=timedelta(seconds=par.timeout_s))
+    grid = ParallelGrid.create(par.layout, timeout=timedelta(seconds=par.timeout_s))
     progress(f"{grid.layout.world_size} rank(s) joined in {time.perf_counter() - t0:.1f} s; building the model and "
              f"reading the data...")
     tr, ckpt, metrics_file = _start(cfg, grid, device, log, force)
-    board = tensorboard_log.Board(Path(cfg.train.out_dir), tr.step) if grid.rank == 0 and cfg.train.tensorboard \
-        else None
+    board = _Boards(tensorboard_log.Board(Path(cfg.train.out_dir), tr.step)
+                    if grid.rank == 0 and cfg.train.tensorboard else None,
+                    wandb_log.WandbRun(cfg, tr.step) if grid.rank == 0 and cfg.train.wandb else None)
     if grid.rank == 0:
         log(start_line(cfg, grid.layout, device.type, tr.precision))
         if tr.step >= cfg.train.steps:
@@ -232,6 +240,24 @@ def train(cfg: Config, log=print, force: bool = False) -> Trainer:
         if board:
             board.close()
     return tr
+
+
+class _Boards:
+    """TensorBoard and W&B, either or both (or neither: falsy), written and closed together."""
+
+    def __init__(self, *boards):
+        self.boards = [b for b in boards if b is not None]
+
+    def __bool__(self) -> bool:
+        return bool(self.boards)
+
+    def write(self, rec: dict) -> None:
+        for b in self.boards:
+            b.write(rec)
+
+    def close(self) -> None:
+        for b in self.boards:
+            b.close()
 
 
 def _loop(tr: Trainer, ckpt: CheckpointManager, log, metrics_file, board=None) -> None:
@@ -275,8 +301,8 @@ def _loop(tr: Trainer, ckpt: CheckpointManager, log, metrics_file, board=None) -
 def refuse_start(error: BaseException) -> None:
     """A rank whose config did not load (a config file that differs between hosts) still joins the job and
     says why, so that no other rank waits for it until the process-group timeout: every rank raises it."""
-    init_distributed(ParallelConfig.timeout_s)
-    agree_settings(None, error)
+    with joined(ParallelConfig.timeout_s):
+        agree_settings(None, error)
 
 
 def prepare_data(cfg: Config, rank: int) -> None:
@@ -310,6 +336,8 @@ def _start(cfg: Config, grid: ParallelGrid, device, log, force: bool = False) ->
         if cfg.train.tensorboard and grid.rank == 0:
             tensorboard_log.require()  # before anything is written
             tensorboard_log.check_path(out_dir)  # a symlink or a file there: refused before anything is written
+        if cfg.train.wandb and grid.rank == 0:
+            wandb_log.require(cfg)
         if grid.rank == 0:
             metrics.check_path(out_dir)  # a symlink or a FIFO there: refused before anything is written
         prepare_data(cfg, grid.rank)

@@ -1,0 +1,51 @@
+"""`megalite torchrun ARGS`: torchrun itself (`torch.distributed.run.main`: its argument parser, rendezvous,
+agent, restarts and worker monitoring, unchanged), with one difference in how the agent ends.
+
+On Ctrl-C (or SIGTERM, SIGHUP, SIGQUIT) torchrun's agent forwards the signal to its workers, waits for them
+(its shutdown timeout), then re-raises the signal as a `SignalException` that nothing catches: after
+megalite's own stop line the terminal gets ~25 lines of the agent's traceback and exit code 1, which reads as a
+crash. Here that exception ends the agent quietly with exit code 128 + the signal's number (130 for Ctrl-C,
+the shell's convention), so megalite's line ("stopped by SIGINT at step ...; checkpoint ...") is the last one.
+A worker that failed (torchrun's `ChildFailedError`, another traceback and a table) ends it in one line naming
+the ranks and their exit codes, with the first failed rank's code; each worker has already said why.
+
+Nothing else is changed: this is not a launcher of our own, and plain `torchrun` works the same apart from
+those last lines (docs/training.md, "Stopping a run").
+"""
+from __future__ import annotations
+
+import signal
+import sys
+
+
+def torchrun(argv: list[str]) -> int:
+    """Run torchrun with `argv` (its own arguments, e.g. `--nproc-per-node 2 -m megalite train ...`); the exit
+    code: 0, the first failed worker's code, or 128 + the signal that stopped the agent."""
+    from torch.distributed.elastic.multiprocessing.api import SignalException
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+    from torch.distributed.run import main as torchrun_main
+    try:
+        torchrun_main(argv)
+    except SignalException as e:
+        # the agent has already sent the signal to every worker and waited for them (its _shutdown)
+        return 128 + int(e.sigval)
+    except ChildFailedError as e:
+        print(f"megalite torchrun: {failures(e)} (each worker's own error is above)", file=sys.stderr, flush=True)
+        _, first = e.get_first_failure()
+        return first.exitcode if 0 < first.exitcode < 256 else 1
+    return 0
+
+
+def failures(e) -> str:
+    """'rank 0 exited with code 2, rank 1 was killed by SIGKILL' for a ChildFailedError."""
+    parts = []
+    for rank, f in sorted(e.failures.items()):
+        if f.exitcode < 0:
+            try:
+                how = f"was killed by {signal.Signals(-f.exitcode).name}"
+            except ValueError:
+                how = f"was killed by signal {-f.exitcode}"
+        else:
+            how = f"exited with code {f.exitcode}"
+        parts.append(f"rank {rank} {how}")
+    return ", ".join(parts) or "a worker failed"
