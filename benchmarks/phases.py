@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import shutil
 import statistics
 import tempfile
 import time
@@ -19,6 +20,16 @@ import torch
 
 def phases(steps: int = 30, n_layer: int = 4, n_embd: int = 128, block_size: int = 128, batch: int = 16,
            micro: int = 4, fused_adamw: str = "off", log=print) -> dict:
+    torch.set_num_threads(1)
+    work = tempfile.mkdtemp(prefix="megalite-bench-phases-")
+    try:  # the token file and the run folder go with it, whatever happens
+        return _phases(work, steps, n_layer, n_embd, block_size, batch, micro, fused_adamw, log)
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+
+
+def _phases(work: str, steps: int, n_layer: int, n_embd: int, block_size: int, batch: int, micro: int,
+            fused_adamw: str, log) -> dict:
     from megalite.config import Config, num_microbatches
     from megalite.data import default_corpus_files, prepare
     from megalite.run.schedule import clip_scale
@@ -27,8 +38,6 @@ def phases(steps: int = 30, n_layer: int = 4, n_embd: int = 128, block_size: int
     from megalite.run.train import build, run_pipeline
     from megalite.bench import StreamTable
     from megalite.bench.train import PlainGPT
-    torch.set_num_threads(1)
-    work = tempfile.mkdtemp(prefix="megalite-bench-phases-")
     data = os.path.join(work, "tok.bin")
     prepare(default_corpus_files(max_bytes=300_000), data, log=lambda *a: None)
     model_cfg = dict(n_layer=n_layer, n_head=4, n_embd=n_embd, block_size=block_size, vocab_size=256, dropout=0.0)

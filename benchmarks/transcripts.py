@@ -71,13 +71,15 @@ SMALL_ARGS = [
     ("small", r"--nproc-per-node 8\b", "--nproc-per-node 4"),  # (2,2,1) then (1,4,1): half the processes
     ("small", r"--max-new-tokens \d+", "--max-new-tokens 16"),
     ("bench-ckpt", r"^megalite bench ckpt$", "megalite bench ckpt --size-mb 8 --world 2 --repeats 1"),
+    ("bench-ckpt", r"^megalite bench ckpt --sizes \S+ --repeats \d+$",
+     "megalite bench ckpt --sizes 4,8 --world 2 --repeats 1"),
     ("bench-train", r"^megalite bench train$", "megalite bench train --steps 2 --nproc 2 --n-embd 32 "
                                                "--block-size 32 --rounds 1 --pairs 2 --bubble-wait-ms 2 --cp-seq 32"),
     ("bench-plan", r"^megalite bench plan", "megalite bench plan --n-layer 4 --n-embd 64 --n-head 4 "
                                            "--vocab-size 256 --block-size 32 --tp 2 --pp 2 --dp 1,2,4 "
                                            "--reshard-to 1,4,2"),
     ("bench-plan", r"--reshard-to \S+", "--reshard-to 1,4,2"),
-    ("bench-prepare", r"--size-mb \S+ --rounds \d+", "--size-mb 0.3 --vocab-size 300 --rounds 1"),
+    ("bench-prepare", r"--size-mb \S+ --rounds \d+", "--size-mb 0.3 --vocab-size 300 --rounds 2"),
     ("gpu-dry", r"--dry-run$", "--dry-run --window 0.5"),
     ("gpu", r"--window \S+", "--window 5"),
     ("stress", r"--trials \d+", "--trials 1 --steps 8 --seed 11 --width 32"),

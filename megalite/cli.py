@@ -43,7 +43,8 @@ EPILOGS = {
                "  megalite convert runs/demo/checkpoints --format dcp --out runs/demo/dcp/",
     "split": "example:\n  megalite split runs/demo/model.safetensors --tp 2 --pp 2 --dp 1 --out runs/split-221/",
     "reshard": "example:\n  megalite reshard runs/demo/checkpoints --tp 1 --pp 4 --dp 2 --out runs/reshard-142/",
-    "bench": "examples:\n  megalite bench ckpt --size-mb 1024 --world 4\n  megalite bench train --steps 10 --nproc 4\n"
+    "bench": "examples:\n  megalite bench ckpt --size-mb 1024 --world 4\n  megalite bench ckpt --sizes 128,512,1024\n"
+             "  megalite bench train --steps 10 --nproc 4\n"
              "  megalite bench plan --tp 8 --pp 16 --dp 8,32,128 --reshard-to 8,8,256   (GPT-3 175B shape)\n"
              "  megalite bench dcp --size-mb 300\n"
              "  megalite bench prepare --size-mb 64 --rounds 3",
@@ -189,13 +190,32 @@ def _cmd_generate(args, rest) -> int:
     return 0
 
 
+def _sizes(text: str) -> list[float]:
+    from .config import ConfigError
+    try:
+        out = [float(x) for x in text.split(",")]
+    except ValueError:
+        out = []
+    if not out or any(x <= 0 for x in out):
+        raise ConfigError(f"bench: --sizes {text!r}: expected sizes in MiB separated by commas, e.g. 128,512,1024")
+    return out
+
+
 def _cmd_bench(args, rest) -> int:
-    if args.what == "ckpt":
-        from .bench.ckpt import bench_ckpt
-        bench_ckpt(size_mb=args.size_mb or 1024, world=args.world, repeats=args.repeats, dir=args.dir)
-    elif args.what == "dcp":
-        from .bench.dcp import bench_dcp
-        bench_dcp(size_mb=args.size_mb or 300, repeats=args.repeats, dir=args.dir)
+    if args.what in ("ckpt", "dcp"):
+        from .bench.scaling import scaling_lines
+        if args.what == "ckpt":
+            from .bench.ckpt import SCALING_PAIRS, bench_ckpt
+            run = lambda mb: bench_ckpt(size_mb=mb, world=args.world, repeats=args.repeats, dir=args.dir)  # noqa: E731
+            pairs, fit, default = SCALING_PAIRS, ["megalite save", "megalite load"], 1024
+        else:
+            from .bench.dcp import TOOLS, bench_dcp
+            run = lambda mb: bench_dcp(size_mb=mb, repeats=args.repeats, dir=args.dir)  # noqa: E731
+            pairs, fit, default = [TOOLS], [TOOLS[0]], 300
+        sizes = _sizes(args.sizes) if args.sizes else [args.size_mb or default]
+        runs = {mb: run(mb) for mb in sizes}
+        if len(sizes) > 1:
+            print("\n" + "\n".join(scaling_lines(runs, pairs, fit)), flush=True)
     elif args.what == "plan":
         from .bench.plan import bench_plan_cli
         args.vocab_size = args.vocab_size or 50304
@@ -360,6 +380,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--size-mb", type=float, default=None,
                    help="ckpt: model + optimizer bytes over all ranks (1024); dcp: the DCP checkpoint's size "
                         "(300); prepare: corpus size (32)")
+    p.add_argument("--sizes", default=None,
+                   help="ckpt, dcp: several sizes in MiB (e.g. 128,512,1024), one whole run each, then a scaling "
+                        "table: s/GiB per operation and size, megalite / peer, a fixed + per-GiB fit")
     p.add_argument("--world", type=int, default=4, help="ckpt: gloo processes")
     p.add_argument("--repeats", type=int, default=3, help="ckpt: repetitions of each measurement")
     p.add_argument("--dir", default=None, help="ckpt: folder to write in (default: the temp folder)")

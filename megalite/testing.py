@@ -61,6 +61,29 @@ DEADLINE_S = 300.0  # a whole launch; the longest in the suite (8 ranks, several
 STACK_SIGNAL = signal.SIGUSR1  # asks a worker for its stacks (faulthandler writes them to its stack file)
 
 
+def _by_name(fn: Callable):
+    """A top-level function travels as (module, name) and is imported inside the worker's try block: an
+    import that fails there is reported as such, with its traceback (unpickled by multiprocessing before
+    the worker runs, it would end the process with code 1 and no error on the queue)."""
+    name = getattr(fn, "__qualname__", "")
+    if getattr(fn, "__module__", None) and name and "<" not in name:
+        return (fn.__module__, name)
+    return fn
+
+
+def _resolve(fn):
+    if not isinstance(fn, tuple):
+        return fn
+    import importlib
+    try:
+        obj = importlib.import_module(fn[0])
+    except BaseException as e:
+        raise ImportError(f"the worker could not import {fn[0]} (to run {fn[1]}): {type(e).__name__}: {e}") from e
+    for part in fn[1].split("."):
+        obj = getattr(obj, part)
+    return obj
+
+
 def _worker(rank: int, fn: Callable, world_size: int, init_file: str, tmp_dir: str, args: tuple, errors,
             env: dict, timeout_s: float = 120.0, stack_file: str = "") -> None:
     os.environ.clear()
@@ -72,6 +95,7 @@ def _worker(rank: int, fn: Callable, world_size: int, init_file: str, tmp_dir: s
     if stack_file:  # written from the signal handler in C: works while the rank is blocked in a collective
         faulthandler.register(STACK_SIGNAL, file=open(stack_file, "w"), all_threads=True)
     try:
+        fn = _resolve(fn)  # before the rendezvous: an import failure is this rank's own error
         dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world_size,
                                 timeout=timedelta(seconds=timeout_s))
         fn(rank, world_size, tmp_dir, *args)
@@ -98,7 +122,7 @@ def run_parallel(fn: Callable[..., Any], world_size: int, tmp_dir: str | os.Path
     ctx = _context()
     errors = ctx.SimpleQueue()
     env = dict(os.environ)
-    procs = [ctx.Process(target=_worker, args=(r, fn, world_size, str(init_file), str(tmp), args, errors, env,
+    procs = [ctx.Process(target=_worker, args=(r, _by_name(fn), world_size, str(init_file), str(tmp), args, errors, env,
                                                deadline_s + 30.0, str(stacks[r])))
              for r in range(world_size)]
     for p in procs:
@@ -127,7 +151,8 @@ def run_parallel(fn: Callable[..., Any], world_size: int, tmp_dir: str | os.Path
         rank, tb = errors.get()
         raise RankFailed(f"rank {rank} of {world_size} failed:\n{tb}")
     if failed is not None:
-        raise RankFailed(f"a rank exited with code {failed.exitcode} without a Python error")
+        raise RankFailed(f"a rank exited with code {failed.exitcode} without a Python error (killed by a signal "
+                         f"or the operating system, or crashed in native code)")
 
 
 def _past_deadline(fn, world_size: int, deadline_s: float, procs: list, alive: list, stacks: list) -> None:

@@ -41,7 +41,7 @@ def test_bench_ckpt_prints_its_table(tmp_path):
         assert f"\n{op} " in out, op
     assert "page cache:" in out
     # each measurement is printed as it is made, before the summary: one row per operation and repeat
-    live, summary = out.split("median s (min-max)")
+    live, summary = out.split("median s (min-max)", 1)  # the first size's live rows, then the rest
     for op in ("megalite save", "megalite async save: blocked", "megalite load, resharded", "DCP load"):
         assert re.search(rf"\n{re.escape(op)} +1 +\d+\.\d{{3}} ", live), op
     assert len(re.findall(r"\nmegalite load, resharded +1 ", live)) == 2, "same-layout and resharded loads: ABBA"
@@ -50,6 +50,13 @@ def test_bench_ckpt_prints_its_table(tmp_path):
     assert re.search(r"what an async save costs the training loop: blocked [\d.]+ s \+ the next step's extra "
                      r"-?[\d.]+ s = [\d.]+ s = [\d.]+% of the sync save", summary)
     assert re.search(r"resharded / same-layout load: [\d.]+x \(ratio of medians over 2 loads each", summary)
+    assert "megalite async save: cost to the loop " in summary and "disk probe: each repeat reads" in summary
+    # docs/performance.md runs it over sizes: one whole run per size, then the scaling table and the fits
+    assert "--sizes 4,8 --world 2 --repeats 1" in transcripts.small_command(
+        "bench-ckpt", "megalite bench ckpt --sizes 128,512,1024 --repeats 2")
+    assert out.count("bench ckpt: GPT n_layer=") == 2 and "\nscaling over 4, 8 MiB: seconds per GiB" in out
+    assert re.search(r"\nmegalite load \| DCP load +[\d.]+ +[\d.]+ +[\d.]+x +[\d.]+ +[\d.]+ +[\d.]+x\n", out)
+    assert re.search(r"\nmegalite save: -?[\d.]+ s fixed \+ -?[\d.]+ s/GiB \(least squares over 2 sizes\)", out)
     assert list(tmp_path.iterdir()) == [], "the benchmark leaves nothing behind"
     assert shown == [], "docs/performance.md shows lines the bench no longer prints"
 
@@ -132,3 +139,40 @@ def test_stream_table_prints_each_row_when_it_is_measured():
     assert t.text() == table(["operation", "bytes", "s"], [["save", "1 MiB", 0.5], ["load", "1 MiB", None]])
     with pytest.raises(ValueError, match="2 cells for 3 columns"):
         t.row(["x", "y"])
+
+
+def test_the_scaling_table_gives_s_per_gib_ratios_and_a_fit():
+    """`bench ckpt --sizes`: s/GiB per size for both sides, their ratio, and a least-squares fixed + per-GiB fit
+    that recovers a line it was given (hand computation: t = 0.09 + 0.79 x, the issue's save)."""
+    from megalite.bench.scaling import fit_line, scaling_lines
+    G = 2**30
+    runs = {mb: [{"op": "megalite save", "bytes": mb * 2**20, "median_s": 0.09 + 0.79 * mb / 1024},
+                 {"op": "DCP save", "bytes": mb * 2**20, "median_s": 2 * (0.09 + 0.79 * mb / 1024)}]
+            for mb in (128, 512, 1024)}
+    a, b = fit_line([(r[0]["bytes"] / G, r[0]["median_s"]) for r in runs.values()])
+    assert abs(a - 0.09) < 1e-9 and abs(b - 0.79) < 1e-9
+    out = "\n".join(scaling_lines(runs, [("megalite save", "DCP save")], ["megalite save"]))
+    row = next(ln for ln in out.splitlines() if ln.startswith("megalite save | DCP save"))
+    # at 128 MiB: (0.09 + 0.79 / 8) / (1 / 8) = 1.510 s/GiB; the peer twice that; ratio 0.50x at every size
+    assert row.split()[5:8] == ["1.510", "3.020", "0.50x"], row
+    assert row.count("0.50x") == 3 and "megalite save: 0.090 s fixed + 0.790 s/GiB (least squares over 3 sizes)" in out
+
+
+def test_bench_sizes_must_be_positive_numbers(capsys):
+    from megalite.cli import main
+    assert main(["bench", "ckpt", "--sizes", "128,x"]) != 0
+    assert "--sizes '128,x': expected sizes in MiB separated by commas" in capsys.readouterr().err
+
+
+def test_summary_memory_is_per_row_growth_and_of_disk_above_100_is_marked():
+    """A row's memory is its own growth (a later row's higher absolute peak is not charged to it), and a read
+    faster than the best probe is marked, not silently shown as >100%."""
+    from megalite.bench.ckpt import _rows, format_rows, stable
+    rec = {"disk read, 1 stream": [{"s": 1.0, "rss": 2000, "extra": 0}],
+           "megalite load": [{"s": 0.8, "rss": 1700, "extra": 20}, {"s": 0.8, "rss": 1680, "extra": 2}],
+           "torch.load (rank 0)": [{"s": 1.0, "rss": 2270, "extra": 500}]}
+    rows = {r["op"]: r for r in _rows(rec, {k: 10**9 for k in rec})}
+    assert rows["megalite load"]["growth_mib"] == (11, 2, 20)
+    text = format_rows(list(rows.values()))
+    assert "+11 (+20)" in text and "2270" not in text and "125%!" in text
+    assert stable([{"s": 1.0}, {"s": 1.09}]) and not stable([{"s": 1.0}, {"s": 1.2}]) and not stable([{"s": 1.0}])

@@ -276,11 +276,15 @@ def test_tp1_cross_entropy_fast_path_equals_the_vocab_parallel_function():
     torch.testing.assert_close(a.grad, b.grad, rtol=1e-5, atol=1e-6)
 
 
-def test_bench_phases_times_both_models():
-    """The per-phase profile that docs/performance.md quotes runs, and times each phase of both models."""
+def test_bench_phases_times_both_models(tmp_path, monkeypatch):
+    """The per-phase profile that docs/performance.md quotes runs, and times each phase of both models; its
+    temp folder (token file, run folder) is removed."""
+    import tempfile
     from benchmarks.phases import phases
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
     lines = []
     med = phases(steps=1, n_layer=1, n_embd=32, block_size=16, batch=4, micro=2, log=lines.append)
     assert set(med) == {"megalite fwd+bwd", "megalite finalize", "megalite adamw", "plain fwd+bwd", "plain clip",
                         "plain adamw"} and all(v > 0 for v in med.values()), med
     assert [ln.split()[0] for ln in lines[2:]] == ["fwd+bwd", "grad", "adamw"], lines
+    assert [p for p in tmp_path.iterdir() if p.name.startswith("megalite")] == [], "bench phases left its temp folder"

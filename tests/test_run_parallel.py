@@ -55,6 +55,26 @@ def test_a_failing_rank_is_reported_with_its_traceback(tmp_path):
 # fresh interpreter: tests/test_docs.py::test_every_pytest_block_passes_as_its_own_file
 
 
+def test_a_worker_that_cannot_import_its_function_says_so(tmp_path, monkeypatch):
+    """The function's module imports here but not in the workers (changed on disk after): the failure names
+    the import and carries its error, not "exited with code 1 without a Python error"."""
+    import importlib
+    import sys
+    mod = tmp_path / "megalite_rp_probe_mod.py"
+    mod.write_text("def work(rank, world_size, tmp):\n    pass\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    probe = importlib.import_module("megalite_rp_probe_mod")
+    mod.write_text("raise ImportError('planted: a missing dependency')\n")
+    try:
+        with pytest.raises(RankFailed) as e:
+            run_parallel(probe.work, 1, tmp_path / "run")
+    finally:
+        sys.modules.pop("megalite_rp_probe_mod", None)
+    msg = str(e.value)
+    assert "could not import megalite_rp_probe_mod (to run work)" in msg and "planted: a missing dependency" in msg
+    assert "without a Python error" not in msg
+
+
 # ---------------------------------------------------------------- the deadline (issue 21)
 def _mismatched_schedules(rank, world_size, tmp):
     """A schedule bug: pipeline stage 0 runs 1F1B, stage 1 all-forward-all-backward over 4 micro-batches. Stage 0

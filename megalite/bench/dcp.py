@@ -86,7 +86,7 @@ def bench_dcp(size_mb: float = 300, repeats: int = 3, dir: Optional[str] = None,
     rows = []
     for kind in TOOLS:
         med, lo, hi = spread([r["s"] for r in rec[kind]])
-        rows.append({"op": kind, "median_s": med, "min_s": lo, "max_s": hi, "gb_s": nbytes / med / 1e9,
+        rows.append({"op": kind, "bytes": nbytes, "median_s": med, "min_s": lo, "max_s": hi, "gb_s": nbytes / med / 1e9,
                      "peak_rss_mib": max(r["rss"] for r in rec[kind]), "extra_mib": max(r["extra"] for r in rec[kind]),
                      "anon_mib": max(r["anon"] for r in rec[kind]), "file_mib": max(r["file"] for r in rec[kind])})
     log(table(["operation", "checkpoint", "median s (min-max)", "GB/s", "peak RSS MiB (+growth)",

@@ -8,9 +8,12 @@ document, as prepare takes them); the tokenizer a byte-level BPE trained here on
                          write the ids (uint16/uint32) and fsync: the whole command, streaming
     tokenizers           the same files read whole into memory, then `Tokenizer.encode_batch` on ~8 MB of
                          documents at a time (all of them at once would hold every Encoding: ~100 bytes per
-                         token); only the ids' count and sum are kept
+                         token); each batch's ids kept as one uint32 array (what prepare writes to its file)
 
-Both see the same text and must give the same ids (count and sum are compared). Memory is the peak growth
+Both see the same text and must give the same ids: the count and sum of each side's ids are computed after
+its timed region (prepare's read back from its file), so both time the same work: text in, ids out.
+Each prepare round writes into a folder of its own, removed after the round (its .bin, .json and
+tokenizer copy all go: a second round must not meet the first's outputs). Memory is the peak growth
 of anonymous memory while each runs (sampled). The goal for prepare: >= 0.8x the library's rate.
 """
 from __future__ import annotations
@@ -48,16 +51,13 @@ def make_corpus(folder: Path, size_mb: float) -> list[Path]:
     return files
 
 
-def _reference(tok, files: list[Path]) -> tuple[int, int]:
-    """encode_batch over the files, ~REF_BATCH_BYTES of documents per call: (ids, their sum)."""
-    count = total = 0
-    batch, size = [], 0
+def _reference(tok, files: list[Path]) -> list:
+    """encode_batch over the files, ~REF_BATCH_BYTES of documents per call: each call's ids as one uint32
+    array (summed by the caller, outside the timed region, as prepare's ids are)."""
+    out, batch, size = [], [], 0
 
     def flush():
-        nonlocal count, total
-        for enc in tok.backend.encode_batch(batch):
-            count += len(enc.ids)
-            total += sum(enc.ids)
+        out.append(np.fromiter((i for enc in tok.backend.encode_batch(batch) for i in enc.ids), dtype=np.uint32))
 
     for f in files:
         batch.append(f.read_bytes().decode("utf-8", errors="replace"))
@@ -67,7 +67,7 @@ def _reference(tok, files: list[Path]) -> tuple[int, int]:
             batch, size = [], 0
     if batch:
         flush()
-    return count, total
+    return out
 
 
 def bench_prepare(size_mb: float = 32, vocab_size: int = 4096, tokenizer: Optional[str] = None, rounds: int = 3,
@@ -97,28 +97,32 @@ def bench_prepare(size_mb: float = 32, vocab_size: int = 4096, tokenizer: Option
         counts = {}
         for r in range(rounds):
             for kind in ("prepare", "tokenizers"):  # alternated: a drift in machine speed hits both
-                out = work / "tokens.bin"
+                round_dir = work / f"round-{r + 1}-{kind}"  # fresh each round: prepare refuses existing outputs
+                round_dir.mkdir()
+                out = round_dir / "tokens.bin"
                 done = sample_rss()
                 t0 = time.perf_counter()
                 if kind == "prepare":
                     meta = prepare(files, out, tokenizer=tok, log=lambda *a: None)
-                    ids = np.fromfile(out, dtype=meta["dtype"])
-                    seps = meta["documents"] - 1  # the end-of-text ids between documents
                     dt = time.perf_counter() - t0
+                    mem = done()["anon"]
+                    ids = np.fromfile(out, dtype=meta["dtype"])  # checked outside the timed region
+                    seps = meta["documents"] - 1  # the end-of-text ids between documents
                     sep = tok.eot_id if tok.eot_id is not None else 0
                     counts[kind] = (int(ids.size) - seps, int(ids.sum(dtype=np.int64)) - seps * sep)
                     n = int(ids.size)
                     del ids
                 else:
-                    counts[kind] = _reference(tok, files)
+                    parts = _reference(tok, files)
                     dt = time.perf_counter() - t0
+                    mem = done()["anon"]
+                    counts[kind] = (sum(int(p.size) for p in parts), sum(int(p.sum(dtype=np.int64)) for p in parts))
                     n = counts[kind][0]
-                mem = done()["anon"]
+                    del parts
                 rates[kind].append(nbytes / dt)
                 t.row(["megalite prepare" if kind == "prepare" else "tokenizers encode_batch", r + 1, f"{dt:.2f}",
                        f"{nbytes / dt / 1e6:.2f}", f"{n / dt:,.0f}", f"{mem:.0f}"])
-                if out.exists():
-                    out.unlink()
+                shutil.rmtree(round_dir)
         ratios = [a / b for a, b in zip(rates["prepare"], rates["tokenizers"])]
         same = counts["prepare"] == counts["tokenizers"]
         med = statistics.median(ratios)
