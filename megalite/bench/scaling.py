@@ -35,22 +35,17 @@ def scaling_lines(runs: dict, pairs: list[tuple[str, str]], fit: list[str]) -> l
     def per_gib(r):
         return r["median_s"] / (r["bytes"] / GIB) if r and r.get("bytes") else None
 
-    head = ["operation (s/GiB)"]
-    for mb in sizes:
-        head += [f"{mb:g} MiB", "peer", "ratio"]
-    rows = []
+    rows = []  # one row per operation and size: the table's shape does not depend on how many sizes
     for ours, peer in pairs:
-        if not any(ours in by[mb] for mb in sizes):
-            continue
-        cells = [f"{ours} | {peer}"]
         for mb in sizes:
+            if ours not in by[mb]:
+                continue
             a, b = per_gib(by[mb].get(ours)), per_gib(by[mb].get(peer))
-            cells += [None if a is None else f"{a:.3f}", None if b is None else f"{b:.3f}",
-                      None if a is None or b is None else f"{a / b:.2f}x"]
-        rows.append(cells)
+            rows.append([f"{ours} | {peer}", f"{mb:g}", None if a is None else f"{a:.3f}",
+                         None if b is None else f"{b:.3f}", None if a is None or b is None else f"{a / b:.2f}x"])
     out = [f"scaling over {', '.join(f'{mb:g}' for mb in sizes)} MiB: seconds per GiB (median time over the "
            f"bytes it moved), megalite | its peer, ratio = megalite / peer at that size",
-           table(head, rows)]
+           table(["operation | peer", "MiB", "s/GiB", "peer s/GiB", "ratio"], rows)]
     for op in fit:
         pts = [(by[mb][op]["bytes"] / GIB, by[mb][op]["median_s"]) for mb in sizes if op in by[mb]]
         if len({x for x, _ in pts}) >= 2:
