@@ -108,7 +108,7 @@ def _cmd_tokenizer(args, rest) -> int:
     from .tokenizer import train_folder
     files = expand_sources(args.sources) if args.sources else default_corpus_files()
     out = train_folder(files, args.vocab_size, args.out, force=args.force, quiet=args.quiet,
-                       min_frequency=args.min_frequency, pre_tokenizer=args.pre_tokenizer)
+                       min_frequency=args.min_frequency, pre_tokenizer=args.pre_tokenizer, text_field=args.text_field)
     if not args.quiet:
         print(f"tokenizer: wrote {out}")
     return 0
@@ -275,6 +275,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--pre-tokenizer", default="gpt2", choices=["gpt2", "llama3"],
                    help="how text is cut before merging: GPT-2's regex, or Llama 3's split (tiktoken-style: "
                         "digits in groups of 3, a letter run with one leading non-letter)")
+    p.add_argument("--text-field", default="text",
+                   help="the field of a .jsonl record or the column of a .parquet file that holds each "
+                        "document's text (default: %(default)s)")
     p.add_argument("--force", action="store_true", help="replace --out if it exists")
     p.add_argument("--quiet", action="store_true")
 

@@ -582,8 +582,8 @@ def token_hash(ids, rows, positions, stream: int) -> int:
 
     A sum of keyed hashes does not depend on which rank holds which tokens, nor in what order: the shares of
     any layout (dp rows, cp chunks, micro-batches, pipeline stages) add up to the single process's number,
-    so combining them is one more float64 in the loss's all-reduce (exact: each share < 2**32, and 2**21
-    shares stay below 2**53), never a gather of the ids. A changed id, a row moved to another place or a
+    so combining them is one more float64 in the loss's all-reduce (exact: a rank's share, inputs plus targets,
+    is < 2**33, and 2**20 ranks' shares stay below 2**53), never a gather of the ids. A changed id, a row moved to another place or a
     different batch changes it (but for a 2**-32 chance)."""
     ids = np.asarray(ids, dtype=np.uint64)
     if ids.size == 0:

@@ -101,9 +101,10 @@ def rope_frequencies(cfg: ModelConfig) -> torch.Tensor:
     return inv / rs["factor"] * (1 - blend) + inv * blend
 
 
-def rope_cos_sin(cfg: ModelConfig, positions: torch.Tensor, dtype) -> tuple:
-    """cos and sin (T, D) of the angles position * frequency, each frequency twice (rotate-half layout)."""
-    angles = positions.float()[:, None] * rope_frequencies(cfg).to(positions.device)[None]  # (T, D/2)
+def rope_cos_sin(inv_freq: torch.Tensor, positions: torch.Tensor, dtype) -> tuple:
+    """cos and sin (T, D) of the angles position * frequency (`rope_frequencies`), each frequency twice
+    (rotate-half layout)."""
+    angles = positions.float()[:, None] * inv_freq[None]  # (T, D/2)
     angles = torch.cat([angles, angles], dim=-1)  # (T, D)
     return angles.cos().to(dtype), angles.sin().to(dtype)
 
@@ -169,6 +170,8 @@ class CausalSelfAttention(nn.Module):
             self.k, self.v = (ColumnParallelLinear(cfg.n_embd, kv * D, tp, bias=False, sp=sp, placement=placement,
                                                    units=kv) for _ in range(2))
             self.groups = (cfg.n_head // tp.size) // max(1, kv // tp.size)  # local query heads per local kv head
+            # a constant of the config, kept with the module so that it moves to the GPU once (never saved)
+            self.register_buffer("inv_freq", rope_frequencies(cfg), persistent=False)
         else:
             self.qkv = ColumnParallelLinear(cfg.n_embd, cfg.n_embd, tp, stack=3, sp=sp, placement=placement)
             self.groups = 1
@@ -186,8 +189,11 @@ class CausalSelfAttention(nn.Module):
         qkv = column_parallel(x, [self.q.weight, self.k.weight, self.v.weight], self.tp, self.sp)  # one gather
         q, k, v = (rearrange(t, "b t (h d) -> b h t d", d=self.head_dim) for t in qkv)
         T = q.shape[2]  # this rank's tokens; with cp at their global positions (two chunks, context.py)
-        pos = local_positions(T * self.cp.size, self.cp) if self.cp.active else torch.arange(T)
-        cos, sin = rope_cos_sin(self.cfg, pos.to(q.device), q.dtype)
+        if self.cp.active:
+            pos = local_positions(T * self.cp.size, self.cp).to(q.device)
+        else:
+            pos = torch.arange(T, device=q.device)
+        cos, sin = rope_cos_sin(self.inv_freq, pos, q.dtype)
         return rotate(q, cos, sin), rotate(k, cos, sin), v
 
     def forward(self, x):  # (B, T, C) -> (B, T, C); with sp (B, T/tp, C) -> (B, T/tp, C)

@@ -24,6 +24,7 @@ import codecs
 import contextlib
 import functools
 import hashlib
+import io
 import json
 import os
 import re
@@ -32,6 +33,7 @@ from pathlib import Path
 from typing import Iterable, Iterator, Optional
 
 from .base import limits
+from .base.corpus import RECORD_SUFFIXES, records
 from .base.errors import CheckpointError, DataError
 from .base.fs import folder_locked, output_refusal, path_kind, remove_tree, replace_output
 from .base.jsonio import loads
@@ -369,8 +371,9 @@ def train_bpe(texts: Iterable[str], vocab_size: int, show_progress: bool = False
 
 
 def train_folder(files: list[Path], vocab_size: int, out, force: bool = False, quiet: bool = False,
-                 min_frequency: int = 2, log=print, pre_tokenizer: str = "gpt2") -> Path:
-    """`megalite tokenizer train`: train_bpe on the files (each read in pieces, see read_text_pieces) and write
+                 min_frequency: int = 2, log=print, pre_tokenizer: str = "gpt2", text_field: str = "text") -> Path:
+    """`megalite tokenizer train`: train_bpe on the files' documents (each read in pieces, see read_text_pieces;
+    the records of a .jsonl or .parquet file, their `text_field`, as prepare reads them) and write
     the HF tokenizer folder `out`, built next to it and moved into place when complete (an existing `out`
     only with `force`, and only then replaced)."""
     from .base.fs import identity
@@ -398,7 +401,9 @@ def train_folder(files: list[Path], vocab_size: int, out, force: bool = False, q
     if not quiet:
         log(f"tokenizer: training a byte-level BPE of {vocab_size:,} ids ({pre_tokenizer} pre-tokenizer) on "
             f"{len(files):,} files ({total / 1e6:,.1f} MB)")
-    tok = train_bpe((piece for f in files for piece in read_text_pieces(Path(f))), vocab_size,
+    texts = (text for f in map(Path, files) for text in (
+        map(io.BytesIO, records(f, text_field)) if f.suffix in RECORD_SUFFIXES else [f]))
+    tok = train_bpe((piece for text in texts for piece in read_text_pieces(text)), vocab_size,
                     show_progress=progress_on(quiet), min_frequency=min_frequency, pre_tokenizer=pre_tokenizer)
     if tok.vocab_size < vocab_size and not quiet:
         log(f"tokenizer: WARNING: the text gives only {tok.vocab_size:,} ids (pairs seen fewer than "

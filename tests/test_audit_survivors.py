@@ -33,15 +33,16 @@ class FixedLogits(torch.nn.Module):
         return self.logits.expand(x.shape[0], x.shape[1], -1).clone()
 
 
-@pytest.mark.parametrize("k", [1, 3, 5])
+@pytest.mark.parametrize("k", [1, 3, 5, 20])
 def test_top_k_draws_exactly_the_k_ids_torch_topk_keeps(k):
     """At a temperature that makes the kept ids about equally likely, 300 draws reach every id of
-    torch.topk(logits, k) and no other (keeping k - 1, or k + 1, shows at once)."""
+    torch.topk(logits, k) and no other (keeping k - 1, or k + 1, shows at once); a k above the vocabulary (20
+    of 10) keeps every id, as transformers' TopKLogitsWarper does (min(top_k, vocab))."""
     from megalite.generate import generate
     logits = torch.tensor([0.3, 2.0, -1.0, 1.5, 1.9, 0.0, 1.0, -0.5, 0.7, 1.2])
     out = generate(FixedLogits(logits), [0], max_new_tokens=300, temperature=50.0, top_k=k, seed=5,
                    warn=lambda msg: None)
-    assert set(out[1:]) == set(torch.topk(logits, k).indices.tolist())
+    assert set(out[1:]) == set(torch.topk(logits, min(k, logits.numel())).indices.tolist())
 
 
 class Recorder(FixedLogits):
@@ -117,6 +118,20 @@ def test_bytes_per_id_of_a_tokenizer_without_byte_level_decoding_are_utf8_bytes(
     assert tok.token_bytes() == [len(w.encode("utf-8")) for w in words] + [0] == [5, 3, 5, 9, 4, 6, 0]
 
 
+def test_a_tokenizer_folder_with_both_formats_is_read_from_its_tokenizer_json(tmp_path):
+    """HF tokenizer folders often hold tokenizer.json beside vocab.json + merges.txt; tokenizer.json is the whole
+    tokenizer (added tokens, pre-tokenizer), so it is what a folder means, as transformers' fast tokenizers
+    read it. Here the two files disagree: the ids are the `tokenizers` library's from tokenizer.json."""
+    from tokenizers import Tokenizer as Backend
+    from megalite.tokenizer import load, train_bpe
+    text = "the cat sat on the mat"
+    (tmp_path / "tokenizer.json").write_text(train_bpe(_docs(40), 300).json)
+    (tmp_path / "vocab.json").write_text(json.dumps({c: i for i, c in enumerate([*"abcdefghijklmnopqrstuvwxyzĠ", "th"])}))
+    (tmp_path / "merges.txt").write_text("#version: 0.2\nt h\n")
+    want = Backend.from_file(str(tmp_path / "tokenizer.json")).encode(text).ids
+    assert load(tmp_path).encode(text) == want
+
+
 # ---------------------------------------------------------------- prepare: where a corpus may be cut
 @pytest.mark.parametrize("prefix_space", [False, True])
 def test_prepare_in_small_pieces_gives_the_librarys_ids_of_the_whole_text(tmp_path, prefix_space):
@@ -169,6 +184,43 @@ def test_a_package_prefix_allows_that_package_only_not_every_module_name_startin
         assert issubclass(load(f"c{inside}\nModelType\n.".encode(), MEGATRON_COMMON), Record)
     with pytest.raises(RefusedGlobal, match=module):
         load(f"c{module}\nrun\n.".encode(), MEGATRON_COMMON)
+
+
+# ---------------------------------------------------------------- jsonio's exact codec: types come back
+def _same(a, b) -> bool:
+    """Equal with the same types all the way down (Python's == takes 1 == 1.0 == True, but not (1,) == [1])."""
+    if type(a) is not type(b):
+        return False
+    if isinstance(a, dict):
+        return list(a) == list(b) and all(_same(a[k], b[k]) for k in a)
+    if isinstance(a, (list, tuple)):
+        return len(a) == len(b) and all(_same(x, y) for x, y in zip(a, b))
+    return a == b or (a != a and b != b)  # NaN
+
+
+def test_the_scheduler_codec_gives_back_every_type_it_promises():
+    """jsonio.encode -> JSON text -> jsonio.decode returns the value with the same types (its docstring's
+    list: a Counter of int milestones, tuples, int keys, an OrderedDict, inf and NaN), checked type by type."""
+    import math
+    from collections import Counter, OrderedDict
+    from megalite.base.jsonio import decode, encode
+    value = {"milestones": Counter({30: 1, 80: 2}), "betas": (0.9, 0.95), 3: [1, (2, (3, "x")), None, True],
+             "od": OrderedDict(b=1, a=2), "hi": math.inf, "lo": -math.inf, "nan": math.nan, "f": 1.0}
+    back = decode(json.loads(json.dumps(encode(value, "state"))), "state")
+    assert _same(back, value), back
+
+
+# ---------------------------------------------------------------- metrics.jsonl: a redone step's last record
+def test_metrics_read_keeps_the_last_record_of_a_redone_step(tmp_path):
+    """A launch killed after logging steps 1-3 with its checkpoint at step 1, resumed: it logs a resume event
+    and steps 2-3 again. `read` (what `megalite plot` draws) gives steps 1, 2, 3 with the redone values, as
+    metrics.py's docstring says, written out here by hand."""
+    from megalite.run.metrics import events, read
+    lines = [{"step": 1, "loss": 5.0}, {"step": 2, "loss": 4.0}, {"step": 3, "loss": 3.0},
+             {"event": "resume", "step": 1}, {"step": 2, "loss": 4.5}, {"step": 3, "loss": 3.5}]
+    (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in lines))
+    assert read(tmp_path) == [lines[0], lines[4], lines[5]]
+    assert events(tmp_path) == [lines[3]]
 
 
 # ---------------------------------------------------------------- train.compile: every block

@@ -161,3 +161,47 @@ def test_bad_parquet_files_are_one_line(tmp_path, monkeypatch):
     msg = _bad(tmp_path, "g.parquet", lambda p: pq.write_table(pa.table({"text": ["y" * 50] * 10}), p,
                                                                 row_group_size=5))
     assert "row group 0: column 'text' is" in msg and "bytes uncompressed" in msg
+
+
+def test_records_are_read_one_jsonl_line_and_one_parquet_row_group_at_a_time(tmp_path, monkeypatch):
+    """The same bounded memory as plain text: a 24 MB jsonl corpus is prepared with a traced peak far below its
+    size, and a parquet file is read through read_row_group, one group after the other, never whole."""
+    import tracemalloc
+    line = json.dumps({"text": "word " * 2000}) + "\n"  # ~10 KB a record
+    (tmp_path / "big.jsonl").write_text(line * 2400)
+    size = (tmp_path / "big.jsonl").stat().st_size
+    tracemalloc.start()
+    try:
+        prepare([tmp_path / "big.jsonl"], tmp_path / "big.bin", log=quiet, val_split="tail")
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert size > 24e6 and peak < size / 3, (size, peak)
+    pa = pytest.importorskip("pyarrow")
+    pq = pytest.importorskip("pyarrow.parquet")
+    pq.write_table(pa.table({"text": texts(10)}), tmp_path / "r.parquet", row_group_size=3)
+    groups, real = [], pq.ParquetFile.read_row_group
+    monkeypatch.setattr(pq.ParquetFile, "read_row_group", lambda self, i, **kw: groups.append(i) or real(self, i, **kw))
+    monkeypatch.setattr(pq.ParquetFile, "read", lambda *a, **kw: pytest.fail("the whole file was read"))
+    monkeypatch.setattr(pq, "read_table", lambda *a, **kw: pytest.fail("the whole file was read"))
+    prepare([tmp_path / "r.parquet"], tmp_path / "r.bin", log=quiet, val_split="tail")
+    assert groups == [0, 1, 2, 3]
+    assert decode(tmp_path / "r.bin") == EOT.join(texts(10))
+
+
+def test_tokenizer_train_reads_records_as_prepare_does(tmp_path):
+    """`megalite tokenizer train` on a .jsonl and a .parquet file learns from their texts, not their bytes: the
+    same tokenizer as from the same texts in plain files (JSON's quotes and parquet's binary never seen)."""
+    pa = pytest.importorskip("pyarrow")
+    pq = pytest.importorskip("pyarrow.parquet")
+    docs = [f"the cat {i} sat on the mat; " * 40 for i in range(8)]
+    (tmp_path / "plain").mkdir()
+    for i, t in enumerate(docs):
+        (tmp_path / "plain" / f"{i}.txt").write_text(t)
+    (tmp_path / "a.jsonl").write_text("".join(json.dumps({"body": t}) + "\n" for t in docs[:4]))
+    pq.write_table(pa.table({"body": docs[4:]}), tmp_path / "b.parquet", row_group_size=2)
+    assert main(["tokenizer", "train", str(tmp_path / "plain"), "--vocab-size", "300", "--out",
+                 str(tmp_path / "t1"), "--quiet"]) == 0
+    assert main(["tokenizer", "train", str(tmp_path / "a.jsonl"), str(tmp_path / "b.parquet"), "--text-field", "body",
+                 "--vocab-size", "300", "--out", str(tmp_path / "t2"), "--quiet"]) == 0
+    assert (tmp_path / "t1" / "tokenizer.json").read_text() == (tmp_path / "t2" / "tokenizer.json").read_text()

@@ -264,6 +264,14 @@ def _no_space_text(mib: int):
     return setup
 
 
+def _token_json_padded(spaces: int):
+    """The world's token file with its .json padded by `spaces` spaces (still valid JSON): past the budget."""
+    def setup(w, case):
+        shutil.copy(w["tokens"], case / "t.bin")
+        (case / "t.json").write_text(w["tokens"].with_suffix(".json").read_text() + " " * spaces)
+    return setup
+
+
 CONVERT = ["convert", "{case}/dcp", "--out", "{case}/out.safetensors"]
 MEGATRON = ["convert", "{case}/mg", "--out", "{case}/out.safetensors"]
 HF = ["split", "{case}/hf", "--tp", "1", "--pp", "1", "--dp", "1", "--out", "{case}/o"]
@@ -333,6 +341,8 @@ CASES = [
      _bpe_holes(2**31 - 1), 0),
     ("tokenizer-ids-past-the-holes", ["prepare", "{case}/a.txt", "--tokenizer", "{case}/tok.json", "--out",
                                       "{case}/t.bin"], ["largest token id is 1,079", "27 ids"], _bpe_holes(1079), 0),
+    ("train-token-json-over-budget", [*T, "--data.path={case}/t.bin"], ["t.json", "more than the 16,777,216"],
+     _token_json_padded(17 << 20)),
     # item 3: nothing outside the run folder
     ("train-tensorboard-symlink", T, ["tensorboard", "symbolic link", "remove it"],
      lambda w, case: ((case / "run").mkdir(), (case / "run" / "tensorboard").symlink_to(case.parent))),
@@ -555,3 +565,24 @@ def test_the_demo_moves_an_earlier_run_aside_and_deletes_nothing(tmp_path):
     assert len(aside) == 1 and (aside[0] / "converted" / "mine.safetensors").read_text() == "a user's file\n", \
         (p.stdout, p.stderr)
     assert "moved the earlier" in p.stdout and "nothing is deleted" in p.stdout
+
+
+def test_a_vocabulary_with_ids_past_uint16_is_stored_as_uint32(tmp_path):
+    """A tokenizer listing 40,001 ids whose largest is 65,540: its size is the largest id + 1 (the count said
+    uint16, and id 65,540 failed to fit), so prepare stores uint32 and reads every id back (the tokenizers
+    library's own encode is the reference)."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from megalite.data import TokenDataset, prepare
+    from megalite.tokenizer import load
+    vocab = {f"w{i}": i for i in range(40000)}
+    vocab["big"], vocab["[UNK]"] = 65540, 40000
+    t = Tokenizer(models.WordLevel(vocab=vocab, unk_token="[UNK]"))
+    t.pre_tokenizer = pre_tokenizers.Whitespace()
+    (tmp_path / "tok.json").write_text(t.to_str())
+    (tmp_path / "a.txt").write_text("big w1 w39999 big\n")
+    assert load(tmp_path / "tok.json").vocab_size == 65541
+    meta = prepare([tmp_path / "a.txt"], tmp_path / "t.bin", val_fraction=0.0, tokenizer=tmp_path / "tok.json",
+                   log=lambda *a: None)
+    assert meta["dtype"] == "uint32"
+    ids = [int(i) for i in TokenDataset(tmp_path / "t.bin", "train").tokens]
+    assert ids == t.encode("big w1 w39999 big\n").ids == [65540, 1, 39999, 65540]

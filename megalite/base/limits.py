@@ -23,7 +23,8 @@ looped over; a claim beyond it is one line naming the file and the field. The re
 Costs that scale with a file's size are fine (a 10 MB index takes some 10x that to parse); costs that scale
 with a number written in it are not: each such number is bounded by the bytes that back it (a chunk's
 declared elements by the bytes recorded for it, a layer count by the layers stored, a decompressed size by
-the file's own size). This module imports nothing of megalite's but its errors: every floor may ask it.
+the file's own size). This module imports nothing of megalite's: every floor may ask it (the caller passes
+the error class to raise).
 """
 from __future__ import annotations
 

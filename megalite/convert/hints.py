@@ -13,13 +13,15 @@ store rotate-half (dims i, i + hd/2 rotate together).
 from __future__ import annotations
 
 import dataclasses
-import json
 from pathlib import Path
 from typing import Optional
 
 import torch
 
 from ..base.errors import ConvertError
+from ..base.fs import read_all
+from ..base.jsonio import loads
+from ..base.limits import FILE_BYTES
 
 NORMS, MLPS = ("rms", "layer"), ("swiglu", "gelu", "gelu_tanh")
 
@@ -51,9 +53,10 @@ def merge_config(h: Hints, path: Path) -> Hints:
     """The values of a transformers config.json (4.x: rope_theta + rope_scaling; 5.x: rope_parameters) under
     the flags given; a flag that disagrees with the file is refused naming both."""
     try:
-        c = json.loads(Path(path).read_text())
-    except (OSError, UnicodeDecodeError, ValueError) as e:
+        raw = read_all(Path(path), FILE_BYTES["json"] + 1, follow=True)
+    except OSError as e:
         raise ConvertError(f"--config {path}: not a readable JSON file ({type(e).__name__})") from None
+    c = loads(raw, f"--config {path}", ConvertError, kind="json")  # its size and depth within limits' budget
     if not isinstance(c, dict):
         raise ConvertError(f"--config {path}: expected a JSON object (a transformers config.json)")
     gpt2 = c.get("model_type") == "gpt2"
