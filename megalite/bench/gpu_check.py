@@ -81,7 +81,8 @@ def _same(live: dict, other: dict, what: str, dtype=None) -> list:
     return bad
 
 
-def run(dry_run: bool, config: str, window_s: float, out: Path, log=print, compile_modes=("off",)) -> int:
+def run(dry_run: bool, config: str, window_s: float, out: Path, log=print, compile_modes=("off",),
+        micro_batch: int | None = None) -> int:
     from ..config import load_config
     from ..data import default_corpus_files, prepare
     device = torch.device("cuda") if torch.cuda.is_available() and not dry_run else torch.device("cpu")
@@ -105,6 +106,8 @@ def run(dry_run: bool, config: str, window_s: float, out: Path, log=print, compi
         over += ["--model.n_layer=2", "--model.n_head=2", "--model.n_embd=64", "--model.block_size=32",
                  "--model.vocab_size=256", "--train.global_batch_size=4", "--train.micro_batch_size=2",
                  "--train.seq_len=0", "--model.n_kv_head=0", "--model.intermediate_size=0"]  # (Llama's: defaults)
+    if micro_batch and not dry_run:  # one GPU holds the whole global batch: fewer, larger micro-batches
+        over += [f"--train.micro_batch_size={micro_batch}"]
     cfg = load_config(config, over)  # the config's own vocab: gpt2-124m.toml's 50304, llama3-1b.toml's 128256
     prepare(default_corpus_files(max_bytes=200_000 if dry_run else 2_000_000), out / "tokens.bin",
             log=lambda *a: None)
@@ -228,15 +231,21 @@ def main(argv=None) -> int:
                    help="train.compile for step 2: both = an eager window, then a compiled one (default on a "
                         "GPU), off (default for --dry-run), on")
     p.add_argument("--dir", default=None, help="work folder (default: a temporary one, removed after)")
+    p.add_argument("--micro-batch-size", type=int, default=None,
+                   help="train.micro_batch_size on the GPU (default: the config's). At dp = 1 one GPU steps the "
+                        "whole global batch: gpt2-124m.toml's 8 (sized for dp = 8) makes 8 small micro-batches; "
+                        "64 makes one (docs/performance.md, On a GPU)")
     a = p.parse_args(argv)
+    if a.micro_batch_size is not None and a.micro_batch_size < 1:
+        p.error(f"--micro-batch-size {a.micro_batch_size}: expected a positive integer")
     window = a.window if a.window is not None else (2.0 if a.dry_run else 60.0)
     mode = a.compile or ("off" if a.dry_run else "both")
     modes = ("off", "on") if mode == "both" else (mode,)
     if a.dir:
         Path(a.dir).mkdir(parents=True, exist_ok=True)
-        return run(a.dry_run, a.config, window, Path(a.dir), compile_modes=modes)
+        return run(a.dry_run, a.config, window, Path(a.dir), compile_modes=modes, micro_batch=a.micro_batch_size)
     with tempfile.TemporaryDirectory(prefix="megalite-gpu-check-") as d:
-        return run(a.dry_run, a.config, window, Path(d), compile_modes=modes)
+        return run(a.dry_run, a.config, window, Path(d), compile_modes=modes, micro_batch=a.micro_batch_size)
 
 
 if __name__ == "__main__":
