@@ -346,6 +346,8 @@ CASES = [
     # item 3: nothing outside the run folder
     ("train-tensorboard-symlink", T, ["tensorboard", "symbolic link", "remove it"],
      lambda w, case: ((case / "run").mkdir(), (case / "run" / "tensorboard").symlink_to(case.parent))),
+    ("train-wandb-symlink", [*T, "--train.wandb=true"], ["wandb", "symbolic link", "W&B", "remove it"],
+     lambda w, case: ((case / "run").mkdir(), (case / "run" / "wandb").symlink_to(case.parent))),
     ("train-tensorboard-file", T, ["tensorboard", "a regular file", "real folder"],
      lambda w, case: ((case / "run").mkdir(), (case / "run" / "tensorboard").write_text("mine\n"))),
     # item 2: outputs that would replace a user's file

@@ -41,14 +41,14 @@ def require() -> None:
                           f"--train.tensorboard=false") from None
 
 
-def check_path(out_dir: Path) -> None:
-    """An UnsafeFileError unless <out_dir>/tensorboard is a real folder of the run folder or absent (a symlink
-    is never followed: SummaryWriter would write its events through it)."""
-    path = Path(out_dir) / DIR
+def check_path(out_dir: Path, name: str = DIR, what: str = "TensorBoard") -> None:
+    """An UnsafeFileError unless <out_dir>/<name> (tensorboard, or W&B's wandb) is a real folder of the run folder
+    or absent (a symlink is never followed: SummaryWriter or W&B would write their files through it)."""
+    path = Path(out_dir) / name
     st = os.lstat(path) if os.path.lexists(path) else None
     if st is not None and not stat.S_ISDIR(st.st_mode):
         link = f" (to '{os.readlink(path)}')" if stat.S_ISLNK(st.st_mode) else ""
-        raise UnsafeFileError(f"train.out_dir: {path} is {kind_of(st)}{link}, expected the run's own TensorBoard "
+        raise UnsafeFileError(f"train.out_dir: {path} is {kind_of(st)}{link}, expected the run's own {what} "
                               f"folder (a real folder); megalite never writes through it: remove it",
                               errno.ELOOP if stat.S_ISLNK(st.st_mode) else errno.EINVAL)
 

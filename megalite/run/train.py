@@ -337,6 +337,7 @@ def _start(cfg: Config, grid: ParallelGrid, device, log, force: bool = False) ->
             tensorboard_log.require()  # before anything is written
             tensorboard_log.check_path(out_dir)  # a symlink or a file there: refused before anything is written
         if cfg.train.wandb and grid.rank == 0:
+            tensorboard_log.check_path(out_dir, "wandb", "W&B")  # as tensorboard/: never written through
             wandb_log.require(cfg)
         if grid.rank == 0:
             metrics.check_path(out_dir)  # a symlink or a FIFO there: refused before anything is written
