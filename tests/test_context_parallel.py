@@ -203,7 +203,8 @@ def test_cp_layout_errors_are_one_line(tiny_config):
         "divisible by parallel.tp = 4")
     assert err(**{"parallel.cp": 0}) == "parallel.cp = 0: must be a positive integer"
     assert err(4, **{"parallel.cp": 2, "parallel.tp": 2, "parallel.dp": 2}) == \
-        "world size 4 != parallel.tp*cp*pp*dp = 2*2*1*2 = 8"
+        "world size 4 != parallel.tp*cp*pp*dp = 2*2*1*2 = 8; launch 8 processes with `torchrun --nproc-per-node 8 -m " \
+        "megalite train ...` (the same arguments after `train`)"
     assert err(6, **{"parallel.cp": 4, "parallel.dp": 0}) == (
         "parallel.dp is not set and world size 6 is not divisible by parallel.tp*cp*pp = 1*4*1; set tp, cp, pp "
         "(and dp) so that tp*cp*pp*dp = 6")

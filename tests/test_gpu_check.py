@@ -41,12 +41,13 @@ def test_gpu_check_runs_eager_and_compiled_by_default(monkeypatch):
     GPT-2's padded vocab; --dry-run and --compile off/on pick one."""
     from megalite.bench import gpu_check
     seen = []
-    monkeypatch.setattr(gpu_check, "run", lambda dry, config, window, out, compile_modes: seen.append(
-        (dry, window, compile_modes)) or 0)
-    for argv in ([], ["--dry-run"], ["--compile", "on"], ["--dry-run", "--compile", "both"]):
+    monkeypatch.setattr(gpu_check, "run", lambda dry, config, window, out, compile_modes, micro_batch: seen.append(
+        (dry, window, compile_modes, micro_batch)) or 0)
+    for argv in ([], ["--dry-run"], ["--compile", "on"], ["--dry-run", "--compile", "both"],
+                 ["--micro-batch-size", "64", "--compile", "on"]):
         assert gpu_check.main(argv) == 0
-    assert seen == [(False, 60.0, ("off", "on")), (True, 2.0, ("off",)), (False, 60.0, ("on",)),
-                    (True, 2.0, ("off", "on"))]
+    assert seen == [(False, 60.0, ("off", "on"), None), (True, 2.0, ("off",), None), (False, 60.0, ("on",), None),
+                    (True, 2.0, ("off", "on"), None), (False, 60.0, ("on",), 64)]
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU: the prepared eager + compiled command")

@@ -324,8 +324,8 @@ def test_export_carries_the_tokenizer_and_greedy_text_equals_transformers(world)
     hf = world["hf"]
     cfg = json.loads((hf / "config.json").read_text())
     assert cfg["vocab_size"] == 50257 and cfg["eos_token_id"] == cfg["bos_token_id"] == 50256
-    assert sorted(p.name for p in hf.iterdir()) == ["config.json", "model.safetensors", "special_tokens_map.json",
-                                                    "tokenizer.json", "tokenizer_config.json"]
+    assert sorted(p.name for p in hf.iterdir()) == ["config.json", "generation_config.json", "model.safetensors",
+                                                    "special_tokens_map.json", "tokenizer.json", "tokenizer_config.json"]
     auto = transformers.AutoTokenizer.from_pretrained(str(hf))
     fast = transformers.GPT2TokenizerFast.from_pretrained(str(world["gpt2"]))
     assert auto(TRICKY)["input_ids"] == fast(TRICKY)["input_ids"] and auto.decode(auto(TRICKY)["input_ids"]) == TRICKY
