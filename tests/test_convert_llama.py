@@ -271,8 +271,9 @@ def test_check_off_and_bf16_tolerance(tmp_path, hf_gqa, capsys):
 
 
 # ---------------------------------------------------------------- the commands docs/converting.md shows
-def test_the_documented_llama_commands(tmp_path):
-    """Each line of docs/converting.md's Llama block, run as shown (5 subprocesses) on a tiny Llama file."""
+def test_the_documented_llama_commands(tmp_path, monkeypatch):
+    """Each line of docs/converting.md's Llama block, run as shown on a tiny Llama file (in this process: the same
+    `megalite` entry point, main(argv), without five interpreter start-ups)."""
     import shlex
     from pathlib import Path
 
@@ -283,11 +284,12 @@ def test_the_documented_llama_commands(tmp_path):
     assert len(lines) == 5 and all(ln.startswith("megalite ") for ln in lines)
     (tmp_path / "llama").mkdir()
     llama_file(tmp_path / "llama" / "model.safetensors", 2, False)
+    monkeypatch.chdir(tmp_path)
     for line in lines:
-        r = H.cli(*shlex.split(line)[1:], cwd=tmp_path)
-        assert r.returncode == 0, (line, r.stderr[-2000:])
+        rc, _, err = H.cli_in_process(*shlex.split(line)[1:])
+        assert rc == 0, (line, err[-2000:])
         if "--format hf" in line:
-            assert "check: transformers' forward of the export: largest logit difference" in r.stderr
+            assert "check: transformers' forward of the export: largest logit difference" in err
     assert len(list((tmp_path / "llama" / "hf-sharded").glob("model-*-of-*.safetensors"))) > 2
     src, back = open_source(tmp_path / "llama" / "model.safetensors"), open_source(tmp_path / "llama" / "back.safetensors")
     assert all(torch.equal(src.read(n), back.read(n)) for n in src.specs)

@@ -299,11 +299,11 @@ def test_llama_tiny_demo_commands(tmp_path):
     config = Path(__file__).parents[1] / "configs" / "llama-tiny-cpu.toml"
     (tmp_path / "corpus.txt").write_text(H.stdlib_text(), encoding="utf-8")
     tok, data = tmp_path / "tok", tmp_path / "tokens.bin"
-    H.ok(H.cli("tokenizer", "train", tmp_path / "corpus.txt", "--pre-tokenizer", "llama3", "--vocab-size", "1024",
-               "--out", tok, "--quiet"))
+    assert H.cli_in_process("tokenizer", "train", tmp_path / "corpus.txt", "--pre-tokenizer", "llama3",
+                            "--vocab-size", "1024", "--out", tok, "--quiet")[0] == 0
     pre = json.loads((tok / "tokenizer.json").read_text())["pre_tokenizer"]
     assert [p["type"] for p in pre["pretokenizers"]] == ["Split", "ByteLevel"]
-    H.ok(H.cli("prepare", tmp_path / "corpus.txt", "--tokenizer", tok, "--out", data, "--quiet"))
+    assert H.cli_in_process("prepare", tmp_path / "corpus.txt", "--tokenizer", tok, "--out", data, "--quiet")[0] == 0
     out = tmp_path / "run"
     rows = H.torchrun_train(8, config, out, **{"data.path": data, "train.steps": 2, "train.log_interval": 1,
                                                "train.eval_interval": 2, "checkpoint.dir": ""})
