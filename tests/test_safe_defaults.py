@@ -87,3 +87,27 @@ def test_cli_force_flag_reaches_the_run(tmp_path, token_file):
     r = H.ok(cli("train", "--config", toml, "--checkpoint.resume=none", "--force", cwd=tmp_path))
     assert "moved the previous checkpoints" in r.stdout, r.stdout
     assert len([p for p in out.iterdir() if p.name.startswith("checkpoints.old-")]) == 1
+
+
+def test_force_never_moves_or_replaces_a_live_runs_checkpoints(tmp_path, token_file):
+    """--force moves an old run's checkpoints aside, and `convert --force` replaces its own outputs, but neither
+    touches a folder whose lock a live run holds (base/lock.held, probed from another open file here: flock
+    locks of two open files conflict even in one process)."""
+    import pytest
+    from megalite.base.errors import ConvertError, MegaliteError
+    from megalite.base.lock import RunLock
+    from megalite.convert.common import check_out
+    out = tmp_path / "run"
+    _train(_cfg(token_file, out, 1))
+    root = out / "checkpoints"
+    live = RunLock(root / "lock")
+    assert live.take() is None
+    try:
+        before = tree_digest(out)
+        with pytest.raises(MegaliteError, match=r"is in use by a live run .*lock is locked\); not moving it"):
+            _train(_cfg(token_file, out, 2, **{"checkpoint.resume": "none"}), force=True)
+        with pytest.raises(ConvertError, match=r"a training run holds .*lock; refusing to replace a live run's"):
+            check_out(root, True, [], "checkpoint")
+        assert tree_digest(out) == before
+    finally:
+        live.release()
