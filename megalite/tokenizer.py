@@ -35,7 +35,7 @@ from typing import Iterable, Iterator, Optional
 from .base import limits
 from .base.corpus import RECORD_SUFFIXES, records
 from .base.errors import CheckpointError, DataError
-from .base.fs import folder_locked, output_refusal, path_kind, remove_tree, replace_output
+from .base.fs import folder_locked, identity, kind_of, output_refusal, path_kind, remove_tree, replace_output
 from .base.jsonio import loads
 from .checkpoint.check import read_tokenizer
 from .checkpoint.manifest import read as read_manifest
@@ -302,7 +302,6 @@ def not_our_folder(out: Path) -> str:
     if out.is_symlink():
         return f"a symbolic link to '{os.readlink(out)}'"
     if not out.is_dir():
-        from .base.fs import kind_of
         return kind_of(os.lstat(out))
     names = sorted(p.name for p in out.iterdir())
     ours = {TOKENIZER_JSON, "tokenizer_config.json", SPECIAL_MAP}
@@ -376,7 +375,6 @@ def train_folder(files: list[Path], vocab_size: int, out, force: bool = False, q
     the records of a .jsonl or .parquet file, their `text_field`, as prepare reads them) and write
     the HF tokenizer folder `out`, built next to it and moved into place when complete (an existing `out`
     only with `force`, and only then replaced)."""
-    from .base.fs import identity
     out = Path(out)
     refused = output_refusal(out)  # no name, the current folder or one holding it
     if refused:

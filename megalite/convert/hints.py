@@ -23,6 +23,7 @@ from ..base.errors import ConvertError
 from ..base.fs import read_all
 from ..base.jsonio import loads
 from ..base.limits import FILE_BYTES
+from ..config import ModelConfig
 
 NORMS, MLPS = ("rms", "layer"), ("swiglu", "gelu", "gelu_tanh")
 
@@ -131,7 +132,6 @@ def llama_model(n_layer: int, n_head: int, n_kv_head: int, n_embd: int, ffn: int
                 theta: float, scaling: Optional[dict], eps: float, block_size: int) -> dict:
     """megalite's [model] dict for a Llama (arch, n_kv_head, intermediate_size, rope_theta, rope_scaling;
     layer_norm_eps is RMSNorm's eps), every other key at ModelConfig's default."""
-    from ..config import ModelConfig
     m = ModelConfig(arch="llama", n_layer=n_layer, n_head=n_head, n_kv_head=n_kv_head, n_embd=n_embd,
                     intermediate_size=ffn, vocab_size=vocab, block_size=block_size, dropout=0.0, tie_embeddings=tied,
                     rope_theta=float(theta), rope_scaling=rope_scaling(scaling), layer_norm_eps=float(eps))
