@@ -122,11 +122,9 @@ def tree(path) -> str:
     return "\n".join(lines)
 
 
-def verify(path, data: bool = True) -> tuple[Path, list[str]]:
-    """Every problem, one line each: the manifest, then per coordinate, per file and per tensor slice.
-    `data=False` (the commit's check of what it is about to commit) skips reading the tensors' bytes: every
-    file is still there, a regular file of its coordinate's folder, of its size, with its header checksum (and
-    every state.json whole), which is what a rank that wrote somewhere else would leave missing."""
+def verify(path) -> tuple[Path, list[str]]:
+    """Every problem, one line each: the manifest, then per coordinate, per file and per tensor slice (every
+    block of its bytes read and checked)."""
     try:
         step = resolve(path)
         man = read(step)
@@ -161,8 +159,7 @@ def verify(path, data: bool = True) -> tuple[Path, list[str]]:
                 continue
             try:
                 check_key(step, reader.header(sl.file)[0], entry, sl)
-                if data:
-                    reader.read_stored(entry, sl)  # all its blocks, checked
+                reader.read_stored(entry, sl)  # all its blocks, checked
             except CheckpointError as e:
                 problems.append(str(e))
     return step, problems
