@@ -12,8 +12,9 @@
     async_save.py  AsyncSaver: the snapshot in the loop, the writes and the commit in a thread
     load.py        checks and loads into a model/optimizer at any layout
     read.py        reads any region of a global tensor from whichever slices hold it, every block checked
-    check.py       the validation home: every check of a step's file (sizes, checksums, headers, keys, no links)
-    verify.py      `verify` (every check of check.py, without loading; the commit's `complete`), `inspect`, `--tree`
+    validate.py    the validation home: every check of a step's file (sizes, checksums, headers, keys, no links)
+    verify.py      the `verify` command (every check of validate.py, without loading; `recover`'s `complete`),
+                   `inspect` and `inspect --tree`
     stream.py      safetensors streamed from and into tensor memory, with block CRC32Cs
 
 This package imports nothing of the training loop (megalite/run/); its policy is megalite/run/ckpt_policy.py.

@@ -1,5 +1,5 @@
 """`megalite verify`, `megalite inspect` and `inspect --tree`: check a whole checkpoint as the loader would,
-without loading it (`verify`: every check of check.py, for `megalite verify`, resume=auto's choice and the
+without loading it (`verify`: every check of validate.py, for `megalite verify`, resume=auto's choice and the
 commit's `recover`, which moves in an interrupted re-save only if it verifies); describe it.
 
 `verify` runs the same manifest parser (every field, paths, dtypes, exact tiling, the manifest's checksum),
@@ -16,7 +16,7 @@ from pathlib import Path
 from ..base.errors import CheckpointError
 from ..parallel.grid import Coord
 from ..parallel.pipeline import stage_of
-from .check import check_key, read_state, read_tokenizer
+from .validate import check_key, read_state, read_tokenizer
 from .manifest import FORMAT_VERSION, read
 from .read import SliceReader
 from .tree import MANIFEST, MODEL_FILE, OPTIM_FILE, coord_dir, parse_coord_dir, resolve

@@ -9,7 +9,7 @@ from pathlib import Path
 from typing import Callable, Optional
 
 from ..checkpoint import manifest as mf
-from ..checkpoint.check import read_tokenizer
+from ..checkpoint.validate import read_tokenizer
 from ..checkpoint.commit import commit_step
 from ..base.fs import remove_tree, replace_output
 from ..checkpoint.plan import Payload, add, plan_writes
