@@ -7,8 +7,7 @@
     state.py       state.json (StepState) and the RNG states it carries
     optimizer.py   the optimizer section: megalite's AdamW and any torch.optim optimizer behind one interface
     plan.py        the write plan (who writes which slice) and a rank's payload
-    write.py       one coordinate's folder written (safetensors streamed, state.json, fsync)
-    commit.py      the commit protocol (gather, commit_step, recover, prune)
+    commit.py      the commit protocol (a coordinate's folder written, gather, commit_step, recover, prune)
     async_save.py  AsyncSaver: the snapshot in the loop, the writes and the commit in a thread
     load.py        checks and loads into a model/optimizer at any layout
     read.py        reads any region of a global tensor from whichever slices hold it, every block checked

@@ -4,7 +4,8 @@ Commit protocol (all coordination on the commit's own gloo groups, `CommitGroups
   1. rank 0 finishes or undoes what a killed save left (`recover`) and creates `.tmp-step_N/`;
   2. every rank writes its own `tpXX-ppXX-dpXX/` folder (safetensors + JSON), fsyncs, and reports the
      files with sizes and checksums (or its error) to rank 0, through its stage's leader (`_gather`)
-     (the folder is write.py's `write_rank`);
+     (`write_rank`: its safetensors streamed with their checksums, its state.json and any other small file of
+     its payload, fsynced; the same function writes every coordinate's folder in `split` and `reshard`);
   3. rank 0, if all succeeded, runs `commit_step` (the one commit, shared with `split`/`reshard`): writes
      manifest.json, fsyncs, checks that every reported file is there at its reported size (`reported_problems`,
      nothing re-read), moves `.tmp-step_N` -> `step_N` (a re-saved step is swapped in atomically), and only
@@ -35,15 +36,15 @@ import torch.distributed as dist
 
 from ..base.errors import CheckpointError
 from ..base.faults import kill_point, no_rename_exchange
-from ..base.fs import fsync_dir, kind_of, linked, remove_tree, unlink_quietly
+from ..base.fs import fsync_dir, kind_of, linked, remove_tree, unlink_quietly, write_new
 from ..parallel.agree import bcast_object, gather_to_first
 from ..parallel.grid import Axis
 from .verify import complete
-from .manifest import Manifest, RankReport, StepMeta, build, write
+from .manifest import FileRecord, Manifest, RankReport, SliceRef, StepMeta, build, checksum_block, write
 from .plan import Payload
-from .tree import LATEST, LATEST_TMP, TMP_PREFIX, committed_steps, coord_dir, parse_step_dir, read_latest, step_dir, \
-    tmp_dir, write_latest
-from .write import write_rank
+from .stream import StreamingWriter, crc32c
+from .tree import (LATEST, LATEST_TMP, STATE_FILE, TMP_PREFIX, committed_steps, coord_dir, parse_step_dir, read_latest,
+                   step_dir, tmp_dir, write_latest)
 
 
 # ---------------------------------------------------------------- the commit's own groups
@@ -97,6 +98,45 @@ def _gather(report: RankReport, grid) -> Optional[list]:
     return gather_to_first(merged, groups.leaders)
 
 
+# ---------------------------------------------------------------- step 2: one coordinate's folder
+def write_rank(folder: Path, pay: Payload, rel: str) -> RankReport:
+    """Write one coordinate's folder; return its report for the manifest (see manifest.build)."""
+    block = checksum_block()
+    folder.mkdir(parents=True, exist_ok=True)
+    report = RankReport()
+    crcs = {}
+    for fname, tensors in pay.files.items():
+        size, crc, crcs[fname] = _write_tensors(folder / fname, tensors, block)
+        report.files[f"{rel}/{fname}"] = FileRecord(size, crc)
+    data = pay.state.to_json()
+    write_new(folder / STATE_FILE, data)
+    report.files[f"{rel}/{STATE_FILE}"] = FileRecord(len(data), f"{crc32c(data):08x}")
+    for name, data in pay.step_files.items():
+        write_new(folder / name, data)
+        report.files[f"{rel}/{name}"] = FileRecord(len(data), f"{crc32c(data):08x}")
+    for proto, it in pay.records:
+        sl = SliceRef(f"{rel}/{it.file}", it.key, it.box, it.flat, crcs[it.file][it.key])
+        report.tensors.append((proto, sl))
+    fsync_dir(folder)
+    return report
+
+
+def _write_tensors(path: Path, tensors: dict, block: int) -> tuple[int, str, dict]:
+    """Stream one safetensors file (keys sorted: the same state gives the same bytes); return its size,
+    its header's CRC32C and each tensor's block CRC32Cs, computed on the buffers as they are written."""
+    keys = sorted(tensors)
+    w = StreamingWriter(path, [(k, list(tensors[k].shape), tensors[k].dtype) for k in keys], {"format": "pt"},
+                        block=block)
+    try:
+        crcs = {k: tuple(w.write(k, tensors[k])) for k in keys}
+        w.close()
+    except BaseException:
+        w.abort()
+        raise
+    return w.size, f"{w.header_crc32c:08x}", crcs
+
+
+# ---------------------------------------------------------------- steps 3-4: the commit and its repair
 OLD_PREFIX = TMP_PREFIX + "old-"  # a step being replaced, kept until its replacement is in place
 
 
