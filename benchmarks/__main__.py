@@ -2,7 +2,8 @@
 import importlib
 import sys
 
-TOOLS = {"stress": "benchmarks.stress", "phases": "benchmarks.phases", "transcripts": "benchmarks.transcripts"}
+TOOLS = {"stress": "benchmarks.stress", "phases": "benchmarks.phases", "transcripts": "benchmarks.transcripts",
+         "walk": "benchmarks.walk"}
 
 
 def main(argv=None) -> int:

@@ -66,8 +66,14 @@ def _report(command: str, e: BaseException) -> None:
 
 
 class _Parser(argparse.ArgumentParser):
+    more_help = None  # a callable giving text to add after the epilog, run only when the help is printed
+
     def error(self, message):  # argparse's own errors: one line, exit 2
         self.exit(2, f"{self.prog}: error: {message}\n")
+
+    def format_help(self) -> str:
+        text = super().format_help()
+        return text if self.more_help is None else f"{text}\n{self.more_help()}\n"
 
 
 def _cmd_train(args, rest) -> int:
@@ -232,6 +238,11 @@ def _cmd_bench(args, rest) -> int:
     return 0
 
 
+def _config_fields() -> str:
+    from .config import help_text
+    return f"config fields (TOML [section] key, or --section.key=value):\n{help_text()}"
+
+
 def build_parser() -> argparse.ArgumentParser:
     ap = _Parser(prog="megalite", description="A small Megatron-style 3D-parallel GPT trainer.")
     ap.add_argument("--version", action="version", version=f"megalite {__version__}")
@@ -243,10 +254,9 @@ def build_parser() -> argparse.ArgumentParser:
         p.set_defaults(fn=fn)
         return p
 
-    from .config import help_text
     p = add("train", "train a GPT (under torchrun, or alone for one process); any config field can be "
                      "overridden as --section.key=value", _cmd_train)
-    p.epilog = f"{p.epilog}\n\nconfig fields (TOML [section] key, or --section.key=value):\n{help_text()}"
+    p.more_help = _config_fields  # every config field, listed only for `train --help`, not on every command line
     p.add_argument("--config", help="TOML config file (configs/tiny-cpu.toml)")
     p.add_argument("--force", action="store_true",
                    help="with --checkpoint.resume=none: move an earlier run's checkpoints aside (never deleted)")

@@ -37,7 +37,7 @@ from .base.corpus import RECORD_SUFFIXES, records
 from .base.errors import CheckpointError, DataError
 from .base.fs import folder_locked, identity, kind_of, output_refusal, path_kind, remove_tree, replace_output
 from .base.jsonio import loads
-from .checkpoint.check import read_tokenizer
+from .checkpoint.validate import read_tokenizer
 from .checkpoint.manifest import read as read_manifest
 from .checkpoint.stream import read_metadata
 from .checkpoint.tree import LATEST, MANIFEST, resolve, tokenizer_rel

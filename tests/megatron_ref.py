@@ -292,7 +292,9 @@ def _llama(rank, world, out, name, tp, pp, vpp, heads, groups, qkv_bias, scaling
 
 
 # ---------------------------------------------------------------- the tensor-parallel layers
-def _layers(rank, world, out):
+def _megatron_layers(rank, world, out):
+    """Megatron core's column/row-parallel layers at tp 2 (with and without sp): inputs, weights, outputs and
+    gradients per rank into layers-rank{r}.pt, which test_foreign_megatron._megalite_layers runs megalite's on."""
     patch_for_cpu()
     from megatron.core import parallel_state as ps
     from megatron.core import tensor_parallel
@@ -361,7 +363,7 @@ def main(out: Path) -> None:
     (out / "schedule.json").write_text(json.dumps(schedule_tables()))
     run_job(_gpt, 4, out, out, "tied_tp2pp2", 2, 2, True, False, 1e-5)
     run_job(_gpt, 2, out, out, "untied_tp2", 2, 1, False, True, 1e-6)
-    run_job(_layers, 2, out, out)
+    run_job(_megatron_layers, 2, out, out)
     # name, tp, pp, vpp, heads, groups, qkv_bias, rope scaling, theta, also saved without args
     run_job(_llama, 4, out, out, "llama_tp2pp2", 2, 2, 1, 4, 2, False, False, 10000.0, True)
     run_job(_llama, 4, out, out, "llama_tp4", 4, 1, 1, 8, 4, True, True, 500000.0, False)

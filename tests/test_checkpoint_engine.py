@@ -172,3 +172,24 @@ def test_the_checkpoint_package_imports_nothing_of_the_training_loop():
         if bad:
             outside[path.name] = bad
     assert outside == {}, outside
+
+
+def test_the_commit_checks_what_every_rank_reported_without_re_reading_it(tmp_path):
+    """commit.reported_problems (the commit's check before its rename) trusts the reports: every file the
+    manifest lists is a regular file of its coordinate's folder at its reported size; a file missing (its rank
+    wrote elsewhere), cut short, or reached through a symlink is named in one line each."""
+    from megalite.checkpoint.commit import reported_problems
+    from megalite.checkpoint.manifest import read
+    _, _, _, step = _saved(tmp_path)
+    man = read(step)
+    assert reported_problems(step, man) == []
+    model = "tp00-pp00-dp00/model.safetensors"
+    (step / model).write_bytes((step / model).read_bytes()[:-1])
+    os.replace(step / STATE, tmp_path / "state.json")
+    (step / STATE).symlink_to(tmp_path / "state.json")
+    os.unlink(step / "tp00-pp00-dp00/optimizer.safetensors")
+    problems = reported_problems(step, man)
+    assert len(problems) == 3 and all("\n" not in p for p in problems), problems
+    assert any(model in p and "its rank reported" in p for p in problems), problems
+    assert any(STATE in p and "symbolic link" in p for p in problems), problems
+    assert any("optimizer.safetensors is missing" in p for p in problems), problems

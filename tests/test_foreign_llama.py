@@ -24,6 +24,7 @@ from megalite.convert import megatron_llama
 from megalite.convert.megatron import MegatronGPT
 from megalite.convert.torchtitan import TorchtitanLlama
 from megalite.base.errors import ConvertError
+from helpers import cli_in_process as cli  # `megalite ARGS` in this process
 
 transformers = pytest.importorskip("transformers")
 needs_megatron = pytest.mark.skipif(importlib.util.find_spec("megatron") is None
@@ -279,16 +280,6 @@ def test_a_dcp_folder_that_does_not_fit_the_named_sizes_is_one_line(ttref, tmp_p
 
 
 # ---------------------------------------------------------------- through the CLI: one file, split, train
-def cli(*args) -> tuple[int, str, str]:
-    import contextlib
-    import io
-    from megalite.cli import main
-    out, err = io.StringIO(), io.StringIO()
-    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
-        rc = main([str(a) for a in args])
-    return rc, out.getvalue(), err.getvalue()
-
-
 @needs_megatron
 def test_megatron_llama_split_212_trains_from_transformers_loss(mref, tmp_path, convert_tokens):
     """convert (vocab cut) -> one megalite file -> split at (tp 2, pp 1, dp 2) -> one training step under

@@ -263,7 +263,9 @@ def test_megatron_input_errors_are_one_line_and_nothing_runs(tmp_path, mref):
 
 
 # ---------------------------------------------------------------- the tensor-parallel layers
-def _layers(rank, world, tmp, ref_dir):
+def _megalite_layers(rank, world, tmp, ref_dir):
+    """megalite's column/row-parallel layers on the inputs and weights megatron_ref._megatron_layers ran
+    Megatron core's on (its layers-rank{r}.pt): the same outputs and gradients, with and without sp."""
     from megalite.parallel.grid import Layout, ParallelGrid
     from megalite.parallel.tensor import ColumnParallelLinear, RowParallelLinear
     ref = torch.load(Path(ref_dir) / f"layers-rank{rank}.pt")
@@ -296,7 +298,7 @@ def _layers(rank, world, tmp, ref_dir):
 
 
 def test_parallel_linears_match_megatron_core(tmp_path, mref):
-    run_parallel(_layers, 2, tmp_path / "rdzv", args=(str(mref),))
+    run_parallel(_megalite_layers, 2, tmp_path / "rdzv", args=(str(mref),))
 
 
 # ---------------------------------------------------------------- the interleaved schedule

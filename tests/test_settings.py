@@ -111,7 +111,10 @@ def test_eta_ignores_the_first_step():
 
 
 def test_help_text_is_what_train_help_shows():
-    assert help_text() in megalite_cli.build_parser()._subparsers._group_actions[0].choices["train"].epilog
+    """`train --help` ends with every config field (help_text), computed only when the help is printed: the
+    parser every command builds does not list the fields (a `convert` never enters config.py for them)."""
+    train = megalite_cli.build_parser()._subparsers._group_actions[0].choices["train"]
+    assert help_text() not in (train.epilog or "") and help_text() in train.format_help()
 
 
 def test_shipped_configs_validate_at_the_layouts_readme_runs():

@@ -89,7 +89,7 @@ def one_rank_plan_s(stages: list, layout) -> float:
 
 
 def _reports(stages: list, layout) -> tuple[list, list]:
-    """Every rank's report as `write.write_rank` returns it (placeholder checksums), and its bytes written."""
+    """Every rank's report as `commit.write_rank` returns it (placeholder checksums), and its bytes written."""
     from ..checkpoint import manifest as mf
     from ..checkpoint.tree import MODEL_FILE, OPTIM_FILE, STATE_FILE, coord_dir
     from ..checkpoint.plan import Payload, add, plan_writes

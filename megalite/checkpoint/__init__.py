@@ -1,20 +1,26 @@
 """Rank-coded sharded checkpoints: every (tp, pp, dp[, cp]) coordinate saves its own slice; one manifest describes all.
 
     api.py         save_checkpoint / load_checkpoint (the public calls)
+
+  what a shard is (the format)
     tree.py        the folder tree: coordinate <-> folder, step folders, `latest`
     manifest.py    the global description (names, shapes, partitions, slices, checksums) and a step's meta
     tiling.py      the check that a tensor's slices cover it exactly
+    plan.py        the write plan (who writes which slice) and a rank's payload
     state.py       state.json (StepState) and the RNG states it carries
     optimizer.py   the optimizer section: megalite's AdamW and any torch.optim optimizer behind one interface
-    plan.py        the write plan (who writes which slice) and a rank's payload
-    write.py       one coordinate's folder written (safetensors streamed, state.json, fsync)
-    commit.py      the commit protocol (gather, commit_step, recover, prune)
-    async_save.py  AsyncSaver: the snapshot in the loop, the writes and the commit in a thread
-    load.py        checks and loads into a model/optimizer at any layout
-    read.py        reads any region of a global tensor from whichever slices hold it, every block checked
-    check.py       the validation home: every check of a step's file (sizes, checksums, headers, keys, no links)
-    verify.py      `verify` (every check of check.py, without loading; the commit's `complete`), `inspect`, `--tree`
+
+  how bytes move (the save)
     stream.py      safetensors streamed from and into tensor memory, with block CRC32Cs
+    commit.py      the commit protocol (a coordinate's folder written, gather, commit_step, recover, prune)
+    async_save.py  AsyncSaver: the snapshot in the loop, the writes and the commit in a thread
+
+  reading back, every byte checked
+    validate.py    the validation home: every check of a step's file (sizes, checksums, headers, keys, no links)
+    read.py        reads any region of a global tensor from whichever slices hold it, every block checked
+    load.py        checks and loads into a model/optimizer at any layout
+    verify.py      the `verify` command (every check of validate.py, without loading; `recover`'s `complete`),
+                   `inspect` and `inspect --tree`
 
 This package imports nothing of the training loop (megalite/run/); its policy is megalite/run/ckpt_policy.py.
 Its files go through megalite/base/fs.py, the house's one file-safety owner. The names below are imported on

@@ -21,7 +21,7 @@ any rank writes: every rank raises the same one-line CheckpointError and nothing
 
 A save goes: the checks -> the optimizer's owner (optimizer.py) -> this rank's payload (plan.py) -> the
 step's meta (manifest.step_meta) -> the commit protocol (commit.py, in a thread with async_save.py), which
-writes the rank's folder (write.py) and commits the step.
+writes the rank's folder (commit.write_rank) and commits the step.
 """
 from __future__ import annotations
 

@@ -4,10 +4,12 @@ Commit protocol (all coordination on the commit's own gloo groups, `CommitGroups
   1. rank 0 finishes or undoes what a killed save left (`recover`) and creates `.tmp-step_N/`;
   2. every rank writes its own `tpXX-ppXX-dpXX/` folder (safetensors + JSON), fsyncs, and reports the
      files with sizes and checksums (or its error) to rank 0, through its stage's leader (`_gather`)
-     (the folder is write.py's `write_rank`);
+     (`write_rank`: its safetensors streamed with their checksums, its state.json and any other small file of
+     its payload, fsynced; the same function writes every coordinate's folder in `split` and `reshard`);
   3. rank 0, if all succeeded, runs `commit_step` (the one commit, shared with `split`/`reshard`): writes
-     manifest.json, fsyncs, moves `.tmp-step_N` -> `step_N` (a re-saved step is swapped in atomically),
-     and only then replaces `latest`; then prunes. On any failure it removes the temporary folder;
+     manifest.json, fsyncs, checks that every reported file is there at its reported size (`reported_problems`,
+     nothing re-read), moves `.tmp-step_N` -> `step_N` (a re-saved step is swapped in atomically), and only
+     then replaces `latest`; then prunes. On any failure it removes the temporary folder;
   4. rank 0 broadcasts the outcome, and every rank returns or raises the same CheckpointError.
 
 At every instant `latest` names a committed folder that verifies: a process killed at any point of the
@@ -22,6 +24,7 @@ from __future__ import annotations
 import ctypes
 import errno
 import os
+import stat
 import sys
 import traceback
 import weakref
@@ -33,15 +36,15 @@ import torch.distributed as dist
 
 from ..base.errors import CheckpointError
 from ..base.faults import kill_point, no_rename_exchange
-from ..base.fs import fsync_dir, remove_tree, unlink_quietly
+from ..base.fs import fsync_dir, kind_of, linked, remove_tree, unlink_quietly, write_new
 from ..parallel.agree import bcast_object, gather_to_first
 from ..parallel.grid import Axis
-from .verify import complete, verify
-from .manifest import Manifest, RankReport, StepMeta, build, write
+from .verify import complete
+from .manifest import FileRecord, Manifest, RankReport, SliceRef, StepMeta, build, checksum_block, write
 from .plan import Payload
-from .tree import LATEST, LATEST_TMP, TMP_PREFIX, committed_steps, coord_dir, parse_step_dir, read_latest, step_dir, \
-    tmp_dir, write_latest
-from .write import write_rank
+from .stream import StreamingWriter, crc32c
+from .tree import (LATEST, LATEST_TMP, STATE_FILE, TMP_PREFIX, committed_steps, coord_dir, parse_step_dir, read_latest,
+                   step_dir, tmp_dir, write_latest)
 
 
 # ---------------------------------------------------------------- the commit's own groups
@@ -95,6 +98,45 @@ def _gather(report: RankReport, grid) -> Optional[list]:
     return gather_to_first(merged, groups.leaders)
 
 
+# ---------------------------------------------------------------- step 2: one coordinate's folder
+def write_rank(folder: Path, pay: Payload, rel: str) -> RankReport:
+    """Write one coordinate's folder; return its report for the manifest (see manifest.build)."""
+    block = checksum_block()
+    folder.mkdir(parents=True, exist_ok=True)
+    report = RankReport()
+    crcs = {}
+    for fname, tensors in pay.files.items():
+        size, crc, crcs[fname] = _write_tensors(folder / fname, tensors, block)
+        report.files[f"{rel}/{fname}"] = FileRecord(size, crc)
+    data = pay.state.to_json()
+    write_new(folder / STATE_FILE, data)
+    report.files[f"{rel}/{STATE_FILE}"] = FileRecord(len(data), f"{crc32c(data):08x}")
+    for name, data in pay.step_files.items():
+        write_new(folder / name, data)
+        report.files[f"{rel}/{name}"] = FileRecord(len(data), f"{crc32c(data):08x}")
+    for proto, it in pay.records:
+        sl = SliceRef(f"{rel}/{it.file}", it.key, it.box, it.flat, crcs[it.file][it.key])
+        report.tensors.append((proto, sl))
+    fsync_dir(folder)
+    return report
+
+
+def _write_tensors(path: Path, tensors: dict, block: int) -> tuple[int, str, dict]:
+    """Stream one safetensors file (keys sorted: the same state gives the same bytes); return its size,
+    its header's CRC32C and each tensor's block CRC32Cs, computed on the buffers as they are written."""
+    keys = sorted(tensors)
+    w = StreamingWriter(path, [(k, list(tensors[k].shape), tensors[k].dtype) for k in keys], {"format": "pt"},
+                        block=block)
+    try:
+        crcs = {k: tuple(w.write(k, tensors[k])) for k in keys}
+        w.close()
+    except BaseException:
+        w.abort()
+        raise
+    return w.size, f"{w.header_crc32c:08x}", crcs
+
+
+# ---------------------------------------------------------------- steps 3-4: the commit and its repair
 OLD_PREFIX = TMP_PREFIX + "old-"  # a step being replaced, kept until its replacement is in place
 
 
@@ -185,6 +227,30 @@ def prune(root: Path, keep_last: int, saved: Optional[int] = None, keep: Iterabl
     return deleted
 
 
+def reported_problems(tmp: Path, man: Manifest) -> list[str]:
+    """What every rank reported writing, checked where the commit is about to rename it, from the reports alone
+    (no file is re-read): each file of the manifest (its parsing asked for every coordinate's state.json) is a
+    regular file of its coordinate's folder under `tmp`, no link on the way, of the size its rank reported. A
+    rank that wrote into another folder or onto another file system leaves its files missing here."""
+    problems = []
+    for rel, rec in man.files.items():
+        path = tmp / rel
+        try:
+            st = os.lstat(path)
+        except FileNotFoundError:
+            problems.append(f"{tmp.name}: {rel} is missing (its rank reported writing {rec.bytes} bytes)")
+            continue
+        except OSError as e:
+            problems.append(f"{tmp.name}: {rel} cannot be examined ({e.strerror or e})")
+            continue
+        if not stat.S_ISREG(st.st_mode) or linked(path, parents=1):
+            what = "reached through a symbolic link" if stat.S_ISREG(st.st_mode) else kind_of(st)
+            problems.append(f"{tmp.name}: {rel} is {what}, expected a regular file of its coordinate's folder")
+        elif st.st_size != rec.bytes:
+            problems.append(f"{tmp.name}: {rel} is {st.st_size} bytes, its rank reported {rec.bytes}")
+    return problems
+
+
 def commit_step(root: Path, step: int, man: Manifest, keep_last: int = 0, keep: Iterable[int] = ()) -> Path:
     """Commit the complete temporary folder `.tmp-step_N` (every coordinate written and fsynced) as step_N:
     manifest, fsync, rename (an existing step_N is swapped out atomically), then `latest`, then prune.
@@ -199,7 +265,7 @@ def commit_step(root: Path, step: int, man: Manifest, keep_last: int = 0, keep: 
         kill_point("manifest_written")
         fsync_dir(tmp)
         kill_point("manifest_synced")
-        _, problems = verify(tmp, data=False)  # what every rank reported is here: `latest` only names steps that verify
+        problems = reported_problems(tmp, man)  # every rank's files are here: `latest` names no step missing one
         if problems:
             raise CheckpointError(f"{problems[0]}" + (f" (+{len(problems) - 1} more)" if len(problems) > 1 else "")
                                   + "; do all ranks write to the same checkpoint.dir on one shared file system?")

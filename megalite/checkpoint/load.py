@@ -16,7 +16,7 @@ import torch
 from ..config import model_architecture
 from ..base.errors import CheckpointError
 from ..parallel.partition import partition_of, tp_box, valid_view
-from .check import read_state
+from .validate import read_state
 from .manifest import Manifest, entry_for, read
 from .optimizer import OptimizerState, optimizer_state
 from .read import SliceReader, fill

@@ -19,7 +19,7 @@ import torch
 from ..base.errors import CheckpointError
 from ..parallel.partition import Box
 from .manifest import Manifest, SliceRef, TensorEntry
-from .check import check_file, check_key
+from .validate import check_file, check_key
 from .stream import crc32c, raw_bytes, read_bytes
 
 

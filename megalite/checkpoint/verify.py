@@ -1,5 +1,5 @@
 """`megalite verify`, `megalite inspect` and `inspect --tree`: check a whole checkpoint as the loader would,
-without loading it (`verify`: every check of check.py, for `megalite verify`, resume=auto's choice and the
+without loading it (`verify`: every check of validate.py, for `megalite verify`, resume=auto's choice and the
 commit's `recover`, which moves in an interrupted re-save only if it verifies); describe it.
 
 `verify` runs the same manifest parser (every field, paths, dtypes, exact tiling, the manifest's checksum),
@@ -16,7 +16,7 @@ from pathlib import Path
 from ..base.errors import CheckpointError
 from ..parallel.grid import Coord
 from ..parallel.pipeline import stage_of
-from .check import check_key, read_state, read_tokenizer
+from .validate import check_key, read_state, read_tokenizer
 from .manifest import FORMAT_VERSION, read
 from .read import SliceReader
 from .tree import MANIFEST, MODEL_FILE, OPTIM_FILE, coord_dir, parse_coord_dir, resolve
@@ -122,11 +122,9 @@ def tree(path) -> str:
     return "\n".join(lines)
 
 
-def verify(path, data: bool = True) -> tuple[Path, list[str]]:
-    """Every problem, one line each: the manifest, then per coordinate, per file and per tensor slice.
-    `data=False` (the commit's check of what it is about to commit) skips reading the tensors' bytes: every
-    file is still there, a regular file of its coordinate's folder, of its size, with its header checksum (and
-    every state.json whole), which is what a rank that wrote somewhere else would leave missing."""
+def verify(path) -> tuple[Path, list[str]]:
+    """Every problem, one line each: the manifest, then per coordinate, per file and per tensor slice (every
+    block of its bytes read and checked)."""
     try:
         step = resolve(path)
         man = read(step)
@@ -161,8 +159,7 @@ def verify(path, data: bool = True) -> tuple[Path, list[str]]:
                 continue
             try:
                 check_key(step, reader.header(sl.file)[0], entry, sl)
-                if data:
-                    reader.read_stored(entry, sl)  # all its blocks, checked
+                reader.read_stored(entry, sl)  # all its blocks, checked
             except CheckpointError as e:
                 problems.append(str(e))
     return step, problems

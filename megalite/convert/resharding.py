@@ -9,14 +9,13 @@ from pathlib import Path
 from typing import Callable, Optional
 
 from ..checkpoint import manifest as mf
-from ..checkpoint.check import read_tokenizer
-from ..checkpoint.commit import commit_step
+from ..checkpoint.validate import read_tokenizer
+from ..checkpoint.commit import commit_step, write_rank
 from ..base.fs import remove_tree, replace_output
 from ..checkpoint.plan import Payload, add, plan_writes
 from ..checkpoint.read import SliceReader
 from ..checkpoint.state import StepState
 from ..checkpoint.tree import TOKENIZER_FILE, coord_dir, resolve, step_dir, tmp_dir
-from ..checkpoint.write import write_rank
 from ..config import MAX_COUNT, Config
 from ..parallel.grid import Layout
 from ..parallel.pipeline import stage_of

@@ -1,5 +1,6 @@
 """The checkpoint's validation home: every check a file of a step must pass before any of it is used, shared by
-the loader (load.py, read.py), the commit and `verify` (verify.py, which runs them all without loading).
+the loader (load.py, read.py) and `verify` (verify.py, which runs them all without loading; the commit's `recover`
+asks it before moving an interrupted re-save in).
 
     read_checked(step, man, rel)   a small file read whole, checked against its size and CRC32C (state.json,
                                    tokenizer.json); read_state, read_tokenizer
