@@ -402,8 +402,8 @@ def test_zero1_resume_across_a_tp_change_reads_its_rows_not_whole_slices(base, t
     touches from all its pieces); the values are the saved ones."""
     from megalite.checkpoint import read as rs
     src = reshard(base["ck"], tmp_path / "z", 2, 1, 2, zero1=True, quiet=True)
-    got, real = [], rs.read_bytes
-    monkeypatch.setattr(rs, "read_bytes", lambda path, at, out: (got.append(memoryview(out).nbytes), real(path, at, out)))
+    got, real = [], rs.read_at
+    monkeypatch.setattr(rs, "read_at", lambda f, at, out: (got.append(memoryview(out).nbytes), real(f, at, out)))
     saved = dict(base["model"].global_parameters())
     for dp_rank in range(8):
         grid = grid_at(1, 8, 0, dp_rank)
