@@ -293,9 +293,3 @@ def read_at(f, offset: int, out) -> None:
         if not n:
             raise ValueError(f"file ends after {offset + got} bytes, {len(buf) - got} more expected")
         got += n
-
-
-def read_bytes(path: Path, offset: int, out) -> None:
-    """Read exactly len(out) bytes at `offset` of `path` into the writable buffer `out` (one open, one read)."""
-    with open_read(path, buffering=0) as f:
-        read_at(f, offset, out)

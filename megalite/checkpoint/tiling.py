@@ -28,8 +28,8 @@ DISJOINT_PAIRS = 32  # up to this many boxes, the cheap proof below is tried fir
 def _exact_cover(boxes, shape) -> bool:
     """True when boxes that lie inside `shape` cover it exactly: no two overlap and their sizes add up to the
     shape's (disjoint parts of a finite grid whose counts sum to the whole are the whole). False proves
-    nothing (the grid count below then finds and names the problem). A few tp slices of each of a model's
-    tensors: this is most of a manifest's parse, and the grid count's small numpy arrays cost ~10x more."""
+    nothing (the grid count below then finds and names the problem). Most tensors have a few tp slices; for
+    them this replaces the grid count, whose small numpy arrays were most of a manifest's parse."""
     keys = list(boxes)
     if sum(b.numel for b in keys) != math.prod(shape):
         return False
