@@ -193,18 +193,20 @@ def _worker(rank: int, world: int, tmp: str, o: dict) -> None:
         return flag.item() > 0
 
     def plain_steps(k: int) -> list:
-        """k in-place AdamW steps, each followed by the loop's collective; the time after each (cumulative)."""
-        t0, out = time.perf_counter(), []
+        """k in-place AdamW steps, each followed by the loop's collective; after each, the wall time and this
+        process's CPU time (all its threads) since the first began (cumulative)."""
+        t0, c0, out = time.perf_counter(), time.process_time(), []
         for _ in range(k):
             opt.step(1e-6)
             sync(True)
-            out.append(time.perf_counter() - t0)
+            out.append((time.perf_counter() - t0, time.process_time() - c0))
         return out
 
     def steps_during_save(i: int) -> tuple:
         """An async save submitted as `megalite train` does, then AdamW steps until it has committed (polled
-        after each step; all ranks agree through the step's collective). (blocked s, steps, s in all)."""
-        t0 = time.perf_counter()
+        after each step; all ranks agree through the step's collective). (blocked s, steps, s in all, CPU s
+        of this process in all: the loop's and the writer thread's)."""
+        t0, c0 = time.perf_counter(), time.process_time()
         save_checkpoint(root / "ml_loop", i + 1, model, opt, grid, config=cfgd, saver=saver)
         blocked, k = time.perf_counter() - t0, 0
         while True:
@@ -212,7 +214,7 @@ def _worker(rank: int, world: int, tmp: str, o: dict) -> None:
             k += 1
             saver.poll()
             if not sync(saver.thread is not None):
-                return blocked, k, time.perf_counter() - t0
+                return blocked, k, time.perf_counter() - t0, time.process_time() - c0
 
     def loop_cost(i: int, k_guess: int) -> int:
         """What an async save costs the loop: blocked + (the steps that run while its writer works - as many
@@ -235,18 +237,22 @@ def _worker(rank: int, world: int, tmp: str, o: dict) -> None:
             else:
                 got["plain"] = plain_steps(got["save"][1] if "save" in got else k_guess)
             got[side + " rss"] = (peak_rss_mib(), peak_rss_mib() - base)
-        blocked, k, during = got["save"]
+        blocked, k, during, cpu = got["save"]
         plain = got["plain"]
         if len(plain) < k:
             dist.barrier()
             more = plain_steps(k - len(plain))
-            plain = plain + [plain[-1] + t for t in more]
-        # every rank stepped k times (the collective): the slowest rank's times are the loop's
+            plain = plain + [(plain[-1][0] + w, plain[-1][1] + c) for w, c in more]
+        # every rank stepped k times (the collective): the slowest rank's times are the loop's; the CPU the
+        # save added (its writer thread, the out-of-place step) is summed over the ranks
+        added = torch.tensor([cpu - plain[k - 1][1]], dtype=torch.float64)
+        dist.all_reduce(added)
         blocked, during, plain_k, peak_s, extra_s, peak_p, extra_p = reduce_max(
-            [blocked, during, plain[k - 1], *got["save rss"], *got["plain rss"]])
+            [blocked, during, plain[k - 1][0], *got["save rss"], *got["plain rss"]])
         for name, secs, peak, extra in ((DURING, during, peak_s, extra_s), (PLAIN, plain_k, peak_p, extra_p),
                                         (ASYNC_COST, during - plain_k, peak_s, extra_s)):
-            rec.setdefault(name, []).append({"s": secs, "rss": peak, "extra": extra, "steps": k, "blocked": blocked})
+            rec.setdefault(name, []).append({"s": secs, "rss": peak, "extra": extra, "steps": k, "blocked": blocked,
+                                             "cpu_added": added.item()})
             if rank == 0:
                 nbytes[name] = du(root / "ml_loop")
                 live_row(live, repeat[0], name, rec[name][-1], nbytes[name])
@@ -336,7 +342,7 @@ def _worker(rank: int, world: int, tmp: str, o: dict) -> None:
              storage_writer=dcp.FileSystemWriter(str(root / "dcp_model")))  # the input of dcp_to_torch_save
     if rank == 0:
         (Path(tmp) / "result.json").write_text(json.dumps(
-            {"rec": rec, "bytes": nbytes, "cache": how[0], "rss_after": rss_after, "total": total,
+            {"rec": rec, "bytes": nbytes, "cache": how[0], "rss_after": rss_after, "total": total, "world": world,
              "resident": resident}))
 
 
@@ -500,6 +506,12 @@ def bench_ckpt(size_mb: float = 1024, world: int = 4, repeats: int = 3, dir: Opt
             f"against {by[PLAIN]['median_s']:.3f} s, the blocked time included) = {by[ASYNC_COST]['median_s']:.3f} "
             f"s = {r:.1%} of the sync save (medians over {len(runs)} repeats, the two sides side by side; "
             f"{lo:.1%}-{hi:.1%} per repeat)")
+        cpu, cores = spread([r["cpu_added"] for r in runs])[0], len(os.sched_getaffinity(0))
+        log(f"CPU time the async save added to the {res['world']} ranks' processes: {cpu:.3f} s (median over repeats: "
+            f"their writer threads' CRC32C, copies into the page cache and commit, and the out-of-place step; "
+            f"the steps' own CPU subtracted); where the loop keeps all {cores} cores busy that is "
+            f"{cpu / cores:.3f} s of its time = {cpu / cores / by['megalite save']['median_s']:.1%} of the sync save "
+            f"(steadier than the wall-time row under other load, which it does not count)")
     if "megalite load, resharded" in by:
         r, lo, hi = paired(rec, "megalite load, resharded", "megalite load")
         log(f"resharded / same-layout load: {r:.2f}x (ratio of medians over {len(rec['megalite load'])} loads "
