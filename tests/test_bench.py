@@ -47,8 +47,15 @@ def test_bench_ckpt_prints_its_table(tmp_path):
     assert len(re.findall(r"\nmegalite load, resharded +1 ", live)) == 2, "same-layout and resharded loads: ABBA"
     assert re.search(r"async blocked / sync save: [\d.]+% \(ratio of medians", summary)
     assert re.search(r"async blocked with a staging copy / sync save: [\d.]+% \(ratio of medians", summary)
-    assert re.search(r"what an async save costs the training loop: blocked [\d.]+ s \+ the next step's extra "
-                     r"-?[\d.]+ s = [\d.]+ s = [\d.]+% of the sync save", summary)
+    # the cost row times the steps that run while the writer works, against as many plain steps side by side
+    for op in ("AdamW steps while an async save writes", "AdamW steps, as many, no save"):
+        assert f"\n{op} " in out, op
+    assert re.search(r"what an async save costs the training loop: blocked [\d.]+ s \+ the [\d.]+ AdamW steps that "
+                     r"ran while it wrote, over as many in-place steps without a save \([\d.]+ s against [\d.]+ s, "
+                     r"the blocked time included\) = -?[\d.]+ s = -?[\d.]+% of the sync save", summary)
+    assert re.search(r"CPU time the async save added to the 2 ranks' processes: -?[\d.]+ s \(median over repeats: "
+                     r".*; where the loop keeps all \d+ cores busy that is -?[\d.]+ s of its time = -?[\d.]+% of the "
+                     r"sync save", summary)
     assert re.search(r"resharded / same-layout load: [\d.]+x \(ratio of medians over 2 loads each", summary)
     assert "megalite async save: cost to the loop " in summary and "disk probe: each repeat reads" in summary
     # docs/performance.md runs it over sizes: one whole run per size, then the scaling table and the fits

@@ -96,9 +96,9 @@ def load_into(path, params, optimizer, grid, model_cfg: Optional[dict] = None,
         opt = OptimizerState()
     todo = opt.plan_load(man, step, plan)
     state = read_state(step, man, c) if same and restore_rng_state else None
-    with torch.no_grad():
+    with reader, torch.no_grad():  # the reader's files closed when done, or on an error
         for name, p, part, entry, box in plan:
             fill(valid_view(p.data, part, c.tp, L.tp), lambda out: reader.read(entry, box, out=out))
-    opt.load(reader, man, todo, grid)
+        opt.load(reader, man, todo, grid)
     rng = state is not None and state.restore_rng(f"{step.name}: {coord_dir(c, L.cp)}/{STATE_FILE}")  # False: none
     return Loaded(step, man.step, man.tokens_seen, man.data, man.client_state, same, rng, man, warnings)

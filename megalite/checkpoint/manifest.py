@@ -105,7 +105,7 @@ def dtype_name(dtype: torch.dtype) -> str:
 
 
 def itemsize(dtype: str) -> int:
-    return torch.empty((), dtype=DTYPES[dtype]).element_size()
+    return DTYPES[dtype].itemsize
 
 
 # ---------------------------------------------------------------- the typed records

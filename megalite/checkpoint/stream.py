@@ -168,7 +168,7 @@ class StreamingWriter:
         self.path, self.specs, self.checksum, self.block = Path(path), specs, checksum, block
         header, offset = {"__metadata__": metadata}, 0
         for name, shape, dtype in specs:
-            n = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
+            n = math.prod(shape) * dtype.itemsize
             header[name] = {"dtype": WRITABLE[dtype], "shape": list(shape), "data_offsets": [offset, offset + n]}
             offset += n
         blob = json.dumps(header, separators=(",", ":")).encode()
@@ -264,7 +264,7 @@ def check_header(header: dict, data_start: int, file_size: int) -> None:
         if (not isinstance(offs, list) or len(offs) != 2 or any(isinstance(x, bool) or not isinstance(x, int)
                                                                  for x in offs) or not 0 <= offs[0] <= offs[1]):
             raise ValueError(f"key '{key}' has data_offsets {offs!r}")
-        n = math.prod(shape) * torch.empty((), dtype=_FROM_ST[e["dtype"]]).element_size()
+        n = math.prod(shape) * _FROM_ST[e["dtype"]].itemsize
         if offs[1] - offs[0] != n:
             raise ValueError(f"key '{key}' has data_offsets {offs} ({offs[1] - offs[0]} bytes) for {n} bytes of "
                              f"{e['dtype']} {shape}")
@@ -283,15 +283,13 @@ def st_dtype(dtype: torch.dtype) -> str:
     return ST_DTYPES[dtype]
 
 
-def read_bytes(path: Path, offset: int, out) -> None:
-    """Read exactly len(out) bytes at `offset` of `path` into the writable buffer `out`."""
-    buf = memoryview(out).cast("B")
-    with open_read(path, buffering=0) as f:
-        f.seek(offset)
-        got = 0
-        while got < len(buf):
-            n = f.readinto(buf[got:])
-            if not n:
-                raise ValueError(f"file ends after {offset + got} bytes, {len(buf) - got} more expected")
-            got += n
-
+def read_at(f, offset: int, out) -> None:
+    """Read exactly len(out) bytes at `offset` of the open file `f` into the writable buffer `out`: positioned
+    reads (pread, the GIL released), so one open file serves every read of a load, in any order."""
+    buf, fd = memoryview(out).cast("B"), f.fileno()
+    got = 0
+    while got < len(buf):
+        n = os.preadv(fd, [buf[got:]], offset + got)
+        if not n:
+            raise ValueError(f"file ends after {offset + got} bytes, {len(buf) - got} more expected")
+        got += n
