@@ -156,3 +156,25 @@ def mref(tmp_path_factory) -> Path:
 def ttref(tmp_path_factory) -> Path:
     """torchtitan 0.3.0's Llama 3: logits and DCP step folders under each naming (tests/torchtitan_ref.py)."""
     return _reference(tmp_path_factory, H.TORCHTITAN_REF, "MEGALITE_TORCHTITAN_REF", "torchtitan_ref")
+
+
+# ---------------------------------------------------------------- two workers (README: pytest -n 2)
+# With pytest-xdist's --dist loadgroup, every test of a group runs in one worker. A test file is a group (its
+# module fixtures are built once), and the files that share an expensive session fixture are one group, so that
+# fixture too is built once: the converter's training runs, the bad-input world, and the Megatron and
+# torchtitan references.
+SHARED_GROUPS = {"inputs_world": "inputs-world", "run111": "converter-runs", "run222": "converter-runs",
+                 "model_file": "converter-runs", "run222_stop5": "converter-runs", "run222_full": "converter-runs",
+                 "mref": "references", "ttref": "references"}
+
+
+def pytest_collection_modifyitems(config, items):
+    if not config.pluginmanager.hasplugin("xdist"):
+        return
+    by_file: dict = {}
+    for item in items:
+        group = next((SHARED_GROUPS[f] for f in getattr(item, "fixturenames", ()) if f in SHARED_GROUPS), None)
+        if group:
+            by_file[item.path] = group
+    for item in items:
+        item.add_marker(pytest.mark.xdist_group(by_file.get(item.path, item.path.name)))
