@@ -102,6 +102,12 @@ ASYNC_COST = "megalite async save: cost to the loop"  # per repeat: blocked + (s
 DURING = "AdamW steps while an async save writes"  # from the submit to the first step after its commit
 PLAIN = "AdamW steps, as many, no save"  # the same count of in-place steps, side by side
 NO_RATE = (ASYNC_COST, DURING, PLAIN)  # times of the loop, not of moving bytes: no GB/s, no disk share
+
+
+def _rated(op: str) -> bool:
+    """Whether an operation moves its bytes in the time it is timed (a GB/s means something): not a blocked
+    time, an optimizer step or the loop's time around an async save."""
+    return not (op.endswith("blocked") or op.startswith("AdamW") or op in NO_RATE)
 SCALING_PAIRS = [("megalite save", "DCP save"), ("megalite async save: until commit", "DCP async_save: until done"),
                  ("megalite async save: blocked", "DCP async_save: blocked"), (ASYNC_COST, "megalite save"),
                  ("megalite load", "DCP load"), ("megalite load, resharded", "DCP load"),
@@ -120,8 +126,7 @@ def live_table(log=print) -> StreamTable:
 
 
 def live_row(t: StreamTable, repeat: int, op: str, r: dict, nbytes) -> None:
-    gbs = nbytes / r["s"] / 1e9 if nbytes and r["s"] > 0 and not op.endswith("blocked") and op not in NO_RATE \
-        else None
+    gbs = nbytes / r["s"] / 1e9 if nbytes and r["s"] > 0 and _rated(op) else None
     t.row([op, repeat, f"{r['s']:.3f}", None if gbs is None else f"{gbs:.3f}", f"{r['rss']:.0f} (+{r['extra']:.0f})"])
 
 
@@ -386,8 +391,7 @@ def _convert(root: Path, repeats: int, rec: dict, nbytes: dict, live: StreamTabl
 
 def _io_kind(op: str) -> Optional[str]:
     """Which disk bandwidth an operation is held against (conversions both read and write: neither)."""
-    if op in ("megalite convert", "dcp_to_torch_save") or op.endswith("blocked") or op.startswith("AdamW") \
-            or op in NO_RATE:
+    if op in ("megalite convert", "dcp_to_torch_save") or not _rated(op):
         return None
     if "load" in op or op.startswith("disk read"):
         return "read"
@@ -400,8 +404,7 @@ def _rows(rec: dict, nbytes: dict) -> list[dict]:
         med, lo, hi = spread([r["s"] for r in runs])
         b = nbytes.get(op)
         rows[op] = {"op": op, "bytes": b, "median_s": med, "min_s": lo, "max_s": hi,
-                    "gb_s": (b / med / 1e9) if b and med > 0 and not op.endswith("blocked") and op not in NO_RATE
-                    else None,
+                    "gb_s": (b / med / 1e9) if b and med > 0 and _rated(op) else None,
                     # memory compared only as each row's own growth (its peak over the RSS before it, per
                     # measurement): a peak across rows would charge one row's leftovers to the next
                     "growth_mib": spread([r["extra"] for r in runs])}

@@ -97,8 +97,8 @@ class SliceReader:
 
     Each file is opened once (when first read, after its header passed check_file) and read with positioned
     reads: a load makes one open per file, not one per slice read (78-168 per rank in `bench ckpt` at 128 MiB,
-    a fixed cost that weighed most at small sizes and in a resharded load). At most OPEN_FILES stay open (the oldest is closed
-    first); `close()`, a `with` block or the reader's collection closes the rest."""
+    a fixed cost that weighed most at small sizes and in a resharded load). At most OPEN_FILES stay open (the
+    oldest is closed first); `close()`, a `with` block or the reader's collection closes the rest."""
 
     def __init__(self, step_dir: Path, manifest: Manifest):
         self.dir, self.man = Path(step_dir), manifest
