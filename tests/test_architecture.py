@@ -343,6 +343,34 @@ def test_every_user_error_derives_from_megalite_error():
     assert not wrong, f"error classes outside the errors.MegaliteError family: {wrong}"
 
 
+# Rank-agreement collectives (Python objects gathered or broadcast) have one owner, parallel/agree.py; where
+# another module calls one itself, and why.
+OBJECT_COLLECTIVES = ("broadcast_object_list", "all_gather_object", "gather_object", "scatter_object_list")
+OWN_OBJECT_COLLECTIVES = {
+    "megalite.bench.ckpt": "the measured baseline 'gather + torch.save' (what a plain DCP user would write)",
+}
+
+
+def object_collectives_outside_agree(root: Path = PACKAGE) -> list[str]:
+    """Every call of a torch.distributed object collective outside parallel/agree.py (and OWN_OBJECT_COLLECTIVES)."""
+    out = []
+    for path in sorted(root.rglob("*.py")):
+        name = module_name(path, root)
+        if name.endswith(".parallel.agree") or name in OWN_OBJECT_COLLECTIVES:
+            continue
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            if isinstance(node, ast.Call) and getattr(node.func, "attr", getattr(node.func, "id", None)) \
+                    in OBJECT_COLLECTIVES:
+                out.append(f"{name}:{node.lineno}: {ast.unparse(node.func)}")
+    return out
+
+
+def test_rank_agreement_collectives_are_asked_of_agree():
+    found = object_collectives_outside_agree()
+    assert not found, "object collectives outside parallel/agree.py (ask agree.everyone, gather_to_first, " \
+                      "bcast_object):\n" + "\n".join(found)
+
+
 # ---------------------------------------------------------------- the checker itself, on crafted packages
 def _package(tmp_path, files: dict[str, str]) -> Path:
     root = tmp_path / "megalite"
