@@ -206,6 +206,7 @@ def gather_full_model(named_params, grid) -> dict:
     split dim (padding dropped); pipeline stages exchange their parameters over the model-parallel group.
     """
     import torch
+    from .parallel.agree import everyone
     from .parallel.partition import partition_of, tp_replicas, valid_view
     mine = {}
     for name, p in named_params:
@@ -214,14 +215,11 @@ def gather_full_model(named_params, grid) -> dict:
             continue
         local = valid_view(p.detach(), part, grid.tp.rank, grid.tp.size).cpu()
         if part.dim is not None and grid.tp.active:
-            pieces = [None] * grid.tp.size
-            dist.all_gather_object(pieces, local, group=grid.tp.group)
+            pieces = everyone(local, grid, grid.tp)
             local = torch.cat(pieces[::tp_replicas(part, grid.tp.size)], dim=part.dim)  # one per shared piece
         mine[name] = local
     if grid.mp.active:
-        everyone = [None] * grid.mp.size
-        dist.all_gather_object(everyone, mine, group=grid.mp.group)
-        for d in everyone:
+        for d in everyone(mine, grid, grid.mp):
             mine.update(d)
     return mine
 

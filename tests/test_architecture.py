@@ -74,10 +74,11 @@ def _resolve(importer: str, is_package: bool, level: int, module: str | None) ->
 
 def import_graph(root: Path = PACKAGE) -> dict[str, set[str]]:
     """{module: the package's modules it imports}, from every import statement in it (at module level or inside
-    a function: a lazy import still runs and still closes a circle), relative imports resolved, plus literal
-    `importlib.import_module("...")` calls. A package whose `__init__` exports names lazily (an `_EXPORTS` table
-    read by a module `__getattr__`) imports their modules only when a name is asked for: `from megalite import
-    init_distributed` is an edge to the module that defines it, `from megalite import __version__` is not."""
+    a function: a lazy import still runs and still closes a circle), relative imports resolved, plus calls that
+    import a literal name (`importlib.import_module`, a bare `import_module`, `__import__`: `_dynamic_import`).
+    A package whose `__init__` exports names lazily (an `_EXPORTS` table read by a module `__getattr__`) imports
+    their modules only when a name is asked for: `from megalite import init_distributed` is an edge to the
+    module that defines it, `from megalite import __version__` is not."""
     files = {module_name(p, root): p for p in sorted(root.rglob("*.py"))}
     trees = {name: ast.parse(path.read_text(), str(path)) for name, path in files.items()}
     exports = {name: _exports(tree) for name, tree in trees.items() if files[name].name == "__init__.py"}
@@ -96,11 +97,27 @@ def import_graph(root: Path = PACKAGE) -> dict[str, set[str]]:
                     targets.add(base)
                 for a in node.names:  # `from pkg import x`: x may be a module, a lazy export or a plain name
                     targets |= {f"{base}.{a.name}", exports.get(base, {}).get(a.name, "")}
-            elif (isinstance(node, ast.Call) and getattr(node.func, "attr", None) == "import_module"
-                  and node.args and isinstance(node.args[0], ast.Constant)):
-                targets.add(node.args[0].value)
+            elif (dynamic := _dynamic_import(node, name, is_package)) is not None:
+                targets.add(dynamic)
         graph[name] = {t for t in targets if t in files and t != name and t.split(".")[0] == top}
     return graph
+
+
+def _dynamic_import(node: ast.AST, importer: str, is_package: bool) -> str | None:
+    """The absolute module a call imports by a literal name, however it is spelt: `importlib.import_module("m")`,
+    a bare `import_module("m")` (from importlib), `__import__("m")`, and a relative
+    `import_module(".m", __package__)` resolved against the importer; None for any other node."""
+    if not (isinstance(node, ast.Call) and node.args and isinstance(node.args[0], ast.Constant)
+            and isinstance(node.args[0].value, str)):
+        return None
+    func = node.func.attr if isinstance(node.func, ast.Attribute) else getattr(node.func, "id", None)
+    if func not in ("import_module", "__import__"):
+        return None
+    target = node.args[0].value
+    if func == "import_module" and target.startswith("."):
+        rel = target.lstrip(".")
+        return _resolve(importer, is_package, len(target) - len(rel), rel or None)
+    return target
 
 
 def _exports(tree: ast.Module) -> dict[str, str]:
@@ -257,9 +274,8 @@ def imports_outside(root: Path = PACKAGE) -> list[str]:
                 names = [a.name for a in node.names]
             elif isinstance(node, ast.ImportFrom) and node.level == 0:
                 names = [node.module or ""]
-            elif (isinstance(node, ast.Call) and getattr(node.func, "attr", None) == "import_module"
-                  and node.args and isinstance(node.args[0], ast.Constant)):
-                names = [str(node.args[0].value)]
+            elif (dyn := _dynamic_import(node, module_name(path, root), path.name == "__init__.py")) is not None:
+                names = [dyn]
             out += [f"{module_name(path, root)}: {n}" for n in names if n.split(".")[0] in OUTSIDE]
     return out
 
@@ -327,6 +343,34 @@ def test_every_user_error_derives_from_megalite_error():
     assert not wrong, f"error classes outside the errors.MegaliteError family: {wrong}"
 
 
+# Rank-agreement collectives (Python objects gathered or broadcast) have one owner, parallel/agree.py; where
+# another module calls one itself, and why.
+OBJECT_COLLECTIVES = ("broadcast_object_list", "all_gather_object", "gather_object", "scatter_object_list")
+OWN_OBJECT_COLLECTIVES = {
+    "megalite.bench.ckpt": "the measured baseline 'gather + torch.save' (what a plain DCP user would write)",
+}
+
+
+def object_collectives_outside_agree(root: Path = PACKAGE) -> list[str]:
+    """Every call of a torch.distributed object collective outside parallel/agree.py (and OWN_OBJECT_COLLECTIVES)."""
+    out = []
+    for path in sorted(root.rglob("*.py")):
+        name = module_name(path, root)
+        if name.endswith(".parallel.agree") or name in OWN_OBJECT_COLLECTIVES:
+            continue
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            if isinstance(node, ast.Call) and getattr(node.func, "attr", getattr(node.func, "id", None)) \
+                    in OBJECT_COLLECTIVES:
+                out.append(f"{name}:{node.lineno}: {ast.unparse(node.func)}")
+    return out
+
+
+def test_rank_agreement_collectives_are_asked_of_agree():
+    found = object_collectives_outside_agree()
+    assert not found, "object collectives outside parallel/agree.py (ask agree.everyone, gather_to_first, " \
+                      "bcast_object):\n" + "\n".join(found)
+
+
 # ---------------------------------------------------------------- the checker itself, on crafted packages
 def _package(tmp_path, files: dict[str, str]) -> Path:
     root = tmp_path / "megalite"
@@ -365,6 +409,25 @@ def test_the_checker_finds_a_folder_circle_and_an_arrow_back_up(tmp_path):
     assert arrows_back_up(graph, {"base": 1, "run": 6, "cli": 9, "megalite": 0}) == [
         "megalite.base.fs (floor 1) -> megalite.run (floor 6)", "megalite.base.fs (floor 1) -> megalite.run.train (floor 6)"]
     assert imports_outside(root) == ["megalite.cli: benchmarks.stress"]
+
+
+def test_the_checker_sees_every_spelling_of_a_lazy_import(tmp_path):
+    root = _package(tmp_path, {"base/__init__.py": "", "run/__init__.py": "", "run/train.py": "",
+                               "run/plot.py": "", "run/schedule.py": "",
+                               "base/fs.py": "def f():\n    from importlib import import_module\n"
+                                             "    import_module('megalite.run.train')\n",
+                               "base/lock.py": "def f():\n    return __import__('megalite.run.plot')\n",
+                               "base/jsonio.py": "def f():\n    import importlib\n"
+                                                 "    importlib.import_module('..run.schedule', __package__)\n",
+                               "cli.py": "def f():\n    __import__('benchmarks.stress')\n",
+                               "data.py": "def f():\n    from importlib import import_module\n"
+                                          "    import_module('tests.helpers')\n"})
+    graph = import_graph(root)
+    assert graph["megalite.base.fs"] == {"megalite.run.train"}
+    assert graph["megalite.base.lock"] == {"megalite.run.plot"}
+    assert graph["megalite.base.jsonio"] == {"megalite.run.schedule"}
+    assert len(arrows_back_up(graph, {"base": 1, "run": 7, "cli": 10, "data": 6, "megalite": 0})) == 3
+    assert imports_outside(root) == ["megalite.cli: benchmarks.stress", "megalite.data: tests.helpers"]
 
 
 if __name__ == "__main__":

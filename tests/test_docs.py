@@ -159,6 +159,28 @@ def test_links_and_anchors_resolve():
     assert bad == []
 
 
+def what_is_where_missing(readme: str) -> list:
+    """Every file README.md's "What is where" tree names (x.py, x.sh, x.toml, a/b.py) that is not where the tree
+    puts it: a name in a folder's row or the rows under it is a file of that folder (or of its parent)."""
+    block = re.search(r"^## What is where\n.*?^```text\n(.*?)^```", readme, re.M | re.S).group(1)
+    missing, top, sub = [], None, None
+    for line in block.splitlines():
+        head = re.match(r"( *)([\w.-]+/)", line)
+        if head and len(head.group(1)) == 0:
+            top, sub = head.group(2).rstrip("/"), None
+        elif head and len(head.group(1)) == 2:
+            sub = head.group(2).rstrip("/")
+        for name in re.findall(r"(?<![\w/.-])([\w./-]*[\w-]\.(?:py|sh|sbatch|toml))\b", line):
+            places = [ROOT / name] if "/" in name else [ROOT / top / (sub or "") / name, ROOT / top / name]
+            if not any(p.is_file() for p in places):
+                missing.append(f"{name} (under {top}/{sub + '/' if sub else ''})")
+    return missing
+
+
+def test_every_file_the_readme_tree_names_exists():
+    assert what_is_where_missing((ROOT / "README.md").read_text()) == []
+
+
 def test_measured_transcripts_name_their_commit_and_date_in_the_text():
     git = (ROOT / ".git").exists() and subprocess.run(["git", "--version"], capture_output=True).returncode == 0
     for b in T.blocks():

@@ -24,6 +24,7 @@ import time
 
 import torch
 
+from ..parallel import agree
 from . import SavedBytes, StreamTable, patch_dist
 from .features import layer_activation_bytes
 
@@ -74,7 +75,6 @@ def _layer_bytes(grid, cfg) -> tuple[int, int, int]:
 
 
 def _worker(rank: int, world: int, tmp: str, o: dict) -> None:
-    import torch.distributed as dist
     from ..run import train as train_mod
     from ..parallel.context import Ring
     from ..parallel.grid import Layout, ParallelGrid
@@ -94,8 +94,7 @@ def _worker(rank: int, world: int, tmp: str, o: dict) -> None:
             ring.append(Ring.seconds - r0)
             comm.append(acc[0] - c0)
         out.append({"layout": list(lay), "saved": saved, "times": times, "ring": ring, "comm": comm})
-    everyone = [None] * world
-    dist.all_gather_object(everyone, out)
+    everyone = agree.everyone(out)  # every rank's rows, on the job's default group
     if rank == 0:
         with open(os.path.join(tmp, f"context-{world}.json"), "w") as f:
             json.dump(everyone, f)

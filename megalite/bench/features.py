@@ -20,6 +20,7 @@ import time
 
 import torch
 
+from ..parallel import agree
 from . import SavedBytes, StreamTable, patch_dist
 from . import bubble as bubble_mod
 
@@ -113,7 +114,6 @@ def _overlap(o: dict, layouts: list) -> list:
 
 def _worker(rank: int, world: int, tmp: str, o: dict, part: str) -> None:
     """One table's measurements on `world` gloo ranks; rank 0 writes every rank's rows to features-<part>-<world>.json."""
-    import torch.distributed as dist
     from ..config import ModelConfig
     from ..parallel.grid import Layout, ParallelGrid
     acc, out = [0.0], []
@@ -127,8 +127,7 @@ def _worker(rank: int, world: int, tmp: str, o: dict, part: str) -> None:
         out = bubble_mod.measure(o, world, acc, _cfg)
     elif part == "overlap":
         out = _overlap(o, o["overlap_layouts"].get(str(world), []))
-    everyone = [None] * world
-    dist.all_gather_object(everyone, out)
+    everyone = agree.everyone(out)  # every rank's rows, on the job's default group
     if rank == 0:
         with open(os.path.join(tmp, f"features-{part}-{world}.json"), "w") as f:
             json.dump(everyone, f)

@@ -22,6 +22,7 @@ import statistics
 
 import torch
 
+from ..parallel import agree
 from . import SavedBytes, StreamTable
 
 
@@ -111,7 +112,6 @@ def block_layouts(world: int, n_head: int, seq: int) -> list[tuple]:
 
 
 def _worker(rank: int, world: int, tmp: str, o: dict) -> None:
-    import torch.distributed as dist
     from ..config import Config
     from ..model import GPTStage
     from ..parallel.grid import Layout, ParallelGrid
@@ -132,8 +132,7 @@ def _worker(rank: int, world: int, tmp: str, o: dict) -> None:
             y.sum().backward()  # every rank runs the same collectives, and the graph is freed
             saved.append(mem.peak)
         out.append(saved)
-    everyone = [None] * world
-    dist.all_gather_object(everyone, out)
+    everyone = agree.everyone(out)  # every rank's rows, on the job's default group
     if rank == 0:
         with open(os.path.join(tmp, f"llama-{world}.json"), "w") as f:
             json.dump(everyone, f)

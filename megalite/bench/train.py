@@ -32,6 +32,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from ..parallel import agree
 from . import SavedBytes, StreamTable, patch_dist
 from .bubble import _Stamped, idle_of
 from .context import bench_context
@@ -138,7 +139,6 @@ def _raw(o: dict, layout, micro: int, batch: int, schedule: str = "1f1b") -> dic
 
 
 def _worker(rank: int, world: int, tmp: str, o: dict) -> None:
-    import torch.distributed as dist
     from ..config import Config
     from ..parallel.grid import Layout, ParallelGrid
     from ..parallel.pipeline import SCHEDULES
@@ -175,8 +175,7 @@ def _worker(rank: int, world: int, tmp: str, o: dict) -> None:
             times.append(time.perf_counter() - t0)
             comm.append(acc[0] - c0)
         out["layouts"].append({"layout": list(lay), "times": times, "comm": comm})
-    everyone = [None] * world
-    dist.all_gather_object(everyone, out)
+    everyone = agree.everyone(out)  # every rank's rows, on the job's default group
     if rank == 0:
         with open(os.path.join(tmp, f"train-{world}.json"), "w") as f:
             json.dump(everyone, f)

@@ -1,6 +1,7 @@
 """Rank agreement: every helper that makes all ranks decide alike, in one place.
 
     everyone(obj, grid, axis)            every rank's `obj`, in rank order (all_gather_object; a world of one: [obj])
+                                         (no grid: over the job's default group)
     gather_to_first(obj, axis)           every member's `obj` on the axis' first rank, None elsewhere (gather_object)
     bcast_object(obj, grid, group)       rank 0's `obj` on every rank (broadcast_object_list)
     agreed(problem, grid, what, error)   a problem found on any rank raised alike on every rank
@@ -22,10 +23,16 @@ from ..base.errors import USER_ERRORS, CheckpointError, MegaliteError, StartupEr
 from .grid import Axis, ParallelGrid
 
 
-def everyone(obj, grid: ParallelGrid, axis: Optional[Axis] = None) -> list:
+def everyone(obj, grid: Optional[ParallelGrid] = None, axis: Optional[Axis] = None) -> list:
     """Every rank's `obj` in rank order: over the whole grid on its gloo `cpu` group, or over one `axis` (its
-    members in axis order). One all_gather_object; no collective when there is one rank."""
-    size, group = (grid.layout.world_size, grid.cpu) if axis is None else (axis.size, axis.group)
+    members in axis order), or with no grid over the job's default group (a worker with no grid of its own, as
+    the bench's are). One all_gather_object; no collective when there is one rank."""
+    if axis is not None:
+        size, group = axis.size, axis.group
+    elif grid is not None:
+        size, group = grid.layout.world_size, grid.cpu
+    else:
+        size, group = (dist.get_world_size() if dist.is_initialized() else 1), None
     if size == 1:
         return [obj]
     out = [None] * size
