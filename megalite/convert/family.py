@@ -3,7 +3,7 @@ reshape, and config.json both ways, field by field.
 
     family  transformers class   reshapes
     gpt2    GPT2LMHeadModel      Conv1D weights are (in, out): transposed; q/k/v fused as c_attn [q | k | v]
-    llama   LlamaForCausalLM     none: megalite stores q/k in transformers' rotate-half layout (LLAMA_NAMES)
+    llama   LlamaForCausalLM     none: megalite stores q/k in transformers' rotate-half layout (families.md)
 
 Each config.json field is honoured (mapped to a megalite [model] key), accepted only at the value megalite
 reproduces, or ignored because it changes neither the weights nor the logits. Any other field is refused in
@@ -178,7 +178,7 @@ class GPT2(Family):
 
 # ---------------------------------------------------------------- Llama
 class Llama(Family):
-    """transformers' LlamaForCausalLM: megalite's global names map one to one (LLAMA_NAMES.md), no reshapes."""
+    """transformers' LlamaForCausalLM: megalite's global names map one to one (docs/families.md), no reshapes."""
     name, model_type, architecture = "llama", "llama", "LlamaForCausalLM"
     TOP = {"wte.weight": "model.embed_tokens.weight", "ln_f.weight": "model.norm.weight",
            "lm_head.weight": "lm_head.weight"}

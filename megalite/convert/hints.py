@@ -5,7 +5,7 @@ sizes a Llama or GPT-2 has, read from its tensors' shapes and checked against wh
 A flag that contradicts the tensors is refused in one line naming both (the flag and the tensor's size); so is
 a flag that contradicts the --config file.
 
-Also the Llama family's global shapes under megalite's names (docs: LLAMA_NAMES in foreign-checkpoints.md) and
+Also the Llama family's global shapes under megalite's names (docs/families.md, "Names") and
 the one reshaping other trainers need: torchtitan / Meta (and Megatron's `rotary_interleaved`) store each
 head's q/k rows as interleaved pairs (complex RoPE: dims 2i, 2i+1 rotate together); megalite and transformers
 store rotate-half (dims i, i + hd/2 rotate together).
