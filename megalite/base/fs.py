@@ -12,6 +12,7 @@ folder, token files, tokenizer folders). The run lock is lock.py's, on top of th
     path_kind(p), kind_of(st)       what is at a path, for a message ('a named pipe (FIFO)', 'a broken symlink ...')
     linked(path, parents)           `path`, or one of its nearest folders, is a symbolic link (refused, never read)
     regular_or_absent(path, what)   the lstat of a file we will append to or move: nothing, or a regular file
+    folder_or_absent(path, what, e) the same for a folder another library writes into: nothing, or a real folder
     move_aside(path)                an earlier output renamed out of the way (`<dir>.old-<time>`,
                                     `<stem>.<time><suffix>`); nothing is ever deleted
     replace_output(tmp, out)        a finished output moved into place; the old one removed only after
@@ -230,12 +231,24 @@ def linked(path: Path, parents: int = 0) -> bool:
 def regular_or_absent(path: Path, what: str) -> Optional[os.stat_result]:
     """The lstat of `path` (None if nothing is there); an UnsafeFileError naming `what` if something other than a
     regular file is there (a symlink, a FIFO, a folder): a file megalite appends to or moves aside is its own."""
+    return _own_or_absent(path, what, stat.S_ISREG, "the run's own file (a regular file)")
+
+
+def folder_or_absent(path: Path, what: str, expected: str) -> Optional[os.stat_result]:
+    """As regular_or_absent, for a folder another library writes into (TensorBoard's, W&B's): nothing, or a real
+    folder; a symlink (the library would write through it), a file or a FIFO is refused, `expected` saying what
+    belongs there."""
+    return _own_or_absent(path, what, stat.S_ISDIR, expected)
+
+
+def _own_or_absent(path: Path, what: str, ok, expected: str) -> Optional[os.stat_result]:
     path = Path(path)
     st = os.lstat(path) if os.path.lexists(path) else None
-    if st is not None and not stat.S_ISREG(st.st_mode):
-        raise UnsafeFileError(f"{what}: {path} is {kind_of(st)}, expected the run's own file (a regular file); "
-                              f"megalite never writes through it: remove it",
-                              errno.ELOOP if stat.S_ISLNK(st.st_mode) else errno.EINVAL)
+    if st is not None and not ok(st.st_mode):
+        link = stat.S_ISLNK(st.st_mode)
+        to = f" (to '{os.readlink(path)}')" if link else ""
+        raise UnsafeFileError(f"{what}: {path} is {kind_of(st)}{to}, expected {expected}; megalite never writes "
+                              f"through it: remove it", errno.ELOOP if link else errno.EINVAL)
     return st
 
 

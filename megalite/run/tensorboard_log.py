@@ -15,13 +15,10 @@ points), a file or a FIFO is refused in one line.
 """
 from __future__ import annotations
 
-import errno
-import os
-import stat
 from pathlib import Path
 
-from ..base.fs import kind_of
-from ..base.errors import ConfigError, UnsafeFileError
+from ..base.fs import folder_or_absent
+from ..base.errors import ConfigError
 
 DIR = "tensorboard"
 SCALARS = {"loss": "train/loss", "lr": "train/lr", "grad_norm": "train/grad_norm",
@@ -44,13 +41,7 @@ def require() -> None:
 def check_path(out_dir: Path, name: str = DIR, what: str = "TensorBoard") -> None:
     """An UnsafeFileError unless <out_dir>/<name> (tensorboard, or W&B's wandb) is a real folder of the run folder
     or absent (a symlink is never followed: SummaryWriter or W&B would write their files through it)."""
-    path = Path(out_dir) / name
-    st = os.lstat(path) if os.path.lexists(path) else None
-    if st is not None and not stat.S_ISDIR(st.st_mode):
-        link = f" (to '{os.readlink(path)}')" if stat.S_ISLNK(st.st_mode) else ""
-        raise UnsafeFileError(f"train.out_dir: {path} is {kind_of(st)}{link}, expected the run's own {what} "
-                              f"folder (a real folder); megalite never writes through it: remove it",
-                              errno.ELOOP if stat.S_ISLNK(st.st_mode) else errno.EINVAL)
+    folder_or_absent(Path(out_dir) / name, "train.out_dir", f"the run's own {what} folder (a real folder)")
 
 
 class Board:
