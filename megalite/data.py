@@ -29,7 +29,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from .base.fs import (folder_locked, fsync_dir, identity as file_identity, kind_of, no_follow, open_read,
-                      path_kind, read_all, unlink_quietly, write_new)
+                      path_kind, read_all, unlink_quietly, what_is, write_new)
 from .base import limits
 from .base.corpus import DEFAULT_TEXT_FIELD, RECORD_SUFFIXES, records
 from .config import MAX_COUNT
@@ -226,7 +226,7 @@ def _not_a_token_file(out: Path, sidecar: bool = False) -> str:
     mpath = meta_path(out)
     for p in outputs(out, sidecar):
         if os.path.lexists(p) and (p.is_symlink() or not p.is_file()):
-            return f"'{p}' is {kind_of(os.lstat(p))}"
+            return f"'{p}' is {what_is(p)}"
     if not mpath.exists():
         return f"no '{mpath.name}' beside it says what it is"
     try:

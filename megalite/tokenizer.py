@@ -35,7 +35,7 @@ from typing import Iterable, Iterator, Optional
 from .base import limits
 from .base.corpus import RECORD_SUFFIXES, records
 from .base.errors import CheckpointError, DataError
-from .base.fs import folder_locked, identity, kind_of, output_refusal, path_kind, remove_tree, replace_output
+from .base.fs import folder_locked, identity, output_refusal, path_kind, remove_tree, replace_output, what_is
 from .base.jsonio import loads
 from .checkpoint.validate import read_tokenizer
 from .checkpoint.manifest import read as read_manifest
@@ -299,10 +299,8 @@ def not_our_folder(out: Path) -> str:
     """'' when `out` is a folder `megalite tokenizer train` wrote (its tokenizer.json, the tokenizer_config.json
     and special_tokens_map.json write_hf_folder writes beside it, and nothing else), else what it is:
     `tokenizer train --force` replaces only such a folder, never one of the user's files."""
-    if out.is_symlink():
-        return f"a symbolic link to '{os.readlink(out)}'"
-    if not out.is_dir():
-        return kind_of(os.lstat(out))
+    if out.is_symlink() or not out.is_dir():
+        return what_is(out)
     names = sorted(p.name for p in out.iterdir())
     ours = {TOKENIZER_JSON, "tokenizer_config.json", SPECIAL_MAP}
     other = [n for n in names if n not in ours or not (out / n).is_file() or (out / n).is_symlink()]

@@ -92,6 +92,12 @@ def kind_of(st: os.stat_result) -> str:
     return "not a regular file"
 
 
+def what_is(path: Path) -> str:
+    """What is at `path`, for a message, never following it: "a symbolic link to 'TARGET'", or kind_of its lstat."""
+    st = os.lstat(path)
+    return f"a symbolic link to '{os.readlink(path)}'" if stat.S_ISLNK(st.st_mode) else kind_of(st)
+
+
 def open_regular(path, flags: int, follow: bool = False) -> int:
     """A descriptor of the regular file at `path`, opened with `flags` (O_NONBLOCK added: opening a FIFO
     never waits for its other end; it does nothing to a regular file). A symlink at `path` (unless `follow`),
@@ -245,10 +251,8 @@ def _own_or_absent(path: Path, what: str, ok, expected: str) -> Optional[os.stat
     path = Path(path)
     st = os.lstat(path) if os.path.lexists(path) else None
     if st is not None and not ok(st.st_mode):
-        link = stat.S_ISLNK(st.st_mode)
-        to = f" (to '{os.readlink(path)}')" if link else ""
-        raise UnsafeFileError(f"{what}: {path} is {kind_of(st)}{to}, expected {expected}; megalite never writes "
-                              f"through it: remove it", errno.ELOOP if link else errno.EINVAL)
+        raise UnsafeFileError(f"{what}: {path} is {what_is(path)}, expected {expected}; megalite never writes "
+                              f"through it: remove it", errno.ELOOP if stat.S_ISLNK(st.st_mode) else errno.EINVAL)
     return st
 
 

@@ -33,7 +33,7 @@ from typing import Callable, Iterable, Iterator, Optional
 import torch
 from safetensors import safe_open
 
-from ..base.fs import kind_of, output_refusal, read_all
+from ..base.fs import kind_of, output_refusal, read_all, what_is
 from ..base.lock import held
 from ..base.lock import held
 from ..checkpoint.manifest import FORMAT as MANIFEST_FORMAT, Manifest, entry_for
@@ -225,7 +225,7 @@ SHARD_NAME = re.compile(r"model-\d{5}-of-\d{5}\.safetensors")  # transformers' s
 def not_ours(out: Path, kind: str) -> str:
     """'' when `out` is an output of `kind` that megalite wrote, recognised by its marker; else what it is."""
     if out.is_symlink():
-        return f"a symbolic link to '{os.readlink(out)}'"
+        return what_is(out)
     if kind == "megalite":
         return "" if _st_kind(out) in FILE_KINDS else _what(out, KIND)
     if not out.is_dir():
