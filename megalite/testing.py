@@ -28,7 +28,6 @@ import signal
 import tempfile
 import time
 import traceback
-from datetime import timedelta
 from pathlib import Path
 from typing import Any, Callable
 
@@ -96,8 +95,8 @@ def _worker(rank: int, fn: Callable, world_size: int, init_file: str, tmp_dir: s
         faulthandler.register(STACK_SIGNAL, file=open(stack_file, "w"), all_threads=True)
     try:
         fn = _resolve(fn)  # before the rendezvous: an import failure is this rank's own error
-        dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world_size,
-                                timeout=timedelta(seconds=timeout_s))
+        from .parallel.process_group import join
+        join("gloo", rank, world_size, init_method=f"file://{init_file}", timeout_s=timeout_s)
         fn(rank, world_size, tmp_dir, *args)
     except BaseException:
         errors.put((rank, traceback.format_exc()))

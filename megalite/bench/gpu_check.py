@@ -115,9 +115,8 @@ def run(dry_run: bool, config: str, window_s: float, out: Path, log=print, compi
     peaks = (peak, sheet[1] if sheet else None)
     if dist.is_initialized():
         return _checks(cfg, device, window_s, peaks, out, t, log, compile_modes)
-    dist.init_process_group("nccl" if device.type == "cuda" else "gloo", store=dist.HashStore(), rank=0,
-                            world_size=1)
-    from ..parallel.process_group import leave_distributed
+    from ..parallel.process_group import join, leave_distributed
+    join("nccl" if device.type == "cuda" else "gloo")
     try:
         return _checks(cfg, device, window_s, peaks, out, t, log, compile_modes)
     finally:

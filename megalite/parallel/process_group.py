@@ -3,6 +3,7 @@
     joined(timeout_s)                     join and leave as one pair: `with joined(...) as device:` (a group
                                           that was already joined is the caller's, left alone)
     init_distributed                      join the job torchrun started (or make a world of one)
+    join(backend, rank, world, ...)       join with an explicit rendezvous (a store, a file://, a world of one)
     leave_distributed                     leave it before exit: every group destroyed, its threads joined
     world_size_from_env()                 the world torchrun says this process is part of
 
@@ -38,12 +39,21 @@ def init_distributed(timeout_s: float = 1800) -> tuple[torch.device, str]:
     if not dist.is_initialized():
         if "WORLD_SIZE" in os.environ:
             rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
-            dist.init_process_group(backend, store=_job_store(rank, world, timeout_s), rank=rank,
-                                    world_size=world, timeout=timedelta(seconds=timeout_s))
+            join(backend, rank, world, store=_job_store(rank, world, timeout_s), timeout_s=timeout_s)
         else:  # a plain `megalite train` without torchrun: a world of one
-            dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1,
-                                    timeout=timedelta(seconds=timeout_s))
+            join(backend, timeout_s=timeout_s)
     return device, backend
+
+
+def join(backend: str, rank: int = 0, world: int = 1, *, store=None, init_method: Optional[str] = None,
+         timeout_s: float = 1800) -> None:
+    """Join the default process group: through `store` (torchrun's job, see init_distributed), an `init_method`
+    (megalite.testing's workers rendezvous in a file://), or, with neither, as a world of one on an in-memory
+    store (a run without torchrun, `gpu-check`'s single process). Leave with leave_distributed."""
+    if store is None and init_method is None:
+        store = dist.HashStore()
+    dist.init_process_group(backend, store=store, init_method=init_method, rank=rank, world_size=world,
+                            timeout=timedelta(seconds=timeout_s))
 
 
 def leave_distributed(error: Optional[BaseException] = None) -> None:
