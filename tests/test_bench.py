@@ -183,3 +183,23 @@ def test_summary_memory_is_per_row_growth_and_of_disk_above_100_is_marked():
     text = format_rows(list(rows.values()))
     assert "+11 (+20)" in text and "2270" not in text and "125%!" in text
     assert stable([{"s": 1.0}, {"s": 1.09}]) and not stable([{"s": 1.0}, {"s": 1.2}]) and not stable([{"s": 1.0}])
+
+
+def test_the_scaling_fit_is_never_a_line_through_sizes_that_moved_the_same_bytes():
+    """`bench ckpt --sizes 8,16 --world 2` builds one model for both sizes (its smallest): the bytes differ only
+    by a manifest's few bytes, and a least-squares line through them was noise (-61870 s fixed + 5726436 s/GiB).
+    `bench dcp --sizes 8,16` moved identical bytes and printed no fit and no reason. Both now say why."""
+    from megalite.bench.scaling import scaling_lines
+    runs = {8: [{"op": "megalite save", "bytes": 11_597_000, "median_s": 0.063},
+                {"op": "DCP save", "bytes": 11_598_000, "median_s": 0.087}],
+            16: [{"op": "megalite save", "bytes": 11_597_400, "median_s": 0.079},
+                 {"op": "DCP save", "bytes": 11_598_400, "median_s": 0.116}]}
+    out = "\n".join(scaling_lines(runs, [("megalite save", "DCP save")], ["megalite save"]))
+    assert "s fixed +" not in out, out
+    assert "megalite save: no fixed + per-GiB fit: every size moved about the same bytes (11.06, 11.06 MiB" in out
+    assert re.search(r"\nmegalite save \| DCP save +8 +5\.833 +8\.054 +0\.72x\n", out), out  # the table stays
+    same = {mb: [{"op": "megalite convert", "bytes": 29_392_000, "median_s": 0.08},
+                 {"op": "dcp_to_torch_save", "bytes": 29_392_000, "median_s": 0.09}] for mb in (8, 16)}
+    out = "\n".join(scaling_lines(same, [("megalite convert", "dcp_to_torch_save")], ["megalite convert"]))
+    assert "megalite convert: no fixed + per-GiB fit: every size moved about the same bytes" in out, out
+
