@@ -45,6 +45,8 @@ def test_bench_ckpt_prints_its_table(tmp_path):
     for op in ("megalite save", "megalite async save: blocked", "megalite load, resharded", "DCP load"):
         assert re.search(rf"\n{re.escape(op)} +1 +\d+\.\d{{3}} ", live), op
     assert len(re.findall(r"\nmegalite load, resharded +1 ", live)) == 2, "same-layout and resharded loads: ABBA"
+    for probe in ("disk write, 1 stream", "disk write, 2 streams", "disk read, 1 stream", "disk read, 2 streams"):
+        assert len(re.findall(rf"\n{probe} +1 ", live)) >= 2, f"{probe}: repeated until two of the repeat agree"
     assert re.search(r"async blocked / sync save: [\d.]+% \(ratio of medians", summary)
     assert re.search(r"async blocked with a staging copy / sync save: [\d.]+% \(ratio of medians", summary)
     # the cost row times the steps that run while the writer works, against as many plain steps side by side
@@ -57,7 +59,7 @@ def test_bench_ckpt_prints_its_table(tmp_path):
                      r".*; where the loop keeps all \d+ cores busy that is -?[\d.]+ s of its time = -?[\d.]+% of the "
                      r"sync save", summary)
     assert re.search(r"resharded / same-layout load: [\d.]+x \(ratio of medians over 2 loads each", summary)
-    assert "megalite async save: cost to the loop " in summary and "disk probe: each repeat reads" in summary
+    assert "megalite async save: cost to the loop " in summary and "disk probe: each repeat writes, then reads, the probe files" in summary
     # docs/performance.md runs it over sizes: one whole run per size, then the scaling table and the fits
     assert "--sizes 4,8 --world 2 --repeats 1" in transcripts.small_command(
         "bench-ckpt", "megalite bench ckpt --sizes 128,512,1024 --repeats 2")
@@ -202,4 +204,31 @@ def test_the_scaling_fit_is_never_a_line_through_sizes_that_moved_the_same_bytes
                  {"op": "dcp_to_torch_save", "bytes": 29_392_000, "median_s": 0.09}] for mb in (8, 16)}
     out = "\n".join(scaling_lines(same, [("megalite convert", "dcp_to_torch_save")], ["megalite convert"]))
     assert "megalite convert: no fixed + per-GiB fit: every size moved about the same bytes" in out, out
+
+
+def test_the_disk_probe_is_repeated_within_each_repeat_until_stable():
+    """PROBE_RULE: two timings of the same repeat must agree. The last read of the repeat before (of files
+    written anew since) once counted, so a repeat could stop after a single read."""
+    from megalite.bench.ckpt import PROBE_TRIES, probe_until_stable
+    rows = ["disk read, 1 stream", "disk read, 2 streams"]
+    rec = {r: [{"s": 1.0}] for r in rows}  # the repeat before's last probe of each
+    feed = iter([1.0, 1.0, 1.02, 1.01])  # the first try agrees with the repeat before: not enough
+
+    def once():
+        for r in rows:
+            rec[r].append({"s": next(feed)})
+
+    assert probe_until_stable(once, rows, rec) == 2 and len(rec[rows[1]]) == 3
+    rec = {r: [{"s": 1.0}] for r in rows[:1]}
+    feed = iter([1.0, 1.05])
+    assert probe_until_stable(lambda: rec[rows[0]].append({"s": next(feed)}), rows[:1], rec) == 2
+    rec = {rows[0]: []}
+    slow = iter([1.0, 2.0, 1.0, 2.0, 1.0])
+    assert probe_until_stable(lambda: rec[rows[0]].append({"s": next(slow)}), rows[:1], rec) == PROBE_TRIES
+    assert len(rec[rows[0]]) == PROBE_TRIES
+    votes = []  # every rank decides alike: the collective vote is asked from the second try on, once per try
+    rec = {rows[0]: []}
+    steady = iter([1.0, 1.0])
+    assert probe_until_stable(lambda: rec[rows[0]].append({"s": next(steady)}), rows[:1], rec,
+                              lambda ok: votes.append(ok) or ok) == 2 and votes == [True]
 

@@ -89,13 +89,24 @@ def _state(mcfg, layout, seed: int):
 
 
 PROBE_TRIES, PROBE_TOL = 4, 0.10
-PROBE_RULE = (f"each repeat reads the probe files until two reads in a row agree within {PROBE_TOL:.0%} (at most "
-              f"{PROBE_TRIES}); the fastest probe row's median GB/s is the reference")
+PROBE_RULE = (f"each repeat writes, then reads, the probe files until two in a row of that repeat agree within "
+              f"{PROBE_TOL:.0%} (at most {PROBE_TRIES} each); the fastest probe row's median GB/s is the reference")
 
 
 def stable(runs: list) -> bool:
     """The last two timings of a probe agree within PROBE_TOL."""
     return len(runs) == 2 and abs(runs[0]["s"] - runs[1]["s"]) <= PROBE_TOL * min(runs[0]["s"], runs[1]["s"])
+
+
+def probe_until_stable(once, rows: list, rec: dict, agree=lambda steady: steady) -> int:
+    """PROBE_RULE: call `once()` (one probe of each row in `rows`) until the last two timings of every row,
+    both taken in this call, are `stable` (at most PROBE_TRIES); `agree` makes the ranks decide alike. A
+    timing of an earlier repeat never counts: its files were written anew since. Returns the tries made."""
+    for t in range(PROBE_TRIES):
+        once()
+        if t and agree(all(stable(rec[r][-2:]) for r in rows)):
+            return t + 1
+    return PROBE_TRIES
 
 
 ASYNC_COST = "megalite async save: cost to the loop"  # per repeat: blocked + (steps while it writes - as many plain)
@@ -277,17 +288,23 @@ def _worker(rank: int, world: int, tmp: str, o: dict) -> None:
         disk = root / "disk"
         clear(disk, root / "ml", root / "ml_async", root / "ml_copy", root / "ml_loop", root / "dcp", root / "dcp_async",
               root / "ts")
-        timed("disk write, 1 stream", lambda: write_file(disk / "one.bin", total), total, only0=True)
-        if world > 1:
-            timed(f"disk write, {world} streams", lambda: write_file(disk / f"par{rank}.bin", total // world), total)
-        for _ in range(PROBE_TRIES):  # the read probes until stable (PROBE_RULE): their best is the reference
+        def writes():
+            timed("disk write, 1 stream", lambda: write_file(disk / "one.bin", total), total, only0=True)
+            if world > 1:
+                timed(f"disk write, {world} streams", lambda: write_file(disk / f"par{rank}.bin", total // world),
+                      total)
+
+        def reads():
             timed("disk read, 1 stream", lambda: read_file(disk / "one.bin"), total, cold=disk, only0=True)
             if world > 1:
                 timed(f"disk read, {world} streams", lambda: read_file(disk / f"par{rank}.bin"), total, cold=disk)
-            steady = stable(rec["disk read, 1 stream"][-2:]) and (
-                world == 1 or stable(rec[f"disk read, {world} streams"][-2:]))
-            if reduce_max([0.0 if steady else 1.0])[0] == 0.0:  # every rank decides alike (own clocks differ)
-                break
+
+        def agree(steady: bool) -> bool:  # every rank decides alike (their own clocks differ)
+            return reduce_max([0.0 if steady else 1.0])[0] == 0.0
+
+        streams = [1] + ([world] if world > 1 else [])  # the probes until stable (PROBE_RULE): the references
+        probe_until_stable(writes, [f"disk write, {n} stream{'s' * (n > 1)}" for n in streams], rec, agree)
+        probe_until_stable(reads, [f"disk read, {n} stream{'s' * (n > 1)}" for n in streams], rec, agree)
         clear(disk)
         timed("megalite save", lambda: save_checkpoint(root / "ml", i + 1, model, opt, grid, config=cfgd),
               lambda: du(root / "ml"))
