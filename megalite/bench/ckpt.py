@@ -4,9 +4,10 @@ Every rank of a gloo job builds a real GPTStage slice (random weights) and a Sha
 moments, sized so that model + moments are about `size_mb` across all ranks. The same tensors (the
 ones megalite's write plan gives each rank, under rank-unique keys) go through every method. Times
 are wall times between barriers (max over ranks); each live row's peak RSS is the highest per-rank VmHWM
-during the operation (reset before it), with the growth over the RSS before it in parentheses. The summary
-compares memory only as that growth, per row (median and max over its repeats): an absolute peak would
-charge a row with what an earlier row left behind (rank 0 still holding a torch.load's pages).
+during the operation (reset before it; VmRSS polled where it cannot be reset: bench.track_rss), with the
+growth over the RSS before it in parentheses. The summary compares memory only as that growth, per row
+(median and max over its repeats): an absolute peak would charge a row with what an earlier row left
+behind (rank 0 still holding a torch.load's pages).
 
 Each measurement is printed as it is made (a table with one row per operation and repeat), then the
 summary table of medians. Pairs whose ratio is a target are measured next to each other in every repeat:
@@ -35,8 +36,8 @@ from typing import Optional
 from ..checkpoint.tree import resolve
 from ..checkpoint.manifest import read as read_manifest
 
-from . import (CACHE_HOW, StreamTable, drop_page_cache, du, fmt_bytes, peak_rss_mib, read_file, reset_peak_rss,
-               resident_bytes, rss_mib, spread, table, write_file)
+from . import (CACHE_HOW, StreamTable, drop_page_cache, du, fmt_bytes, read_file, resident_bytes, rss_mib, spread,
+               table, track_rss, write_file)
 
 BLOCK, VOCAB = 1024, 256
 VS_DCP = {"megalite save": "DCP save", "gather + torch.save": "DCP save",
@@ -181,8 +182,7 @@ def _worker(rank: int, world: int, tmp: str, o: dict) -> None:
                 how[0] = drop_page_cache([cold])
                 resident.append(resident_bytes([cold]))
         dist.barrier()
-        base = rss_mib()
-        reset_peak_rss()
+        mem = track_rss()
         t0 = time.perf_counter()
         if not only0 or rank == 0:
             fn()
@@ -192,7 +192,7 @@ def _worker(rank: int, world: int, tmp: str, o: dict) -> None:
         t2 = time.perf_counter()
         dist.barrier()
         t3 = time.perf_counter()
-        blocked, finish, peak, extra = reduce_max([t1 - t0, t2 - t0, peak_rss_mib(), peak_rss_mib() - base])
+        blocked, finish, peak, extra = reduce_max([t1 - t0, t2 - t0, *mem()])
         ops = [(op, t3 - t0)] if after is None else [(op + ": blocked", blocked), (done, finish)]
         for name, secs in ops:
             rec.setdefault(name, []).append({"s": secs, "rss": peak, "extra": extra})
@@ -246,13 +246,12 @@ def _worker(rank: int, world: int, tmp: str, o: dict) -> None:
             if rank == 0:
                 os.sync()
             dist.barrier()
-            base = rss_mib()
-            reset_peak_rss()
+            mem = track_rss()
             if side == "save":
                 got["save"] = steps_during_save(i)
             else:
                 got["plain"] = plain_steps(got["save"][1] if "save" in got else k_guess)
-            got[side + " rss"] = (peak_rss_mib(), peak_rss_mib() - base)
+            got[side + " rss"] = mem()
         blocked, k, during, cpu = got["save"]
         plain = got["plain"]
         if len(plain) < k:
@@ -370,7 +369,7 @@ def _worker(rank: int, world: int, tmp: str, o: dict) -> None:
 
 _CONVERT = r"""
 import json, os, sys, time
-from megalite.bench import peak_rss_mib, sample_rss
+from megalite.bench import sample_rss, track_rss
 kind, src, out = sys.argv[1:4]
 if kind == "megalite convert":
     from megalite.convert import convert
@@ -380,9 +379,10 @@ else:
     def run():  # fsync too, as megalite convert does, so both times are durable writes
         dcp_to_torch_save(src, out)
         fd = os.open(out, os.O_RDONLY); os.fsync(fd); os.close(fd)
-base, stop = peak_rss_mib(), sample_rss()
+mem, stop = track_rss(), sample_rss()  # growth over the RSS after imports, not their peak
 t0 = time.perf_counter(); run(); dt = time.perf_counter() - t0
-print(json.dumps({"s": dt, "rss": peak_rss_mib(), "extra": peak_rss_mib() - base, "base": base, **stop()}))
+peak, extra = mem()
+print(json.dumps({"s": dt, "rss": peak, "extra": extra, "base": peak - extra, **stop()}))
 """
 
 
