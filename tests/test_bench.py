@@ -250,3 +250,41 @@ def test_a_rows_memory_is_its_own_growth_even_where_the_peak_cannot_be_reset(mon
     del row
     assert 30 < growth < 80, (peak, growth)
     assert peak - growth == pytest.approx(b.rss_mib(), abs=20)
+
+
+class _Stop(Exception):
+    pass
+
+
+def _fail(*_):
+    raise _Stop("the first line printed fails (a closed pipe)")
+
+
+def test_every_bench_removes_its_temp_folder_when_it_fails(tmp_path, monkeypatch):
+    """bench ckpt and bench train made their folder before the `try` that removes it, and printed a line in
+    between; `python -m benchmarks stress ckpt` (no --workdir) never removed its folder. Each fails here at
+    its first step after making the folder; nothing is left behind."""
+    import tempfile
+    import benchmarks.stress as stress
+    from megalite.bench.ckpt import bench_ckpt
+    from megalite.bench.prepare import bench_prepare
+    from megalite.bench.train import bench_train
+    for name, run in (("ckpt", lambda d: bench_ckpt(size_mb=1, world=2, repeats=1, dir=d, log=_fail)),
+                      ("train", lambda d: bench_train(workdir=d, log=_fail)),
+                      ("prepare", lambda d: bench_prepare(size_mb=0.05, vocab_size=300, rounds=1, dir=d,
+                                                          log=_fail))):
+        d = tmp_path / name
+        d.mkdir()
+        with pytest.raises(_Stop):
+            run(str(d))
+        assert list(d.iterdir()) == [], f"bench {name} left {list(d.iterdir())}"
+    d = tmp_path / "stress"
+    d.mkdir()
+    monkeypatch.setattr(tempfile, "tempdir", str(d))
+
+    def no_torchrun(*a, **k):
+        raise _Stop("torchrun could not start")
+    monkeypatch.setattr(stress, "_torchrun", no_torchrun)
+    with pytest.raises(_Stop):
+        stress.stress_ckpt(trials=1, log=_fail)
+    assert list(d.iterdir()) == [], f"stress ckpt left {list(d.iterdir())}"

@@ -471,10 +471,10 @@ def bench_ckpt(size_mb: float = 1024, world: int = 4, repeats: int = 3, dir: Opt
     if dir is not None:
         Path(dir).mkdir(parents=True, exist_ok=True)
     root = Path(tempfile.mkdtemp(prefix="megalite-bench-ckpt-", dir=dir))
-    log(f"bench ckpt: {world} gloo ranks, {repeats} repeat(s); each measurement as it is made (max over ranks), "
-        f"then the summary:")
-    sys.stdout.flush()
-    try:
+    try:  # removed whatever happens, from the first line printed on (a closed pipe fails there)
+        log(f"bench ckpt: {world} gloo ranks, {repeats} repeat(s); each measurement as it is made (max over "
+            f"ranks), then the summary:")
+        sys.stdout.flush()
         opts = {"root": str(root), "model": mcfg, "save_layout": save_layout, "reshard_layout": reshard_layout,
                 "repeats": repeats}
         run_parallel(_worker, world, tmp_dir=root / "run", args=(opts,))
