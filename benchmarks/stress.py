@@ -61,12 +61,22 @@ def stress_ckpt(trials: int = 5, steps: int = 12, width: int = 64, workdir: str 
                 log=print) -> dict:
     """Each trial: train with a save every step (sync and async alternating), SIGKILL a random rank at a
     random moment once saving has begun, then check that `latest` names a checkpoint that verifies and
-    that resuming from it reproduces the uninterrupted run's losses exactly."""
+    that resuming from it reproduces the uninterrupted run's losses exactly. Without `workdir` it works in a
+    temporary folder, removed at the end."""
+    if workdir:  # the caller's folder: kept, to look at
+        Path(workdir).mkdir(parents=True, exist_ok=True)
+        return _stress_ckpt(Path(workdir), trials, steps, width, seed, log)
+    work = Path(tempfile.mkdtemp(prefix="megalite-stress-"))
+    try:  # a temporary folder (checkpoints, token file, logs): removed whatever happens
+        return _stress_ckpt(work, trials, steps, width, seed, log)
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+
+
+def _stress_ckpt(work: Path, trials: int, steps: int, width: int, seed: int, log) -> dict:
     from megalite.checkpoint.verify import verify
     from megalite.data import default_corpus_files, prepare
     rng = random.Random(seed)
-    work = Path(workdir or tempfile.mkdtemp(prefix="megalite-stress-"))
-    work.mkdir(parents=True, exist_ok=True)
     data = work / "tokens.bin"
     if not data.exists():
         prepare(default_corpus_files(max_bytes=300_000), data, log=lambda *a: None)

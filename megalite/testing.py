@@ -24,6 +24,7 @@ from __future__ import annotations
 import faulthandler
 import os
 import re
+import shutil
 import signal
 import tempfile
 import time
@@ -109,8 +110,18 @@ def _worker(rank: int, fn: Callable, world_size: int, init_file: str, tmp_dir: s
 def run_parallel(fn: Callable[..., Any], world_size: int, tmp_dir: str | os.PathLike | None = None,
                  args: tuple = (), deadline_s: float | None = None) -> None:
     """Run fn(rank, world_size, tmp_dir, *args) on world_size gloo processes; raise if any rank fails, or if
-    the launch is not done within `deadline_s` seconds (naming every rank still running and where it waits)."""
-    tmp = Path(tmp_dir) if tmp_dir is not None else Path(tempfile.mkdtemp(prefix="megalite-"))
+    the launch is not done within `deadline_s` seconds (naming every rank still running and where it waits).
+    Without `tmp_dir` the workers share a temporary folder, removed when the launch ends (however it ends)."""
+    if tmp_dir is not None:
+        return _run_parallel(fn, world_size, Path(tmp_dir), args, deadline_s)
+    tmp = Path(tempfile.mkdtemp(prefix="megalite-"))
+    try:
+        return _run_parallel(fn, world_size, tmp, args, deadline_s)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+def _run_parallel(fn, world_size: int, tmp: Path, args: tuple, deadline_s: float | None) -> None:
     tmp.mkdir(parents=True, exist_ok=True)
     init_file = tmp / f"rendezvous-{os.getpid()}-{id(fn)}"
     if init_file.exists():

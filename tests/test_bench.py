@@ -45,6 +45,8 @@ def test_bench_ckpt_prints_its_table(tmp_path):
     for op in ("megalite save", "megalite async save: blocked", "megalite load, resharded", "DCP load"):
         assert re.search(rf"\n{re.escape(op)} +1 +\d+\.\d{{3}} ", live), op
     assert len(re.findall(r"\nmegalite load, resharded +1 ", live)) == 2, "same-layout and resharded loads: ABBA"
+    for probe in ("disk write, 1 stream", "disk write, 2 streams", "disk read, 1 stream", "disk read, 2 streams"):
+        assert len(re.findall(rf"\n{probe} +1 ", live)) >= 2, f"{probe}: repeated until two of the repeat agree"
     assert re.search(r"async blocked / sync save: [\d.]+% \(ratio of medians", summary)
     assert re.search(r"async blocked with a staging copy / sync save: [\d.]+% \(ratio of medians", summary)
     # the cost row times the steps that run while the writer works, against as many plain steps side by side
@@ -57,7 +59,7 @@ def test_bench_ckpt_prints_its_table(tmp_path):
                      r".*; where the loop keeps all \d+ cores busy that is -?[\d.]+ s of its time = -?[\d.]+% of the "
                      r"sync save", summary)
     assert re.search(r"resharded / same-layout load: [\d.]+x \(ratio of medians over 2 loads each", summary)
-    assert "megalite async save: cost to the loop " in summary and "disk probe: each repeat reads" in summary
+    assert "megalite async save: cost to the loop " in summary and "disk probe: each repeat writes, then reads, the probe files" in summary
     # docs/performance.md runs it over sizes: one whole run per size, then the scaling table and the fits
     assert "--sizes 4,8 --world 2 --repeats 1" in transcripts.small_command(
         "bench-ckpt", "megalite bench ckpt --sizes 128,512,1024 --repeats 2")
@@ -183,3 +185,106 @@ def test_summary_memory_is_per_row_growth_and_of_disk_above_100_is_marked():
     text = format_rows(list(rows.values()))
     assert "+11 (+20)" in text and "2270" not in text and "125%!" in text
     assert stable([{"s": 1.0}, {"s": 1.09}]) and not stable([{"s": 1.0}, {"s": 1.2}]) and not stable([{"s": 1.0}])
+
+
+def test_the_scaling_fit_is_never_a_line_through_sizes_that_moved_the_same_bytes():
+    """`bench ckpt --sizes 8,16 --world 2` builds one model for both sizes (its smallest): the bytes differ only
+    by a manifest's few bytes, and a least-squares line through them was noise (-61870 s fixed + 5726436 s/GiB).
+    `bench dcp --sizes 8,16` moved identical bytes and printed no fit and no reason. Both now say why."""
+    from megalite.bench.scaling import scaling_lines
+    runs = {8: [{"op": "megalite save", "bytes": 11_597_000, "median_s": 0.063},
+                {"op": "DCP save", "bytes": 11_598_000, "median_s": 0.087}],
+            16: [{"op": "megalite save", "bytes": 11_597_400, "median_s": 0.079},
+                 {"op": "DCP save", "bytes": 11_598_400, "median_s": 0.116}]}
+    out = "\n".join(scaling_lines(runs, [("megalite save", "DCP save")], ["megalite save"]))
+    assert "s fixed +" not in out, out
+    assert "megalite save: no fixed + per-GiB fit: every size moved about the same bytes (11.06, 11.06 MiB" in out
+    assert re.search(r"\nmegalite save \| DCP save +8 +5\.833 +8\.054 +0\.72x\n", out), out  # the table stays
+    same = {mb: [{"op": "megalite convert", "bytes": 29_392_000, "median_s": 0.08},
+                 {"op": "dcp_to_torch_save", "bytes": 29_392_000, "median_s": 0.09}] for mb in (8, 16)}
+    out = "\n".join(scaling_lines(same, [("megalite convert", "dcp_to_torch_save")], ["megalite convert"]))
+    assert "megalite convert: no fixed + per-GiB fit: every size moved about the same bytes" in out, out
+
+
+def test_the_disk_probe_is_repeated_within_each_repeat_until_stable():
+    """PROBE_RULE: two timings of the same repeat must agree. The last read of the repeat before (of files
+    written anew since) once counted, so a repeat could stop after a single read."""
+    from megalite.bench.ckpt import PROBE_TRIES, probe_until_stable
+    rows = ["disk read, 1 stream", "disk read, 2 streams"]
+    rec = {r: [{"s": 1.0}] for r in rows}  # the repeat before's last probe of each
+    feed = iter([1.0, 1.0, 1.02, 1.01])  # the first try agrees with the repeat before: not enough
+
+    def once():
+        for r in rows:
+            rec[r].append({"s": next(feed)})
+
+    assert probe_until_stable(once, rows, rec) == 2 and len(rec[rows[1]]) == 3
+    rec = {r: [{"s": 1.0}] for r in rows[:1]}
+    feed = iter([1.0, 1.05])
+    assert probe_until_stable(lambda: rec[rows[0]].append({"s": next(feed)}), rows[:1], rec) == 2
+    rec = {rows[0]: []}
+    slow = iter([1.0, 2.0, 1.0, 2.0, 1.0])
+    assert probe_until_stable(lambda: rec[rows[0]].append({"s": next(slow)}), rows[:1], rec) == PROBE_TRIES
+    assert len(rec[rows[0]]) == PROBE_TRIES
+    votes = []  # every rank decides alike: the collective vote is asked from the second try on, once per try
+    rec = {rows[0]: []}
+    steady = iter([1.0, 1.0])
+    assert probe_until_stable(lambda: rec[rows[0]].append({"s": next(steady)}), rows[:1], rec,
+                              lambda ok: votes.append(ok) or ok) == 2 and votes == [True]
+
+
+@pytest.mark.skipif(not __import__("os").path.exists("/proc/self/status"), reason="needs Linux /proc")
+@pytest.mark.parametrize("reset", [True, False], ids=["VmHWM reset", "no clear_refs: polled"])
+def test_a_rows_memory_is_its_own_growth_even_where_the_peak_cannot_be_reset(monkeypatch, reset):
+    """bench ckpt's rows and conversions: peak over the RSS at the row's start. Where VmHWM cannot be reset
+    (no writable /proc/self/clear_refs) it still held an earlier row's 200 MiB peak, charged to the next row."""
+    import numpy as np
+    import megalite.bench as b
+    if not reset:
+        monkeypatch.setattr(b, "reset_peak_rss", lambda: False)
+    before = np.ones(200 << 17)  # 200 MiB, touched: an earlier row's peak, freed before this row
+    del before
+    mem = b.track_rss(interval=0.001)
+    row = np.ones(40 << 17)  # this row: 40 MiB, held until the row ends
+    peak, growth = mem()
+    del row
+    assert 30 < growth < 80, (peak, growth)
+    assert peak - growth == pytest.approx(b.rss_mib(), abs=20)
+
+
+class _Stop(Exception):
+    pass
+
+
+def _fail(*_):
+    raise _Stop("the first line printed fails (a closed pipe)")
+
+
+def test_every_bench_removes_its_temp_folder_when_it_fails(tmp_path, monkeypatch):
+    """bench ckpt and bench train made their folder before the `try` that removes it, and printed a line in
+    between; `python -m benchmarks stress ckpt` (no --workdir) never removed its folder. Each fails here at
+    its first step after making the folder; nothing is left behind."""
+    import tempfile
+    import benchmarks.stress as stress
+    from megalite.bench.ckpt import bench_ckpt
+    from megalite.bench.prepare import bench_prepare
+    from megalite.bench.train import bench_train
+    for name, run in (("ckpt", lambda d: bench_ckpt(size_mb=1, world=2, repeats=1, dir=d, log=_fail)),
+                      ("train", lambda d: bench_train(workdir=d, log=_fail)),
+                      ("prepare", lambda d: bench_prepare(size_mb=0.05, vocab_size=300, rounds=1, dir=d,
+                                                          log=_fail))):
+        d = tmp_path / name
+        d.mkdir()
+        with pytest.raises(_Stop):
+            run(str(d))
+        assert list(d.iterdir()) == [], f"bench {name} left {list(d.iterdir())}"
+    d = tmp_path / "stress"
+    d.mkdir()
+    monkeypatch.setattr(tempfile, "tempdir", str(d))
+
+    def no_torchrun(*a, **k):
+        raise _Stop("torchrun could not start")
+    monkeypatch.setattr(stress, "_torchrun", no_torchrun)
+    with pytest.raises(_Stop):
+        stress.stress_ckpt(trials=1, log=_fail)
+    assert list(d.iterdir()) == [], f"stress ckpt left {list(d.iterdir())}"

@@ -107,3 +107,17 @@ def test_a_hung_launch_names_each_rank_and_where_it_waits_within_the_deadline(tm
     assert re.search(r"recv_forward \(pipeline\.py:\d+\) <- forward \(pipeline\.py:\d+\) <- afab", rank1)
     assert "_mismatched_schedules (test_run_parallel.py:" in rank0 and rank0.split(" waits in ")[1].startswith("recv")
     assert not list(tmp_path.glob("stacks-*"))  # the dumps are read and removed
+
+
+def _noop(rank, world_size, tmp):
+    pass
+
+
+def test_without_a_tmp_dir_the_launch_removes_the_folder_it_made(tmp_path, monkeypatch):
+    import tempfile
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    run_parallel(_noop, 1)
+    with pytest.raises(RankFailed, match="planted failure"):
+        run_parallel(_fail_on_rank_1, 2)
+    # (multiprocessing's own pymp-* folder, if its fork server started here, goes when this process exits)
+    assert [p for p in tmp_path.iterdir() if p.name.startswith("megalite")] == [], "run_parallel left its folder"

@@ -53,6 +53,36 @@ def reset_peak_rss() -> bool:
         return False
 
 
+def track_rss(interval: float = 0.005):
+    """Start measuring one row's memory; call the result to stop: (peak RSS MiB, its growth over the RSS at the
+    start). The peak is VmHWM reset to the current RSS where the kernel allows it; elsewhere VmHWM would still
+    hold whatever an earlier row (or the imports) peaked at, so VmRSS is polled in a thread instead: a row is
+    never charged with another's leftovers."""
+    exact = reset_peak_rss()
+    base = rss_mib()
+    if exact:
+        def done() -> tuple[float, float]:
+            peak = max(peak_rss_mib(), base)
+            return peak, peak - base
+        return done
+    peak, stop = [base], threading.Event()
+
+    def poll():
+        while not stop.is_set():
+            peak[0] = max(peak[0], rss_mib())
+            stop.wait(interval)
+
+    th = threading.Thread(target=poll, daemon=True)
+    th.start()
+
+    def done_polled() -> tuple[float, float]:
+        stop.set()
+        th.join()
+        top = max(peak[0], rss_mib())
+        return top, top - base
+    return done_polled
+
+
 def sample_rss(interval: float = 0.005):
     """Poll RssAnon and RssFile (VmHWM lumps them together) in a thread; call the result to stop it and
     get the peak growth of anonymous memory and of mapped file pages, {"anon": MiB, "file": MiB}."""

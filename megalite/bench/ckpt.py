@@ -4,9 +4,10 @@ Every rank of a gloo job builds a real GPTStage slice (random weights) and a Sha
 moments, sized so that model + moments are about `size_mb` across all ranks. The same tensors (the
 ones megalite's write plan gives each rank, under rank-unique keys) go through every method. Times
 are wall times between barriers (max over ranks); each live row's peak RSS is the highest per-rank VmHWM
-during the operation (reset before it), with the growth over the RSS before it in parentheses. The summary
-compares memory only as that growth, per row (median and max over its repeats): an absolute peak would
-charge a row with what an earlier row left behind (rank 0 still holding a torch.load's pages).
+during the operation (reset before it; VmRSS polled where it cannot be reset: bench.track_rss), with the
+growth over the RSS before it in parentheses. The summary compares memory only as that growth, per row
+(median and max over its repeats): an absolute peak would charge a row with what an earlier row left
+behind (rank 0 still holding a torch.load's pages).
 
 Each measurement is printed as it is made (a table with one row per operation and repeat), then the
 summary table of medians. Pairs whose ratio is a target are measured next to each other in every repeat:
@@ -35,8 +36,8 @@ from typing import Optional
 from ..checkpoint.tree import resolve
 from ..checkpoint.manifest import read as read_manifest
 
-from . import (CACHE_HOW, StreamTable, drop_page_cache, du, fmt_bytes, peak_rss_mib, read_file, reset_peak_rss,
-               resident_bytes, rss_mib, spread, table, write_file)
+from . import (CACHE_HOW, StreamTable, drop_page_cache, du, fmt_bytes, read_file, resident_bytes, rss_mib, spread,
+               table, track_rss, write_file)
 
 BLOCK, VOCAB = 1024, 256
 VS_DCP = {"megalite save": "DCP save", "gather + torch.save": "DCP save",
@@ -89,13 +90,24 @@ def _state(mcfg, layout, seed: int):
 
 
 PROBE_TRIES, PROBE_TOL = 4, 0.10
-PROBE_RULE = (f"each repeat reads the probe files until two reads in a row agree within {PROBE_TOL:.0%} (at most "
-              f"{PROBE_TRIES}); the fastest probe row's median GB/s is the reference")
+PROBE_RULE = (f"each repeat writes, then reads, the probe files until two in a row of that repeat agree within "
+              f"{PROBE_TOL:.0%} (at most {PROBE_TRIES} each); the fastest probe row's median GB/s is the reference")
 
 
 def stable(runs: list) -> bool:
     """The last two timings of a probe agree within PROBE_TOL."""
     return len(runs) == 2 and abs(runs[0]["s"] - runs[1]["s"]) <= PROBE_TOL * min(runs[0]["s"], runs[1]["s"])
+
+
+def probe_until_stable(once, rows: list, rec: dict, agree=lambda steady: steady) -> int:
+    """PROBE_RULE: call `once()` (one probe of each row in `rows`) until the last two timings of every row,
+    both taken in this call, are `stable` (at most PROBE_TRIES); `agree` makes the ranks decide alike. A
+    timing of an earlier repeat never counts: its files were written anew since. Returns the tries made."""
+    for t in range(PROBE_TRIES):
+        once()
+        if t and agree(all(stable(rec[r][-2:]) for r in rows)):
+            return t + 1
+    return PROBE_TRIES
 
 
 ASYNC_COST = "megalite async save: cost to the loop"  # per repeat: blocked + (steps while it writes - as many plain)
@@ -170,8 +182,7 @@ def _worker(rank: int, world: int, tmp: str, o: dict) -> None:
                 how[0] = drop_page_cache([cold])
                 resident.append(resident_bytes([cold]))
         dist.barrier()
-        base = rss_mib()
-        reset_peak_rss()
+        mem = track_rss()
         t0 = time.perf_counter()
         if not only0 or rank == 0:
             fn()
@@ -181,7 +192,7 @@ def _worker(rank: int, world: int, tmp: str, o: dict) -> None:
         t2 = time.perf_counter()
         dist.barrier()
         t3 = time.perf_counter()
-        blocked, finish, peak, extra = reduce_max([t1 - t0, t2 - t0, peak_rss_mib(), peak_rss_mib() - base])
+        blocked, finish, peak, extra = reduce_max([t1 - t0, t2 - t0, *mem()])
         ops = [(op, t3 - t0)] if after is None else [(op + ": blocked", blocked), (done, finish)]
         for name, secs in ops:
             rec.setdefault(name, []).append({"s": secs, "rss": peak, "extra": extra})
@@ -235,13 +246,12 @@ def _worker(rank: int, world: int, tmp: str, o: dict) -> None:
             if rank == 0:
                 os.sync()
             dist.barrier()
-            base = rss_mib()
-            reset_peak_rss()
+            mem = track_rss()
             if side == "save":
                 got["save"] = steps_during_save(i)
             else:
                 got["plain"] = plain_steps(got["save"][1] if "save" in got else k_guess)
-            got[side + " rss"] = (peak_rss_mib(), peak_rss_mib() - base)
+            got[side + " rss"] = mem()
         blocked, k, during, cpu = got["save"]
         plain = got["plain"]
         if len(plain) < k:
@@ -277,17 +287,23 @@ def _worker(rank: int, world: int, tmp: str, o: dict) -> None:
         disk = root / "disk"
         clear(disk, root / "ml", root / "ml_async", root / "ml_copy", root / "ml_loop", root / "dcp", root / "dcp_async",
               root / "ts")
-        timed("disk write, 1 stream", lambda: write_file(disk / "one.bin", total), total, only0=True)
-        if world > 1:
-            timed(f"disk write, {world} streams", lambda: write_file(disk / f"par{rank}.bin", total // world), total)
-        for _ in range(PROBE_TRIES):  # the read probes until stable (PROBE_RULE): their best is the reference
+        def writes():
+            timed("disk write, 1 stream", lambda: write_file(disk / "one.bin", total), total, only0=True)
+            if world > 1:
+                timed(f"disk write, {world} streams", lambda: write_file(disk / f"par{rank}.bin", total // world),
+                      total)
+
+        def reads():
             timed("disk read, 1 stream", lambda: read_file(disk / "one.bin"), total, cold=disk, only0=True)
             if world > 1:
                 timed(f"disk read, {world} streams", lambda: read_file(disk / f"par{rank}.bin"), total, cold=disk)
-            steady = stable(rec["disk read, 1 stream"][-2:]) and (
-                world == 1 or stable(rec[f"disk read, {world} streams"][-2:]))
-            if reduce_max([0.0 if steady else 1.0])[0] == 0.0:  # every rank decides alike (own clocks differ)
-                break
+
+        def agree(steady: bool) -> bool:  # every rank decides alike (their own clocks differ)
+            return reduce_max([0.0 if steady else 1.0])[0] == 0.0
+
+        streams = [1] + ([world] if world > 1 else [])  # the probes until stable (PROBE_RULE): the references
+        probe_until_stable(writes, [f"disk write, {n} stream{'s' * (n > 1)}" for n in streams], rec, agree)
+        probe_until_stable(reads, [f"disk read, {n} stream{'s' * (n > 1)}" for n in streams], rec, agree)
         clear(disk)
         timed("megalite save", lambda: save_checkpoint(root / "ml", i + 1, model, opt, grid, config=cfgd),
               lambda: du(root / "ml"))
@@ -353,7 +369,7 @@ def _worker(rank: int, world: int, tmp: str, o: dict) -> None:
 
 _CONVERT = r"""
 import json, os, sys, time
-from megalite.bench import peak_rss_mib, sample_rss
+from megalite.bench import sample_rss, track_rss
 kind, src, out = sys.argv[1:4]
 if kind == "megalite convert":
     from megalite.convert import convert
@@ -363,9 +379,10 @@ else:
     def run():  # fsync too, as megalite convert does, so both times are durable writes
         dcp_to_torch_save(src, out)
         fd = os.open(out, os.O_RDONLY); os.fsync(fd); os.close(fd)
-base, stop = peak_rss_mib(), sample_rss()
+mem, stop = track_rss(), sample_rss()  # growth over the RSS after imports, not their peak
 t0 = time.perf_counter(); run(); dt = time.perf_counter() - t0
-print(json.dumps({"s": dt, "rss": peak_rss_mib(), "extra": peak_rss_mib() - base, "base": base, **stop()}))
+peak, extra = mem()
+print(json.dumps({"s": dt, "rss": peak, "extra": extra, "base": peak - extra, **stop()}))
 """
 
 
@@ -454,10 +471,10 @@ def bench_ckpt(size_mb: float = 1024, world: int = 4, repeats: int = 3, dir: Opt
     if dir is not None:
         Path(dir).mkdir(parents=True, exist_ok=True)
     root = Path(tempfile.mkdtemp(prefix="megalite-bench-ckpt-", dir=dir))
-    log(f"bench ckpt: {world} gloo ranks, {repeats} repeat(s); each measurement as it is made (max over ranks), "
-        f"then the summary:")
-    sys.stdout.flush()
-    try:
+    try:  # removed whatever happens, from the first line printed on (a closed pipe fails there)
+        log(f"bench ckpt: {world} gloo ranks, {repeats} repeat(s); each measurement as it is made (max over "
+            f"ranks), then the summary:")
+        sys.stdout.flush()
         opts = {"root": str(root), "model": mcfg, "save_layout": save_layout, "reshard_layout": reshard_layout,
                 "repeats": repeats}
         run_parallel(_worker, world, tmp_dir=root / "run", args=(opts,))

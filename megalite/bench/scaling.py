@@ -11,6 +11,7 @@ from __future__ import annotations
 from . import table
 
 GIB = 2**30
+DISTINCT = 0.05  # sizes whose bytes differ by less than this share of the largest cannot be fitted apart
 
 
 def fit_line(points: list[tuple[float, float]]) -> tuple[float, float]:
@@ -48,7 +49,14 @@ def scaling_lines(runs: dict, pairs: list[tuple[str, str]], fit: list[str]) -> l
            table(["operation | peer", "MiB", "s/GiB", "peer s/GiB", "ratio"], rows)]
     for op in fit:
         pts = [(by[mb][op]["bytes"] / GIB, by[mb][op]["median_s"]) for mb in sizes if op in by[mb]]
-        if len({x for x, _ in pts}) >= 2:
+        if not pts:
+            continue
+        xs = [x for x, _ in pts]
+        if max(xs) - min(xs) > DISTINCT * max(xs):
             a, b = fit_line(pts)
             out.append(f"{op}: {a:.3f} s fixed + {b:.3f} s/GiB (least squares over {len(pts)} sizes)")
+        elif len(pts) > 1:  # a line through (nearly) one x is noise: said, never printed as a fit
+            out.append(f"{op}: no fixed + per-GiB fit: every size moved about the same bytes "
+                       f"({', '.join(f'{x * 1024:.2f}' for x in xs)} MiB; the bench rounds a size to the nearest "
+                       f"model it can build, at least its smallest): ask for sizes further apart")
     return out

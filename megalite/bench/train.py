@@ -240,14 +240,14 @@ def bench_train(steps: int = 10, nproc: int = 4, n_embd: int = 128, n_layer: int
     megalite/plain pairs of fresh processes; rounds: the feature tables' alternating runs."""
     from ..data import default_corpus_files, prepare
     from ..testing import run_parallel
-    work = tempfile.mkdtemp(prefix="megalite-bench-train-", dir=workdir)
     model = dict(n_layer=n_layer, n_head=n_head, n_embd=n_embd, block_size=block_size, vocab_size=256, dropout=0.0)
     tokens = batch * block_size
-    log(f"bench train: GPT {model}, global batch {batch} x {block_size} tokens, micro-batch {micro}, "
-        f"{steps} timed steps after warm-up, 1 thread per process on {os.cpu_count()} cores (load average "
-        f"{os.getloadavg()[0]:.1f} at the start)")
     out = {"single": [], "bubble": [], "layouts": []}
-    try:
+    work = tempfile.mkdtemp(prefix="megalite-bench-train-", dir=workdir)
+    try:  # removed whatever happens, from the first line printed on (a closed pipe fails there)
+        log(f"bench train: GPT {model}, global batch {batch} x {block_size} tokens, micro-batch {micro}, "
+            f"{steps} timed steps after warm-up, 1 thread per process on {os.cpu_count()} cores (load average "
+            f"{os.getloadavg()[0]:.1f} at the start)")
         data = os.path.join(work, "tok.bin")
         prepare(default_corpus_files(max_bytes=300_000), data, log=lambda *a: None)
         o = {"model": model, "data": data, "work": work, "steps": steps, "micro": micro, "batch": batch,
