@@ -148,6 +148,7 @@ class CheckpointConfig:
     resume: str = "auto"  # "auto" (continue the run in checkpoint.dir, if any), "none" (fresh), or a path
     on_error: str = "stop"  # a failed save: "stop" (raise) or "continue" (warn, keep training)
     signal_grace_s: float = 0.0  # seconds from SIGTERM/SIGINT to SIGKILL; 0: TORCH_ELASTIC_SHUTDOWN_TIMEOUT
+    direct_io: str = "auto"  # files written around the page cache (O_DIRECT): "auto" (on GPU hosts), "on", "off"
 
 
 @dataclass
@@ -447,6 +448,8 @@ def validate(cfg: Config, world_size: int | None = None) -> Config:
         raise ConfigError(f"parallel.schedule = '{par.schedule}': expected '1f1b' or 'afab'")
     if cfg.checkpoint.on_error not in ("stop", "continue"):
         raise ConfigError(f"checkpoint.on_error = '{cfg.checkpoint.on_error}': expected 'stop' or 'continue'")
+    if cfg.checkpoint.direct_io not in ("auto", "on", "off"):
+        raise ConfigError(f"checkpoint.direct_io = '{cfg.checkpoint.direct_io}': expected 'auto', 'on' or 'off'")
     if t.precision not in ("auto", "fp32", "bf16"):
         raise ConfigError(f"train.precision = '{t.precision}': expected 'auto', 'fp32' or 'bf16'")
     _validate_memory_features(cfg)
@@ -622,6 +625,8 @@ DOCS = {
     "checkpoint.keep_last": "keep the newest N checkpoints (0: keep all)",
     "checkpoint.resume": "auto (continue from checkpoint.dir if it has a checkpoint), none (fresh start), or a path",
     "checkpoint.on_error": "a failed save: stop (raise) or continue (warn, keep training)",
+    "checkpoint.direct_io": "write checkpoint files with O_DIRECT, around the page cache: auto (on when training on "
+                            "GPUs, whose host threads wait), on, off (the files are the same bytes either way)",
     "checkpoint.signal_grace_s": "seconds the launcher waits between SIGTERM/SIGINT and SIGKILL (0: read torchrun's "
                                  "TORCH_ELASTIC_SHUTDOWN_TIMEOUT, 30 s if unset); a warning says when a step + save "
                                  "is longer",

@@ -59,6 +59,11 @@ def test_bench_ckpt_prints_its_table(tmp_path):
                      r".*; where the loop keeps all \d+ cores busy that is -?[\d.]+ s of its time = -?[\d.]+% of the "
                      r"sync save", summary)
     assert re.search(r"resharded / same-layout load: [\d.]+x \(ratio of medians over 2 loads each", summary)
+    # the waiting loop (steps asleep, as a host thread waits on its GPU): page cache and O_DIRECT, each repeat
+    for op in ("megalite async save: waiting loop's cost", "megalite async, O_DIRECT: waiting loop's cost"):
+        assert re.search(rf"\n{re.escape(op)} +1 +-?\d+\.\d{{3}} ", live), op
+    assert re.search(r"what an async save costs a loop that waits \(50 ms asleep per step, .*\): through the page "
+                     r"cache -?[\d.]+% \(.*\), with O_DIRECT -?[\d.]+% \(.*\) of the sync save", summary)
     assert "megalite async save: cost to the loop " in summary and "disk probe: each repeat writes, then reads, the probe files" in summary
     # docs/performance.md runs it over sizes: one whole run per size, then the scaling table and the fits
     assert "--sizes 4,8 --world 2 --repeats 1" in transcripts.small_command(

@@ -193,3 +193,61 @@ def test_the_commit_checks_what_every_rank_reported_without_re_reading_it(tmp_pa
     assert any(model in p and "its rank reported" in p for p in problems), problems
     assert any(STATE in p and "symbolic link" in p for p in problems), problems
     assert any("optimizer.safetensors is missing" in p for p in problems), problems
+
+
+def test_a_direct_io_save_writes_the_same_bytes_around_the_page_cache(tmp_path, monkeypatch):
+    """checkpoint.direct_io: with direct=True every safetensors file of a save, sync or async, is streamed with
+    StreamingWriter(direct=True) (O_DIRECT where the file system takes it), and the step is byte for byte the
+    buffered save's."""
+    import megalite.checkpoint.commit as commit
+    from megalite.checkpoint import AsyncSaver
+    seen, real = [], commit.StreamingWriter
+
+    def spy(*args, **kwargs):
+        seen.append(kwargs.get("direct", False))
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(commit, "StreamingWriter", spy)
+    net, opt, grid, buffered = _saved(tmp_path)
+    n = len(seen)
+    assert n == 2 and not any(seen)  # model.safetensors, optimizer.safetensors
+    kw = dict(tokens_seen=64, data_state={"batch_index": 1}, direct=True)
+    direct = save_checkpoint(tmp_path / "d", 1, net, opt, grid, **kw)
+    saver = AsyncSaver()
+    save_checkpoint(tmp_path / "a", 1, net, opt, grid, saver=saver, **kw)
+    saver.wait()
+    assert seen[n:] == [True] * (2 * n)
+    files = sorted(p.relative_to(buffered) for p in buffered.rglob("*") if p.is_file())
+    for other in (direct, tmp_path / "a" / buffered.name):
+        assert sorted(p.relative_to(other) for p in other.rglob("*") if p.is_file()) == files
+        for rel in files:
+            assert (other / rel).read_bytes() == (buffered / rel).read_bytes(), rel
+        verify(other)
+
+
+def test_checkpoint_direct_io_is_on_for_gpu_hosts_by_default_and_reaches_every_save(tmp_path, monkeypatch):
+    """`auto` writes around the page cache where training runs on GPUs (their host threads wait: see
+    docs/performance.md), not on CPUs; on/off force it; anything else is refused in one line; and the
+    manager hands its choice to every save it makes."""
+    from types import SimpleNamespace
+    from megalite.config import Config, ConfigError, resolve, validate
+    import megalite.run.ckpt_policy as policy
+    cfg = Config()
+    for gpu in (True, False):
+        monkeypatch.setattr(torch.cuda, "is_available", lambda gpu=gpu: gpu)
+        assert policy.direct_io(cfg) is gpu
+        for word, want in (("on", True), ("off", False)):
+            cfg.checkpoint.direct_io = word
+            assert policy.direct_io(cfg) is want
+        cfg.checkpoint.direct_io = "auto"
+    cfg.checkpoint.direct_io = "yes"
+    with pytest.raises(ConfigError, match=r"^checkpoint\.direct_io = 'yes': expected 'auto', 'on' or 'off'$"):
+        validate(resolve(cfg, world_size=1), world_size=1)
+    cfg.checkpoint.direct_io, cfg.checkpoint.dir = "on", str(tmp_path / "ck")
+    got = []
+    monkeypatch.setattr(policy, "save_checkpoint", lambda *a, **k: got.append(k["direct"]))
+    manager = policy.CheckpointManager(cfg, ParallelGrid.single())
+    tr = SimpleNamespace(step=3, model=None, optimizer=None, tokens_seen=0, tokenizer=None,
+                         sampler=SimpleNamespace(state_dict=lambda: {}))
+    manager.save(tr)
+    assert got == [True]

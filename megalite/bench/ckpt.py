@@ -113,7 +113,10 @@ def probe_until_stable(once, rows: list, rec: dict, agree=lambda steady: steady)
 ASYNC_COST = "megalite async save: cost to the loop"  # per repeat: blocked + (steps while it writes - as many plain)
 DURING = "AdamW steps while an async save writes"  # from the submit to the first step after its commit
 PLAIN = "AdamW steps, as many, no save"  # the same count of in-place steps, side by side
-NO_RATE = (ASYNC_COST, DURING, PLAIN)  # times of the loop, not of moving bytes: no GB/s, no disk share
+WAIT_S = 0.05  # a step of the waiting loop: its host thread sleeps, as one waits on its GPU, then all-reduces
+WAIT_COST = "megalite async save: waiting loop's cost"  # as ASYNC_COST, for steps that wait (page cache)
+WAIT_COST_DIRECT = "megalite async, O_DIRECT: waiting loop's cost"  # the same, files written O_DIRECT
+NO_RATE = (ASYNC_COST, DURING, PLAIN, WAIT_COST, WAIT_COST_DIRECT)  # loop times, not bytes moved: no GB/s
 
 
 def _rated(op: str) -> bool:
@@ -122,11 +125,12 @@ def _rated(op: str) -> bool:
     return not (op.endswith("blocked") or op.startswith("AdamW") or op in NO_RATE)
 SCALING_PAIRS = [("megalite save", "DCP save"), ("megalite async save: until commit", "DCP async_save: until done"),
                  ("megalite async save: blocked", "DCP async_save: blocked"), (ASYNC_COST, "megalite save"),
+                 (WAIT_COST, "megalite save"), (WAIT_COST_DIRECT, "megalite save"),
                  ("megalite load", "DCP load"), ("megalite load, resharded", "DCP load"),
                  ("megalite load, resharded", "megalite load"), ("megalite convert", "dcp_to_torch_save")]
 
 
-LIVE = (["operation", "repeat", "s", "GB/s", "peak RSS MiB (+growth)"], [33, 6, 7, 6, 22])
+LIVE = (["operation", "repeat", "s", "GB/s", "peak RSS MiB (+growth)"], [45, 6, 7, 6, 22])
 
 
 def live_table(log=print) -> StreamTable:
@@ -273,6 +277,36 @@ def _worker(rank: int, world: int, tmp: str, o: dict) -> None:
                 live_row(live, repeat[0], name, rec[name][-1], nbytes[name])
         return k
 
+    def waiting_cost(i: int, name: str, direct: bool) -> None:
+        """What an async save costs a loop whose steps wait (WAIT_S asleep, as a host thread waits on its GPU,
+        then the step's all-reduce): blocked + (the steps until its commit - as many steps without a save, run
+        right after it). The loop leaves the cores idle, so what it feels is not the writers' CPU but what their
+        writes do to its threads: with the page cache, a large save's copies and writeback stall them; with
+        `direct`, the files go around it (checkpoint.direct_io)."""
+        clear(root / "ml_wait")
+        dist.barrier()
+        t0 = time.perf_counter()
+        save_checkpoint(root / "ml_wait", i + 1, model, opt, grid, config=cfgd, saver=saver, direct=direct)
+        blocked, k = time.perf_counter() - t0, 0
+        while True:
+            time.sleep(WAIT_S)
+            k += 1
+            saver.poll()
+            if not sync(saver.thread is not None):
+                break
+        during = time.perf_counter() - t0
+        dist.barrier()
+        t0 = time.perf_counter()
+        for _ in range(k):
+            time.sleep(WAIT_S)
+            sync(True)
+        blocked, during, plain = reduce_max([blocked, during, time.perf_counter() - t0])
+        rec.setdefault(name, []).append({"s": during - plain, "rss": 0.0, "extra": 0.0, "steps": k,
+                                         "blocked": blocked})
+        if rank == 0:
+            nbytes[name] = du(root / "ml_wait")
+            live_row(live, repeat[0], name, rec[name][-1], nbytes[name])
+
     k_last = [0]
     saver, copier = AsyncSaver(), AsyncSaver(zero_copy=False)  # copier: the path of device/torch.optim tensors
     saver.reserve(pay, opt)  # as `megalite train` does at start-up: no save and no step pays the allocation
@@ -314,6 +348,8 @@ def _worker(rank: int, world: int, tmp: str, o: dict) -> None:
             root / "ml_copy", i + 1, model, opt, grid, config=cfgd, saver=copier),
               lambda: du(root / "ml_copy"), after=copier.wait, done="megalite async save, copied: until commit")
         k_last[0] = loop_cost(i, k_last[0])
+        for name, direct in ((WAIT_COST, False), (WAIT_COST_DIRECT, True))[::1 if i % 2 == 0 else -1]:
+            waiting_cost(i, name, direct)
         # What the zero-copy snapshot moves into the training loop: the first step after a held save writes
         # out of place (into the spare set) instead of in place. Measured next to each other.
         for held in ((False, True) if i % 2 == 0 else (True, False)):
@@ -437,7 +473,8 @@ def _rows(rec: dict, nbytes: dict) -> list[dict]:
     order = ["disk", "megalite save", "DCP save", "gather", "megalite async", "DCP async", "megalite load",
              "DCP load", "torch.load", "AdamW", "megalite convert", "dcp_to"]
     # the loop's cost last: the line a reader looks for after the table's operations
-    return sorted(rows.values(), key=lambda r: len(order) if r["op"] == ASYNC_COST else next(
+    last = (ASYNC_COST, WAIT_COST, WAIT_COST_DIRECT)
+    return sorted(rows.values(), key=lambda r: len(order) if r["op"] in last else next(
         i for i, p in enumerate(order) if r["op"].startswith(p)))
 
 
@@ -532,6 +569,16 @@ def bench_ckpt(size_mb: float = 1024, world: int = 4, repeats: int = 3, dir: Opt
             f"the steps' own CPU subtracted); where the loop keeps all {cores} cores busy that is "
             f"{cpu / cores:.3f} s of its time = {cpu / cores / by['megalite save']['median_s']:.1%} of the sync save "
             f"(steadier than the wall-time row under other load, which it does not count)")
+    waits = [(n, how) for n, how in ((WAIT_COST, "through the page cache"), (WAIT_COST_DIRECT, "with O_DIRECT"))
+             if n in by]
+    if waits:
+        parts = []
+        for n, how in waits:
+            r, lo, hi = paired(rec, n, "megalite save")
+            parts.append(f"{how} {r:.1%} ({lo:.1%}-{hi:.1%} per repeat)")
+        log(f"what an async save costs a loop that waits ({WAIT_S * 1000:.0f} ms asleep per step, as a host thread "
+            f"waits on its GPU, then the all-reduce; blocked + the steps until its commit, over as many without a "
+            f"save): {', '.join(parts)} of the sync save (medians over repeats)")
     if "megalite load, resharded" in by:
         r, lo, hi = paired(rec, "megalite load, resharded", "megalite load")
         log(f"resharded / same-layout load: {r:.2f}x (ratio of medians over {len(rec['megalite load'])} loads "

@@ -86,13 +86,15 @@ def encode_scheduler(scheduler) -> Optional[dict]:
 def save_checkpoint(root, step: int, model, optimizer, grid, *, scheduler=None, client_state: Optional[dict] = None,
                     config: Optional[dict] = None, tokens_seen: int = 0, data_state: Optional[dict] = None,
                     keep_last: int = 0, saver: Optional[AsyncSaver] = None, keep=(),
-                    tokenizer: Optional[bytes] = None) -> Optional[Path]:
+                    tokenizer: Optional[bytes] = None, direct: bool = False) -> Optional[Path]:
     """Save this rank's slice under root/step_NNNNNNNN (all ranks call it). Returns the committed folder,
     or None when `saver` is given (async: the commit happens in the background; call saver.wait()). With
     megalite's optimizer the async snapshot is the live host tensors themselves (no copy): let only
     `optimizer.step` change them until saver.wait() (load_checkpoint with that optimizer waits by itself).
     keep_last prunes older steps (never the one `latest` names, one newer than `step`, or one in `keep`).
-    `tokenizer`: the run's tokenizer.json, which rank 0 writes into its folder (tp00-pp00-dp00)."""
+    `tokenizer`: the run's tokenizer.json, which rank 0 writes into its folder (tp00-pp00-dp00).
+    `direct`: the safetensors files are written around the page cache (O_DIRECT; the same bytes), which spares
+    a loop that waits on GPUs the page-cache writeback of a large save (`checkpoint.direct_io`)."""
     if config is None and hasattr(model, "cfg"):  # enough for `megalite train` and the converter to use it
         config = {"model": dataclasses.asdict(model.cfg)}
     data_state = data_state or {"batch_index": step}
@@ -121,9 +123,9 @@ def save_checkpoint(root, step: int, model, optimizer, grid, *, scheduler=None, 
     if tokenizer is not None and grid.rank == 0:
         pay.step_files[TOKENIZER_FILE] = bytes(tokenizer)
     if saver is not None:
-        saver.submit(Path(root), step, pay, grid, meta, keep_last, keep, optimizer)
+        saver.submit(Path(root), step, pay, grid, meta, keep_last, keep, optimizer, direct)
         return None
-    return save_collective(Path(root), step, pay, grid, meta, keep_last, keep)
+    return save_collective(Path(root), step, pay, grid, meta, keep_last, keep, direct)
 
 
 def exchange_names(named, grid) -> Optional[set]:

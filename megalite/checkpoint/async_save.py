@@ -91,7 +91,7 @@ class AsyncSaver:
             optimizer.reserve_spare(keys)
         self.stager.reserve(pay, lambda t: bool(keys) and optimizer.holdable(t) is not None)
 
-    def submit(self, root, step, pay, grid, meta, keep_last, keep=(), optimizer=None) -> None:
+    def submit(self, root, step, pay, grid, meta, keep_last, keep=(), optimizer=None, direct: bool = False) -> None:
         self.wait()  # the previous save's tensors are free again (a held tensor's old buffer becomes its spare)
         every = commit_groups(grid).every  # made here, in the main thread, on every rank (new_group is collective)
         keys = self.held_keys(pay, optimizer)
@@ -103,7 +103,7 @@ class AsyncSaver:
             try:
                 if grid.layout.world_size > 1:  # write once every rank has its snapshot: ranks sharing a
                     dist.barrier(group=every)  # host's cores never slow another's copy with their writes
-                self.last = save_collective(root, step, staged, grid, meta, keep_last, keep)
+                self.last = save_collective(root, step, staged, grid, meta, keep_last, keep, direct)
             except BaseException as e:  # noqa: BLE001
                 self.error = e
 

@@ -99,14 +99,15 @@ def _gather(report: RankReport, grid) -> Optional[list]:
 
 
 # ---------------------------------------------------------------- step 2: one coordinate's folder
-def write_rank(folder: Path, pay: Payload, rel: str) -> RankReport:
-    """Write one coordinate's folder; return its report for the manifest (see manifest.build)."""
+def write_rank(folder: Path, pay: Payload, rel: str, direct: bool = False) -> RankReport:
+    """Write one coordinate's folder; return its report for the manifest (see manifest.build). With `direct`,
+    its safetensors files go around the page cache (O_DIRECT, see stream.StreamingWriter): the same bytes."""
     block = checksum_block()
     folder.mkdir(parents=True, exist_ok=True)
     report = RankReport()
     crcs = {}
     for fname, tensors in pay.files.items():
-        size, crc, crcs[fname] = _write_tensors(folder / fname, tensors, block)
+        size, crc, crcs[fname] = _write_tensors(folder / fname, tensors, block, direct)
         report.files[f"{rel}/{fname}"] = FileRecord(size, crc)
     data = pay.state.to_json()
     write_new(folder / STATE_FILE, data)
@@ -121,12 +122,12 @@ def write_rank(folder: Path, pay: Payload, rel: str) -> RankReport:
     return report
 
 
-def _write_tensors(path: Path, tensors: dict, block: int) -> tuple[int, str, dict]:
+def _write_tensors(path: Path, tensors: dict, block: int, direct: bool = False) -> tuple[int, str, dict]:
     """Stream one safetensors file (keys sorted: the same state gives the same bytes); return its size,
     its header's CRC32C and each tensor's block CRC32Cs, computed on the buffers as they are written."""
     keys = sorted(tensors)
     w = StreamingWriter(path, [(k, list(tensors[k].shape), tensors[k].dtype) for k in keys], {"format": "pt"},
-                        block=block)
+                        block=block, direct=direct)
     try:
         crcs = {k: tuple(w.write(k, tensors[k])) for k in keys}
         w.close()
@@ -319,8 +320,9 @@ def _write_failure(rank: int, rel: str, e: Exception) -> str:
 
 
 def save_collective(root: Path, step: int, pay: Payload, grid, meta: StepMeta, keep_last: int = 0,
-                    keep: Iterable[int] = ()) -> Path:
-    """Steps 1-4 of the protocol above. Every rank calls it; every rank returns or raises alike."""
+                    keep: Iterable[int] = (), direct: bool = False) -> Path:
+    """Steps 1-4 of the protocol above. Every rank calls it; every rank returns or raises alike. `direct`:
+    write_rank's files go around the page cache."""
     root = Path(root)
     tmp = root / tmp_dir(step)
     err, mine = None, os.path.realpath(root)
@@ -339,7 +341,7 @@ def save_collective(root: Path, step: int, pay: Payload, grid, meta: StepMeta, k
         if mine != root0:  # this rank would write where rank 0 never looks: nothing written, the save refused
             raise CheckpointError(f"rank {grid.rank} saves under '{mine}', rank 0 under '{root0}' (every rank must "
                                   f"save into the same checkpoint folder)")
-        report = write_rank(tmp / rel, pay, rel)
+        report = write_rank(tmp / rel, pay, rel, direct)
         kill_point("slices_written")
     except CheckpointError as e:
         report = RankReport.failed(str(e))
