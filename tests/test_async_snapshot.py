@@ -26,10 +26,10 @@ def _gated(monkeypatch_setattr):
     gate, started = threading.Event(), threading.Event()
     real = save_mod.write_rank
 
-    def write_rank(folder, pay, rel):
+    def write_rank(folder, pay, rel, *more):
         started.set()
         assert gate.wait(60), "the test never opened the gate"
-        return real(folder, pay, rel)
+        return real(folder, pay, rel, *more)
 
     monkeypatch_setattr(save_mod, "write_rank", write_rank)
     return gate, started

@@ -252,10 +252,10 @@ def _failing_writer(rank, world_size, tmp_dir, tokens):
     train_step(tr)
     real = save_mod.write_rank
 
-    def failing(folder, pay, rel):
+    def failing(folder, pay, rel, *more):
         if rank == 1:
             raise OSError(errno.ENOSPC, "No space left on device")
-        return real(folder, pay, rel)
+        return real(folder, pay, rel, *more)
 
     save_mod.write_rank = failing
     try:

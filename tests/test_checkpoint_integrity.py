@@ -475,7 +475,8 @@ def test_resume_auto_falls_back_past_a_checkpoint_only_the_loader_would_refuse(b
     shutil.copytree(base["ck"], root / "step_00000008")
     (root / "latest").write_text("step_00000008\n")
     offsets(lambda o: [o[0] + 10**6, o[1] + 10**6])(root / "step_00000008")
-    cfg = SimpleNamespace(checkpoint=SimpleNamespace(dir=str(root), async_=False, resume="auto", signal_grace_s=0),
+    cfg = SimpleNamespace(checkpoint=SimpleNamespace(dir=str(root), async_=False, resume="auto", signal_grace_s=0,
+                                                     direct_io="auto"),
                           train=SimpleNamespace(out_dir=str(tmp_path)))
     path, warnings, _failed = CheckpointManager(cfg, ParallelGrid.single())._choose_auto()
     assert path == str(root / "step_00000007") and "step_00000008" in warnings[0], (path, warnings)
@@ -631,7 +632,8 @@ def test_resume_auto_falls_back_past_a_manifest_nested_too_deep(base, tmp_path):
     shutil.copytree(base["ck"], root / "step_00000008")
     (root / "latest").write_text("step_00000008\n")
     deeper_than_python_parses(root / "step_00000008")
-    cfg = SimpleNamespace(checkpoint=SimpleNamespace(dir=str(root), async_=False, resume="auto", signal_grace_s=0),
+    cfg = SimpleNamespace(checkpoint=SimpleNamespace(dir=str(root), async_=False, resume="auto", signal_grace_s=0,
+                                                     direct_io="auto"),
                           train=SimpleNamespace(out_dir=str(tmp_path)))
     path, warnings, failed = CheckpointManager(cfg, ParallelGrid.single())._choose_auto()
     assert path == str(root / "step_00000007") and failed == [8]

@@ -95,7 +95,7 @@ def _writes_elsewhere(rank, world_size, tmp_dir, tokens):
     train_step(tr)
     real = commit_mod.write_rank
     if rank == 1:
-        commit_mod.write_rank = lambda folder, pay, rel: real(tmp / "elsewhere" / rel, pay, rel)
+        commit_mod.write_rank = lambda folder, pay, rel, *more: real(tmp / "elsewhere" / rel, pay, rel, *more)
     try:
         with pytest.raises(CheckpointError) as e:
             save_checkpoint(root, 2, tr.model, tr.optimizer, grid)
