@@ -123,6 +123,8 @@ def _rated(op: str) -> bool:
     """Whether an operation moves its bytes in the time it is timed (a GB/s means something): not a blocked
     time, an optimizer step or the loop's time around an async save."""
     return not (op.endswith("blocked") or op.startswith("AdamW") or op in NO_RATE)
+
+
 SCALING_PAIRS = [("megalite save", "DCP save"), ("megalite async save: until commit", "DCP async_save: until done"),
                  ("megalite async save: blocked", "DCP async_save: blocked"), (ASYNC_COST, "megalite save"),
                  (WAIT_COST, "megalite save"), (WAIT_COST_DIRECT, "megalite save"),
@@ -283,25 +285,27 @@ def _worker(rank: int, world: int, tmp: str, o: dict) -> None:
         right after it). The loop leaves the cores idle, so what it feels is not the writers' CPU but what their
         writes do to its threads: with the page cache, a large save's copies and writeback stall them; with
         `direct`, the files go around it (checkpoint.direct_io)."""
+        def wait_step() -> bool:
+            """One step of the waiting loop; then, as the training loop does, the background save is polled and
+            the step's collective says whether it is still writing on any rank."""
+            time.sleep(WAIT_S)
+            saver.poll()
+            return sync(saver.thread is not None)
+
         clear(root / "ml_wait")
         dist.barrier()
-        t0 = time.perf_counter()
+        mem, t0 = track_rss(), time.perf_counter()
         save_checkpoint(root / "ml_wait", i + 1, model, opt, grid, config=cfgd, saver=saver, direct=direct)
-        blocked, k = time.perf_counter() - t0, 0
-        while True:
-            time.sleep(WAIT_S)
+        blocked, k = time.perf_counter() - t0, 1
+        while wait_step():
             k += 1
-            saver.poll()
-            if not sync(saver.thread is not None):
-                break
-        during = time.perf_counter() - t0
+        during, (peak, extra) = time.perf_counter() - t0, mem()
         dist.barrier()
         t0 = time.perf_counter()
         for _ in range(k):
-            time.sleep(WAIT_S)
-            sync(True)
-        blocked, during, plain = reduce_max([blocked, during, time.perf_counter() - t0])
-        rec.setdefault(name, []).append({"s": during - plain, "rss": 0.0, "extra": 0.0, "steps": k,
+            wait_step()
+        blocked, during, plain, peak, extra = reduce_max([blocked, during, time.perf_counter() - t0, peak, extra])
+        rec.setdefault(name, []).append({"s": during - plain, "rss": peak, "extra": extra, "steps": k,
                                          "blocked": blocked})
         if rank == 0:
             nbytes[name] = du(root / "ml_wait")
@@ -350,6 +354,7 @@ def _worker(rank: int, world: int, tmp: str, o: dict) -> None:
         k_last[0] = loop_cost(i, k_last[0])
         for name, direct in ((WAIT_COST, False), (WAIT_COST_DIRECT, True))[::1 if i % 2 == 0 else -1]:
             waiting_cost(i, name, direct)
+        opt.step(1e-6)  # untimed: takes the waiting rows' hold, so the in-place step row below is in place
         # What the zero-copy snapshot moves into the training loop: the first step after a held save writes
         # out of place (into the spare set) instead of in place. Measured next to each other.
         for held in ((False, True) if i % 2 == 0 else (True, False)):

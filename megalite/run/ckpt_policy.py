@@ -32,9 +32,9 @@ TORCHRUN_SHUTDOWN_TIMEOUT_S = 30  # torchrun's own default (torch/distributed/la
 def direct_io(cfg) -> bool:
     """checkpoint.direct_io: write checkpoint files around the page cache? "auto" says yes where training runs on
     GPUs (as process_group picks nccl), whose host threads wait on the device: a large save's page-cache copies
-    and writeback then stall the loop's threads (`bench ckpt`'s waiting-loop rows: 40-65% of a sync save
-    buffered, ~5% with O_DIRECT at 512 MiB-1 GiB). A CPU-bound loop pays the bounce buffer's extra CPU instead,
-    so "auto" is off on CPUs."""
+    and writeback then stall the loop's threads (`bench ckpt`'s waiting-loop rows at 512 MiB-1 GiB: 35-48% of
+    a sync save through the page cache, 6-7% with O_DIRECT). A CPU-bound loop pays the bounce buffer's extra
+    CPU instead, so "auto" is off on CPUs."""
     return {"on": True, "off": False}.get(cfg.checkpoint.direct_io, torch.cuda.is_available())
 
 
