@@ -175,11 +175,10 @@ def test_the_checkpoint_package_imports_nothing_of_the_training_loop():
 
 
 def test_the_commit_checks_what_every_rank_reported_without_re_reading_it(tmp_path):
-    """commit.reported_problems (the commit's check before its rename) trusts the reports: every file the
+    """manifest.reported_problems (the commit's check before it writes the manifest) trusts the reports: every file the
     manifest lists is a regular file of its coordinate's folder at its reported size; a file missing (its rank
     wrote elsewhere), cut short, or reached through a symlink is named in one line each."""
-    from megalite.checkpoint.commit import reported_problems
-    from megalite.checkpoint.manifest import read
+    from megalite.checkpoint.manifest import read, reported_problems
     _, _, _, step = _saved(tmp_path)
     man = read(step)
     assert reported_problems(step, man) == []
@@ -193,6 +192,30 @@ def test_the_commit_checks_what_every_rank_reported_without_re_reading_it(tmp_pa
     assert any(model in p and "its rank reported" in p for p in problems), problems
     assert any(STATE in p and "symbolic link" in p for p in problems), problems
     assert any("optimizer.safetensors is missing" in p for p in problems), problems
+
+
+def test_a_save_whose_rank_wrote_elsewhere_is_refused_before_its_manifest(tmp_path, monkeypatch):
+    """The commit's manifest (manifest.write) names no file that is not in place: a rank whose file is missing
+    where the commit looks (it wrote into another folder) makes the save fail in one line, with no manifest,
+    no step folder and no temporary folder left, and `latest` still naming the step before."""
+    from megalite.checkpoint import commit
+    net, opt, grid, first = _saved(tmp_path)
+    real = commit.write_rank
+
+    def elsewhere(folder, pay, rel, direct=False):
+        report = real(folder, pay, rel, direct)
+        os.unlink(folder / "optimizer.safetensors")
+        return report
+
+    monkeypatch.setattr(commit, "write_rank", elsewhere)
+    root = first.parent
+    with pytest.raises(CheckpointError) as e:
+        save_checkpoint(root, 2, net, opt, grid)
+    msg = str(e.value)
+    assert "\n" not in msg and "optimizer.safetensors is missing" in msg and "same checkpoint.dir" in msg, msg
+    assert "step_00000001" in msg  # what `latest` still names
+    assert sorted(p.name for p in root.iterdir()) == ["latest", "step_00000001"]
+    assert (root / "latest").read_text() == "step_00000001\n"
 
 
 def test_a_direct_io_save_writes_the_same_bytes_around_the_page_cache(tmp_path, monkeypatch):

@@ -11,7 +11,7 @@ import torch
 from megalite.checkpoint import tree as L
 from megalite.checkpoint import manifest as mf
 from megalite.checkpoint.tree import CheckpointError
-from megalite.checkpoint.commit import prune
+from megalite.checkpoint.tree import prune
 from megalite.checkpoint.plan import plan_writes
 from megalite.parallel.partition import Box
 from megalite.parallel.grid import Coord

@@ -146,21 +146,43 @@ def test_a_pruning_failure_is_reported_and_not_counted_as_deleted(tmp_path, monk
     step is named in a warning, and prune does not report it as deleted."""
     import errno
 
-    from megalite.checkpoint import commit as save, tree as layout
+    from megalite.checkpoint import tree as layout
     root = tmp_path / "ck"
     for s in (1, 2, 3):  # committed-looking folders: pruning only needs the names and a manifest file
         (root / layout.step_dir(s)).mkdir(parents=True)
         (root / layout.step_dir(s) / layout.MANIFEST).write_text("{}")
     layout.write_latest(root, layout.step_dir(3))
-    real = save.remove_tree
+    real = layout.remove_tree
 
     def stuck(path):
         if path.name == layout.step_dir(1):
             raise OSError(errno.EACCES, "Permission denied")
         real(path)
 
-    monkeypatch.setattr(save, "remove_tree", stuck)
-    assert save.prune(root, keep_last=1, saved=3) == [2]
+    monkeypatch.setattr(layout, "remove_tree", stuck)
+    assert layout.prune(root, keep_last=1, saved=3) == [2]
     assert layout.committed_steps(root) == [1, 3]
     err = capsys.readouterr().err
     assert "could not delete" in err and layout.step_dir(1) in err and "Permission denied" in err
+
+
+def test_a_root_that_cannot_be_listed_prunes_nothing_and_the_save_stands(tmp_path, monkeypatch, capsys):
+    """tree.publish after the rename: `latest` is written, then the prune cannot list the root (EIO on a network
+    filesystem): nothing is deleted, a warning names the root, and no error reaches the commit (which would
+    otherwise say that `latest` could not be updated)."""
+    import errno
+
+    from megalite.checkpoint import tree as layout
+    root = tmp_path / "ck"
+    for s in (1, 2):
+        (root / layout.step_dir(s)).mkdir(parents=True)
+        (root / layout.step_dir(s) / layout.MANIFEST).write_text("{}")
+
+    def unlistable(_root):
+        raise OSError(errno.EIO, "Input/output error")
+
+    monkeypatch.setattr(layout, "committed_steps", unlistable)
+    assert layout.publish(root, 2, keep_last=1) == []
+    assert layout.read_latest(root) == layout.step_dir(2) and (root / layout.step_dir(1)).is_dir()
+    err = capsys.readouterr().err
+    assert "could not list" in err and str(root) in err and "Input/output error" in err

@@ -3,7 +3,7 @@
     api.py         save_checkpoint / load_checkpoint (the public calls)
 
   what a shard is (the format)
-    tree.py        the folder tree: coordinate <-> folder, step folders, `latest`
+    tree.py        the folder tree: coordinate <-> folder, step folders, `latest` (and `publish`: latest, then prune)
     manifest.py    the global description (names, shapes, partitions, slices, checksums) and a step's meta
     tiling.py      the check that a tensor's slices cover it exactly
     plan.py        the write plan (who writes which slice) and a rank's payload
@@ -12,7 +12,7 @@
 
   how bytes move (the save)
     stream.py      safetensors streamed from and into tensor memory, with block CRC32Cs
-    commit.py      the commit protocol (a coordinate's folder written, gather, commit_step, recover, prune)
+    commit.py      the commit protocol (a coordinate's folder written, gather, commit_step, recover)
     async_save.py  AsyncSaver: the snapshot in the loop, the writes and the commit in a thread
 
   reading back, every byte checked

@@ -1,4 +1,4 @@
-"""The commit protocol: every rank's folder written, gathered, committed atomically, pruned; and its repair.
+"""The commit protocol: every rank's folder written, gathered, committed atomically; and its repair.
 
 Commit protocol (all coordination on the commit's own gloo groups, `CommitGroups`, never shared with training):
   1. rank 0 finishes or undoes what a killed save left (`recover`) and creates `.tmp-step_N/`;
@@ -6,10 +6,11 @@ Commit protocol (all coordination on the commit's own gloo groups, `CommitGroups
      files with sizes and checksums (or its error) to rank 0, through its stage's leader (`_gather`)
      (`write_rank`: its safetensors streamed with their checksums, its state.json and any other small file of
      its payload, fsynced; the same function writes every coordinate's folder in `split` and `reshard`);
-  3. rank 0, if all succeeded, runs `commit_step` (the one commit, shared with `split`/`reshard`): writes
-     manifest.json, fsyncs, checks that every reported file is there at its reported size (`reported_problems`,
-     nothing re-read), moves `.tmp-step_N` -> `step_N` (a re-saved step is swapped in atomically), and only
-     then replaces `latest`; then prunes. On any failure it removes the temporary folder;
+  3. rank 0, if all succeeded, runs `commit_step` (the one commit, shared with `split`/`reshard`): the
+     manifest (manifest.write: built from the reports, parsed back, every reported file found at its reported
+     size, nothing re-read; then written), fsyncs, moves `.tmp-step_N` -> `step_N` (a re-saved step is swapped
+     in atomically), and only then replaces `latest` and prunes (tree.publish). On any failure before the
+     rename it removes the temporary folder;
   4. rank 0 broadcasts the outcome, and every rank returns or raises the same CheckpointError.
 
 At every instant `latest` names a committed folder that verifies: a process killed at any point of the
@@ -24,7 +25,6 @@ from __future__ import annotations
 import ctypes
 import errno
 import os
-import stat
 import sys
 import traceback
 import weakref
@@ -36,15 +36,15 @@ import torch.distributed as dist
 
 from ..base.errors import CheckpointError
 from ..base.faults import kill_point, no_rename_exchange
-from ..base.fs import fsync_dir, kind_of, linked, remove_tree, unlink_quietly, write_new
+from ..base.fs import fsync_dir, remove_tree, unlink_quietly, write_new
 from ..parallel.agree import bcast_object, gather_to_first
 from ..parallel.grid import Axis
 from .verify import complete
-from .manifest import FileRecord, Manifest, RankReport, SliceRef, StepMeta, build, checksum_block, write
+from .manifest import FileRecord, RankReport, SliceRef, StepMeta, checksum_block, write
 from .plan import Payload
 from .stream import StreamingWriter, crc32c
-from .tree import (LATEST, LATEST_TMP, STATE_FILE, TMP_PREFIX, committed_steps, coord_dir, parse_step_dir, read_latest,
-                   step_dir, tmp_dir, write_latest)
+from .tree import (LATEST, LATEST_TMP, STATE_FILE, TMP_PREFIX, coord_dir, latest_or_nothing, parse_step_dir, publish,
+                   step_dir, tmp_dir)
 
 
 # ---------------------------------------------------------------- the commit's own groups
@@ -201,60 +201,11 @@ def recover(root: Path) -> list[str]:
     return done
 
 
-def prune(root: Path, keep_last: int, saved: Optional[int] = None, keep: Iterable[int] = ()) -> list[int]:
-    """Delete the oldest committed steps beyond keep_last, counting only steps up to `saved` (the step just
-    committed). Never deleted: the step `latest` names, any step newer than `saved` (another history's, e.g.
-    abandoned by a rollback), and the steps in `keep` (the manager's: steps newer than the one the run
-    resumed from that it did not write, and steps that failed verification)."""
-    if keep_last <= 0:
-        return []
-    latest = read_latest(root)
-    if saved is None:  # the API without a step: count up to the step `latest` names
-        saved = parse_step_dir(latest or "")
-    keep = set(keep)
-    steps = sorted(s for s in committed_steps(root) if saved is None or s <= saved)
-    doomed = [s for s in steps[:-keep_last] if step_dir(s) != latest and s not in keep]
-    deleted = []
-    for i, s in enumerate(doomed):
-        try:
-            remove_tree(root / step_dir(s))
-        except OSError as e:  # reported, never counted as deleted; the save itself stands
-            print(f"WARNING: checkpoint.keep_last: could not delete {root / step_dir(s)} "
-                  f"({e.strerror or e}); it is left in place", file=sys.stderr, flush=True)
-            continue
-        deleted.append(s)
-        if i == 0:
-            kill_point("pruning")
-    return deleted
-
-
-def reported_problems(tmp: Path, man: Manifest) -> list[str]:
-    """What every rank reported writing, checked where the commit is about to rename it, from the reports alone
-    (no file is re-read): each file of the manifest (its parsing asked for every coordinate's state.json) is a
-    regular file of its coordinate's folder under `tmp`, no link on the way, of the size its rank reported. A
-    rank that wrote into another folder or onto another file system leaves its files missing here."""
-    problems = []
-    for rel, rec in man.files.items():
-        path = tmp / rel
-        try:
-            st = os.lstat(path)
-        except FileNotFoundError:
-            problems.append(f"{tmp.name}: {rel} is missing (its rank reported writing {rec.bytes} bytes)")
-            continue
-        except OSError as e:
-            problems.append(f"{tmp.name}: {rel} cannot be examined ({e.strerror or e})")
-            continue
-        if not stat.S_ISREG(st.st_mode) or linked(path, parents=1):
-            what = "reached through a symbolic link" if stat.S_ISREG(st.st_mode) else kind_of(st)
-            problems.append(f"{tmp.name}: {rel} is {what}, expected a regular file of its coordinate's folder")
-        elif st.st_size != rec.bytes:
-            problems.append(f"{tmp.name}: {rel} is {st.st_size} bytes, its rank reported {rec.bytes}")
-    return problems
-
-
-def commit_step(root: Path, step: int, man: Manifest, keep_last: int = 0, keep: Iterable[int] = ()) -> Path:
-    """Commit the complete temporary folder `.tmp-step_N` (every coordinate written and fsynced) as step_N:
-    manifest, fsync, rename (an existing step_N is swapped out atomically), then `latest`, then prune.
+def commit_step(root: Path, step: int, meta: StepMeta, reports: list, keep_last: int = 0,
+                keep: Iterable[int] = ()) -> Path:
+    """Commit the complete temporary folder `.tmp-step_N` (every coordinate written and fsynced, `reports` what
+    each wrote) as step_N: manifest (checked, see manifest.write), fsync, rename (an existing step_N is swapped
+    out atomically), then `latest` and the prune (tree.publish).
 
     The one commit of live saves (rank 0) and of `split`/`reshard`. On failure before the rename, the
     temporary folder is removed and CheckpointError says `latest` is unchanged; after the rename, the step
@@ -262,14 +213,10 @@ def commit_step(root: Path, step: int, man: Manifest, keep_last: int = 0, keep: 
     """
     tmp, final = root / tmp_dir(step), root / step_dir(step)
     try:
-        write(tmp, man)
+        write(tmp, meta, reports)  # refused if a file any rank reported is not there: `latest` names no step missing one
         kill_point("manifest_written")
         fsync_dir(tmp)
         kill_point("manifest_synced")
-        problems = reported_problems(tmp, man)  # every rank's files are here: `latest` names no step missing one
-        if problems:
-            raise CheckpointError(f"{problems[0]}" + (f" (+{len(problems) - 1} more)" if len(problems) > 1 else "")
-                                  + "; do all ranks write to the same checkpoint.dir on one shared file system?")
         if os.path.lexists(final):  # re-saving a step (after a rollback): never a moment without step_N
             if _exchange(tmp, final):
                 kill_point("resave_swapped")
@@ -291,22 +238,13 @@ def commit_step(root: Path, step: int, man: Manifest, keep_last: int = 0, keep: 
             traceback.print_exc(file=sys.stderr)
         msg = str(e) if isinstance(e, CheckpointError) else (getattr(e, "strerror", None) or str(e))
         raise CheckpointError(f"checkpoint step {step} was not saved ({msg}); {root / LATEST} still names "
-                              f"{_latest_or_nothing(root)}") from None
+                              f"{latest_or_nothing(root)}") from None
     try:
-        write_latest(root, step_dir(step))
+        publish(root, step, keep_last, keep)
     except OSError as e:
         raise CheckpointError(f"checkpoint step {step} was committed as {final} but {root / LATEST} could not "
-                              f"be updated ({e.strerror or e}); it still names {_latest_or_nothing(root)}") from None
-    kill_point("latest_written")
-    prune(root, keep_last, step, keep)
+                              f"be updated ({e.strerror or e}); it still names {latest_or_nothing(root)}") from None
     return final
-
-
-def _latest_or_nothing(root: Path) -> str:
-    try:
-        return read_latest(root) or "nothing"
-    except CheckpointError:
-        return "something unreadable"
 
 
 def _write_failure(rank: int, rel: str, e: Exception) -> str:
@@ -355,8 +293,8 @@ def save_collective(root: Path, step: int, pay: Payload, grid, meta: StepMeta, k
             if failures:
                 remove_tree(tmp)
                 raise CheckpointError(f"checkpoint step {step} was not saved ({failures[0]}); {root / LATEST} "
-                                      f"still names {_latest_or_nothing(root)}")
-            commit_step(root, step, build(meta, reports), keep_last, keep)
+                                      f"still names {latest_or_nothing(root)}")
+            commit_step(root, step, meta, reports, keep_last, keep)
         except CheckpointError as e:
             outcome = str(e)
     outcome = bcast_object(outcome, grid, commit_groups(grid).every)

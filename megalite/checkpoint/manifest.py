@@ -38,7 +38,9 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import re
+import stat
 import time
 from dataclasses import dataclass, field, fields
 from pathlib import Path
@@ -52,7 +54,7 @@ from ..base.errors import CheckpointError, ConfigError, LayoutError, UnsafeFileE
 from ..base.jsonio import decode, loads
 from ..parallel.grid import Layout
 from ..parallel.partition import Box, Partition
-from ..base.fs import linked, open_read, read_all, write_new
+from ..base.fs import kind_of, linked, open_read, read_all, write_new
 from .stream import crc32c
 from .tiling import tiling_problems
 from .tree import COORD_PATTERN, MANIFEST, MODEL_FILE, OPTIM_FILE, STATE_FILE, TOKENIZER_FILE, coord_dir
@@ -311,17 +313,12 @@ class _Parser:
         step = self.int_(d["step"], "step")
         tokens = self.int_(d["tokens_seen"], "tokens_seen")
         config = self.dict_(d["config"], "config")
-        model_cfg = self.model_config(config)
         lay = self.dict_(d["layout"], "layout")
         layout = Layout(*(self.get(lay, k, f"layout.{k}") for k in ("tp", "pp", "dp")), lay.get("cp", 1))
-        try:
-            layout.validate(model_cfg, "layout.")
-        except LayoutError as e:
-            raise CheckpointError(f"{self.where}: {e}") from None
         zero1 = self.get(lay, "zero1", "layout.zero1")
         if not isinstance(zero1, bool):
             self.fail("layout.zero1", zero1, "true or false")
-        self.parallel(config, layout, model_cfg)
+        model_cfg = self.step_config(config, layout)
         opt = self.dict_(d["optimizer"], "optimizer", optional=True)
         if opt is not None:
             if opt.get("type") not in ("adamw", TORCH_OPTIM):
@@ -368,27 +365,26 @@ class _Parser:
     def error(self, msg: str) -> CheckpointError:
         return CheckpointError(f"{self.where}: {msg}")
 
-    def model_config(self, config: dict) -> dict:
-        """config.model: {} (a model megalite does not describe: your own module), or megalite's [model]
-        section checked as a config file's is (every key known, types, ranges, activation), so inspect,
-        convert and reshard can build the model from it."""
+    def step_config(self, config: dict, layout: Layout) -> dict:
+        """The step's config where readers use it, checked against its layout; returns config.model parsed.
+        config.model: {} (a model megalite does not describe: your own module), or megalite's [model] section
+        checked as a config file's is (every key known, types, ranges, activation), so inspect, convert and
+        reshard can build the model from it; the layout must fit it. config.parallel: an object whose vpp
+        (inspect's stage map) is a positive integer that fits the layers of the stored layout."""
         m = self.dict_(config.get("model", {}), "config.model")
-        if not m:
-            return {}
+        vpp = self.dict_(config.get("parallel", {}), "config.parallel").get("vpp", 1)
+        if isinstance(vpp, bool) or not isinstance(vpp, int) or vpp < 1:
+            self.fail("config.parallel.vpp", vpp, "a positive integer")
         try:
-            return model_from(m, "config")
-        except ConfigError as e:
+            model_cfg = model_from(m, "config") if m else {}
+            layout.validate(model_cfg, "layout.")
+        except (ConfigError, LayoutError) as e:
             raise CheckpointError(f"{self.where}: {e}") from None
-
-    def parallel(self, config: dict, layout: Layout, model_cfg: dict) -> None:
-        """config.parallel, where readers use it: an object; vpp (inspect's stage map) a positive integer that
-        fits the layers of the stored layout."""
-        par = self.dict_(config.get("parallel", {}), "config.parallel")
-        vpp = par.get("vpp", 1)
         n_layer = model_cfg.get("n_layer")
-        hi = n_layer // layout.pp if n_layer else 1 << 16
-        if isinstance(vpp, bool) or not isinstance(vpp, int) or not 1 <= vpp <= max(1, hi):
-            self.fail("config.parallel.vpp", vpp, f"an integer in [1, {max(1, hi)}] (model.n_layer / layout.pp)")
+        if n_layer and vpp > max(1, n_layer // layout.pp):
+            raise CheckpointError(f"{self.where}: field 'config.parallel.vpp' is {vpp}, expected an integer in "
+                                  f"[1, {max(1, n_layer // layout.pp)}] (model.n_layer / layout.pp)")
+        return model_cfg
 
     def torch_optimizer(self, opt: dict, model: dict) -> None:
         """The optimizer section of a torch.optim checkpoint (optimizer.py's TorchOptimState writes it):
@@ -562,12 +558,7 @@ def check_meta(meta: StepMeta, where: str = "save_checkpoint") -> None:
     """The parser's checks of what a step says about itself (config, layout, scheduler), run by a save
     before anything is written: a save never starts what its commit would refuse."""
     p = _Parser(where)
-    model_cfg = p.model_config(meta.config)
-    try:
-        meta.layout.validate(model_cfg, "layout.")
-    except LayoutError as e:
-        raise CheckpointError(f"{where}: {e}") from None
-    p.parallel(meta.config, meta.layout, model_cfg)
+    p.step_config(meta.config, meta.layout)
     decode(meta.scheduler, "scheduler", p.error)
 
 
@@ -667,10 +658,41 @@ def write_json(step_dir: Path, d: dict, text: Optional[str] = None) -> None:
     write_new(Path(step_dir) / MANIFEST, (dumps(d) if text is None else text).encode())
 
 
-def write(step_dir: Path, man: Manifest) -> None:
-    """Write the manifest after parsing its text back: a writer never commits what its readers would refuse."""
-    d = man.to_json()
-    text = dumps(d)
-    where = f"{Path(step_dir) / MANIFEST} (being written)"
-    Manifest.from_json(loads(text, where, CheckpointError), where)
-    write_json(step_dir, d, text)
+def write(step_dir: Path, meta: StepMeta, reports: list) -> Manifest:
+    """The commit's manifest: `build` from every rank's report, its text parsed back (a writer never commits what
+    its readers would refuse), every file it names found in place at its reported size (`reported_problems`),
+    then written as manifest.json; returns it. Refused with one CheckpointError before anything is written."""
+    man = build(meta, reports)
+    text = dumps(man.to_json())
+    path = Path(step_dir) / MANIFEST
+    Manifest.from_json(loads(text, f"{path} (being written)", CheckpointError), f"{path} (being written)")
+    problems = reported_problems(Path(step_dir), man)
+    if problems:
+        raise CheckpointError(f"{problems[0]}" + (f" (+{len(problems) - 1} more)" if len(problems) > 1 else "")
+                              + "; do all ranks write to the same checkpoint.dir on one shared file system?")
+    write_new(path, text.encode())
+    return man
+
+
+def reported_problems(tmp: Path, man: Manifest) -> list[str]:
+    """What every rank reported writing, checked where the commit is about to rename it, from the reports alone
+    (no file is re-read): each file of the manifest (its parsing asked for every coordinate's state.json) is a
+    regular file of its coordinate's folder under `tmp`, no link on the way, of the size its rank reported. A
+    rank that wrote into another folder or onto another file system leaves its files missing here."""
+    problems = []
+    for rel, rec in man.files.items():
+        path = tmp / rel
+        try:
+            st = os.lstat(path)
+        except FileNotFoundError:
+            problems.append(f"{tmp.name}: {rel} is missing (its rank reported writing {rec.bytes} bytes)")
+            continue
+        except OSError as e:
+            problems.append(f"{tmp.name}: {rel} cannot be examined ({e.strerror or e})")
+            continue
+        if not stat.S_ISREG(st.st_mode) or linked(path, parents=1):
+            what = "reached through a symbolic link" if stat.S_ISREG(st.st_mode) else kind_of(st)
+            problems.append(f"{tmp.name}: {rel} is {what}, expected a regular file of its coordinate's folder")
+        elif st.st_size != rec.bytes:
+            problems.append(f"{tmp.name}: {rel} is {st.st_size} bytes, its rank reported {rec.bytes}")
+    return problems

@@ -1,4 +1,4 @@
-"""The rank-coded checkpoint tree, and nothing else: names, paths, step folders, the `latest` pointer.
+"""The rank-coded checkpoint tree: names, paths, step folders, the `latest` pointer, and pruning old steps.
 
     <root>/
       latest                        one line: the name of the newest committed step folder
@@ -17,12 +17,14 @@ from __future__ import annotations
 
 import os
 import re
+import sys
 from pathlib import Path
-from typing import Optional
+from typing import Iterable, Optional
 
 from ..base.errors import CheckpointError
+from ..base.faults import kill_point
+from ..base.fs import kind_of, read_all, remove_tree, replace_atomically
 from ..parallel.grid import Coord
-from ..base.fs import kind_of, read_all, replace_atomically
 
 MANIFEST = "manifest.json"
 MODEL_FILE = "model.safetensors"
@@ -119,6 +121,55 @@ def write_latest(root: Path, name: str) -> None:
     if parse_step_dir(name) is None:
         raise ValueError(f"write_latest: {name!r} is not a step folder name")
     replace_atomically(root / LATEST, (name + "\n").encode(), tmp=root / LATEST_TMP)
+
+
+def latest_or_nothing(root: Path) -> str:
+    """What `latest` names, for an error that says what is left: the name, "nothing" or "something unreadable"."""
+    try:
+        return read_latest(root) or "nothing"
+    except CheckpointError:
+        return "something unreadable"
+
+
+def publish(root: Path, step: int, keep_last: int = 0, keep: Iterable[int] = ()) -> list[int]:
+    """The last act of a commit, once step_N is in place: `latest` names it (write_latest; an OSError there
+    leaves `latest` as it was), then the steps beyond keep_last are pruned (see prune); returns those deleted."""
+    write_latest(root, step_dir(step))
+    kill_point("latest_written")
+    return prune(root, keep_last, step, keep)
+
+
+def prune(root: Path, keep_last: int, saved: Optional[int] = None, keep: Iterable[int] = ()) -> list[int]:
+    """Delete the oldest committed steps beyond keep_last, counting only steps up to `saved` (the step just
+    committed). Never deleted: the step `latest` names, any step newer than `saved` (another history's, e.g.
+    abandoned by a rollback), and the steps in `keep` (the manager's: steps newer than the one the run
+    resumed from that it did not write, and steps that failed verification)."""
+    if keep_last <= 0:
+        return []
+    latest = read_latest(root)
+    if saved is None:  # the API without a step: count up to the step `latest` names
+        saved = parse_step_dir(latest or "")
+    keep = set(keep)
+    try:
+        steps = sorted(s for s in committed_steps(root) if saved is None or s <= saved)
+    except OSError as e:  # the save stands; only its pruning is skipped
+        print(f"WARNING: checkpoint.keep_last: could not list {root} ({e.strerror or e}); nothing pruned",
+              file=sys.stderr, flush=True)
+        return []
+    doomed = [s for s in steps[:-keep_last] if step_dir(s) != latest and s not in keep]
+    deleted = []
+    for i, s in enumerate(doomed):
+        try:
+            remove_tree(root / step_dir(s))
+        except OSError as e:  # reported, never counted as deleted; the save itself stands
+            print(f"WARNING: checkpoint.keep_last: could not delete {root / step_dir(s)} "
+                  f"({e.strerror or e}); it is left in place", file=sys.stderr, flush=True)
+            continue
+        deleted.append(s)
+        if i == 0:
+            kill_point("pruning")
+    return deleted
+
 
 
 def is_step_dir(path: Path) -> bool:

@@ -35,7 +35,6 @@ from safetensors import safe_open
 
 from ..base.fs import kind_of, output_refusal, read_all, what_is
 from ..base.lock import held
-from ..base.lock import held
 from ..checkpoint.manifest import FORMAT as MANIFEST_FORMAT, Manifest, entry_for
 from ..checkpoint.stream import read_metadata
 from ..checkpoint.tree import LATEST, LATEST_TMP, LOCK, MANIFEST, TMP_PREFIX, parse_step_dir

@@ -7,7 +7,6 @@ from __future__ import annotations
 import json
 import re
 from pathlib import Path, PurePosixPath
-from typing import Optional
 
 import torch
 from einops import EinopsError

@@ -60,7 +60,7 @@ def write_offline(out: Path, layout: Layout, tensors: dict[str, Partition], n_la
                 progress.step(nbytes(it))
             rel = coord_dir(c, layout.cp)
             reports.append(write_rank(tmp / rel, pay, rel))
-        commit_step(root, step, mf.build(meta, reports))
+        commit_step(root, step, meta, reports)
     except BaseException:
         remove_tree(root)
         raise
