@@ -381,9 +381,10 @@ class _Parser:
         except (ConfigError, LayoutError) as e:
             raise CheckpointError(f"{self.where}: {e}") from None
         n_layer = model_cfg.get("n_layer")
-        if n_layer and vpp > max(1, n_layer // layout.pp):
+        hi = max(1, n_layer // layout.pp) if n_layer else 1 << 16
+        if vpp > hi:
             raise CheckpointError(f"{self.where}: field 'config.parallel.vpp' is {vpp}, expected an integer in "
-                                  f"[1, {max(1, n_layer // layout.pp)}] (model.n_layer / layout.pp)")
+                                  f"[1, {hi}] (model.n_layer / layout.pp)")
         return model_cfg
 
     def torch_optimizer(self, opt: dict, model: dict) -> None:
