@@ -10,6 +10,7 @@ folder, token files, tokenizer folders). The run lock is lock.py's, on top of th
                                     through a symlink, never a FIFO or device, never a name shared by hard links
     fsync_dir, unlink_quietly, remove_tree
     path_kind(p), kind_of(st)       what is at a path, for a message ('a named pipe (FIFO)', 'a broken symlink ...')
+    what_is(path)                   the same, never following a symlink: 'a symbolic link to ...' (an output's path)
     linked(path, parents)           `path`, or one of its nearest folders, is a symbolic link (refused, never read)
     regular_or_absent(path, what)   the lstat of a file we will append to or move: nothing, or a regular file
     folder_or_absent(path, what, e) the same for a folder another library writes into: nothing, or a real folder

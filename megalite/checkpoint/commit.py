@@ -213,7 +213,7 @@ def commit_step(root: Path, step: int, meta: StepMeta, reports: list, keep_last:
     """
     tmp, final = root / tmp_dir(step), root / step_dir(step)
     try:
-        write(tmp, meta, reports)  # refused if a file any rank reported is not there: `latest` names no step missing one
+        write(tmp, meta, reports)  # refused if a reported file is not there: `latest` names no step missing one
         kill_point("manifest_written")
         fsync_dir(tmp)
         kill_point("manifest_synced")

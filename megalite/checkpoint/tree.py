@@ -11,7 +11,8 @@
           tokenizer.json            the run's tokenizer (coordinate 0's folder only: rank 0 writes it)
       .tmp-step_00000200/           a save in progress (renamed into place on commit)
 
-Every function here has its inverse next to it, and both are unit-tested. Who writes what is plan.py's.
+Every name or path function here has its inverse next to it, and both are unit-tested; `publish` (`latest`,
+then `prune`) ends a commit. Who writes what is plan.py's.
 """
 from __future__ import annotations
 
@@ -169,7 +170,6 @@ def prune(root: Path, keep_last: int, saved: Optional[int] = None, keep: Iterabl
         if i == 0:
             kill_point("pruning")
     return deleted
-
 
 
 def is_step_dir(path: Path) -> bool:
