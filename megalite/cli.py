@@ -47,7 +47,7 @@ EPILOGS = {
              "  megalite bench train --steps 10 --nproc 4\n"
              "  megalite bench plan --tp 8 --pp 16 --dp 8,32,128 --reshard-to 8,8,256   (GPT-3 175B shape)\n"
              "  megalite bench dcp --size-mb 300\n"
-             "  megalite bench prepare --size-mb 64 --rounds 3",
+             "  megalite bench prepare --size-mb 64 --rounds 3\n  megalite bench blend --block-size 1024",
     "torchrun": "example:\n  megalite torchrun --standalone --nproc-per-node 8 -m megalite train --config configs/tiny-cpu.toml "
                 "--parallel.tp=2 --parallel.pp=2 --parallel.dp=2",
     "generate": "examples:\n"
@@ -226,6 +226,9 @@ def _cmd_bench(args, rest) -> int:
         from .bench.plan import bench_plan_cli
         args.vocab_size = args.vocab_size or 50304
         bench_plan_cli(args)
+    elif args.what == "blend":
+        from .bench.blend import bench_blend
+        bench_blend(block_size=args.block_size or 1024)
     elif args.what == "prepare":
         from .bench.prepare import bench_prepare
         bench_prepare(size_mb=args.size_mb or 32, vocab_size=args.vocab_size or 4096, tokenizer=args.tokenizer,
@@ -385,8 +388,8 @@ def build_parser() -> argparse.ArgumentParser:
                      "(vs plain PyTorch, pipeline bubbles, layouts), `bench plan` (checkpoint write plan and "
                      "manifest at thousands of ranks, no tensors), `bench dcp` (a DCP checkpoint to one file: "
                      "megalite convert vs dcp_to_torch_save), `bench prepare` (prepare vs the tokenizers "
-                     "library's encode_batch)", _cmd_bench)
-    p.add_argument("what", choices=["ckpt", "train", "plan", "dcp", "prepare"])
+                     "library's encode_batch), `bench blend` (data.mixture's blend vs megatron-core's helper)", _cmd_bench)
+    p.add_argument("what", choices=["ckpt", "train", "plan", "dcp", "prepare", "blend"])
     p.add_argument("--size-mb", type=float, default=None,
                    help="ckpt: model + optimizer bytes over all ranks (1024); dcp: the DCP checkpoint's size "
                         "(300); prepare: corpus size (32)")
@@ -400,7 +403,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--nproc", type=int, default=4, help="train: processes for the layout table")
     p.add_argument("--n-embd", type=int, default=None, help="model width (train: 128, plan: 12288)")
     p.add_argument("--n-layer", type=int, default=None, help="model depth (train: 4, plan: 96)")
-    p.add_argument("--block-size", type=int, default=None, help="sequence length (train: 128, plan: 2048)")
+    p.add_argument("--block-size", type=int, default=None,
+                   help="sequence length (train: 128, plan: 2048, blend: 1024 tokens a sample)")
     p.add_argument("--n-head", type=int, default=96, help="plan: attention heads")
     p.add_argument("--vocab-size", type=int, default=None, help="plan: vocabulary (50304); prepare: the BPE "
                                                                  "trained for it (4096)")

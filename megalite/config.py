@@ -134,6 +134,9 @@ class DataConfig:
     path: str = DEFAULT_DATA_PATH
     val_fraction: float = 0.0  # 0: the split the token file records (prepare's); else its last share of tokens
     auto_prepare: bool = False  # build the default corpus when `path` is the default path and missing
+    # several token files drawn at fixed shares (data/mixture.py); [] (the default): `path` alone is the data.
+    # In TOML an array of tables: [[data.mixture]] path = "a.bin", weight = 0.7, split = "both"|"train"|"val"
+    mixture: list = field(default_factory=list)
 
 
 OUT_DIR = "{out_dir}"  # in checkpoint.dir: replaced by train.out_dir
@@ -208,16 +211,19 @@ def _field(cfg: Config, dotted: str, source: str):
 
 def _coerce(value, typ, dotted: str, source: str, from_text: bool = False):
     """Turn a command-line string into the field's declared type; TOML values must already have it."""
-    want = {"int": int, "float": float, "bool": bool, "str": str, "dict": dict}[typ]
-    if from_text and isinstance(value, str) and want is dict:  # a TOML inline table; "none" or "" for {}
+    want = {"int": int, "float": float, "bool": bool, "str": str, "dict": dict, "list": list}[typ]
+    if from_text and isinstance(value, str) and want in (dict, list):  # TOML inline; "none" or "" for empty
         text = value.strip()
-        if text.lower() in ("", "none", "{}"):
-            return {}
+        if text.lower() in ("", "none", "{}", "[]"):
+            return want()
         try:
             value = tomllib.loads(f"v = {text}")["v"]
         except tomllib.TOMLDecodeError:
-            raise ConfigError(f"{source}: {dotted} = {text!r} is not a TOML inline table "
-                              f"(e.g. {{rope_type = \"llama3\", factor = 32.0}}) or 'none'") from None
+            example = '{rope_type = "llama3", factor = 32.0}' if want is dict else \
+                '[{path = "a.bin", weight = 0.7}, {path = "b.bin", weight = 0.3}]'
+            kind = "inline table" if want is dict else "inline array"
+            raise ConfigError(f"{source}: {dotted} = {text!r} is not a TOML {kind} (e.g. {example}) "
+                              f"or 'none'") from None
     elif from_text and isinstance(value, str) and want is not str:
         text = value.strip()
         try:
@@ -444,6 +450,7 @@ def validate(cfg: Config, world_size: int | None = None) -> Config:
     if not 0.0 <= cfg.data.val_fraction < 1.0:
         raise ConfigError(f"data.val_fraction = {cfg.data.val_fraction}: expected 0 (the token file's own split) "
                           f"or a value in (0, 1)")
+    check_mixture(cfg.data.mixture)
     if par.schedule not in ("1f1b", "afab"):
         raise ConfigError(f"parallel.schedule = '{par.schedule}': expected '1f1b' or 'afab'")
     if cfg.checkpoint.on_error not in ("stop", "continue"):
@@ -473,6 +480,34 @@ def validate(cfg: Config, world_size: int | None = None) -> Config:
     return cfg
 
 
+MIXTURE_SPLITS = ("both", "train", "val")  # which of a source's splits feed the training / validation blend
+
+
+def check_mixture(entries: list) -> None:
+    """data.mixture: tables of `path` (a token file), `weight` (a finite number >= 0) and optionally `split`;
+    the training weights (split both or train) and the validation weights (both or val) each sum above 0."""
+    for i, e in enumerate(entries):
+        where = f"data.mixture[{i}]"
+        if not isinstance(e, dict):
+            raise ConfigError(f"{where} = {e!r}: expected a table {{path = \"a.bin\", weight = 0.5}}")
+        extra = sorted(set(e) - {"path", "weight", "split"})
+        if extra:
+            raise ConfigError(f"{where}.{extra[0]}: unknown key (a source has path, weight and split)")
+        if not isinstance(e.get("path"), str) or not e["path"].strip():
+            raise ConfigError(f"{where}.path = {e.get('path')!r}: expected the path of a token file")
+        w = e.get("weight")
+        if isinstance(w, bool) or not isinstance(w, (int, float)) or not math.isfinite(w) or w < 0:
+            raise ConfigError(f"{where}.weight = {w!r}: expected a finite number >= 0")
+        if e.get("split", "both") not in MIXTURE_SPLITS:
+            raise ConfigError(f"{where}.split = {e.get('split')!r}: expected one of {', '.join(MIXTURE_SPLITS)}")
+    if not entries:
+        return
+    for split in ("train", "val"):
+        if not sum(e["weight"] for e in entries if e.get("split", "both") in ("both", split)) > 0:
+            raise ConfigError(f"data.mixture: the weights of the sources that feed {split} (split = 'both' or "
+                              f"'{split}') sum to 0, expected a positive total")
+
+
 def settings(cfg: Config) -> dict:
     """What every rank of a run must agree on (train's start-up agreement), as text: every field of the
     resolved config, and the paths as this process resolves them (against its own working directory,
@@ -482,6 +517,8 @@ def settings(cfg: Config) -> dict:
     paths = [("train.out_dir", cfg.train.out_dir), ("checkpoint.dir", cfg.checkpoint.dir), ("data.path", cfg.data.path)]
     if cfg.checkpoint.resume not in ("auto", "none", ""):
         paths.append(("checkpoint.resume", cfg.checkpoint.resume))
+    paths += [(f"data.mixture[{i}].path", e["path"]) for i, e in enumerate(cfg.data.mixture)
+              if isinstance(e, dict) and isinstance(e.get("path"), str)]
     for name, value in paths:
         if value:
             out[f"{name} (resolved)"] = os.path.realpath(value)
@@ -618,6 +655,8 @@ DOCS = {
     "data.path": "token file written by `megalite prepare` (uint16 .bin + .json)",
     "data.val_fraction": "0: the validation split the token file records (prepare's: whole documents drawn "
                          "across the corpus); in (0, 1): that share of its last tokens instead",
+    "data.mixture": "several token files at fixed shares: [[data.mixture]] path, weight (>= 0), split (both | "
+                    "train | val); [] = data.path alone (docs/training.md#a-mixture-of-token-files)",
     "data.auto_prepare": f"build the default corpus (stdlib sources) when data.path is '{DEFAULT_DATA_PATH}' and missing",
     "checkpoint.dir": "checkpoint root; {out_dir} is train.out_dir; '' turns checkpoints off",
     "checkpoint.interval": "save every N steps, and always at the end and on SIGTERM/SIGINT (0: only then)",
@@ -667,6 +706,8 @@ def _toml_value(v) -> str:
         return '"' + v.replace("\\", "\\\\").replace('"', '\\"') + '"'
     if isinstance(v, dict):  # an inline table
         return "{" + ", ".join(f"{k} = {_toml_value(x)}" for k, x in v.items()) + "}"
+    if isinstance(v, list):  # an inline array (of inline tables: data.mixture)
+        return "[" + ", ".join(_toml_value(x) for x in v) + "]"
     return repr(v)
 
 

@@ -31,7 +31,8 @@ from .ckpt_policy import CheckpointManager
 from .compile import compile_blocks
 from ..config import DEFAULT_DATA_PATH, Config, ParallelConfig, num_microbatches, resolve, seq_len, settings, validate
 from ..data import (HASH_BITS, BatchSampler, TokenDataset, check_vocab, ensure_data, eval_batches,
-                    eval_tokens_per_byte, identity as data_identity, token_hash)
+                    eval_tokens_per_byte, identity as data_identity, token_hash, tokens_per_byte)
+from ..data import mixture
 from ..base.errors import ConfigError, DataError, NonFiniteError
 from ..model import GPTStage
 from .schedule import clip_scale, lr_at
@@ -57,7 +58,7 @@ class Trainer:
     params: list  # [(global name, parameter)] in a fixed order
     grads: GradBuffer
     optimizer: ShardedAdamW
-    sampler: BatchSampler
+    sampler: BatchSampler | mixture.MixtureSampler
     val: list
     step: int = 0
     tokens_seen: int = 0
@@ -77,13 +78,32 @@ class Trainer:
         return contextlib.nullcontext()
 
 
-def build(cfg: Config, grid: ParallelGrid, device: torch.device) -> Trainer:
-    t, par = cfg.train, cfg.parallel
-    frac = cfg.data.val_fraction or None  # 0: the file's own split; else the last share of its tokens
+def open_data(cfg: Config, dp_rank: int, dp: int) -> tuple:
+    """(the training sampler, the validation batches, their tokens per byte, the tokenizer) of data.path alone,
+    or of data.mixture's sources (data/mixture.py) when it names any."""
+    t, frac = cfg.train, cfg.data.val_fraction or None  # 0: the file's own split; else the last share of its tokens
+    if cfg.data.mixture:
+        train_src, w = mixture.open_sources(cfg.data.mixture, "train", seq_len(cfg), frac)
+        val_src, vw = mixture.open_sources(cfg.data.mixture, "val", seq_len(cfg), frac)
+        tok = mixture.one_tokenizer(train_src + val_src, cfg.model.vocab_size)
+        sampler = mixture.MixtureSampler(train_src, w, t.global_batch_size, dp_rank, dp, t.seed)
+        val = mixture.eval_batches(val_src, vw, t.global_batch_size, dp_rank, dp, t.eval_batches, t.seed)
+        every = mixture.eval_batches(val_src, vw, t.global_batch_size, 0, 1, t.eval_batches, t.seed)
+        return sampler, val, tokens_per_byte((y for _, y in every), tok), tok
     train_ds, val_ds = TokenDataset(cfg.data.path, "train", frac), TokenDataset(cfg.data.path, "val", frac)
     check_vocab(train_ds, cfg.model.vocab_size)
     check_vocab(val_ds, cfg.model.vocab_size)
-    tok = train_ds.tokenizer()  # carried by every checkpoint; rows past its vocab are never predicted
+    sampler = BatchSampler(train_ds, seq_len(cfg), t.global_batch_size, dp_rank, dp, t.seed)
+    val = eval_batches(val_ds, seq_len(cfg), t.global_batch_size, dp_rank, dp, t.eval_batches, t.seed)
+    tok = train_ds.tokenizer()
+    return sampler, val, eval_tokens_per_byte(val_ds, seq_len(cfg), t.global_batch_size, t.eval_batches, t.seed,
+                                              tok), tok
+
+
+def build(cfg: Config, grid: ParallelGrid, device: torch.device) -> Trainer:
+    t, par = cfg.train, cfg.parallel
+    # the tokenizer is carried by every checkpoint; rows past its vocab are never predicted
+    sampler, val, per_byte, tok = open_data(cfg, grid.coord.dp, grid.layout.dp)
     model = GPTStage(cfg.model, grid, vpp=par.vpp, sp=par.sp, recompute=t.recompute,
                      real_vocab=tok.vocab_size).to(device)
     model.init_weights(t.seed)
@@ -94,11 +114,7 @@ def build(cfg: Config, grid: ParallelGrid, device: torch.device) -> Trainer:
     grads = GradBuffer([p for _, p in params], grid.dp_cp, par.bucket_mb, overlap=par.overlap_grad_reduce)
     opt = ShardedAdamW(params, grid.tp, grid.dp_cp, par.zero1, betas=(t.beta1, t.beta2),
                        weight_decay=t.weight_decay, bucket_mb=par.bucket_mb, fused=use_fused(t.fused_adamw, device))
-    dp_rank, dp = grid.coord.dp, grid.layout.dp
-    sampler = BatchSampler(train_ds, seq_len(cfg), t.global_batch_size, dp_rank, dp, t.seed)
-    val = eval_batches(val_ds, seq_len(cfg), t.global_batch_size, dp_rank, dp, t.eval_batches, t.seed)
     seed_everything(t.seed, grid)
-    per_byte = eval_tokens_per_byte(val_ds, seq_len(cfg), t.global_batch_size, t.eval_batches, t.seed, tok)
     return Trainer(cfg, grid, device, model, params, grads, opt, sampler, val, tokenizer=tok,
                    val_tokens_per_byte=per_byte)
 
@@ -209,7 +225,10 @@ def _run(cfg: Config, world: int, problem, device, t0: float, log, force: bool) 
     """train() inside the joined job: agree, build the grid, start, loop."""
     par = cfg.parallel
     if world > 1:  # every rank runs the same settings, or none starts: before anything is read or written
-        agree_settings({**settings(cfg), "data.path (token file)": data_identity(cfg.data.path)}, problem)
+        files = {f"data.mixture[{i}] (token file)": data_identity(e["path"]) for i, e in enumerate(cfg.data.mixture)
+                 if isinstance(e, dict) and isinstance(e.get("path"), str)} or \
+            {"data.path (token file)": data_identity(cfg.data.path)}
+        agree_settings({**settings(cfg), **files}, problem)
     grid = ParallelGrid.create(par.layout, timeout=timedelta(seconds=par.timeout_s))
     progress(f"{grid.layout.world_size} rank(s) joined in {time.perf_counter() - t0:.1f} s; building the model and "
              f"reading the data...")
@@ -219,6 +238,8 @@ def _run(cfg: Config, world: int, problem, device, t0: float, log, force: bool) 
                     wandb_log.WandbRun(cfg, tr.step) if grid.rank == 0 and cfg.train.wandb else None)
     if grid.rank == 0:
         log(start_line(cfg, grid.layout, device.type, tr.precision))
+        if cfg.data.mixture:
+            log(f"data: a mixture of {len(tr.sampler.sources)} sources: {tr.sampler.shares()}")
         if tr.step >= cfg.train.steps:
             log(f"megalite: this run already finished (step {tr.step}/{cfg.train.steps}, from {ckpt.resumed_path}); "
                 f"nothing to train. To train further, raise --train.steps (the LR schedule then spans the new "
@@ -312,6 +333,8 @@ def prepare_data(cfg: Config, rank: int) -> None:
     Without auto_prepare, a missing default corpus is one line naming the flag that builds it.
     """
     path = Path(cfg.data.path)
+    if cfg.data.mixture:  # the mixture's token files are prepared by the user; data.path is not read
+        return
     if path == Path(DEFAULT_DATA_PATH) and not cfg.data.auto_prepare and not path.exists() and not path.is_symlink():
         raise DataError(f"data.path: token file '{path}' does not exist: add --data.auto_prepare=true to build the "
                         f"default corpus there from the Python standard library's sources, or point --data.path "

@@ -28,14 +28,14 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from .base.fs import (folder_locked, fsync_dir, identity as file_identity, kind_of, no_follow, open_read,
+from ..base.fs import (folder_locked, fsync_dir, identity as file_identity, kind_of, no_follow, open_read,
                       path_kind, read_all, unlink_quietly, what_is, write_new)
-from .base import limits
-from .base.corpus import DEFAULT_TEXT_FIELD, RECORD_SUFFIXES, records
-from .config import MAX_COUNT
-from .base.errors import DataError
-from .base.jsonio import loads
-from .tokenizer import FORCED_CUT, Tokenizer, load as load_tokenizer, of_token_file, read_text_pieces
+from ..base import limits
+from ..base.corpus import DEFAULT_TEXT_FIELD, RECORD_SUFFIXES, records
+from ..config import MAX_COUNT
+from ..base.errors import DataError
+from ..base.jsonio import loads
+from ..tokenizer import FORCED_CUT, Tokenizer, load as load_tokenizer, of_token_file, read_text_pieces
 
 if TYPE_CHECKING:  # torch is imported where batches are made: `megalite prepare` never loads it
     import torch
@@ -443,46 +443,46 @@ class TokenDataset:
     `val_fraction` (a training run's data.val_fraction): the last int(num_tokens * val_fraction) tokens are the
     validation split, as `prepare --val-fraction` computes it; None: the split the file's .json records."""
 
-    def __init__(self, path: str | Path, split: str, val_fraction: float | None = None):
+    def __init__(self, path: str | Path, split: str, val_fraction: float | None = None, what: str = "data.path"):
         path = Path(path)
         if split not in ("train", "val"):
             raise DataError(f"TokenDataset: split must be 'train' or 'val', got '{split}'")
         if not path.exists() and not path.is_symlink():
-            raise DataError(f"data.path: token file '{path}' does not exist "
+            raise DataError(f"{what}: token file '{path}' does not exist "
                             "(run `megalite prepare` or remove data.path to use the default corpus)")
         if not path.is_file():
-            raise DataError(f"data.path: '{path}' is {path_kind(path)}, expected a token file written by "
+            raise DataError(f"{what}: '{path}' is {path_kind(path)}, expected a token file written by "
                             f"`megalite prepare`")
         mpath = meta_path(path)
         if not mpath.exists():
-            raise DataError(f"data.path: metadata '{mpath}' for token file '{path}' does not exist "
+            raise DataError(f"{what}: metadata '{mpath}' for token file '{path}' does not exist "
                             "(re-run `megalite prepare`)")
         raw = read_all(mpath, limits.FILE_BYTES["json"] + 1, follow=True)  # a regular file: a FIFO would block
-        meta = loads(raw, f"data.path: metadata '{mpath}'", DataError, kind="json")
+        meta = loads(raw, f"{what}: metadata '{mpath}'", DataError, kind="json")
         if not isinstance(meta, dict) or meta.get("format") != FORMAT or meta.get("version") != VERSION:
-            raise DataError(f"data.path: metadata '{mpath}' is not format '{FORMAT}' version {VERSION}")
+            raise DataError(f"{what}: metadata '{mpath}' is not format '{FORMAT}' version {VERSION}")
         if meta.get("dtype") not in TOKEN_DTYPES:
-            raise DataError(f"data.path: metadata '{mpath}' has dtype {meta.get('dtype')!r}, expected 'uint16' "
+            raise DataError(f"{what}: metadata '{mpath}' has dtype {meta.get('dtype')!r}, expected 'uint16' "
                             f"or 'uint32'")
         dtype = TOKEN_DTYPES[meta["dtype"]]
         num_tokens, val_start = meta.get("num_tokens"), meta.get("val_start")
         if not (isinstance(num_tokens, int) and isinstance(val_start, int) and 0 <= val_start <= num_tokens):
-            raise DataError(f"data.path: metadata '{mpath}' needs integers 0 <= val_start <= num_tokens")
+            raise DataError(f"{what}: metadata '{mpath}' needs integers 0 <= val_start <= num_tokens")
         if val_fraction is not None:
             val_start = num_tokens - int(num_tokens * val_fraction)
         size, itemsize = path.stat().st_size, np.dtype(dtype).itemsize
         if size != itemsize * num_tokens:
-            raise DataError(f"data.path: token file '{path}' has {size} bytes, expected "
+            raise DataError(f"{what}: token file '{path}' has {size} bytes, expected "
                             f"{itemsize * num_tokens} for num_tokens={num_tokens} ({meta['dtype']}) in '{mpath.name}'")
         lo, hi = (0, val_start) if split == "train" else (val_start, num_tokens)
         how = "" if val_fraction is None else f" (data.val_fraction = {val_fraction})"
         if hi <= lo:
-            raise DataError(f"data.path: the {split} split of '{path}' is empty "
+            raise DataError(f"{what}: the {split} split of '{path}' is empty "
                             f"(num_tokens={num_tokens}, val_start={val_start}){how}")
-        self.path, self.split, self.meta, self.how = path, split, meta, how
+        self.path, self.split, self.meta, self.how, self.what = path, split, meta, how, what
         vocab = meta.get("vocab_size", 256)  # a file that records none is the byte tokenizer's
         if not isinstance(vocab, int) or isinstance(vocab, bool) or vocab < 1:
-            raise DataError(f"data.path: metadata '{mpath}' has vocab_size {vocab!r}, expected a positive integer")
+            raise DataError(f"{what}: metadata '{mpath}' has vocab_size {vocab!r}, expected a positive integer")
         self.vocab_size = vocab
         self.limit = None  # the model's vocab size once check_vocab has run: every batch drawn is checked
         self.tokens = np.memmap(path, dtype=dtype, mode="r", shape=(num_tokens,))[lo:hi]
@@ -504,7 +504,7 @@ def check_vocab(dataset: TokenDataset, model_vocab: int) -> None:
     batch drawn afterwards is checked too, so a corrupt id the sample missed stops the run, never trains."""
     mpath = meta_path(dataset.path)
     if dataset.vocab_size > model_vocab:
-        raise DataError(f"data.path: '{mpath}' records vocab_size {dataset.vocab_size}, larger than "
+        raise DataError(f"{dataset.what}: '{mpath}' records vocab_size {dataset.vocab_size}, larger than "
                         f"model.vocab_size = {model_vocab} (token ids would not fit the embedding)")
     recorded = dataset.meta.get("max_token")
     toks = dataset.tokens
@@ -512,15 +512,15 @@ def check_vocab(dataset: TokenDataset, model_vocab: int) -> None:
         top = max((int(toks[i:i + SAMPLE_TOKENS].max()) for i in range(0, len(toks), SAMPLE_TOKENS)), default=0)
     else:
         if not isinstance(recorded, int) or isinstance(recorded, bool) or recorded < 0:
-            raise DataError(f"data.path: '{mpath}' has max_token {recorded!r}, expected a non-negative integer")
+            raise DataError(f"{dataset.what}: '{mpath}' has max_token {recorded!r}, expected a non-negative integer")
         stride = max(1, len(toks) // SAMPLE_TOKENS)
         top = int(toks[::stride].max()) if len(toks) else 0
         if top > recorded:
-            raise DataError(f"data.path: token file '{dataset.path}' holds id {top}, above the max_token "
+            raise DataError(f"{dataset.what}: token file '{dataset.path}' holds id {top}, above the max_token "
                             f"{recorded} recorded in '{mpath.name}' (the file is corrupt; re-run `megalite prepare`)")
         top = recorded
     if top >= model_vocab:
-        raise DataError(f"data.path: token file '{dataset.path}' holds token id {top}, expected ids below "
+        raise DataError(f"{dataset.what}: token file '{dataset.path}' holds token id {top}, expected ids below "
                         f"model.vocab_size = {model_vocab}")
     dataset.limit = model_vocab
 
@@ -653,9 +653,14 @@ def eval_tokens_per_byte(dataset: TokenDataset, block_size: int, batch_size: int
     """Tokens per byte of text over exactly the targets `eval_batches` draws (every dp rank's rows), or None
     when they hold no text: a validation loss in nats per token is then loss * tokens / bytes / ln 2 bits
     per byte, one scale for a byte model and a BPE model."""
+    return tokens_per_byte((y for _, y in eval_batches(dataset, block_size, batch_size, 0, 1, num_batches, seed)), tok)
+
+
+def tokens_per_byte(targets, tok: Tokenizer):
+    """Tokens per byte of text of the target tensors `targets` (each token's bytes in `tok`), None for none."""
     nbytes = np.asarray(tok.token_bytes(), dtype=np.int64)
     tokens = total = 0
-    for _, y in eval_batches(dataset, block_size, batch_size, 0, 1, num_batches, seed):
+    for y in targets:
         ids = y.numpy().reshape(-1)
         tokens += ids.size
         total += int(nbytes[np.minimum(ids, nbytes.size - 1)].sum())

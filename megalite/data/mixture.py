@@ -1,0 +1,232 @@
+"""A mixture of token files drawn at fixed shares (`[[data.mixture]]`): the blend, each source's windows, the sampler.
+
+The blend is Megatron's (megatron-core's `build_blending_indices`, datasets/helpers.cpp), written again here:
+global sample i (i = 0, 1, ...) goes to the source furthest behind its target share,
+
+    s(i) = the first s maximising  w_s * max(i, 1) - c_s(i)     (c_s(i): samples given to s before i)
+
+with the weights normalised to sum 1. It is exact by construction: after n samples no source is more than one
+sample from n * w_s (|c_s(n) - n w_s| < 1, tested at every n; tests/test_mixture.py). The rule's whole state
+is the counts c_s (each source's cursor) and i = sum(c_s), so a run extends the blend step by step from the
+cursors its checkpoint records (`blend`), never building an index of the whole run, and a resumed run draws
+exactly what the uninterrupted run drew: O(number of sources) memory, ~1 us per sample in Python (docs/
+performance.md has the row against megatron-core's C++ helper).
+
+Source s's j-th sample is one window of seq_len + 1 tokens: its split is cut into n_s = (len - 1) // seq_len
+windows that share one token at each seam, and epoch e = j // n_s visits them in the order of a keyed
+permutation of [0, n_s) (`permute`: a Feistel network on the next even power of two, cycle-walking back into
+range), keyed by (seed, source, epoch, stream): every epoch another order, the same on every machine and
+layout, nothing stored. Windows are the same for every dp size (all ranks draw the global batch and keep
+their rows), so `batch_hash` is layout-free as for one source.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from ..base.errors import DataError
+from ..config import MAX_COUNT
+from . import TokenDataset, _splitmix64, check_vocab
+
+TRAIN, VAL = 0, 1  # the permutation streams of training and validation samples
+
+
+# ---------------------------------------------------------------- the blend (Megatron's rule)
+def normalise(weights) -> np.ndarray:
+    """The weights as float64 shares summing to 1, as megatron-core's BlendedDataset normalises them."""
+    w = np.asarray(weights, dtype=np.float64)
+    return w / w.sum()
+
+
+def blend(weights: np.ndarray, n: int, counts=None) -> tuple[np.ndarray, np.ndarray, list[int]]:
+    """The next `n` samples of the blend from the cursors `counts` (None: the start): (the source of each,
+    int16; its index within that source, int64; the cursors after them). Bit-for-bit megatron-core's
+    build_blending_indices (float64 errors w_s * max(i, 1) - c_s, the first source on a tie), continued."""
+    w = [float(x) for x in weights]
+    c = [0] * len(w) if counts is None else [int(x) for x in counts]
+    src, idx = np.empty(n, dtype=np.int16), np.empty(n, dtype=np.int64)
+    sources, i = range(len(w)), sum(c)
+    for k in range(n):
+        t = float(max(i + k, 1))
+        best, top = 0, w[0] * t - c[0]
+        for s in sources:
+            err = w[s] * t - c[s]
+            if err > top:
+                best, top = s, err
+        src[k], idx[k] = best, c[best]
+        c[best] += 1
+    return src, idx, c
+
+
+# ---------------------------------------------------------------- each source's windows
+def _key(*parts: int) -> np.ndarray:
+    """A 64-bit key from small non-negative integers (a 1-element array: numpy wraps array arithmetic)."""
+    k = np.zeros(1, dtype=np.uint64)
+    for p in parts:
+        k = _splitmix64(k ^ np.uint64(p))
+    return k
+
+
+def permute(p: np.ndarray, n: int, key: np.ndarray) -> np.ndarray:
+    """A keyed bijection of [0, n) applied to `p` (values in [0, n)): four Feistel rounds on 2h bits
+    (4**h >= n, so fewer than 4 walks on average) repeated while a value lands at n or above (cycle walking:
+    still a bijection of [0, n)). Vectorised; no table of n entries."""
+    half = max(1, ((max(n, 2) - 1).bit_length() + 1) // 2)
+    mask = np.uint64((1 << half) - 1)
+    rounds = [_splitmix64(key ^ np.uint64(r + 1)) for r in range(4)]
+    x = np.asarray(p, dtype=np.uint64).copy()
+    todo = np.ones(x.shape, dtype=bool)
+    while todo.any():
+        lo, hi = x[todo] & mask, x[todo] >> np.uint64(half)
+        for rk in rounds:
+            lo, hi = hi ^ (_splitmix64(lo ^ rk) & mask), lo
+        x[todo] = (hi << np.uint64(half)) | lo
+        todo = x >= np.uint64(n)
+    return x.astype(np.int64)
+
+
+class Source:
+    """One split of one mixture entry: its token file and its windows of `seq` + 1 tokens."""
+
+    def __init__(self, index: int, path: str, split: str, seq: int, where: str, val_fraction: float | None = None):
+        self.index, self.where = index, where
+        self.dataset = TokenDataset(path, split, val_fraction, what=f"{where}.path")
+        self.windows = (len(self.dataset) - 1) // seq
+        if self.windows < 1:
+            raise DataError(f"{where}.path: the {split} split of '{path}' has {len(self.dataset)} tokens, fewer "
+                            f"than one window of train.seq_len + 1 = {seq + 1}")
+        self.seq = seq
+
+    def starts(self, j: np.ndarray, seed: int, stream: int) -> np.ndarray:
+        """The first token of this source's samples `j`: epoch j // windows, in that epoch's permuted order."""
+        epoch, at = np.divmod(j, self.windows)
+        out = np.empty(j.shape, dtype=np.int64)
+        for e in np.unique(epoch):
+            mine = epoch == e
+            out[mine] = permute(at[mine], self.windows, _key(seed, self.index, int(e), stream)) * self.seq
+        return out
+
+
+def open_sources(entries: list, split: str, seq: int, val_fraction: float | None = None):
+    """The sources of `entries` (config.data.mixture) that feed `split` (each its token file's `split`, cut at
+    `val_fraction` as data.val_fraction says), with their normalised weights."""
+    sources, weights = [], []
+    for i, e in enumerate(entries):
+        if e.get("split", "both") not in ("both", split) or e["weight"] == 0:
+            continue
+        src = Source(i, e["path"], split, seq, f"data.mixture[{i}]", val_fraction)
+        sources.append(src)
+        weights.append(float(e["weight"]))
+    return sources, normalise(weights)
+
+
+def one_tokenizer(sources: list, model_vocab: int):
+    """The tokenizer every source was made by (a mixture of ids from two tokenizers means nothing): one line
+    naming the first source made by another; then each file checked against the model's vocab."""
+    first = sources[0].dataset.tokenizer()
+    for src in sources[1:]:
+        tok = src.dataset.tokenizer()
+        if tok.sha256 != first.sha256:
+            raise DataError(f"{src.where}.path: '{src.dataset.path}' was made by another tokenizer ({tok.kind}, vocab "
+                            f"{tok.vocab_size}, sha256 {tok.sha256[:12]}) than {sources[0].where} "
+                            f"'{sources[0].dataset.path}' ({first.kind}, vocab {first.vocab_size}, sha256 "
+                            f"{first.sha256[:12]}); prepare every source with one tokenizer")
+    for src in sources:
+        check_vocab(src.dataset, model_vocab)
+    return first
+
+
+def _rows(sources: list, src: np.ndarray, idx: np.ndarray, seed: int, stream: int, limit: int | None) -> np.ndarray:
+    """The (n, seq + 1) token rows of the blend's samples (source `src`, index `idx` within it)."""
+    seq = sources[0].seq
+    rows = np.empty((src.size, seq + 1), dtype=np.int64)
+    for s, source in enumerate(sources):
+        mine = np.flatnonzero(src == s)
+        if mine.size:
+            starts = source.starts(idx[mine], seed, stream)
+            rows[mine] = source.dataset.tokens[starts[:, None] + np.arange(seq + 1)]
+            if limit is not None and rows[mine].size and int(rows[mine].max()) >= limit:
+                raise DataError(f"{source.where}.path: token file '{source.dataset.path}' holds token id "
+                                f"{int(rows[mine].max())}, expected ids below model.vocab_size = {limit}; the file "
+                                f"is corrupt").everywhere()
+    return rows
+
+
+def _mine(rows: np.ndarray, dp_rank: int, dp_size: int):
+    per = rows.shape[0] // dp_size
+    mine = rows[dp_rank * per:(dp_rank + 1) * per]
+    import torch  # here, as in data._draw: `megalite prepare` never loads torch
+    return torch.from_numpy(mine[:, :-1].copy()), torch.from_numpy(mine[:, 1:].copy())
+
+
+# ---------------------------------------------------------------- the training sampler
+@dataclass
+class MixtureSampler:
+    """Training batches of a mixture: batch k is the blend's samples k*B .. (k+1)*B - 1; the state to
+    checkpoint is k and each source's cursor (samples drawn from it so far)."""
+    sources: list
+    weights: np.ndarray
+    global_batch_size: int
+    dp_rank: int
+    dp_size: int
+    seed: int
+
+    def __post_init__(self):
+        if self.global_batch_size % self.dp_size:
+            raise DataError(f"train.global_batch_size: {self.global_batch_size} must be a positive multiple of "
+                            f"the data-parallel size {self.dp_size}")
+        self.batch_index, self.cursors = 0, [0] * len(self.sources)
+
+    @property
+    def local_batch_size(self) -> int:
+        return self.global_batch_size // self.dp_size
+
+    def next_batch(self):
+        src, idx, self.cursors = blend(self.weights, self.global_batch_size, self.cursors)
+        self.batch_index += 1
+        limit = self.sources[0].dataset.limit
+        return _mine(_rows(self.sources, src, idx, self.seed, TRAIN, limit), self.dp_rank, self.dp_size)
+
+    def shares(self) -> str:
+        """`a.bin 0.700 (0.700 realised of 1,600 samples), ...`: the start-up line's account of the blend."""
+        n = sum(self.cursors)
+        return ", ".join(f"{s.dataset.path.name} {w:.3f} ({c / max(n, 1):.3f} realised)"
+                         for s, w, c in zip(self.sources, self.weights, self.cursors)) + f" of {n:,} samples"
+
+    def state_dict(self) -> dict:
+        return {"batch_index": self.batch_index, "mixture": {
+            "sources": [str(s.dataset.path) for s in self.sources], "weights": [float(w) for w in self.weights],
+            "cursors": list(self.cursors)}}
+
+    def load_state_dict(self, state: dict) -> None:
+        """The checkpoint's position: its batch index and cursors, for the same sources at the same weights
+        (another mixture would continue a different blend: refused in one line)."""
+        k = state.get("batch_index") if isinstance(state, dict) else None
+        mix = state.get("mixture") if isinstance(state, dict) else None
+        if not isinstance(k, int) or isinstance(k, bool) or not 0 <= k <= MAX_COUNT:
+            raise DataError(f"sampler state: 'batch_index' must be an integer in [0, {MAX_COUNT}], got {k!r}")
+        if not isinstance(mix, dict):
+            raise DataError("checkpoint.resume: the checkpoint was trained on data.path alone, not on this "
+                            "data.mixture; resume it with its own data or start a new run (checkpoint.resume=none)")
+        ours = self.state_dict()["mixture"]
+        if mix.get("weights") != ours["weights"] or len(mix.get("sources") or []) != len(self.sources):
+            raise DataError(f"checkpoint.resume: the checkpoint's data.mixture has weights {mix.get('weights')} "
+                            f"over {len(mix.get('sources') or [])} sources, this run's {ours['weights']} over "
+                            f"{len(self.sources)}: a resumed run continues the same blend; start a new run to change it")
+        cursors = mix.get("cursors")
+        if not (isinstance(cursors, list) and len(cursors) == len(self.sources)
+                and all(isinstance(c, int) and not isinstance(c, bool) and 0 <= c for c in cursors)
+                and sum(cursors) == k * self.global_batch_size):
+            raise DataError(f"sampler state: mixture cursors {cursors!r} are not {len(self.sources)} counts summing "
+                            f"to batch_index * train.global_batch_size = {k * self.global_batch_size}")
+        self.batch_index, self.cursors = k, list(cursors)
+
+
+def eval_batches(sources: list, weights: np.ndarray, batch_size: int, dp_rank: int, dp_size: int,
+                 num_batches: int, seed: int) -> list:
+    """Fixed validation batches of a mixture: the blend of the sources' val splits from its start, the windows
+    in the permutation stream VAL (apart from training's), so every evaluation compares the same tokens."""
+    src, idx, _ = blend(weights, batch_size * num_batches)
+    rows = _rows(sources, src, idx, seed, VAL, sources[0].dataset.limit)
+    return [_mine(rows[i * batch_size:(i + 1) * batch_size], dp_rank, dp_size) for i in range(num_batches)]
