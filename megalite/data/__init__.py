@@ -36,6 +36,7 @@ from ..config import MAX_COUNT
 from ..base.errors import DataError
 from ..base.jsonio import loads
 from ..tokenizer import FORCED_CUT, Tokenizer, load as load_tokenizer, of_token_file, read_text_pieces
+from .masks import open_mask
 
 if TYPE_CHECKING:  # torch is imported where batches are made: `megalite prepare` never loads it
     import torch
@@ -486,6 +487,8 @@ class TokenDataset:
         self.vocab_size = vocab
         self.limit = None  # the model's vocab size once check_vocab has run: every batch drawn is checked
         self.tokens = np.memmap(path, dtype=dtype, mode="r", shape=(num_tokens,))[lo:hi]
+        mask = open_mask(path, meta, num_tokens, what)  # which targets count (data/masks.py); None: all
+        self.mask = None if mask is None else mask[lo:hi]
 
     def __len__(self) -> int:
         return int(self.tokens.shape[0])
@@ -537,26 +540,61 @@ def _check_shapes(dataset: TokenDataset, block_size: int, batch_size: int, dp_ra
         raise DataError(f"data: dp_rank {dp_rank} must be in [0, {dp_size})")
 
 
-def _draw(dataset, block_size, batch_size, dp_rank, dp_size, rng):
+class Batch(tuple):
+    """This dp rank's rows of one global batch: the pair (x, y) of inputs and targets (b, T), plus `mask` (b, T)
+    float32, 1 where a target counts (None: every target counts), and `counted`: the counted targets of the
+    whole global batch (every dp rank's rows), the loss's denominator."""
+
+    def __new__(cls, x, y, mask=None, counted: int | None = None):
+        self = super().__new__(cls, (x, y))
+        self.mask, self.counted = mask, int(y.numel()) if counted is None else counted
+        return self
+
+    @property
+    def x(self):
+        return self[0]
+
+    @property
+    def y(self):
+        return self[1]
+
+
+def rows_to_batch(rows: np.ndarray, mask_rows, dp_rank: int, dp_size: int) -> Batch:
+    """The global batch's token rows (B, T + 1) and mask rows (B, T + 1) or None, as this dp rank's Batch."""
+    per = rows.shape[0] // dp_size
+    mine = slice(dp_rank * per, (dp_rank + 1) * per)
+    import torch  # here, not at the top: `megalite prepare` never needs it (~200 MB of resident memory)
+    x, y = torch.from_numpy(rows[mine, :-1].copy()), torch.from_numpy(rows[mine, 1:].copy())
+    if mask_rows is None:
+        return Batch(x, y, None, rows.shape[0] * (rows.shape[1] - 1))
+    counted = int(mask_rows[:, 1:].sum())
+    return Batch(x, y, torch.from_numpy(mask_rows[mine, 1:].astype(np.float32)), counted)
+
+
+def _draw(dataset, block_size, batch_size, dp_rank, dp_size, rng) -> Batch:
     """Draw the global batch's start offsets from ``rng`` and slice out this dp rank's rows.
 
     All ranks draw all offsets so the result does not depend on dp_size.
     """
     starts = rng.integers(0, len(dataset) - block_size - 1, size=batch_size, endpoint=True)
-    if dataset.limit is not None:  # the whole global batch, on every rank: all ranks stop at the same step
-        every = np.asarray(dataset.tokens[starts[:, None] + np.arange(block_size + 1)])
-        if every.size and int(every.max()) >= dataset.limit:
-            pos = int(np.argmax(every.reshape(-1) >= dataset.limit))
-            row, col = divmod(pos, block_size + 1)
-            err = DataError(f"data.path: token file '{dataset.path}' holds token id {int(every.max())} "
-                            f"(at token {int(starts[row]) + col} of the {dataset.split} split), expected ids "
-                            f"below model.vocab_size = {dataset.limit}; the file is corrupt")
-            raise err.everywhere()
-    per_rank = batch_size // dp_size
-    mine = starts[dp_rank * per_rank:(dp_rank + 1) * per_rank]
-    rows = np.asarray(dataset.tokens[mine[:, None] + np.arange(block_size + 1)], dtype=np.int64)
-    import torch  # here, not at the top: `megalite prepare` never needs it (~200 MB of resident memory)
-    return torch.from_numpy(rows[:, :-1].copy()), torch.from_numpy(rows[:, 1:].copy())
+    at = starts[:, None] + np.arange(block_size + 1)
+    if dataset.limit is None and dataset.mask is None:  # rows of this rank only (the global batch: checked, masked)
+        per_rank = batch_size // dp_size
+        at = at[dp_rank * per_rank:(dp_rank + 1) * per_rank]
+        dp_rank, dp_size = 0, 1
+    every = np.asarray(dataset.tokens[at], dtype=np.int64)
+    if dataset.limit is not None and every.size and int(every.max()) >= dataset.limit:
+        # the whole global batch, on every rank: all ranks stop at the same step
+        pos = int(np.argmax(every.reshape(-1) >= dataset.limit))
+        row, col = divmod(pos, block_size + 1)
+        err = DataError(f"data.path: token file '{dataset.path}' holds token id {int(every.max())} "
+                        f"(at token {int(starts[row]) + col} of the {dataset.split} split), expected ids "
+                        f"below model.vocab_size = {dataset.limit}; the file is corrupt")
+        raise err.everywhere()
+    mask = None if dataset.mask is None else np.asarray(dataset.mask[at])
+    batch = rows_to_batch(every, mask, dp_rank, dp_size)
+    batch.counted = batch.counted if mask is not None else batch_size * block_size
+    return batch
 
 
 # ---------------------------------------------------------------- the batch hash (metrics.jsonl's batch_hash)
@@ -612,12 +650,12 @@ class BatchSampler:
     def local_batch_size(self) -> int:
         return self.global_batch_size // self.dp_size
 
-    def batch_at(self, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    def batch_at(self, k: int) -> Batch:
         """This rank's rows of batch ``k``, without moving the counter."""
         rng = np.random.Generator(np.random.PCG64([self.seed, k]))
         return _draw(self.dataset, self.block_size, self.global_batch_size, self.dp_rank, self.dp_size, rng)
 
-    def next_batch(self) -> tuple[torch.Tensor, torch.Tensor]:
+    def next_batch(self) -> Batch:
         batch = self.batch_at(self.batch_index)
         self.batch_index += 1
         return batch

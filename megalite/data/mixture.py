@@ -27,7 +27,7 @@ import numpy as np
 
 from ..base.errors import DataError
 from ..config import MAX_COUNT
-from . import TokenDataset, _splitmix64, check_vocab
+from . import TokenDataset, _splitmix64, check_vocab, rows_to_batch
 
 TRAIN, VAL = 0, 1  # the permutation streams of training and validation samples
 
@@ -137,27 +137,25 @@ def one_tokenizer(sources: list, model_vocab: int):
     return first
 
 
-def _rows(sources: list, src: np.ndarray, idx: np.ndarray, seed: int, stream: int, limit: int | None) -> np.ndarray:
-    """The (n, seq + 1) token rows of the blend's samples (source `src`, index `idx` within it)."""
+def _rows(sources: list, src: np.ndarray, idx: np.ndarray, seed: int, stream: int, limit: int | None):
+    """The (n, seq + 1) token rows of the blend's samples (source `src`, index `idx` within it), and their
+    loss-mask rows when any source has a mask (a source without one counts every target), else None."""
     seq = sources[0].seq
     rows = np.empty((src.size, seq + 1), dtype=np.int64)
+    masked = any(s.dataset.mask is not None for s in sources)
+    masks = np.ones((src.size, seq + 1), dtype=np.uint8) if masked else None
     for s, source in enumerate(sources):
         mine = np.flatnonzero(src == s)
         if mine.size:
-            starts = source.starts(idx[mine], seed, stream)
-            rows[mine] = source.dataset.tokens[starts[:, None] + np.arange(seq + 1)]
+            at = source.starts(idx[mine], seed, stream)[:, None] + np.arange(seq + 1)
+            rows[mine] = source.dataset.tokens[at]
+            if source.dataset.mask is not None:
+                masks[mine] = source.dataset.mask[at]
             if limit is not None and rows[mine].size and int(rows[mine].max()) >= limit:
                 raise DataError(f"{source.where}.path: token file '{source.dataset.path}' holds token id "
                                 f"{int(rows[mine].max())}, expected ids below model.vocab_size = {limit}; the file "
                                 f"is corrupt").everywhere()
-    return rows
-
-
-def _mine(rows: np.ndarray, dp_rank: int, dp_size: int):
-    per = rows.shape[0] // dp_size
-    mine = rows[dp_rank * per:(dp_rank + 1) * per]
-    import torch  # here, as in data._draw: `megalite prepare` never loads torch
-    return torch.from_numpy(mine[:, :-1].copy()), torch.from_numpy(mine[:, 1:].copy())
+    return rows, masks
 
 
 # ---------------------------------------------------------------- the training sampler
@@ -185,8 +183,8 @@ class MixtureSampler:
     def next_batch(self):
         src, idx, self.cursors = blend(self.weights, self.global_batch_size, self.cursors)
         self.batch_index += 1
-        limit = self.sources[0].dataset.limit
-        return _mine(_rows(self.sources, src, idx, self.seed, TRAIN, limit), self.dp_rank, self.dp_size)
+        rows, masks = _rows(self.sources, src, idx, self.seed, TRAIN, self.sources[0].dataset.limit)
+        return rows_to_batch(rows, masks, self.dp_rank, self.dp_size)
 
     def shares(self) -> str:
         """`a.bin 0.700 (0.700 realised of 1,600 samples), ...`: the start-up line's account of the blend."""
@@ -228,5 +226,6 @@ def eval_batches(sources: list, weights: np.ndarray, batch_size: int, dp_rank: i
     """Fixed validation batches of a mixture: the blend of the sources' val splits from its start, the windows
     in the permutation stream VAL (apart from training's), so every evaluation compares the same tokens."""
     src, idx, _ = blend(weights, batch_size * num_batches)
-    rows = _rows(sources, src, idx, seed, VAL, sources[0].dataset.limit)
-    return [_mine(rows[i * batch_size:(i + 1) * batch_size], dp_rank, dp_size) for i in range(num_batches)]
+    rows, masks = _rows(sources, src, idx, seed, VAL, sources[0].dataset.limit)
+    part = lambda a, i: None if a is None else a[i * batch_size:(i + 1) * batch_size]  # noqa: E731
+    return [rows_to_batch(part(rows, i), part(masks, i), dp_rank, dp_size) for i in range(num_batches)]

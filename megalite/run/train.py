@@ -37,6 +37,7 @@ from ..base.errors import ConfigError, DataError, NonFiniteError
 from ..model import GPTStage
 from .schedule import clip_scale, lr_at
 from ..parallel.context import local_positions, split_sequence
+from ..parallel.tensor import vocab_parallel_cross_entropy
 from ..parallel.data import GradBuffer, ShardedAdamW, use_fused
 from ..parallel.finalize import finalize_grads
 from ..parallel.grid import ParallelGrid
@@ -120,16 +121,34 @@ def build(cfg: Config, grid: ParallelGrid, device: torch.device) -> Trainer:
 
 
 # ---------------------------------------------------------------- one step
-def run_pipeline(tr: Trainer, x, y, train: bool) -> float:
-    """Schedule the micro-batches of (x, y) through the pipeline; return the global mean loss."""
-    return _pipeline(tr, x, y, train)[0]
+def token_weighted_loss(tr: Trainer, logits, targets, mask, counted: int):
+    """This rank's share of the global batch's loss, from one micro-batch's logits (b, t, V/tp): the sum of its
+    per-token losses over the counted targets (`mask` 1; None: all), / `counted` (the counted targets of the
+    whole global batch), x dp * cp (the gradient reduction over dp x cp averages the replicas' shares, so the
+    average of these is the global sum / counted). Summed over micro-batches and ranks it is the mean over
+    the counted tokens of the whole global batch: the same at every layout and micro-batch split, however
+    unevenly the counted tokens fall (never a mean of per-micro-batch means). A masked target's gradient is
+    exactly zero (its loss is multiplied by 0); a global batch with nothing counted has loss 0."""
+    m = tr.model
+    per_token = vocab_parallel_cross_entropy(logits, targets, m.cfg.vocab_size, m.tp, m.real_vocab)  # (b, t)
+    if mask is not None:
+        per_token = per_token * mask
+    return per_token.sum() * (tr.grid.layout.replicas / max(counted, 1))
 
 
-def _pipeline(tr: Trainer, x, y, train: bool) -> tuple[float, int]:
+def run_pipeline(tr: Trainer, x, y, train: bool, mask=None, counted: int | None = None) -> float:
+    """Schedule the micro-batches of (x, y) through the pipeline; return the global mean loss over the counted
+    targets (`mask`, `counted`: data.Batch's)."""
+    return _pipeline(tr, x, y, train, mask, counted)[0]
+
+
+def _pipeline(tr: Trainer, x, y, train: bool, mask=None, counted: int | None = None) -> tuple[float, int]:
     """run_pipeline, also returning the global batch's hash when `train` (else 0): what `batch_hash` records."""
     cfg, grid = tr.cfg, tr.grid
     m = num_microbatches(cfg)
+    counted = cfg.train.global_batch_size * seq_len(cfg) if counted is None else counted
     x, y = split_sequence(x, grid.cp), split_sequence(y, grid.cp)  # cp: this rank's chunks of every sequence
+    masks = [None] * m if mask is None else [t.to(tr.device) for t in split_sequence(mask, grid.cp).chunk(m)]
     # The batch hash, from the ids this rank really feeds: the inputs as the first stage, the targets as the
     # last, each token keyed by its global row and position (data.token_hash), so every layout sums the same.
     share = 0
@@ -147,8 +166,8 @@ def _pipeline(tr: Trainer, x, y, train: bool) -> tuple[float, int]:
     def stage_fn(inp, i, chunk=0):
         last = grid.is_last_stage and chunk == vpp - 1
         with tr.autocast():
-            out = tr.model(inp, ys[i] if last else None, chunk=chunk)
-        return out / m if last else out  # the mean over micro-batches is a sum of means / m
+            out = tr.model(inp, None, chunk=chunk)  # the last chunk: logits (b, t, V/tp)
+            return token_weighted_loss(tr, out, ys[i], masks[i], counted) if last else out
 
     tr.model.train(train)
     losses = get_schedule(cfg.parallel.schedule, vpp, train)(stage_fn, xs, m, grid, p2p)
@@ -167,10 +186,10 @@ def train_step(tr: Trainer) -> dict:
     """One optimizer step: the batch through the pipeline, every gradient finalized (one call), the update."""
     cfg, t0 = tr.cfg, time.perf_counter()
     lr = lr_at(tr.step, cfg.train)
-    x, y = tr.sampler.next_batch()
+    batch = tr.sampler.next_batch()
     tr.grads.zero()
     tr.grads.arm(num_microbatches(cfg))  # overlap_grad_reduce: buckets reduce during the last backward
-    loss, digest = _pipeline(tr, x, y, train=True)
+    loss, digest = _pipeline(tr, batch.x, batch.y, True, batch.mask, batch.counted)
     norm = finalize_grads(tr.params, tr.grads, tr.grid, sp=tr.model.sp)
     skipped = not (math.isfinite(loss) and math.isfinite(norm)) and _nonfinite(tr, loss, norm)
     if not skipped:
@@ -198,7 +217,7 @@ def _nonfinite(tr: Trainer, loss: float, norm: float) -> bool:
 
 def evaluate(tr: Trainer) -> float:
     with torch.no_grad():
-        return sum(run_pipeline(tr, x, y, train=False) for x, y in tr.val) / len(tr.val)
+        return sum(run_pipeline(tr, b.x, b.y, False, b.mask, b.counted) for b in tr.val) / len(tr.val)
 
 
 # ---------------------------------------------------------------- the run
