@@ -129,3 +129,15 @@ def test_rope_keys_that_disagree_are_refused(tmp_path, saved):
                 rope_parameters={"rope_type": "default", "rope_theta": 1e4})
     with pytest.raises(ConvertError, match=r"rope_parameters = .* and rope_scaling = .* disagree"):
         convert(src, tmp_path / "m.safetensors")
+
+
+def test_a_tied_config_beside_a_different_stored_head_keeps_the_head_as_transformers(tmp_path, saved):
+    """tie_word_embeddings: true, but model.safetensors holds an lm_head.weight unlike the embedding:
+    transformers 5 keeps the stored head (it does not tie); megalite's logits are transformers'."""
+    folder, logits = saved
+    src = _edit(folder, tmp_path / "tied", tie_word_embeddings=True)
+    want = transformers.AutoModelForCausalLM.from_pretrained(str(src), dtype=torch.float32).eval()(IDS).logits
+    assert (want - logits).abs().max() < 1e-5  # transformers kept the head
+    f = convert(src, tmp_path / "m.safetensors", quiet=True)
+    assert (load_model(f)(IDS).detach() - want.detach()).abs().max() < 1e-5
+    assert (load_model(split(src, tmp_path / "ck", 1, 1, 1, quiet=True))(IDS).detach() - want.detach()).abs().max() < 1e-5
