@@ -146,6 +146,8 @@ class DataConfig:
     # several token files drawn at fixed shares (data/mixture.py); [] (the default): `path` alone is the data.
     # In TOML an array of tables: [[data.mixture]] path = "a.bin", weight = 0.7, split = "both"|"train"|"val"
     mixture: list = field(default_factory=list)
+    packing: str = "windows"  # "windows" (random windows across documents) | "documents" (rows of whole documents)
+    document_mask: bool = False  # packing = "documents": attention and positions kept inside each document
 
 
 OUT_DIR = "{out_dir}"  # in checkpoint.dir: replaced by train.out_dir
@@ -472,6 +474,7 @@ def validate(cfg: Config, world_size: int | None = None) -> Config:
         raise ConfigError(f"data.val_fraction = {cfg.data.val_fraction}: expected 0 (the token file's own split) "
                           f"or a value in (0, 1)")
     check_mixture(cfg.data.mixture)
+    check_packing(cfg)
     if par.schedule not in ("1f1b", "afab"):
         raise ConfigError(f"parallel.schedule = '{par.schedule}': expected '1f1b' or 'afab'")
     if cfg.checkpoint.on_error not in ("stop", "continue"):
@@ -525,6 +528,26 @@ def check_mixture(entries: list) -> None:
         if not sum(e["weight"] for e in entries if e.get("split", "both") in ("both", split)) > 0:
             raise ConfigError(f"data.mixture: the weights of the sources that feed {split} (split = 'both' or "
                               f"'{split}') sum to 0, expected a positive total")
+
+
+PACKINGS = ("windows", "documents")
+
+
+def check_packing(cfg: Config) -> None:
+    """data.packing and data.document_mask, and what document packing does not compose with yet (one line)."""
+    d = cfg.data
+    if d.packing not in PACKINGS:
+        raise ConfigError(f"data.packing = '{d.packing}': expected one of {', '.join(PACKINGS)}")
+    if d.document_mask and d.packing != "documents":
+        raise ConfigError("data.document_mask = true needs data.packing = 'documents' (windows cross documents)")
+    if d.packing == "documents" and d.mixture:
+        raise ConfigError("data.packing = 'documents' with data.mixture: not built yet; pack one data.path")
+    if d.document_mask and cfg.parallel.cp > 1:
+        raise ConfigError(f"data.document_mask with parallel.cp = {cfg.parallel.cp}: ring attention does not carry "
+                          f"document ids yet; use cp = 1")
+    if d.document_mask and cfg.model.dropout > 0:
+        raise ConfigError(f"data.document_mask with model.dropout = {cfg.model.dropout}: the attention-dropout path "
+                          f"does not take the document mask yet; use dropout = 0")
 
 
 def settings(cfg: Config) -> dict:
@@ -679,6 +702,10 @@ DOCS = {
                          "across the corpus); in (0, 1): that share of its last tokens instead",
     "data.mixture": "several token files at fixed shares: [[data.mixture]] path, weight (>= 0), split (both | "
                     "train | val); [] = data.path alone (docs/training.md#a-mixture-of-token-files)",
+    "data.packing": "windows (random windows of the token stream) | documents (rows of whole documents, cut only "
+                    "when longer than a row, padded; needs an end-of-text token)",
+    "data.document_mask": "packing = documents: attention block-causal inside each document, positions restarting "
+                          "at each, the target across a boundary not counted",
     "data.auto_prepare": f"build the default corpus (stdlib sources) when data.path is '{DEFAULT_DATA_PATH}' and missing",
     "checkpoint.dir": "checkpoint root; {out_dir} is train.out_dir; '' turns checkpoints off",
     "checkpoint.interval": "save every N steps, and always at the end and on SIGTERM/SIGINT (0: only then)",

@@ -191,12 +191,24 @@ class SeqDropout(nn.Module):
         return x * keep / (1.0 - self.p)
 
 
-def _attention_core(q, k, v, dropout_p: float, window: int = 0):  # (B, H, T, D), (B, H/g, T, D) x2 -> (B, H, T, D)
-    T = q.shape[2]
+def document_positions(docs: torch.Tensor) -> torch.Tensor:
+    """(B, T) document ids (runs along each row, data/documents.py) -> each token's position in its document."""
+    i = torch.arange(docs.shape[1], device=docs.device).expand_as(docs)
+    new = torch.ones_like(docs, dtype=torch.bool)
+    new[:, 1:] = docs[:, 1:] != docs[:, :-1]
+    return i - torch.where(new, i, 0).cummax(dim=1).values
+
+
+def _attention_core(q, k, v, dropout_p: float, window: int = 0, docs=None):  # (B, H, T, D), (B, H/g, T, D) x2
+    T = q.shape[2]  # -> (B, H, T, D)
     mask = None
     if window and window < T:  # query i sees keys i - window < j <= i (transformers' sliding_window_overlay)
         i = torch.arange(T, device=q.device)
         mask = (i[None, :] <= i[:, None]) & (i[:, None] - i[None, :] < window)  # (T, T)
+    if docs is not None:  # data.document_mask: block-causal, each query sees its own document only (B, 1, T, T)
+        i = torch.arange(T, device=q.device)
+        causal = mask if mask is not None else i[None, :] <= i[:, None]
+        mask = causal & (docs[:, None, :, None] == docs[:, None, None, :])
     return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None, dropout_p=dropout_p,
                                           enable_gqa=k.shape[1] != q.shape[1])
 
@@ -246,8 +258,9 @@ class CausalSelfAttention(nn.Module):
         self.dropout = cfg.dropout
         self.selective = recompute == "selective"
 
-    def heads(self, x):
-        """x (B, T, C) (sp: (B, T/tp, C)) -> q (B, H/tp, T, D), k and v (B, kv heads here, T, D)."""
+    def heads(self, x, pos=None):
+        """x (B, T, C) (sp: (B, T/tp, C)) -> q (B, H/tp, T, D), k and v (B, kv heads here, T, D); `pos` (B, T):
+        each token's position in its document (data.document_mask), else its place in the sequence."""
         if self.features.fused_qkv:
             qkv = self.qkv(x)  # (B, T, 3 * C/tp)
             q, k, v = rearrange(qkv, "b t (three h d) -> three b h t d", three=3, d=self.head_dim)
@@ -262,6 +275,10 @@ class CausalSelfAttention(nn.Module):
         if self.features.positions != "rope":
             return q, k, v
         T = q.shape[2]  # this rank's tokens; with cp at their global positions (two chunks, context.py)
+        if pos is not None:  # (B, T): restarting at each document
+            cos, sin = (t.view(*pos.shape, -1)[:, None] for t in
+                        rope_cos_sin(self.inv_freq, pos.reshape(-1), q.dtype, self.rope_scale))  # (B, 1, T, D)
+            return rotate(q, cos, sin), rotate(k, cos, sin), v
         if self.cp.active:
             pos = local_positions(T * self.cp.size, self.cp).to(q.device)
         else:
@@ -269,15 +286,15 @@ class CausalSelfAttention(nn.Module):
         cos, sin = rope_cos_sin(self.inv_freq, pos, q.dtype, self.rope_scale)
         return rotate(q, cos, sin), rotate(k, cos, sin), v
 
-    def forward(self, x):  # (B, T, C) -> (B, T, C); with sp (B, T/tp, C) -> (B, T/tp, C)
-        q, k, v = self.heads(x)
+    def forward(self, x, docs=None, pos=None):  # (B, T, C) -> (B, T, C); with sp (B, T/tp, C) -> (B, T/tp, C)
+        q, k, v = self.heads(x, pos)
         p = self.dropout if self.training else 0.0
         if self.cp.active or p > 0.0:  # ring attention (cp = 1: one block) with the counter-based dropout mask
             core = functools.partial(_ring_core, groups=self.groups, cp=self.cp, dropout_p=p,
                                      seed=draw_seed() if p else 0, head0=self.tp.rank * q.shape[1],
                                      window=self.window)
         else:
-            core = functools.partial(_attention_core, dropout_p=0.0, window=self.window)
+            core = functools.partial(_attention_core, dropout_p=0.0, window=self.window, docs=docs)
         if self.selective and torch.is_grad_enabled():
             # Selective recomputation (Korthikanti et al.): keep only q, k, v; the softmax statistics and the
             # output are recomputed in backward (the dropout mask comes from the seed drawn above).
@@ -324,8 +341,8 @@ class Block(nn.Module):
         self.ln_2, self.mlp = norm(cfg, place), MLP(cfg, tp, sp, place)
         self.drop = SeqDropout(cfg.dropout, tp, sp, cp)
 
-    def forward(self, x):
-        x = x + self.drop(self.attn(self.ln_1(x)))
+    def forward(self, x, docs=None, pos=None):
+        x = x + self.drop(self.attn(self.ln_1(x), docs, pos))
         return x + self.drop(self.mlp(self.ln_2(x)))
 
 
@@ -375,32 +392,36 @@ class GPTStage(nn.Module):
                 p.copy_(init_local(name, partition_of(p), "normal" if kind == "scaled" else kind, seed, scale,
                                    self.tp.rank, self.tp.size))
 
-    def run_block(self, i: int, x):
+    def run_block(self, i: int, x, docs=None, pos=None):
         """Block i (global id) on x; with full recomputation only x is kept, and the block is rerun (RNG
         replayed) in backward."""
         block = self.blocks[str(i)]
         if self.full_recompute and torch.is_grad_enabled():
-            return checkpoint(block, x, use_reentrant=False)
-        return block(x)
+            return checkpoint(block, x, docs, pos, use_reentrant=False)
+        return block(x, docs, pos)
 
-    def positions(self, T: int):
-        """Learned: the wpe rows of the T tokens this rank holds (sp: its share; cp: their global positions).
-        Rotary: nothing here (inside attention)."""
+    def positions(self, T: int, pos=None):
+        """Learned: the wpe rows of the T tokens this rank holds (sp: its share; cp: their global positions;
+        `pos` (B, T): each token's position in its document). Rotary: nothing here (inside attention)."""
         if self.cfg.spec.features.positions != "learned":
             return 0.0
+        if pos is not None:
+            return self.wpe[pos[:, slice(*seq_chunk(T, self.tp))] if self.sp else pos]
         if self.cp.active:
             return self.wpe[local_positions(T * self.cp.size, self.cp, self.tp, self.sp).to(self.wpe.device)]
         return self.wpe[slice(*seq_chunk(T, self.tp))] if self.sp else self.wpe[:T]
 
-    def forward(self, x, targets=None, chunk: int = 0):
+    def forward(self, x, targets=None, chunk: int = 0, docs=None):
         """Chunk 0 of the first stage: x is ids (B, T); others: hidden (B, T, C) ((B, T/tp, C) with sp).
         With cp, T is this rank's T/cp tokens (its two chunks, context.split_sequence) at their global positions.
         The last chunk of the last stage returns the mean loss over its tokens (or local logits (B, T, V/tp) when
-        targets is None); others return hidden."""
+        targets is None); others return hidden. `docs` (B, T) (data.document_mask): each token's document;
+        attention stays inside it and positions restart at its first token."""
+        pos = None if docs is None else document_positions(docs)
         if self.first and chunk == 0:
-            x = self.drop(self.wte(x) + self.positions(x.shape[1]))  # (B, T, C); with sp (B, T/tp, C)
+            x = self.drop(self.wte(x) + self.positions(x.shape[1], pos))  # (B, T, C); with sp (B, T/tp, C)
         for i in self.chunks[chunk]:
-            x = self.run_block(i, x)
+            x = self.run_block(i, x, docs, pos)
         if not (self.last and chunk == len(self.chunks) - 1):
             return x
         x = self.ln_f(x)

@@ -548,6 +548,7 @@ class Batch(tuple):
     def __new__(cls, x, y, mask=None, counted: int | None = None):
         self = super().__new__(cls, (x, y))
         self.mask, self.counted = mask, int(y.numel()) if counted is None else counted
+        self.docs = None  # (b, T) each input's document within its row (data/documents.py), or None
         return self
 
     @property

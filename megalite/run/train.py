@@ -32,7 +32,7 @@ from .compile import compile_blocks
 from ..config import DEFAULT_DATA_PATH, Config, ParallelConfig, num_microbatches, resolve, seq_len, settings, validate
 from ..data import (HASH_BITS, BatchSampler, TokenDataset, check_vocab, ensure_data, eval_batches,
                     eval_tokens_per_byte, identity as data_identity, token_hash, tokens_per_byte)
-from ..data import mixture
+from ..data import documents, mixture
 from ..base.errors import ConfigError, DataError, NonFiniteError
 from ..model import GPTStage
 from .schedule import clip_scale, lr_at
@@ -94,9 +94,14 @@ def open_data(cfg: Config, dp_rank: int, dp: int) -> tuple:
     train_ds, val_ds = TokenDataset(cfg.data.path, "train", frac), TokenDataset(cfg.data.path, "val", frac)
     check_vocab(train_ds, cfg.model.vocab_size)
     check_vocab(val_ds, cfg.model.vocab_size)
+    tok = train_ds.tokenizer()
+    if cfg.data.packing == "documents":  # rows of whole documents (data/documents.py)
+        sampler = documents.DocumentSampler(train_ds, seq_len(cfg), t.global_batch_size, dp_rank, dp, t.seed)
+        val = documents.eval_batches(val_ds, seq_len(cfg), t.global_batch_size, dp_rank, dp, t.eval_batches, t.seed)
+        every = documents.eval_batches(val_ds, seq_len(cfg), t.global_batch_size, 0, 1, t.eval_batches, t.seed)
+        return sampler, val, tokens_per_byte((y for _, y in every), tok), tok
     sampler = BatchSampler(train_ds, seq_len(cfg), t.global_batch_size, dp_rank, dp, t.seed)
     val = eval_batches(val_ds, seq_len(cfg), t.global_batch_size, dp_rank, dp, t.eval_batches, t.seed)
-    tok = train_ds.tokenizer()
     return sampler, val, eval_tokens_per_byte(val_ds, seq_len(cfg), t.global_batch_size, t.eval_batches, t.seed,
                                               tok), tok
 
@@ -136,19 +141,21 @@ def token_weighted_loss(tr: Trainer, logits, targets, mask, counted: int):
     return per_token.sum() * (tr.grid.layout.replicas / max(counted, 1))
 
 
-def run_pipeline(tr: Trainer, x, y, train: bool, mask=None, counted: int | None = None) -> float:
+def run_pipeline(tr: Trainer, x, y, train: bool, mask=None, counted: int | None = None, docs=None) -> float:
     """Schedule the micro-batches of (x, y) through the pipeline; return the global mean loss over the counted
-    targets (`mask`, `counted`: data.Batch's)."""
-    return _pipeline(tr, x, y, train, mask, counted)[0]
+    targets (`mask`, `counted`: data.Batch's); `docs` (data.document_mask): each input's document."""
+    return _pipeline(tr, x, y, train, mask, counted, docs)[0]
 
 
-def _pipeline(tr: Trainer, x, y, train: bool, mask=None, counted: int | None = None) -> tuple[float, int]:
+def _pipeline(tr: Trainer, x, y, train: bool, mask=None, counted: int | None = None, docs=None) -> tuple[float, int]:
     """run_pipeline, also returning the global batch's hash when `train` (else 0): what `batch_hash` records."""
     cfg, grid = tr.cfg, tr.grid
     m = num_microbatches(cfg)
     counted = cfg.train.global_batch_size * seq_len(cfg) if counted is None else counted
     x, y = split_sequence(x, grid.cp), split_sequence(y, grid.cp)  # cp: this rank's chunks of every sequence
     masks = [None] * m if mask is None else [t.to(tr.device) for t in split_sequence(mask, grid.cp).chunk(m)]
+    # every stage drew the batch, so each knows its micro-batches' documents: nothing travels with the activations
+    docs = [None] * m if docs is None or not cfg.data.document_mask else [t.to(tr.device) for t in docs.chunk(m)]
     # The batch hash, from the ids this rank really feeds: the inputs as the first stage, the targets as the
     # last, each token keyed by its global row and position (data.token_hash), so every layout sums the same.
     share = 0
@@ -166,7 +173,7 @@ def _pipeline(tr: Trainer, x, y, train: bool, mask=None, counted: int | None = N
     def stage_fn(inp, i, chunk=0):
         last = grid.is_last_stage and chunk == vpp - 1
         with tr.autocast():
-            out = tr.model(inp, None, chunk=chunk)  # the last chunk: logits (b, t, V/tp)
+            out = tr.model(inp, None, chunk=chunk, docs=docs[i])  # the last chunk: logits (b, t, V/tp)
             return token_weighted_loss(tr, out, ys[i], masks[i], counted) if last else out
 
     tr.model.train(train)
@@ -189,7 +196,7 @@ def train_step(tr: Trainer) -> dict:
     batch = tr.sampler.next_batch()
     tr.grads.zero()
     tr.grads.arm(num_microbatches(cfg))  # overlap_grad_reduce: buckets reduce during the last backward
-    loss, digest = _pipeline(tr, batch.x, batch.y, True, batch.mask, batch.counted)
+    loss, digest = _pipeline(tr, batch.x, batch.y, True, batch.mask, batch.counted, batch.docs)
     norm = finalize_grads(tr.params, tr.grads, tr.grid, sp=tr.model.sp)
     skipped = not (math.isfinite(loss) and math.isfinite(norm)) and _nonfinite(tr, loss, norm)
     if not skipped:
@@ -217,7 +224,7 @@ def _nonfinite(tr: Trainer, loss: float, norm: float) -> bool:
 
 def evaluate(tr: Trainer) -> float:
     with torch.no_grad():
-        return sum(run_pipeline(tr, b.x, b.y, False, b.mask, b.counted) for b in tr.val) / len(tr.val)
+        return sum(run_pipeline(tr, b.x, b.y, False, b.mask, b.counted, b.docs) for b in tr.val) / len(tr.val)
 
 
 # ---------------------------------------------------------------- the run
