@@ -9,6 +9,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import os
+import re
 import sys
 import typing
 from dataclasses import dataclass, field
@@ -148,6 +149,8 @@ class DataConfig:
     mixture: list = field(default_factory=list)
     packing: str = "windows"  # "windows" (random windows across documents) | "documents" (rows of whole documents)
     document_mask: bool = False  # packing = "documents": attention and positions kept inside each document
+    # named held-out sets, each reported at train.eval_interval: [[data.eval]] name = "code", path = "c.bin"
+    eval: list = field(default_factory=list)
 
 
 OUT_DIR = "{out_dir}"  # in checkpoint.dir: replaced by train.out_dir
@@ -475,6 +478,7 @@ def validate(cfg: Config, world_size: int | None = None) -> Config:
                           f"or a value in (0, 1)")
     check_mixture(cfg.data.mixture)
     check_packing(cfg)
+    check_evals(cfg.data.eval)
     if par.schedule not in ("1f1b", "afab"):
         raise ConfigError(f"parallel.schedule = '{par.schedule}': expected '1f1b' or 'afab'")
     if cfg.checkpoint.on_error not in ("stop", "continue"):
@@ -505,18 +509,23 @@ def validate(cfg: Config, world_size: int | None = None) -> Config:
 MIXTURE_SPLITS = ("both", "train", "val")  # which of a source's splits feed the training / validation blend
 
 
+def _file_table(e, where: str, keys: tuple, what: str, example: str) -> None:
+    """One entry of an array of tables that names a token file: a table, of `keys` only, with a `path`."""
+    if not isinstance(e, dict):
+        raise ConfigError(f"{where} = {e!r}: expected a table {example}")
+    extra = sorted(set(e) - set(keys))
+    if extra:
+        raise ConfigError(f"{where}.{extra[0]}: unknown key ({what} has {', '.join(keys[:-1])} and {keys[-1]})")
+    if not isinstance(e.get("path"), str) or not e["path"].strip():
+        raise ConfigError(f"{where}.path = {e.get('path')!r}: expected the path of a token file")
+
+
 def check_mixture(entries: list) -> None:
     """data.mixture: tables of `path` (a token file), `weight` (a finite number >= 0) and optionally `split`;
     the training weights (split both or train) and the validation weights (both or val) each sum above 0."""
     for i, e in enumerate(entries):
         where = f"data.mixture[{i}]"
-        if not isinstance(e, dict):
-            raise ConfigError(f"{where} = {e!r}: expected a table {{path = \"a.bin\", weight = 0.5}}")
-        extra = sorted(set(e) - {"path", "weight", "split"})
-        if extra:
-            raise ConfigError(f"{where}.{extra[0]}: unknown key (a source has path, weight and split)")
-        if not isinstance(e.get("path"), str) or not e["path"].strip():
-            raise ConfigError(f"{where}.path = {e.get('path')!r}: expected the path of a token file")
+        _file_table(e, where, ("path", "weight", "split"), "a source", '{path = "a.bin", weight = 0.5}')
         w = e.get("weight")
         if isinstance(w, bool) or not isinstance(w, (int, float)) or not math.isfinite(w) or w < 0:
             raise ConfigError(f"{where}.weight = {w!r}: expected a finite number >= 0")
@@ -531,6 +540,23 @@ def check_mixture(entries: list) -> None:
 
 
 PACKINGS = ("windows", "documents")
+EVAL_NAME = re.compile(r"[A-Za-z0-9_.-]{1,64}")
+
+
+def check_evals(entries: list) -> None:
+    """data.eval: tables of `name` (letters, digits, _ . -; unique), `path` (a token file) and optionally `split`
+    ("val", the default, or "train": which split of the file is the set)."""
+    seen = set()
+    for i, e in enumerate(entries):
+        where = f"data.eval[{i}]"
+        _file_table(e, where, ("name", "path", "split"), "an evaluation set", '{name = "code", path = "c.bin"}')
+        name = e.get("name")
+        if not isinstance(name, str) or not EVAL_NAME.fullmatch(name) or name in seen:
+            raise ConfigError(f"{where}.name = {name!r}: expected a new name of 1-64 letters, digits, _ . or - "
+                              f"(it names the set's metrics: eval/NAME/loss)")
+        seen.add(name)
+        if e.get("split", "val") not in ("val", "train"):
+            raise ConfigError(f"{where}.split = {e.get('split')!r}: expected 'val' or 'train'")
 
 
 def check_packing(cfg: Config) -> None:
@@ -706,6 +732,8 @@ DOCS = {
                     "when longer than a row, padded; needs an end-of-text token)",
     "data.document_mask": "packing = documents: attention block-causal inside each document, positions restarting "
                           "at each, the target across a boundary not counted",
+    "data.eval": "named held-out sets, loss and bits per byte of each at train.eval_interval (eval/NAME/loss): "
+                 "[[data.eval]] name, path, split (val | train)",
     "data.auto_prepare": f"build the default corpus (stdlib sources) when data.path is '{DEFAULT_DATA_PATH}' and missing",
     "checkpoint.dir": "checkpoint root; {out_dir} is train.out_dir; '' turns checkpoints off",
     "checkpoint.interval": "save every N steps, and always at the end and on SIGTERM/SIGINT (0: only then)",

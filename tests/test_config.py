@@ -277,4 +277,4 @@ def test_every_config_field_has_a_reader():
     assert "megalite.run.schedule" in found["train.lr"]  # `t: TrainConfig` then t.lr
     assert "megalite.run.ckpt_policy" in found["checkpoint.keep_last"]  # self.c = cfg.checkpoint; self.c.keep_last
     assert "megalite.model" in found["model.n_head"]
-    assert "megalite.run.train" in found["data.val_fraction"]
+    assert "megalite.run.inputs" in found["data.val_fraction"]

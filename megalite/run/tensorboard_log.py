@@ -26,6 +26,12 @@ SCALARS = {"loss": "train/loss", "lr": "train/lr", "grad_norm": "train/grad_norm
            "val_bpb": "val/bits_per_byte"}
 
 
+def scalars(rec: dict) -> list[tuple[str, float]]:
+    """(tag, value) of a step record's scalars: SCALARS' keys, and each data.eval set's eval/NAME/loss and /bpb."""
+    return [(tag, rec[key]) for key, tag in SCALARS.items() if key in rec] + \
+        [(key, v) for key, v in rec.items() if key.startswith("eval/")]
+
+
 def require() -> None:
     """Raise ConfigError (one line) unless the tensorboard package and torch's writer for it import."""
     import importlib
@@ -55,9 +61,8 @@ class Board:
         self.writer = SummaryWriter(str(self.path), purge_step=resumed_step + 1 if resumed_step else None)
 
     def write(self, rec: dict) -> None:
-        for key, tag in SCALARS.items():
-            if key in rec:
-                self.writer.add_scalar(tag, rec[key], rec["step"])
+        for tag, value in scalars(rec):
+            self.writer.add_scalar(tag, value, rec["step"])
         self.writer.flush()
 
     def close(self) -> None:

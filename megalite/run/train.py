@@ -30,9 +30,9 @@ from ..parallel.rng import seed_everything
 from .ckpt_policy import CheckpointManager
 from .compile import compile_blocks
 from ..config import DEFAULT_DATA_PATH, Config, ParallelConfig, num_microbatches, resolve, seq_len, settings, validate
-from ..data import (HASH_BITS, BatchSampler, TokenDataset, check_vocab, ensure_data, eval_batches,
-                    eval_tokens_per_byte, identity as data_identity, token_hash, tokens_per_byte)
-from ..data import documents, mixture
+from ..data import HASH_BITS, BatchSampler, ensure_data, identity as data_identity, token_hash
+from ..data import mixture
+from .inputs import open_data, open_evals
 from ..base.errors import ConfigError, DataError, NonFiniteError
 from ..model import GPTStage
 from .schedule import clip_scale, lr_at
@@ -67,6 +67,7 @@ class Trainer:
     stopped_by: Optional[str] = None
     tokenizer: Optional[Tokenizer] = None  # the token file's, copied into every checkpoint
     val_tokens_per_byte: Optional[float] = None  # of the validation targets: val loss -> bits per byte
+    evals: list = field(default_factory=list)  # data.eval: (name, fixed batches, tokens per byte) of each set
 
     @property
     def precision(self) -> str:
@@ -79,37 +80,11 @@ class Trainer:
         return contextlib.nullcontext()
 
 
-def open_data(cfg: Config, dp_rank: int, dp: int) -> tuple:
-    """(the training sampler, the validation batches, their tokens per byte, the tokenizer) of data.path alone,
-    or of data.mixture's sources (data/mixture.py) when it names any."""
-    t, frac = cfg.train, cfg.data.val_fraction or None  # 0: the file's own split; else the last share of its tokens
-    if cfg.data.mixture:
-        train_src, w = mixture.open_sources(cfg.data.mixture, "train", seq_len(cfg), frac)
-        val_src, vw = mixture.open_sources(cfg.data.mixture, "val", seq_len(cfg), frac)
-        tok = mixture.one_tokenizer(train_src + val_src, cfg.model.vocab_size)
-        sampler = mixture.MixtureSampler(train_src, w, t.global_batch_size, dp_rank, dp, t.seed)
-        val = mixture.eval_batches(val_src, vw, t.global_batch_size, dp_rank, dp, t.eval_batches, t.seed)
-        every = mixture.eval_batches(val_src, vw, t.global_batch_size, 0, 1, t.eval_batches, t.seed)
-        return sampler, val, tokens_per_byte((y for _, y in every), tok), tok
-    train_ds, val_ds = TokenDataset(cfg.data.path, "train", frac), TokenDataset(cfg.data.path, "val", frac)
-    check_vocab(train_ds, cfg.model.vocab_size)
-    check_vocab(val_ds, cfg.model.vocab_size)
-    tok = train_ds.tokenizer()
-    if cfg.data.packing == "documents":  # rows of whole documents (data/documents.py)
-        sampler = documents.DocumentSampler(train_ds, seq_len(cfg), t.global_batch_size, dp_rank, dp, t.seed)
-        val = documents.eval_batches(val_ds, seq_len(cfg), t.global_batch_size, dp_rank, dp, t.eval_batches, t.seed)
-        every = documents.eval_batches(val_ds, seq_len(cfg), t.global_batch_size, 0, 1, t.eval_batches, t.seed)
-        return sampler, val, tokens_per_byte((y for _, y in every), tok), tok
-    sampler = BatchSampler(train_ds, seq_len(cfg), t.global_batch_size, dp_rank, dp, t.seed)
-    val = eval_batches(val_ds, seq_len(cfg), t.global_batch_size, dp_rank, dp, t.eval_batches, t.seed)
-    return sampler, val, eval_tokens_per_byte(val_ds, seq_len(cfg), t.global_batch_size, t.eval_batches, t.seed,
-                                              tok), tok
-
-
 def build(cfg: Config, grid: ParallelGrid, device: torch.device) -> Trainer:
     t, par = cfg.train, cfg.parallel
     # the tokenizer is carried by every checkpoint; rows past its vocab are never predicted
     sampler, val, per_byte, tok = open_data(cfg, grid.coord.dp, grid.layout.dp)
+    evals = open_evals(cfg, grid.coord.dp, grid.layout.dp, tok)
     model = GPTStage(cfg.model, grid, vpp=par.vpp, sp=par.sp, recompute=t.recompute,
                      real_vocab=tok.vocab_size).to(device)
     model.init_weights(t.seed)
@@ -122,7 +97,7 @@ def build(cfg: Config, grid: ParallelGrid, device: torch.device) -> Trainer:
                        weight_decay=t.weight_decay, bucket_mb=par.bucket_mb, fused=use_fused(t.fused_adamw, device))
     seed_everything(t.seed, grid)
     return Trainer(cfg, grid, device, model, params, grads, opt, sampler, val, tokenizer=tok,
-                   val_tokens_per_byte=per_byte)
+                   val_tokens_per_byte=per_byte, evals=evals)
 
 
 # ---------------------------------------------------------------- one step
@@ -222,9 +197,11 @@ def _nonfinite(tr: Trainer, loss: float, norm: float) -> bool:
                          f"'skip' drops such steps). The last checkpoint saved stays `latest`")
 
 
-def evaluate(tr: Trainer) -> float:
+def evaluate(tr: Trainer, batches: Optional[list] = None) -> float:
+    """The mean loss over fixed batches (default: the validation batches)."""
+    batches = tr.val if batches is None else batches
     with torch.no_grad():
-        return sum(run_pipeline(tr, b.x, b.y, False, b.mask, b.counted, b.docs) for b in tr.val) / len(tr.val)
+        return sum(run_pipeline(tr, b.x, b.y, False, b.mask, b.counted, b.docs) for b in batches) / len(batches)
 
 
 # ---------------------------------------------------------------- the run
@@ -254,6 +231,8 @@ def _run(cfg: Config, world: int, problem, device, t0: float, log, force: bool) 
         files = {f"data.mixture[{i}] (token file)": data_identity(e["path"]) for i, e in enumerate(cfg.data.mixture)
                  if isinstance(e, dict) and isinstance(e.get("path"), str)} or \
             {"data.path (token file)": data_identity(cfg.data.path)}
+        files.update({f"data.eval[{i}] (token file)": data_identity(e["path"]) for i, e in enumerate(cfg.data.eval)
+                      if isinstance(e, dict) and isinstance(e.get("path"), str)})
         agree_settings({**settings(cfg), **files}, problem)
     grid = ParallelGrid.create(par.layout, timeout=timedelta(seconds=par.timeout_s))
     progress(f"{grid.layout.world_size} rank(s) joined in {time.perf_counter() - t0:.1f} s; building the model and "
@@ -322,6 +301,10 @@ def _loop(tr: Trainer, ckpt: CheckpointManager, log, metrics_file, board=None) -
             rec["val_loss"] = evaluate(tr)
             if tr.val_tokens_per_byte:  # nats/token * tokens/byte / ln 2: one scale for every tokenizer
                 rec["val_bpb"] = rec["val_loss"] * tr.val_tokens_per_byte / math.log(2)
+            for name, batches, per_byte in tr.evals:  # data.eval's named sets
+                rec[f"eval/{name}/loss"] = evaluate(tr, batches)
+                if per_byte:
+                    rec[f"eval/{name}/bpb"] = rec[f"eval/{name}/loss"] * per_byte / math.log(2)
         tr.history.append(rec)
         if metrics_file:
             metrics_file.write(json.dumps(rec) + "\n")

@@ -14,7 +14,7 @@ import os
 from pathlib import Path
 
 from ..base.errors import ConfigError
-from .tensorboard_log import SCALARS
+from .tensorboard_log import scalars
 
 
 def require(cfg) -> None:
@@ -54,7 +54,7 @@ class WandbRun:
                               f"WANDB_MODE=offline to keep it in {out / 'wandb'} and `wandb sync` it later") from None
 
     def write(self, rec: dict) -> None:
-        self.run.log({tag: rec[key] for key, tag in SCALARS.items() if key in rec}, step=rec["step"])
+        self.run.log(dict(scalars(rec)), step=rec["step"])
 
     def close(self) -> None:
         import wandb
