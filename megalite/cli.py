@@ -103,6 +103,14 @@ def _cmd_prepare(args, rest) -> int:
     from .data import check_out, default_corpus_files, prepare
     from .tokenizer import progress_on
     check_out(Path(args.out), args.force)  # before the default corpus is even looked for
+    if args.chat:
+        from .base.errors import DataError
+        from .data.chat import prepare_chat
+        if not args.sources:
+            raise DataError("prepare --chat: name the .jsonl files of conversations to render")
+        prepare_chat(args.sources, args.out, args.tokenizer, val_fraction=args.val_fraction, force=args.force,
+                     log=(lambda *a: None) if args.quiet else print)
+        return 0
     sources = args.sources or default_corpus_files()
     prepare(sources, args.out, val_fraction=args.val_fraction, log=(lambda *a: None) if args.quiet else print,
             tokenizer=args.tokenizer, progress=progress_on(args.quiet), force=args.force, val_split=args.val_split,
@@ -296,6 +304,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--force", action="store_true",
                    help="replace --out if it is a token file `megalite prepare` wrote (never any other file)")
     p.add_argument("--quiet", action="store_true", help="no progress bar, no summary line")
+    p.add_argument("--chat", action="store_true",
+                   help="jsonl conversations ({\"messages\": [{\"role\", \"content\"}, ...]} a line) rendered with "
+                        "--tokenizer's chat template (a transformers folder); only the assistant's turns count in the "
+                        "loss (a loss mask beside --out); a template without {%% generation %%} markers is refused")
 
     p = add("tokenizer", "`tokenizer train`: a GPT-2-style byte-level BPE (GPT-2's regex, every byte encodable, "
                          "<|endoftext|>) trained on text files, written as an HF tokenizer folder", _cmd_tokenizer)

@@ -108,3 +108,50 @@ def test_the_masked_loss_is_the_same_at_dp_cp_and_pp(masked_tokens, tmp_path, tr
     for layout in layouts:
         got = torch.load(tmp_path / f"{''.join(map(str, layout))}.pt")
         assert got == pytest.approx(ref, rel=1e-5), layout
+
+
+TEMPLATE = ("{% for m in messages %}{% if m['role'] == 'assistant' %}<|assistant|>\n{% generation %}"
+            "{{ m['content'] }}{% endgeneration %}\n{% else %}<|{{ m['role'] }}|>\n{{ m['content'] }}\n{% endif %}"
+            "{% endfor %}")
+
+
+def _chat_folder(folder, template):
+    from megalite.tokenizer import train_bpe, write_hf_folder
+    folder.mkdir()
+    tok = train_bpe([H.synthetic_text(20000)], 300)
+    write_hf_folder(tok, folder, 64)
+    config = json.loads((folder / "tokenizer_config.json").read_text())
+    (folder / "tokenizer_config.json").write_text(json.dumps({**config, "chat_template": template}))
+    return folder, tok
+
+
+def test_prepare_chat_counts_only_the_assistants_turns(tmp_path):
+    """The counted tokens decode to exactly the assistant's contents, conversation by conversation; the
+    separators and every user/system token are not counted; a template without generation markers is refused
+    in one line and writes nothing."""
+    pytest.importorskip("jinja2")
+    folder, tok = _chat_folder(tmp_path / "tok", TEMPLATE)
+    words = H.synthetic_text(6000).split()
+    convs = [[{"role": "system", "content": " ".join(words[i:i + 3])},
+              {"role": "user", "content": " ".join(words[i + 3:i + 9])},
+              {"role": "assistant", "content": " ".join(words[i + 9:i + 14])},
+              {"role": "user", "content": "and then"},
+              {"role": "assistant", "content": " ".join(words[i + 14:i + 16])}] for i in range(0, 400, 16)]
+    (tmp_path / "chat.jsonl").write_text("".join(json.dumps({"messages": c}) + "\n" for c in convs))
+    rc, out, err = H.cli_in_process("prepare", tmp_path / "chat.jsonl", "--chat", "--tokenizer", folder,
+                                    "--out", tmp_path / "chat.bin", "--val-fraction", "0")
+    assert rc == 0, err
+    ds = TokenDataset(tmp_path / "chat.bin", "train")
+    ids, mask = np.asarray(ds.tokens, dtype=np.int64), np.asarray(ds.mask, dtype=bool)
+    assert "assistant" in out and 0 < mask.sum() < mask.size / 2
+    docs = np.split(np.arange(ids.size), np.flatnonzero(ids == tok.eot_id))
+    assert len(docs) == len(convs)
+    for conv, at in zip(convs, docs):
+        at = at[ids[at] != tok.eot_id]
+        assert tok.decode(ids[at][mask[at]].tolist()) == "".join(m["content"] for m in conv if m["role"] == "assistant")
+    assert not mask[ids == tok.eot_id].any()
+    bad, _ = _chat_folder(tmp_path / "bad", TEMPLATE.replace("{% generation %}", "").replace("{% endgeneration %}", ""))
+    rc, _, err = H.cli_in_process("prepare", tmp_path / "chat.jsonl", "--chat", "--tokenizer", bad,
+                                  "--out", tmp_path / "bad.bin")
+    assert rc == 2 and "does not mark the assistant's turns" in err and len(err.strip().splitlines()) == 1, err
+    assert not list(tmp_path.glob("bad.*"))

@@ -27,7 +27,7 @@ def test_every_field_has_one_line_of_doc_and_no_doc_is_stale():
     assert set(DOCS) == _all_fields()
     for dotted, typ, default, doc in fields():
         assert doc and "\n" not in doc, dotted
-        assert typ in ("int", "float", "bool", "str", "dict"), (dotted, typ)  # dict: a TOML inline table
+        assert typ in ("int", "float", "bool", "str", "dict", "list"), (dotted, typ)  # dict, list: TOML inline
 
 
 def test_train_help_lists_every_field_with_type_and_default(tmp_path):
