@@ -150,3 +150,28 @@ def test_document_masked_training_is_the_same_at_tp_sp_and_pp(bpe_docs, tmp_path
     run_parallel(_layouts_worker, 2, tmp_path, args=(cfg, layouts))
     for tp, pp, sp in layouts:
         assert torch.load(tmp_path / f"{tp}{pp}{int(sp)}.pt") == pytest.approx(ref, rel=1e-5), (tp, pp, sp)
+
+
+def _resume_worker(rank, world_size, tmp_dir, cfg):
+    from megalite.run.train import train
+    tr = train(cfg, log=lambda *a: None)
+    if rank == 0:
+        torch.save([r["batch_hash"] for r in tr.history], f"{tmp_dir}/first.pt")
+
+
+def test_document_packing_resumes_at_another_dp_and_micro_batch_with_the_same_batch_hash(bpe_docs, tmp_path):
+    """One process is the reference; dp = 2 (micro-batch 4) stops at step 2 and one process at micro-batch 1
+    resumes: every step's batch_hash (the same tokens in the same places) is the reference's."""
+    from megalite.testing import run_parallel
+    path, vocab = bpe_docs
+    base = {"model.vocab_size": vocab, "model.n_layer": 2, "train.steps": 4, "model.block_size": 32,
+            "data.packing": "documents", "data.document_mask": True, "train.global_batch_size": 8}
+    ref = H.train_in_process(H.TINY.config(path, tmp_path / "a", **base))
+    ck = {"checkpoint.dir": str(tmp_path / "ck")}
+    first = H.TINY.config(path, tmp_path / "b", **base, **ck, **{"train.stop_at_step": 2, "parallel.dp": 2,
+                                                                   "train.micro_batch_size": 4})
+    run_parallel(_resume_worker, 2, tmp_path, args=(first,))
+    last = H.train_in_process(H.TINY.config(path, tmp_path / "b", **base, **ck, **{"train.micro_batch_size": 1}))
+    got = torch.load(tmp_path / "first.pt") + [r["batch_hash"] for r in last.history]
+    assert got == [r["batch_hash"] for r in ref.history]
+    assert [r["loss"] for r in last.history] == pytest.approx([r["loss"] for r in ref.history[2:]], rel=1e-5)
