@@ -102,7 +102,8 @@ def test_megatrons_latest_file_at_its_line_budget(tmp_path):
 
 # ---------------------------------------------------------------- numbers: number(), finite()
 @pytest.mark.parametrize("v,lo,hi,ok", [
-    (0, 0, limits.MAX_INT, True), (limits.MAX_INT, 0, limits.MAX_INT, True), (limits.MAX_INT + 1, 0, limits.MAX_INT, False),
+    (0, 0, limits.MAX_INT, True), (limits.MAX_INT, 0, limits.MAX_INT, True),
+    (limits.MAX_INT + 1, 0, limits.MAX_INT, False),
     (-1, 0, limits.MAX_INT, False), (1, 1, limits.MAX_SIZE, True), (limits.MAX_SIZE, 1, limits.MAX_SIZE, True),
     (0, 1, limits.MAX_SIZE, False), (limits.MAX_SIZE + 1, 1, limits.MAX_SIZE, False), (True, 0, 5, False),
     (1.0, 0, 5, False), ("1", 0, 5, False), (None, 0, 5, False), (2**4000, 0, limits.MAX_INT, False)])
@@ -168,7 +169,7 @@ def test_a_pickled_integer_at_max_int_bytes_and_one_past(protocol):
             limits.check_pickle(pickle.dumps(v, protocol), "p", Bound)
 
 
-# ---------------------------------------------------------------- MAX_COUNT and MAX_SIZE: where a config's numbers enter
+# ---------------------------------------------------------------- MAX_COUNT and MAX_SIZE: a config's numbers
 @pytest.mark.parametrize("field,limit", [("train.steps", limits.MAX_COUNT), ("train.seed", limits.MAX_COUNT),
                                          ("model.n_layer", limits.MAX_SIZE), ("model.vocab_size", limits.MAX_SIZE)])
 def test_config_counts_and_sizes_at_their_bound(field, limit):

@@ -1,7 +1,8 @@
 """Defaults no test reached before (issue 42, item 4), each against its outside reference:
 
-- an HF config.json without `tie_word_embeddings`: transformers' default of its config class (Llama: untied,
-  GPT-2: tied), read by megalite as AutoConfig reads it;
+- an HF config.json without `tie_word_embeddings` and the other optional keys megalite reads: the defaults of
+  transformers' config class (Llama: untied, rms_norm_eps 1e-6; GPT-2: tied), as AutoConfig reads them, and
+  from_pretrained's logits on that folder;
 - a Megatron Llama without `args` and without --norm-eps / --rope-theta: megatron-core's defaults
   (TransformerConfig.layernorm_epsilon, GPTModel's rotary_base); with --norm-eps: the flag's value; and a
   Megatron Llama whose args lack norm_epsilon / rotary_base: the same defaults;
@@ -35,24 +36,50 @@ from megalite.parallel.grid import ParallelGrid
 transformers = pytest.importorskip("transformers")
 
 
-# ---------------------------------------------------------------- tie_word_embeddings absent: transformers' default
+# ---------------------------------------------------------------- optional config.json keys absent: class defaults
+OPTIONAL = {"llama": ["tie_word_embeddings", "rms_norm_eps", "rope_parameters", "rope_theta", "rope_scaling",
+                      "max_position_embeddings", "num_key_value_heads", "head_dim"],
+            "gpt2": ["tie_word_embeddings", "layer_norm_epsilon", "n_inner", "activation_function"]}
+
+
 @pytest.mark.parametrize("cls,hf_cls", [("llama", "LlamaForCausalLM"), ("gpt2", "GPT2LMHeadModel")])
-def test_an_hf_config_without_tie_word_embeddings_takes_the_classs_default(tmp_path, cls, hf_cls):
+def test_an_hf_config_without_its_optional_keys_is_read_with_the_classs_defaults(tmp_path, cls, hf_cls):
+    """config.json without tie_word_embeddings (and the other keys megalite reads with a default): megalite's
+    model is what transformers.AutoConfig reads from the same file (Llama untied, rms_norm_eps 1e-6, theta
+    10000; GPT-2 tied, eps 1e-5, gelu_new), and its logits are from_pretrained's on that folder."""
+    from megalite.convert.check import compare, megalite_runner
     if cls == "llama":
         cfg = transformers.LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
-                                       num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=32)
+                                       num_attention_heads=4, num_key_value_heads=4, max_position_embeddings=2048,
+                                       rms_norm_eps=1e-6, tie_word_embeddings=False)
     else:
-        cfg = transformers.GPT2Config(vocab_size=64, n_embd=32, n_layer=1, n_head=4, n_positions=32)
+        cfg = transformers.GPT2Config(vocab_size=64, n_embd=32, n_layer=1, n_head=4, n_positions=32,
+                                      tie_word_embeddings=True)
     model = getattr(transformers, hf_cls)(cfg)
+    with torch.no_grad():  # weights far from init: an eps, a theta or a head that differs shows in the logits
+        for n, p in model.named_parameters():
+            p.mul_(15) if p.dim() > 1 else p.add_(0.1 * torch.randn(p.shape))
     model.save_pretrained(tmp_path)
     raw = json.loads((tmp_path / "config.json").read_text())
-    raw.pop("tie_word_embeddings", None)
+    gone = [k for k in OPTIONAL[cls] if raw.pop(k, "absent") != "absent"]
+    assert "tie_word_embeddings" in gone
     (tmp_path / "config.json").write_text(json.dumps(raw))
-    theirs = transformers.AutoConfig.from_pretrained(tmp_path).tie_word_embeddings
-    assert theirs == (cls == "gpt2")  # the class defaults: LlamaConfig untied, GPT2Config tied
+    theirs = transformers.AutoConfig.from_pretrained(tmp_path)
     src = open_source(tmp_path)
-    assert src.model["tie_embeddings"] is theirs
-    assert ("lm_head.weight" in src.specs) is (not theirs)
+    m = src.model
+    assert m["tie_embeddings"] is theirs.tie_word_embeddings is (cls == "gpt2")
+    assert ("lm_head.weight" in src.specs) is (cls == "llama")
+    if cls == "llama":
+        assert (m["layer_norm_eps"], m["rope_theta"], m["block_size"], m["n_kv_head"] or m["n_head"]) == (
+            theirs.rms_norm_eps, theirs.rope_parameters["rope_theta"], theirs.max_position_embeddings,
+            theirs.num_key_value_heads)
+    else:
+        assert (m["layer_norm_eps"], m["activation"]) == (theirs.layer_norm_epsilon, theirs.activation_function)
+    ref = transformers.AutoModelForCausalLM.from_pretrained(tmp_path, dtype=torch.float32).eval()
+    with torch.no_grad():
+        d, kl, top = compare(lambda ids: ref(ids).logits, megalite_runner(src), 64, 16)
+    print(f"{cls} without {gone}: max |d logit| {d:.2e}, KL {kl:.2e} (logits up to {top:.1f})")
+    assert d < 1e-4 * (1 + top) and top > 3
 
 
 # ---------------------------------------------------------------- Megatron's defaults: megatron-core's
