@@ -13,7 +13,8 @@ byte that a named read path uses:
     cp             a checkpoint written at cp=2 loaded at cp=1 (resharded), and a cp=1 one loaded at cp=2
 
 plus whole files damaged: bytes appended, the file truncated, replaced by another checkpoint's file of the same
-size, swapped with another rank's. The rule on every row: `verify` reports it; the loaders the row names
+size, swapped with another rank's. The rule on every row: `verify` reports it (and `megalite verify` exits 1
+naming as many problems); the loaders the row names
 (those whose read path meets the byte) refuse in one line and write nothing; every other loader either refuses
 too or returns exactly the values it returns from the intact checkpoint (so no loader uses a damaged byte).
 Planted while writing this file: the CRC check removed from the column-range path (`_read_runs` reading
@@ -27,6 +28,7 @@ from pathlib import Path
 import pytest
 import torch
 
+import helpers as H
 from megalite.checkpoint import CheckpointError, load_checkpoint, save_checkpoint
 from megalite.checkpoint import manifest as mf
 from megalite.checkpoint.stream import read_header
@@ -211,6 +213,8 @@ def test_verify_and_every_loader_agree_on_a_damaged_byte(bases, tmp_path, case, 
     damage(step)
     _, problems = verify(step)
     assert problems and all("\n" not in p for p in problems), f"{case}: verify calls it intact"
+    rc, out, err = H.cli_in_process("verify", step)  # the command a user runs: exit 1, one line per problem
+    assert rc == 1 and err.strip().splitlines()[-1] == f"verify: {len(problems)} problem(s) in {step}", (rc, err)
     refused = {}
     for name, fn in LOADERS.items():
         o = tmp_path / "out" / name.replace(" ", "_").replace("=", "").replace(",", "")
