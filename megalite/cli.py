@@ -234,7 +234,8 @@ def _cmd_bench(args, rest) -> int:
         from .bench.train import bench_train
         bench_train(steps=args.steps, nproc=args.nproc, n_embd=args.n_embd or 128, n_layer=args.n_layer or 4,
                     block_size=args.block_size or 128, rounds=args.rounds or 2, wait_ms=args.bubble_wait_ms,
-                    cp_seq=args.cp_seq, pairs=args.pairs, llama_only=args.llama_only)
+                    cp_seq=args.cp_seq, pairs=args.pairs, llama_only=args.llama_only,
+                    families=args.families)
     return 0
 
 
@@ -421,6 +422,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--llama-only", action="store_true",
                    help="train: only the Llama tables (9: vs transformers' LlamaForCausalLM, 10: a block's "
                         "saved bytes per rank)")
+    p.add_argument("--families", action="store_true",
+                   help="train: table 9 also for every other SwiGLU family (qwen2, qwen3, mistral) against its "
+                        "own transformers class")
     p.add_argument("--bubble-wait-ms", type=float, default=None,
                    help="train: t_f of the bubble table's wait rows (default: the model's, at least 40 ms)")
 
