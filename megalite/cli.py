@@ -165,7 +165,7 @@ def _cmd_convert(args, rest) -> int:
 def _cmd_split(args, rest) -> int:
     from .convert import split
     out = split(args.model, args.out, args.tp, args.pp, args.dp, zero1=args.zero1 == "on", step=args.step,
-                force=args.force, quiet=args.quiet, cp=args.cp)
+                force=args.force, quiet=args.quiet, cp=args.cp, check=args.check)
     if not args.quiet:
         print(f"split: wrote {out}")
     return 0
@@ -352,12 +352,16 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--force", action="store_true", help="replace --out if it exists")
     p.add_argument("--quiet", action="store_true")
 
-    p = add("split", "cut one model file (megalite or HF GPT-2 folder) into a checkpoint at a layout "
-                     "(fresh optimizer state)", _cmd_split)
+    p = add("split", "cut one model (a megalite file, a transformers folder of any family, a Megatron-LM "
+                     "checkpoint) into a checkpoint at a layout (fresh optimizer state)", _cmd_split)
     p.add_argument("model")
     _layout_flags(p)
     p.add_argument("--zero1", choices=["on", "off"], default="off")
     p.add_argument("--step", type=int, default=0, help="the step the checkpoint says it is at")
+    p.add_argument("--check", action=argparse.BooleanOptionalAction, default=None,
+                   help="from another trainer or transformers: megalite's model on the source's tensors against "
+                        "the source's own forward on fixed prompts, before anything is written (default: on "
+                        "where transformers is installed)")
 
     p = add("reshard", "move a full training checkpoint (model, optimizer, step, data position) to a new "
                        "layout", _cmd_reshard)
