@@ -121,12 +121,6 @@ def heads(h: Hints, hidden: int, q_rows: int, kv_rows: int, where: str, q_name: 
     return H, KV, hd
 
 
-def check_told(h: Hints, name: str, told, read, tensor: str, what: str) -> None:
-    """A flag that says something else than the tensors: one line naming both."""
-    if told is not None and told != read:
-        raise ConvertError(f"{_flag(name)} {told} contradicts tensor '{tensor}', which {what}")
-
-
 # ---------------------------------------------------------------- the Llama family under megalite's names
 def llama_model(n_layer: int, n_head: int, n_kv_head: int, n_embd: int, ffn: int, vocab: int, tied: bool,
                 theta: float, scaling: Optional[dict], eps: float, block_size: int) -> dict:
