@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from .base.errors import ConfigError, LayoutError
-from .base.limits import MAX_COUNT, MAX_SIZE  # noqa: F401 (re-exported: config.MAX_COUNT is read elsewhere)
+from .base.limits import MAX_COUNT, MAX_INT, MAX_SIZE, describe, finite  # noqa: F401 (MAX_COUNT: read elsewhere)
 from .base.fs import path_kind
 from .parallel.grid import Layout
 
@@ -228,10 +228,13 @@ def _coerce(value, typ, dotted: str, source: str, from_text: bool = False):
             return want(text)
         except ValueError:
             raise ConfigError(f"{source}: {dotted} = {value!r} is not a valid {typ}") from None
+    if want in (int, float) and type(value) is int and abs(value) > MAX_INT:  # 10**400 is no float, no int64
+        raise ConfigError(f"{source}: {dotted} = {describe(value)}, expected {'an int' if want is int else 'a float'} "
+                          f"of at most {MAX_INT:.3g} in size")
     if want is float and isinstance(value, int) and not isinstance(value, bool):
         return float(value)
     if type(value) is not want:
-        raise ConfigError(f"{source}: {dotted} = {value!r} has type {type(value).__name__}, expected {typ}")
+        raise ConfigError(f"{source}: {dotted} = {describe(value)} has type {type(value).__name__}, expected {typ}")
     return value
 
 
@@ -334,9 +337,7 @@ def check_rope_scaling(rs: dict, where: str = "") -> None:
         raise ConfigError(f"{where}model.rope_scaling.{extra[0]}: not a key of rope_type '{kind}' "
                           f"(expected {', '.join(need)})")
     for key in need:
-        v = rs.get(key)
-        if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or v <= 0:
-            raise ConfigError(f"{where}model.rope_scaling.{key} = {v!r}: expected a positive number")
+        finite(rs.get(key), f"{where}model.rope_scaling.{key}", ConfigError, positive=True)
     if not rs["high_freq_factor"] > rs["low_freq_factor"]:
         raise ConfigError(f"{where}model.rope_scaling.high_freq_factor = {rs['high_freq_factor']}: must be larger "
                           f"than low_freq_factor = {rs['low_freq_factor']}")
