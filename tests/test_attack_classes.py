@@ -8,6 +8,9 @@
     a cast that overflows                --dtype fp16 of a weight of 1e6 refused, never written as inf
     every file through base/fs           a weight_map naming a FIFO refused at once (no hang), a symlink refused
     a dtype megalite does not know       refused by the one dtype table, never called float32
+    megalite torchrun                    --nproc-per-node abc/0 one line; a failed worker's exit code; the
+                                         survivor of a SIGKILLed worker one line (gloo's traceback before)
+    W&B inside the run's folder          in tests/test_wandb.py's offline run (one W&B run serves both)
 
 Each test plants nothing of its own: the input is the attack; the commit that added a test says which fix,
 reverted, makes it fail."""
@@ -22,7 +25,7 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-from helpers import cli, cli_in_process
+from helpers import TORCHRUN_TIMEOUT, cli, cli_in_process, run
 from megalite.base.errors import ConfigError
 from megalite.config import ModelConfig, model_from
 from megalite.convert import hints as hn
@@ -162,3 +165,33 @@ def test_a_dtype_outside_the_table_is_refused_not_called_float32(tmp_path):
     save_file(state, folder / "model.safetensors", metadata={"format": "pt"})
     one_line(*cli_in_process("convert", folder, "--no-check", "--out", tmp_path / "o.safetensors"),
              "tensor 'model.norm.weight': dtype 'F8_E4M3', expected one of F32, BF16")
+
+
+# ---------------------------------------------------------------- megalite torchrun: one line, the worker's code
+@pytest.mark.parametrize("n", ["abc", "0", "-1"])
+def test_torchrun_refuses_a_number_of_processes_it_cannot_start_in_one_line(n):
+    p = cli("torchrun", "--standalone", "--nproc-per-node", n, "-m", "megalite", "config")
+    one_line(p.returncode, p.stdout, p.stderr, f"megalite torchrun: error: --nproc-per-node {n}: expected a "
+                                               f"positive number of processes")
+
+
+def test_torchrun_gives_a_failed_workers_exit_code():
+    p = cli("torchrun", "--standalone", "--nproc-per-node", "2", "--no-python", "sh", "-c", "exit 13")
+    assert p.returncode == 13 and "Traceback" not in p.stderr, p.stderr
+    assert "megalite torchrun: rank 0 exited with code 13, rank 1 exited with code 13" in p.stderr, p.stderr
+
+
+def test_the_survivor_of_a_sigkilled_worker_says_one_line(tiny_toml, tmp_path):
+    """Rank 1 SIGKILLed as it finishes writing its part of the step-2 save (faults.kill_point): rank 0, waiting
+    for its report, fails on a closed gloo connection and says so in one line (was a 37-line gloo traceback);
+    the launcher gives 128 + 9."""
+    p = run([sys.executable, "-m", "megalite", "torchrun", "--standalone",
+             "--nproc-per-node", "2", "-m", "megalite", "train", "--config", tiny_toml, "--train.steps=3",
+             "--parallel.dp=2", "--checkpoint.interval=2", f"--checkpoint.dir={tmp_path / 'ckpt'}",
+             f"--train.out_dir={tmp_path / 'run'}"], timeout=TORCHRUN_TIMEOUT,
+            extra_env={"MEGALITE_KILL_POINT": "slices_written", "MEGALITE_KILL_RANK": "1"})
+    ours = [line for line in p.stderr.splitlines() if line.startswith("megalite train:")]
+    assert "Traceback" not in p.stdout + p.stderr and len(ours) == 1, p.stderr[-3000:]
+    assert ours[0].startswith("megalite train: error: another rank of the job is gone (gloo: "), ours
+    assert p.returncode == 128 + 9 and "rank 1 was killed by SIGKILL" in p.stderr, (p.returncode, p.stderr[-2000:])
+
