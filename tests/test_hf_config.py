@@ -141,3 +141,46 @@ def test_a_tied_config_beside_a_different_stored_head_keeps_the_head_as_transfor
     f = convert(src, tmp_path / "m.safetensors", quiet=True)
     assert (load_model(f)(IDS).detach() - want.detach()).abs().max() < 1e-5
     assert (load_model(split(src, tmp_path / "ck", 1, 1, 1, quiet=True))(IDS).detach() - want.detach()).abs().max() < 1e-5
+
+
+def test_convert_config_flag_reads_config_json_as_the_import_does(tmp_path):
+    """`convert --config` (other trainers' checkpoints) reads config.json with the family's own rules: a key that
+    changes the forward is refused in the same line an import gives; two rope_thetas that disagree are refused;
+    harmless keys pass."""
+    from megalite.convert import hints as hn
+    base = dict(model_type="llama", num_attention_heads=4, num_key_value_heads=2, hidden_act="silu",
+                rms_norm_eps=1e-5, vocab_size=96)
+    p = tmp_path / "config.json"
+    p.write_text(json.dumps({**base, **HUB_CARD}))
+    assert hn.merge_config(hn.Hints(), p).num_heads == 4
+    for bad, pattern in ((dict(mlp_bias=True, rope_interleaved=True), r"2 fields would change the forward: "
+                                                                      r"mlp_bias = true .*rope_interleaved = true"),
+                         (dict(rope_theta=5e5, rope_parameters={"rope_type": "default", "rope_theta": 1e4}),
+                          r"rope_theta = 500000.0 and rope_parameters.rope_theta = 10000.0 disagree"),
+                         (dict(model_type="gemma"), r"model_type = 'gemma', expected one of")):
+        p.write_text(json.dumps({**base, **bad}))
+        with pytest.raises(ConvertError, match=pattern):
+            hn.merge_config(hn.Hints(), p)
+
+
+def test_split_of_a_transformers_folder_runs_the_self_check(tmp_path, saved, monkeypatch, capsys):
+    """split checks megalite's model on the folder's tensors against transformers' own forward before writing,
+    as convert does; a planted misreading (gate and up swapped) is refused and nothing is written."""
+    from megalite.models.llama import LlamaHF
+    folder, _ = saved
+    split(folder, tmp_path / "ok", 2, 1, 1)
+    assert "check: megalite's model on the source's tensors" in capsys.readouterr().err
+    real = LlamaHF.from_hf
+
+    def swapped(self, name, t, tied=True):
+        swap = {"mlp.gate_proj.weight": "mlp.up_proj.weight", "mlp.up_proj.weight": "mlp.gate_proj.weight"}
+        for a, b in swap.items():
+            if name.endswith(a):
+                return real(self, name[:-len(a)] + b, t, tied)
+        return real(self, name, t, tied)
+    monkeypatch.setattr(LlamaHF, "from_hf", swapped)
+    with pytest.raises(ConvertError, match=r"--check: megalite's model on the source's tensors: the result's "
+                                           r"logits differ"):
+        split(folder, tmp_path / "bad", 2, 1, 1)
+    assert not (tmp_path / "bad").exists()
+    split(folder, tmp_path / "unchecked", 2, 1, 1, check=False, quiet=True)  # --no-check: written as read
