@@ -176,10 +176,6 @@ class MixtureSampler:
                             f"the data-parallel size {self.dp_size}")
         self.batch_index, self.cursors = 0, [0] * len(self.sources)
 
-    @property
-    def local_batch_size(self) -> int:
-        return self.global_batch_size // self.dp_size
-
     def next_batch(self):
         src, idx, self.cursors = blend(self.weights, self.global_batch_size, self.cursors)
         self.batch_index += 1
