@@ -53,7 +53,9 @@ EPILOGS = {
     "generate": "examples:\n"
                 "  megalite generate --model runs/demo/model.safetensors --prompt 'def ' --max-new-tokens 60\n"
                 "  megalite generate --model runs/demo/checkpoints --prompt 'def ' --temperature 0   # greedy\n"
-                "  megalite generate --model runs/demo/hf/ --prompt 'The ' --ignore-eot",
+                "  megalite generate --model runs/demo/hf/ --prompt 'The ' --ignore-eot\n"
+                "  megalite generate --model SmolLM2-135M-Instruct/ --chat --system 'Be brief.' --prompt 'Hi!' "
+                "--top-p 0.9",
 }
 
 def _report(command: str, e: BaseException) -> None:
@@ -184,14 +186,20 @@ def _cmd_reshard(args, rest) -> int:
 def _cmd_generate(args, rest) -> int:
     from .config import ConfigError
     from .generate import check_sampling, sample_text
-    check_sampling(args.max_new_tokens, args.temperature, args.top_k, args.seed)  # before the model is read
-    try:
-        args.prompt.encode("utf-8")
-    except UnicodeEncodeError:
-        raise ConfigError("--prompt: not valid UTF-8 text (every tokenizer here reads UTF-8 bytes)") from None
+    # before the model is read
+    check_sampling(args.max_new_tokens, args.temperature, args.top_k, args.seed, args.top_p)
+    if args.system is not None and not args.chat:
+        raise ConfigError("--system: only with --chat (the system turn of the model's chat template)")
+    for flag, text in (("--prompt", args.prompt), ("--system", args.system), *(("--stop", t) for t in args.stop)):
+        try:
+            (text or "").encode("utf-8")
+        except UnicodeEncodeError:
+            raise ConfigError(f"{flag}: not valid UTF-8 text (every tokenizer here reads UTF-8 bytes)") from None
+    if "" in args.stop:
+        raise ConfigError("--stop '': expected a non-empty text (it would end the sample at once)")
     sample_text(args.model, args.prompt, max_new_tokens=args.max_new_tokens, temperature=args.temperature,
-                top_k=args.top_k, seed=args.seed, as_ids=args.ids, stream=sys.stdout,  # token by token
-                stop_at_eot=not args.ignore_eot)
+                top_k=args.top_k, top_p=args.top_p, seed=args.seed, as_ids=args.ids, stream=sys.stdout,
+                stop_at_eot=not args.ignore_eot, stops=args.stop, chat=args.chat, system=args.system)
     print()
     return 0
 
@@ -366,8 +374,9 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = add("generate", "sample text from a model in one plain process, with the tokenizer the model carries",
             _cmd_generate)
-    p.add_argument("--model", required=True, help="a checkpoint (root or step folder), a `megalite convert` file "
-                                                  "or an HF GPT-2 folder")
+    p.add_argument("--model", required=True, help="a megalite checkpoint (root or step folder), a megalite model "
+                                                  "file (`megalite convert`), or a transformers folder (GPT-2 or "
+                                                  "Llama: config.json, safetensors weights, its tokenizer)")
     p.add_argument("--prompt", default="\n", help="the text to continue (default: a newline)")
     p.add_argument("--max-new-tokens", type=int, default=None,
                    help="tokens to sample (default: 200, or fewer so that prompt + sample fit the model's "
@@ -376,10 +385,21 @@ def build_parser() -> argparse.ArgumentParser:
                    help="softmax temperature; 0: greedy, the likeliest token each time (default: %(default)s)")
     p.add_argument("--top-k", type=int, default=0,
                    help="sample among the k likeliest tokens only; 0: all of them (default: %(default)s)")
+    p.add_argument("--top-p", type=float, default=1.0,
+                   help="nucleus sampling: among the fewest likeliest tokens whose probabilities sum to at least p "
+                        "(after --top-k, as transformers orders them); 1: all of them (default: %(default)s)")
     p.add_argument("--seed", type=int, default=0, help="seed of the sampling (default: %(default)s)")
+    p.add_argument("--stop", action="append", default=[], metavar="TEXT",
+                   help="end the sample where TEXT appears (the text ends before it); repeatable")
+    p.add_argument("--chat", action="store_true",
+                   help="the prompt is a user's turn in the model's chat template (chat_template.jinja or "
+                        "tokenizer_config.json's chat_template); prints the reply")
+    p.add_argument("--system", default=None, metavar="TEXT", help="with --chat: a system turn before the prompt")
     p.add_argument("--ids", action="store_true", help="print the token ids (prompt + new), not the text")
     p.add_argument("--ignore-eot", action="store_true",
-                   help="sample on past the end-of-text token (by default it ends the text, as in transformers)")
+                   help="sample on past the model's end ids (generation_config.json's eos_token_id, a list or "
+                        "one; config.json's; the tokenizer's eos and <|endoftext|>), which by default end the "
+                        "text, as in transformers")
 
     p = add("bench", "benchmarks: `bench ckpt` (saves/loads vs DCP, torch.save and the disk), `bench train` "
                      "(vs plain PyTorch, pipeline bubbles, layouts), `bench plan` (checkpoint write plan and "
