@@ -121,3 +121,123 @@ def test_sampling_filters_keep_the_tokens_a_hand_computation_keeps():
         ref = TopKLogitsWarper(k)(None, ref) if k else ref
         ref = TopPLogitsWarper(tp)(None, ref)
         assert torch.allclose(torch.softmax(ref, -1), torch.softmax(filter_logits(logits, t, k, tp), -1), atol=1e-6)
+
+
+# ---------------------------------------------------------------- transformers folders, saved by transformers
+SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]  # ids 0, 1, 2
+TEMPLATE = ("{{ bos_token }}{% for message in messages %}{% if loop.first and message['role'] != 'system' %}"
+            "{{ '<|im_start|>system\nYou are a helpful assistant.<|im_end|>\n' }}{% endif %}"
+            "{{ '<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>\n' }}{% endfor %}"
+            "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}")
+PROMPT, NEW = "the cat sat", 16
+
+
+def _tokenizer(chat: bool):
+    """A byte-level BPE of 300 ids (the tokenizers library) with three added special tokens, as transformers'
+    PreTrainedTokenizerFast (bos <|endoftext|>, eos <|im_end|>; with `chat` a chat template)."""
+    import transformers
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    tok.train_from_iterator([H.synthetic_text(2000)], trainers.BpeTrainer(
+        vocab_size=300, special_tokens=SPECIALS, initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
+    return transformers.PreTrainedTokenizerFast(tokenizer_object=tok, bos_token=SPECIALS[0], eos_token=SPECIALS[2],
+                                                chat_template=TEMPLATE if chat else None)
+
+
+@pytest.fixture(scope="module")
+def hf_folders(tmp_path_factory) -> dict:
+    """{family: (folder, its greedy continuation of PROMPT by transformers' full forward, NEW tokens)}: a GPT-2
+    (no chat template) and a GQA Llama (a chat template), random weights of std 0.2, saved by transformers. The
+    Llama's generation_config.json then lists two eos ids: <|im_end|> and the first new id of the continuation
+    from its third on, so that the sample ends there."""
+    transformers = pytest.importorskip("transformers")
+    out = {}
+    for family, config in (("gpt2", transformers.GPT2Config(n_layer=2, n_head=4, n_embd=32, n_positions=64)),
+                           ("llama", transformers.LlamaConfig(
+                               num_hidden_layers=2, hidden_size=32, intermediate_size=64, num_attention_heads=4,
+                               num_key_value_heads=2, max_position_embeddings=64, tie_word_embeddings=False))):
+        tok = _tokenizer(chat=family == "llama")
+        config.vocab_size, config.initializer_range, config.bos_token_id, config.eos_token_id = len(tok), 0.2, 0, 2
+        torch.manual_seed(0)
+        model = transformers.AutoModelForCausalLM.from_config(config).eval()
+        d = tmp_path_factory.mktemp(f"hf-{family}")
+        model.save_pretrained(d)
+        tok.save_pretrained(d)
+        ids = tok(PROMPT)["input_ids"]
+        with torch.no_grad():  # greedy by hand: transformers' forward over the whole context, argmax
+            for _ in range(NEW):
+                ids.append(int(model(torch.tensor([ids])).logits[0, -1].argmax()))
+        cont = ids[-NEW:]
+        assert not set(cont) & {0, 1, 2}, cont  # the seed's sample draws no special token
+        if family == "llama":
+            k = next(i for i in range(2, NEW) if cont[i] not in cont[:i])
+            gen = json.loads((d / "generation_config.json").read_text())
+            (d / "generation_config.json").write_text(json.dumps({**gen, "eos_token_id": [2, cont[k]]}))
+        out[family] = (d, cont)
+    return out
+
+
+def _ids(*args) -> list[int]:
+    rc, out, err = H.cli_in_process("generate", *args, "--ids", "--temperature", "0")
+    assert rc == 0, err
+    return [int(i) for i in out.split()]
+
+
+@pytest.mark.parametrize("family", ["gpt2", "llama"])
+def test_greedy_ids_are_transformers_and_stop_at_the_first_eos_of_the_list(hf_folders, family):
+    """--temperature 0 on a folder transformers saved: the ids of transformers' greedy forward by hand
+    (--ignore-eot, all 16 new); without it the Llama's sample ends at the first id of generation_config.json's
+    eos list that it draws, where transformers' `generate` (with its cache) ends too, with the same ids."""
+    import transformers
+    d, cont = hf_folders[family]
+    tok = transformers.AutoTokenizer.from_pretrained(d)
+    prompt = tok(PROMPT)["input_ids"]
+    assert _ids("--model", d, "--prompt", PROMPT, "--max-new-tokens", NEW, "--ignore-eot") == prompt + cont
+    model = transformers.AutoModelForCausalLM.from_pretrained(d).eval()
+    theirs = model.generate(torch.tensor([prompt]), do_sample=False, max_new_tokens=NEW, use_cache=True)[0].tolist()
+    ours = _ids("--model", d, "--prompt", PROMPT, "--max-new-tokens", NEW)
+    assert ours == theirs, (ours, theirs)
+    if family == "llama":
+        eos = json.loads((d / "generation_config.json").read_text())["eos_token_id"]
+        assert isinstance(eos, list) and len(ours) < len(prompt) + NEW and ours[-1] == eos[1]
+
+
+def test_chat_ids_are_apply_chat_templates_and_a_model_without_one_is_refused(hf_folders):
+    """--chat (with and without --system) renders the folder's chat_template.jinja: the prompt's ids are
+    AutoTokenizer.apply_chat_template's (add_generation_prompt=True); the printed text is the reply alone. The
+    GPT-2 folder has no chat template: one line, exit 2."""
+    import transformers
+    d = hf_folders["llama"][0]
+    tok = transformers.AutoTokenizer.from_pretrained(d)
+    for system in (None, "Be brief."):
+        messages = ([{"role": "system", "content": system}] if system else []) + [{"role": "user", "content": PROMPT}]
+        want = tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+        want = list(want["input_ids"] if hasattr(want, "keys") else want)
+        got = _ids("--model", d, "--prompt", PROMPT, "--chat", *(["--system", system] if system else []),
+                   "--max-new-tokens", 2)
+        assert got[:len(want)] == want and len(got) == len(want) + 2, (got, want)
+    rc, out, err = H.cli_in_process("generate", "--model", d, "--prompt", PROMPT, "--chat", "--max-new-tokens", 3,
+                                    "--temperature", "0", "--ignore-eot")
+    assert rc == 0 and "<|im_start|>" not in out and PROMPT not in out, out
+    rc, out, err = H.cli_in_process("generate", "--model", hf_folders["gpt2"][0], "--prompt", PROMPT, "--chat")
+    assert rc == 2 and out == "" and err.count("\n") == 1 and "has no chat template" in err, err
+
+
+def test_stop_text_ends_the_text_before_it(hf_folders):
+    """--stop TEXT: the text ends before TEXT's first appearance in the sample (streamed the same: a tail that
+    may begin TEXT is held back); the ids end with the token that completed it; an absent TEXT changes nothing."""
+    import transformers
+    d, cont = hf_folders["gpt2"]
+    tok = transformers.AutoTokenizer.from_pretrained(d)
+    gen = tok.decode(cont)
+    stop = gen[len(gen) // 2:len(gen) // 2 + 3]  # three characters from the middle of the sample
+    j = next(j for j in range(NEW) if stop in tok.decode(cont[:j + 1]))
+    base = ["--model", d, "--prompt", PROMPT, "--max-new-tokens", NEW, "--temperature", "0"]
+    rc, out, err = H.cli_in_process("generate", *base, "--stop", "\x01never", "--stop", stop)
+    assert rc == 0 and out == PROMPT + gen[:gen.find(stop)] + "\n", (out, stop)
+    assert sample_text(d, PROMPT, max_new_tokens=NEW, temperature=0, stops=[stop]) == out[:-1]
+    prompt = tok(PROMPT)["input_ids"]
+    assert _ids(*base[:-2], "--stop", stop) == prompt + cont[:j + 1]
+    assert H.cli_in_process("generate", *base, "--stop", "\x01never")[1] == PROMPT + gen + "\n"
