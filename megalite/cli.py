@@ -47,7 +47,8 @@ EPILOGS = {
              "  megalite bench train --steps 10 --nproc 4\n"
              "  megalite bench plan --tp 8 --pp 16 --dp 8,32,128 --reshard-to 8,8,256   (GPT-3 175B shape)\n"
              "  megalite bench dcp --size-mb 300\n"
-             "  megalite bench prepare --size-mb 64 --rounds 3",
+             "  megalite bench prepare --size-mb 64 --rounds 3\n"
+             "  megalite bench generate --new-tokens 64 --rounds 3   (a 135M-class Llama on this CPU)",
     "torchrun": "example:\n  megalite torchrun --standalone --nproc-per-node 8 -m megalite train --config configs/tiny-cpu.toml "
                 "--parallel.tp=2 --parallel.pp=2 --parallel.dp=2",
     "generate": "examples:\n"
@@ -234,6 +235,10 @@ def _cmd_bench(args, rest) -> int:
         from .bench.plan import bench_plan_cli
         args.vocab_size = args.vocab_size or 50304
         bench_plan_cli(args)
+    elif args.what == "generate":
+        from .bench.generate import bench_generate
+        bench_generate(n_layer=args.n_layer or 30, n_embd=args.n_embd or 576, vocab_size=args.vocab_size or 49152,
+                       new_tokens=args.new_tokens, rounds=args.rounds or 3, dir=args.dir)
     elif args.what == "prepare":
         from .bench.prepare import bench_prepare
         bench_prepare(size_mb=args.size_mb or 32, vocab_size=args.vocab_size or 4096, tokenizer=args.tokenizer,
@@ -405,8 +410,8 @@ def build_parser() -> argparse.ArgumentParser:
                      "(vs plain PyTorch, pipeline bubbles, layouts), `bench plan` (checkpoint write plan and "
                      "manifest at thousands of ranks, no tensors), `bench dcp` (a DCP checkpoint to one file: "
                      "megalite convert vs dcp_to_torch_save), `bench prepare` (prepare vs the tokenizers "
-                     "library's encode_batch)", _cmd_bench)
-    p.add_argument("what", choices=["ckpt", "train", "plan", "dcp", "prepare"])
+                     "library's encode_batch), `bench generate` (tokens/s vs transformers' generate with its KV cache)", _cmd_bench)
+    p.add_argument("what", choices=["ckpt", "train", "plan", "dcp", "prepare", "generate"])
     p.add_argument("--size-mb", type=float, default=None,
                    help="ckpt: model + optimizer bytes over all ranks (1024); dcp: the DCP checkpoint's size "
                         "(300); prepare: corpus size (32)")
@@ -415,15 +420,17 @@ def build_parser() -> argparse.ArgumentParser:
                         "table: s/GiB per operation and size, megalite / peer, a fixed + per-GiB fit")
     p.add_argument("--world", type=int, default=4, help="ckpt: gloo processes")
     p.add_argument("--repeats", type=int, default=3, help="ckpt: repetitions of each measurement")
-    p.add_argument("--dir", default=None, help="ckpt: folder to write in (default: the temp folder)")
+    p.add_argument("--dir", default=None, help="ckpt, prepare, generate: folder to write in (default: the temp "
+                                                         "folder)")
     p.add_argument("--steps", type=int, default=10, help="train: timed steps per measurement")
+    p.add_argument("--new-tokens", type=int, default=64, help="generate: tokens each run draws (default: 64)")
     p.add_argument("--nproc", type=int, default=4, help="train: processes for the layout table")
-    p.add_argument("--n-embd", type=int, default=None, help="model width (train: 128, plan: 12288)")
-    p.add_argument("--n-layer", type=int, default=None, help="model depth (train: 4, plan: 96)")
+    p.add_argument("--n-embd", type=int, default=None, help="model width (train: 128, plan: 12288, generate: 576)")
+    p.add_argument("--n-layer", type=int, default=None, help="model depth (train: 4, plan: 96, generate: 30)")
     p.add_argument("--block-size", type=int, default=None, help="sequence length (train: 128, plan: 2048)")
     p.add_argument("--n-head", type=int, default=96, help="plan: attention heads")
     p.add_argument("--vocab-size", type=int, default=None, help="plan: vocabulary (50304); prepare: the BPE "
-                                                                 "trained for it (4096)")
+                                                                 "trained for it (4096); generate: 49152")
     p.add_argument("--tokenizer", default=None, help="prepare: a tokenizer to use instead of training one")
     p.add_argument("--tp", type=int, default=8, help="plan: tensor-parallel size")
     p.add_argument("--pp", type=int, default=16, help="plan: pipeline stages")
@@ -434,7 +441,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--reshard-to", default=None, metavar="TP,PP,DP[,CP]",
                    help="plan: what each rank of this layout reads to resume the last layout's checkpoint")
     p.add_argument("--rounds", type=int, default=None,
-                   help="train: alternating runs of each feature table's settings (2); prepare: of each (3)")
+                   help="train: alternating runs of each feature table's settings (2); prepare, generate: of "
+                        "each (3)")
     p.add_argument("--pairs", type=int, default=5, help="train: table 1's megalite/plain pairs of fresh processes")
     p.add_argument("--cp-seq", type=int, default=None,
                    help="train: sequence length of the context-parallel table (default: 8 x --block-size)")
