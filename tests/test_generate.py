@@ -241,3 +241,23 @@ def test_stop_text_ends_the_text_before_it(hf_folders):
     prompt = tok(PROMPT)["input_ids"]
     assert _ids(*base[:-2], "--stop", stop) == prompt + cont[:j + 1]
     assert H.cli_in_process("generate", *base, "--stop", "\x01never")[1] == PROMPT + gen + "\n"
+
+
+def test_bench_generate_prints_its_table(tmp_path, capsys):
+    """`megalite bench generate` as docs/performance.md shows it, small (transcripts.SMALL_ARGS: 2 layers, width
+    192): every shown line's shape is printed, both sides give the same ids, nothing is left behind."""
+    import shlex
+    from benchmarks import transcripts
+    from megalite.cli import main
+    pytest.importorskip("transformers")
+    outs = []
+
+    def runner(cmd):
+        assert main([*shlex.split(cmd)[1:], "--dir", str(tmp_path)]) == 0
+        outs.append(capsys.readouterr().out)
+        return outs[-1]
+
+    assert transcripts.check("bench-generate", runner) == [], "docs/performance.md shows lines the bench no longer prints"
+    [out] = outs
+    assert "same ids: yes (4 new tokens)" in out and "(median of 2 alternated pairs; range" in out
+    assert list(tmp_path.iterdir()) == []

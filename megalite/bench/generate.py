@@ -78,8 +78,8 @@ def bench_generate(n_layer: int = 30, n_embd: int = 576, vocab_size: int = 49152
             if kind == "megalite":
                 return generate(ours, ids, max_new_tokens=n, temperature=0, warn=lambda m: None)
             with torch.no_grad():
-                return theirs.generate(torch.tensor([ids]), do_sample=False, max_new_tokens=n, use_cache=True,
-                                       min_new_tokens=n)[0].tolist()
+                return theirs.generate(torch.tensor([ids]), do_sample=False, max_new_tokens=n,
+                                       use_cache=True)[0].tolist()
 
         for kind in ("megalite", "transformers"):  # warm-up: first calls allocate and pick kernels
             run(kind, 2)
