@@ -25,16 +25,21 @@ from megalite.model import GPTStage
 from megalite.parallel.grid import ParallelGrid
 
 FAMILIES = {"gpt2": {}, "llama": {"arch": "llama", "n_kv_head": 2, "rope_theta": 10000.0}}  # 4 heads, 2 kv
+# the other specs' features under the cache: q/k/v biases, per-head q/k norms with a head width of their own,
+# a sliding window shorter than the context
+MORE = {"qwen2": {"arch": "qwen2", "n_kv_head": 2}, "qwen3": {"arch": "qwen3", "n_kv_head": 1, "head_size": 16},
+        "mistral": {"arch": "mistral", "n_kv_head": 2, "sliding_window": 5}}
 
 
 def tiny(family: str, seed: int = 0) -> GPTStage:
-    cfg = ModelConfig(n_layer=2, n_head=4, n_embd=32, block_size=24, vocab_size=64, dropout=0.0, **FAMILIES[family])
+    cfg = ModelConfig(n_layer=2, n_head=4, n_embd=32, block_size=24, vocab_size=64, dropout=0.0,
+                      **{**FAMILIES, **MORE}[family])
     model = GPTStage(cfg, ParallelGrid.single())
     model.init_weights(seed)
-    with torch.no_grad():  # weights of std 0.3: attention that is far from uniform, so positions matter
-        for p in model.parameters():
-            if p.dim() > 1:
-                p.normal_(0, 0.3, generator=torch.Generator().manual_seed(seed + p.numel()))
+    with torch.no_grad():  # weights of std 0.3: attention that is far from uniform, so positions matter;
+        for p in model.parameters():  # norms and biases moved off their ones and zeros
+            g = torch.Generator().manual_seed(seed + p.numel())
+            p.add_(0.1 * torch.randn(p.shape, generator=g)) if p.dim() == 1 else p.normal_(0, 0.3, generator=g)
     return model.eval()
 
 
@@ -65,10 +70,11 @@ def assert_cache_is_the_full_forward(model, tag: str):
                                           **kw), (tag, kw, len(prompt))
 
 
-@pytest.mark.parametrize("family", FAMILIES)
+@pytest.mark.parametrize("family", [*FAMILIES, *MORE])
 def test_kv_cache_gives_the_full_forwards_logits_at_every_position(family):
     """Planted: rotary at positions 0.. for the cached tokens too (heads' `start` ignored), GPT-2's wpe rows
-    from 0, the chunk's mask without its diagonal offset (tril(0)): each fails at 1e-5."""
+    from 0, the chunk's mask without its offset (queries at positions 0..T-1): each fails at 1e-5; the window
+    applied to the cached keys as if the queries were at 0..T-1 fails Mistral's."""
     assert_cache_is_the_full_forward(tiny(family), f"{family} (1,1,1)")
 
 

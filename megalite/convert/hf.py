@@ -44,7 +44,7 @@ class HFFolder(Source):
         if self.family is None:
             raise ConvertError(f"{cfg_file}: model_type is {limits.describe(got)}, expected one of "
                                f"{', '.join(repr(k) for k in BY_MODEL_TYPE)} (the families megalite models)")
-        m = self.family.model_from_hf(hf, str(cfg_file))
+        m, self.harmless = self.family.read_config(hf, str(cfg_file))
         self.files = {}  # transformers name -> the open safetensors file that holds it
         for fname in self._weight_files():
             f = open_safetensors(p / fname)
@@ -118,21 +118,11 @@ class HFFolder(Source):
         return transformers_runner(self.folder)
 
 
-# config.json's sizes as the stored tensors show them: (config key, what, how to read it from the shapes)
-STORED = {"gpt2": (("n_layer", "blocks h.0, h.1, ... of", "layers", r"(?:transformer\.)?h\.([0-9]{1,9})\."),
-                   ("vocab_size", "rows of wte.weight in", 0, ("transformer.wte.weight", "wte.weight")),
-                   ("n_embd", "columns of wte.weight in", -1, ("transformer.wte.weight", "wte.weight")),
-                   ("n_positions", "rows of wpe.weight in", 0, ("transformer.wpe.weight", "wpe.weight"))),
-          "llama": (("num_hidden_layers", "layers model.layers.0, 1, ... of", "layers", r"model\.layers\.([0-9]{1,9})\."),
-                    ("vocab_size", "rows of model.embed_tokens.weight in", 0, ("model.embed_tokens.weight",)),
-                    ("hidden_size", "columns of model.embed_tokens.weight in", -1, ("model.embed_tokens.weight",)))}
-
-
 def _sizes_stored(fam: Family, hf: dict, shapes: dict, cfg_file: Path, weights: Path) -> None:
     """config.json's sizes are those of the tensors stored, checked before anything is built from them:
     n_layer = 10**6 over two stored blocks once ran for minutes, n_positions = 2**31 - 1 failed in the
     allocator."""
-    for key, what, how, names in STORED[fam.name]:
+    for key, what, how, names in fam.stored:
         if how == "layers":
             blocks = {int(m.group(1)) for k in shapes if (m := re.match(names, k))}
             have = len(blocks) if blocks == set(range(len(blocks))) else None
