@@ -380,8 +380,9 @@ def build_parser() -> argparse.ArgumentParser:
     p = add("generate", "sample text from a model in one plain process, with the tokenizer the model carries",
             _cmd_generate)
     p.add_argument("--model", required=True, help="a megalite checkpoint (root or step folder), a megalite model "
-                                                  "file (`megalite convert`), or a transformers folder (GPT-2 or "
-                                                  "Llama: config.json, safetensors weights, its tokenizer)")
+                                                  "file (`megalite convert`), or a transformers folder (GPT-2, "
+                                                  "Llama, Qwen2, Qwen3, Mistral: config.json, safetensors "
+                                                  "weights, its tokenizer)")
     p.add_argument("--prompt", default="\n", help="the text to continue (default: a newline)")
     p.add_argument("--max-new-tokens", type=int, default=None,
                    help="tokens to sample (default: 200, or fewer so that prompt + sample fit the model's "

@@ -250,9 +250,9 @@ class CausalSelfAttention(nn.Module):
         self.dropout = cfg.dropout
         self.selective = recompute == "selective"
 
-    def heads(self, x, start: int = 0):
-        """x (B, T, C) (sp: (B, T/tp, C)) -> q (B, H/tp, T, D), k and v (B, kv heads here, T, D); the tokens are at
-        positions start, start + 1, ... (start > 0: after the tokens a KV cache holds)."""
+    def heads(self, x, cache=None):
+        """x (B, T, C) (sp: (B, T/tp, C)) -> q (B, H/tp, T, D), k and v (B, kv heads here, T, D); with a KV cache
+        the tokens come after those it holds."""
         if self.features.fused_qkv:
             qkv = self.qkv(x)  # (B, T, 3 * C/tp)
             q, k, v = rearrange(qkv, "b t (three h d) -> three b h t d", three=3, d=self.head_dim)
@@ -267,17 +267,22 @@ class CausalSelfAttention(nn.Module):
         if self.features.positions != "rope":
             return q, k, v
         T = q.shape[2]  # this rank's tokens; with cp at their global positions (two chunks, context.py)
+        start = cache.length if cache is not None else 0
         if self.cp.active:
             pos = local_positions(T * self.cp.size, self.cp).to(q.device)
         else:
             pos = torch.arange(start, start + T, device=q.device)
-        cos, sin = rope_cos_sin(self.inv_freq, pos, q.dtype, self.rope_scale)
+        if cache is not None:  # every block turns the step's tokens by the same angles: computed once a step
+            cos, sin = cache.memo(("rope", start, T, q.dtype),
+                                  lambda: rope_cos_sin(self.inv_freq, pos, q.dtype, self.rope_scale))
+        else:
+            cos, sin = rope_cos_sin(self.inv_freq, pos, q.dtype, self.rope_scale)
         return rotate(q, cos, sin), rotate(k, cos, sin), v
 
     def forward(self, x, cache=None):  # (B, T, C) -> (B, T, C); with sp (B, T/tp, C) -> (B, T/tp, C)
         """`cache` (generate.cache.LayerCache; one process, no cp): the keys and values of the tokens before x,
         to which this call's are appended; x's tokens attend to all of them."""
-        q, k, v = self.heads(x, cache.length if cache is not None else 0)
+        q, k, v = self.heads(x, cache)
         if cache is not None:
             k, v = cache.append(k, v)  # (B, kv heads, S, D): every token so far
         p = self.dropout if self.training else 0.0

@@ -267,3 +267,35 @@ def test_bench_generate_prints_its_table(tmp_path, capsys):
     [out] = outs
     assert "same ids: yes (4 new tokens)" in out and "(median of 2 alternated pairs; range" in out
     assert list(tmp_path.iterdir()) == []
+
+
+def test_help_names_what_generate_accepts(capsys):
+    from megalite.cli import main
+    with pytest.raises(SystemExit):
+        main(["generate", "--help"])
+    out = " ".join(capsys.readouterr().out.split())
+    for want in ("a megalite checkpoint (root or step folder), a megalite model file (`megalite convert`), or a "
+                 "transformers folder (GPT-2, Llama,", "--top-p TOP_P", "--stop TEXT", "--chat", "--system TEXT"):
+        assert want in out, want
+    assert "HF GPT-2 folder" not in out
+
+
+def test_bad_end_ids_and_failing_templates_are_one_line():
+    """An eos_token_id that is no id (a text, a negative number, a list holding one) names the file and the field;
+    a template that raises (transformers' raise_exception) is one ConfigError naming the model and the message."""
+    from megalite.base.errors import ConfigError, ConvertError
+    from megalite.generate.prompt import ModelText, chat_prompt, read_model_text
+    from megalite.tokenizer import byte_tokenizer
+    for bad in ('"two"', "-1", "[2, true]"):
+        files = {"generation_config.json": f'{{"eos_token_id": {bad}}}'.encode()}
+        with pytest.raises(ConvertError) as e:
+            read_model_text("m", byte_tokenizer(), files)
+        assert str(e.value).startswith("m/generation_config.json: eos_token_id = ") and "\n" not in str(e.value)
+    ok = read_model_text("m", byte_tokenizer(), {"generation_config.json": b'{"eos_token_id": [7, 3]}',
+                                                 "config.json": b'{"eos_token_id": 5}'})
+    assert ok.end_ids == [3, 5, 7] and ok.chat_template is None
+    text = ModelText("m", chat_template="{% if messages[0]['role'] == 'system' %}{{ raise_exception('no system "
+                                        "role') }}{% endif %}{{ messages[0]['content'] }}")
+    assert chat_prompt(text, "hi", None) == "hi"
+    with pytest.raises(ConfigError, match=r"^--chat: the chat template of m failed: no system role$"):
+        chat_prompt(text, "hi", "be brief")

@@ -10,6 +10,8 @@ the full forward's at every position (tests/test_generate.py). One plain process
 """
 from __future__ import annotations
 
+from typing import Optional
+
 import torch
 
 
@@ -17,9 +19,17 @@ class LayerCache:
     """One block's keys and values so far. The buffer holds `capacity` positions, doubled when full (a copy per
     doubling, never one per token); `append` returns views of the filled part."""
 
-    def __init__(self, capacity: int = 64):
+    def __init__(self, capacity: int = 64, shared: Optional[dict] = None):
         self.capacity, self.length = max(1, capacity), 0
         self.k = self.v = None  # (B, kv heads, capacity, D)
+        self.shared = {} if shared is None else shared  # KVCache's: one for all blocks
+
+    def memo(self, key, make):
+        """make(), computed once for all blocks while `key` stays the same (rotary's cos and sin of a step's
+        positions: the same in every block); a new key replaces the old value."""
+        if self.shared.get("key") != key:
+            self.shared.update(key=key, value=make())
+        return self.shared["value"]
 
     def append(self, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """k, v (B, kv heads, T, D) of the next T tokens -> all keys and values so far, (B, kv heads, length, D)."""
@@ -45,11 +55,11 @@ class KVCache:
     position the next token takes."""
 
     def __init__(self, capacity: int = 64):
-        self.capacity, self.layers = capacity, {}
+        self.capacity, self.layers, self.shared = capacity, {}, {}
 
     def layer(self, i: int) -> LayerCache:
         if i not in self.layers:
-            self.layers[i] = LayerCache(self.capacity)
+            self.layers[i] = LayerCache(self.capacity, self.shared)
         return self.layers[i]
 
     @property

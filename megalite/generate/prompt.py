@@ -8,8 +8,8 @@
                   sandbox, trim_blocks and lstrip_blocks, loop controls, raise_exception, strftime_now, a tojson
                   that keeps non-ASCII, the tokenizer's special tokens as variables), add_generation_prompt=True
 
-The files are a transformers folder's. A megalite checkpoint or model file carries only its tokenizer.json
-today: its end is `<|endoftext|>` and it has no chat template.
+The files (name -> bytes) are a transformers folder's (folder_files). A megalite checkpoint or model file
+carries only its tokenizer.json today: its end is `<|endoftext|>` and it has no chat template.
 """
 from __future__ import annotations
 
@@ -27,6 +27,7 @@ from ..tokenizer import EOT, Tokenizer
 GENERATION, CONFIG, TOKENIZER_CONFIG, SPECIAL_MAP = ("generation_config.json", "config.json", "tokenizer_config.json",
                                                      "special_tokens_map.json")
 TEMPLATE_FILE = "chat_template.jinja"
+FILES = (GENERATION, CONFIG, TOKENIZER_CONFIG, SPECIAL_MAP, TEMPLATE_FILE)
 SPECIAL_NAMES = ("bos_token", "eos_token", "unk_token", "sep_token", "pad_token", "cls_token", "mask_token")
 
 
@@ -39,16 +40,19 @@ class ModelText:
     special_tokens: dict = field(default_factory=dict)  # bos_token ... as strings: the template's variables
 
 
-def read_model_text(path, tok: Tokenizer) -> ModelText:
-    """The end ids and chat template of the model at `path` (a transformers folder's files; for other artifacts
-    only the tokenizer's `<|endoftext|>`)."""
-    p = Path(path)
-    files = _json_files(p) if p.is_dir() else {}
-    out = ModelText(str(p))
+def read_model_text(where: str, tok: Tokenizer, files: dict) -> ModelText:
+    """The end ids and chat template of a model whose files (name -> bytes: FILES, those it has) are `files`;
+    without them, only the tokenizer's `<|endoftext|>`."""
+    out = ModelText(where)
+    json_files = {}
+    for name in (GENERATION, CONFIG, TOKENIZER_CONFIG, SPECIAL_MAP):
+        if name in files:
+            d = loads(files[name], f"{where}/{name}", ConvertError, kind="json")
+            json_files[name] = d if isinstance(d, dict) else {}
     for name in (GENERATION, CONFIG):
-        if "eos_token_id" in files.get(name, {}):
-            out.end_ids += _ids(files[name]["eos_token_id"], f"{p / name}: eos_token_id")
-    config = {**files.get(SPECIAL_MAP, {}), **files.get(TOKENIZER_CONFIG, {})}
+        if "eos_token_id" in json_files.get(name, {}):
+            out.end_ids += _ids(json_files[name]["eos_token_id"], f"{where}/{name}: eos_token_id")
+    config = {**json_files.get(SPECIAL_MAP, {}), **json_files.get(TOKENIZER_CONFIG, {})}
     for name in SPECIAL_NAMES:
         text = _token_text(config.get(name))
         if text is not None:
@@ -58,17 +62,20 @@ def read_model_text(path, tok: Tokenizer) -> ModelText:
         if i is not None:
             out.end_ids.append(i)
     out.end_ids = sorted(set(out.end_ids))
-    out.chat_template = _template(p, files.get(TOKENIZER_CONFIG, {})) if p.is_dir() else None
+    out.chat_template = _template(files, config)
     return out
 
 
-def _json_files(p: Path) -> dict:
+def folder_files(path) -> dict:
+    """FILES of a transformers folder (name -> bytes, those it has; each within its size budget); {} for
+    anything else."""
+    p = Path(path)
     out = {}
-    for name in (GENERATION, CONFIG, TOKENIZER_CONFIG, SPECIAL_MAP):
+    for name in FILES if p.is_dir() else ():
         f = p / name
         if f.is_file():
-            d = loads(f.read_bytes(), str(f), ConvertError, kind="json")
-            out[name] = d if isinstance(d, dict) else {}
+            within(f.stat().st_size, "json", str(f), ConvertError)
+            out[name] = f.read_bytes()
     return out
 
 
@@ -87,13 +94,11 @@ def _token_text(v) -> Optional[str]:
     return v if isinstance(v, str) else None
 
 
-def _template(p: Path, config: dict) -> Optional[str]:
+def _template(files: dict, config: dict) -> Optional[str]:
     """chat_template.jinja (transformers 5's file), else tokenizer_config.json's chat_template: a text, or a
     list of named templates (the one named 'default')."""
-    f = p / TEMPLATE_FILE
-    if f.is_file():
-        within(f.stat().st_size, "json", str(f), ConvertError)
-        return f.read_bytes().decode("utf-8", errors="replace")
+    if TEMPLATE_FILE in files:
+        return files[TEMPLATE_FILE].decode("utf-8", errors="replace")
     t = config.get("chat_template")
     if isinstance(t, list):
         t = next((d.get("template") for d in t if isinstance(d, dict) and d.get("name") == "default"), None)
