@@ -53,8 +53,22 @@ class HFFolder(Source):
         weights = p / (ST_FILE if (p / ST_FILE).is_file() else ST_INDEX)
         _sizes_stored(self.family, hf, {k: f.get_slice(k).get_shape() for k, f in self.files.items()}, cfg_file,
                       weights)
-        self.model = model_from(m, str(cfg_file))
+        self.model = model_from(self._tie_as_transformers(m, cfg_file), str(cfg_file))
         self._table(weights)
+
+    def _tie_as_transformers(self, m: dict, cfg_file: Path) -> dict:
+        """tie_word_embeddings true beside a stored lm_head that differs from the embedding: transformers (5.x)
+        keeps the stored head untied, and so does megalite (a head equal to the embedding is the tied copy)."""
+        if not m["tie_embeddings"] or "lm_head.weight" not in self.files:
+            return m
+        embed = next((k for k in self.files if (r := self.family.from_hf(k, torch.empty(0), True)) and
+                      r[0] == "wte.weight"), None)
+        if embed is None or torch.equal(self.files[embed].get_tensor(embed),
+                                        self.files["lm_head.weight"].get_tensor("lm_head.weight")):
+            return m
+        self.harmless = [*self.harmless, "tie_word_embeddings (true, but the stored lm_head.weight differs from "
+                                          "the embedding: kept untied, as transformers does)"]
+        return {**m, "tie_embeddings": False}
 
     def _weight_files(self) -> list[str]:
         p = self.folder
