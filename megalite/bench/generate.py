@@ -4,7 +4,8 @@ The model is a Llama of a 135M-class shape (30 layers, width 576, 9 heads over 3
 1536, vocab 49,152, tied embeddings: SmolLM2-135M's), random weights, built and saved by transformers itself
 into a folder with a tokenizer.json of 49,152 ids (byte-level: the 256 byte tokens, then filler tokens) and no
 eos, so that both sides draw exactly --new-tokens. Both start from a loaded model and the same prompt ids and
-decode greedily; alternating, --rounds times each, in this process (same threads):
+decode greedily; alternating (the first side swapped every round), --rounds times each, in this process (same
+threads):
 
     megalite generate         megalite.generate.generate on load_model(folder): prefill once, then one token a
                               step through the KV cache (what the command runs after loading)
@@ -86,13 +87,14 @@ def bench_generate(n_layer: int = 30, n_embd: int = 576, vocab_size: int = 49152
         t = StreamTable(["run", "round", "seconds", "tokens/s"], [28, 5, 8, 9], log=log)
         rates, outs = {"megalite": [], "transformers": []}, {}
         for r in range(rounds):
-            for kind in ("megalite", "transformers"):  # alternated: a drift in machine speed hits both
+            # alternated, the first side swapped every round (ABBA): a drift in machine speed hits both alike
+            for kind in ("megalite", "transformers")[::1 if r % 2 == 0 else -1]:
                 t0 = time.perf_counter()
                 outs[kind] = run(kind, new_tokens)
                 dt = time.perf_counter() - t0
                 rates[kind].append(new_tokens / dt)
                 t.row([f"{kind} generate", r + 1, f"{dt:.2f}", f"{new_tokens / dt:.2f}"])
-        ratios = [a / b for a, b in zip(rates["megalite"], rates["transformers"])]
+        ratios = [a / b for a, b in zip(rates["megalite"], rates["transformers"])]  # round by round
         med = statistics.median(ratios)
         same = outs["megalite"] == outs["transformers"]
         log(f"\nmegalite / transformers tokens/s: {med:.2f}x (median of {len(ratios)} alternated pairs; range "
