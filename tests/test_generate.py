@@ -263,7 +263,8 @@ def test_bench_generate_prints_its_table(tmp_path, capsys):
         outs.append(capsys.readouterr().out)
         return outs[-1]
 
-    assert transcripts.check("bench-generate", runner) == [], "docs/performance.md shows lines the bench no longer prints"
+    problems = transcripts.check("bench-generate", runner)
+    assert problems == [], f"docs/performance.md shows lines the bench no longer prints: {problems}"
     [out] = outs
     assert "same ids: yes (4 new tokens)" in out and "(median of 2 alternated pairs; range" in out
     assert list(tmp_path.iterdir()) == []
