@@ -201,7 +201,8 @@ def _cmd_generate(args, rest) -> int:
         raise ConfigError("--stop '': expected a non-empty text (it would end the sample at once)")
     sample_text(args.model, args.prompt, max_new_tokens=args.max_new_tokens, temperature=args.temperature,
                 top_k=args.top_k, top_p=args.top_p, seed=args.seed, as_ids=args.ids, stream=sys.stdout,
-                stop_at_eot=not args.ignore_eot, stops=args.stop, chat=args.chat, system=args.system)
+                stop_at_eot=not args.ignore_eot, stops=args.stop, chat=args.chat, system=args.system,
+                check=args.check)
     print()
     return 0
 
@@ -412,6 +413,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="the prompt is a user's turn in the model's chat template (chat_template.jinja or "
                         "tokenizer_config.json's chat_template); prints the reply")
     p.add_argument("--system", default=None, metavar="TEXT", help="with --chat: a system turn before the prompt")
+    p.add_argument("--check", action=argparse.BooleanOptionalAction, default=None,
+                   help="a transformers folder or another trainer's checkpoint: megalite's model on its tensors "
+                        "against its own forward first, as convert does (default: on where transformers is "
+                        "installed)")
     p.add_argument("--ids", action="store_true", help="print the token ids (prompt + new), not the text")
     p.add_argument("--ignore-eot", action="store_true",
                    help="sample on past the model's end ids (generation_config.json's eos_token_id, a list or "

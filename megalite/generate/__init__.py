@@ -13,7 +13,9 @@ import torch
 
 from ..base.errors import ConvertError
 from ..convert import open_source
+from ..convert import check as checking
 from ..convert.check import build_model
+from ..convert.sources import FileSource, StepSource
 from ..model import GPTStage
 from ..tokenizer import Tokenizer, byte_tokenizer
 from .cache import KVCache
@@ -21,13 +23,20 @@ from .prompt import chat_prompt, folder_files, read_model_text
 from .sampling import check_sampling, draw
 
 
-def load_model(path) -> GPTStage:
+def load_model(path, check: Optional[bool] = False) -> GPTStage:
     """A whole GPT (tp = pp = 1) with its tokenizer (`.tokenizer`; the byte tokenizer for a model that carries
     none, as every model did before tokenizers were carried). Ids past the tokenizer's vocabulary are
-    padding rows: `generate` never draws them (`.real_vocab`)."""
+    padding rows: `generate` never draws them (`.real_vocab`). check: convert's self-check of a model from
+    elsewhere (a transformers folder, another trainer's checkpoint) before it is used; None: on where
+    transformers is installed (`megalite generate`'s default)."""
     src = open_source(path)
     if src.model is None:
         raise ConvertError(f"{path}: a plain DCP checkpoint does not say what model its tensors make")
+    if check is None:
+        check = not isinstance(src, (StepSource, FileSource)) and checking.available()
+    if check:
+        checking.check(src, lambda: checking.megalite_runner(src), torch.float32,
+                       "megalite's model on the source's tensors", quiet=True)
     tok = src.tokenizer()
     if tok is None:
         if src.model["vocab_size"] > 256:
@@ -161,7 +170,8 @@ def first_stop(text: str, stops, start: int = 0) -> Optional[int]:
 
 
 def sample_text(path: str | Path, prompt: str, as_ids: bool = False, stream=None, stop_at_eot: bool = True,
-                stops: tuple = (), chat: bool = False, system: Optional[str] = None, **kw) -> str:
+                stops: tuple = (), chat: bool = False, system: Optional[str] = None, check: Optional[bool] = False,
+                **kw) -> str:
     """The prompt and its continuation as text (or token ids with `as_ids`), with the model's own tokenizer.
     With `stop_at_eot`, drawing one of the model's end ids (prompt.read_model_text) ends the text (the token
     itself is not printed; its id is, with `as_ids`); a stop string of `stops` ends it too (the text ends
@@ -169,7 +179,7 @@ def sample_text(path: str | Path, prompt: str, as_ids: bool = False, stream=None
     `system`) in the model's chat template, and the text is the reply alone. With `stream` (a text file such as
     sys.stdout) the same text is also written there as it is produced, flushed after every token; any warning
     comes before the prompt, never inside the text."""
-    model = load_model(path)
+    model = load_model(path, check)
     tok = getattr(model, "tokenizer", None) or byte_tokenizer()
     text_of = read_model_text(str(path), tok, folder_files(path))
     if chat:  # the template writes the special tokens itself: none added by the tokenizer (apply_chat_template)
