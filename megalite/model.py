@@ -191,7 +191,6 @@ class SeqDropout(nn.Module):
         return x * keep / (1.0 - self.p)
 
 
-<<<<<<< HEAD
 def document_positions(docs: torch.Tensor) -> torch.Tensor:
     """(B, T) document ids (runs along each row, data/documents.py) -> each token's position in its document."""
     i = torch.arange(docs.shape[1], device=docs.device).expand_as(docs)
@@ -200,32 +199,21 @@ def document_positions(docs: torch.Tensor) -> torch.Tensor:
     return i - torch.where(new, i, 0).cummax(dim=1).values
 
 
-def _attention_core(q, k, v, dropout_p: float, window: int = 0, docs=None):  # (B, H, T, D), (B, H/g, T, D) x2
-    T = q.shape[2]  # -> (B, H, T, D)
-    mask = None
-    if window and window < T:  # query i sees keys i - window < j <= i (transformers' sliding_window_overlay)
-        i = torch.arange(T, device=q.device)
-        mask = (i[None, :] <= i[:, None]) & (i[:, None] - i[None, :] < window)  # (T, T)
-    if docs is not None:  # data.document_mask: block-causal, each query sees its own document only (B, 1, T, T)
-        i = torch.arange(T, device=q.device)
-        causal = mask if mask is not None else i[None, :] <= i[:, None]
-        mask = causal & (docs[:, None, :, None] == docs[:, None, None, :])
-    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None, dropout_p=dropout_p,
-                                          enable_gqa=k.shape[1] != q.shape[1])
-=======
-def _attention_core(q, k, v, dropout_p: float, window: int = 0):  # (B, H, T, D), (B, H/g, S, D) x2 -> (B, H, T, D)
+def _attention_core(q, k, v, dropout_p: float, window: int = 0, docs=None):  # (B, H, T, D), (B, H/g, S, D) x2
     """Causal attention of T queries over S >= T keys, the queries being the last T of the S positions (S > T:
     keys held in a KV cache); with `window`, query i sees keys i - window < j <= i (transformers'
-    sliding_window_overlay). One query over all keys needs no mask."""
+    sliding_window_overlay); with `docs` (B, T) (data.document_mask, S = T), only the keys of its own document
+    (block-causal, a (B, 1, T, T) mask). One query over all keys needs no mask. -> (B, H, T, D)"""
     T, S = q.shape[2], k.shape[2]
     mask = None
-    if (window and window < S) or 1 < T < S:
+    if (window and window < S) or 1 < T < S or docs is not None:
         i = torch.arange(S - T, S, device=q.device)[:, None]  # the queries' positions
         j = torch.arange(S, device=q.device)[None, :]
         mask = (j <= i) & (i - j < window) if window else j <= i  # (T, S)
+    if docs is not None:
+        mask = mask & (docs[:, None, :, None] == docs[:, None, None, :])
     return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None and T > 1,
                                           dropout_p=dropout_p, enable_gqa=k.shape[1] != q.shape[1])
->>>>>>> main
 
 
 def _ring_core(q, k, v, groups: int, **kw):
@@ -273,15 +261,10 @@ class CausalSelfAttention(nn.Module):
         self.dropout = cfg.dropout
         self.selective = recompute == "selective"
 
-<<<<<<< HEAD
-    def heads(self, x, pos=None):
-        """x (B, T, C) (sp: (B, T/tp, C)) -> q (B, H/tp, T, D), k and v (B, kv heads here, T, D); `pos` (B, T):
-        each token's position in its document (data.document_mask), else its place in the sequence."""
-=======
-    def heads(self, x, cache=None):
+    def heads(self, x, cache=None, pos=None):
         """x (B, T, C) (sp: (B, T/tp, C)) -> q (B, H/tp, T, D), k and v (B, kv heads here, T, D); with a KV cache
-        the tokens come after those it holds."""
->>>>>>> main
+        the tokens come after those it holds; `pos` (B, T): each token's position in its document
+        (data.document_mask)."""
         if self.features.fused_qkv:
             qkv = self.qkv(x)  # (B, T, 3 * C/tp)
             q, k, v = rearrange(qkv, "b t (three h d) -> three b h t d", three=3, d=self.head_dim)
@@ -296,14 +279,11 @@ class CausalSelfAttention(nn.Module):
         if self.features.positions != "rope":
             return q, k, v
         T = q.shape[2]  # this rank's tokens; with cp at their global positions (two chunks, context.py)
-<<<<<<< HEAD
         if pos is not None:  # (B, T): restarting at each document
             cos, sin = (t.view(*pos.shape, -1)[:, None] for t in
                         rope_cos_sin(self.inv_freq, pos.reshape(-1), q.dtype, self.rope_scale))  # (B, 1, T, D)
             return rotate(q, cos, sin), rotate(k, cos, sin), v
-=======
         start = cache.length if cache is not None else 0
->>>>>>> main
         if self.cp.active:
             pos = local_positions(T * self.cp.size, self.cp).to(q.device)
         else:
@@ -315,17 +295,13 @@ class CausalSelfAttention(nn.Module):
             cos, sin = rope_cos_sin(self.inv_freq, pos, q.dtype, self.rope_scale)
         return rotate(q, cos, sin), rotate(k, cos, sin), v
 
-<<<<<<< HEAD
-    def forward(self, x, docs=None, pos=None):  # (B, T, C) -> (B, T, C); with sp (B, T/tp, C) -> (B, T/tp, C)
-        q, k, v = self.heads(x, pos)
-=======
-    def forward(self, x, cache=None):  # (B, T, C) -> (B, T, C); with sp (B, T/tp, C) -> (B, T/tp, C)
+    def forward(self, x, cache=None, docs=None, pos=None):  # (B, T, C) -> (B, T, C); sp (B, T/tp, C) -> (B, T/tp, C)
         """`cache` (generate.cache.LayerCache; one process, no cp): the keys and values of the tokens before x,
-        to which this call's are appended; x's tokens attend to all of them."""
-        q, k, v = self.heads(x, cache)
+        to which this call's are appended; x's tokens attend to all of them. `docs`, `pos` (B, T)
+        (data.document_mask): each token's document and its position in it."""
+        q, k, v = self.heads(x, cache, pos)
         if cache is not None:
             k, v = cache.append(k, v)  # (B, kv heads, S, D): every token so far
->>>>>>> main
         p = self.dropout if self.training else 0.0
         if self.cp.active or p > 0.0:  # ring attention (cp = 1: one block) with the counter-based dropout mask
             core = functools.partial(_ring_core, groups=self.groups, cp=self.cp, dropout_p=p,
@@ -379,13 +355,8 @@ class Block(nn.Module):
         self.ln_2, self.mlp = norm(cfg, place), MLP(cfg, tp, sp, place)
         self.drop = SeqDropout(cfg.dropout, tp, sp, cp)
 
-<<<<<<< HEAD
-    def forward(self, x, docs=None, pos=None):
-        x = x + self.drop(self.attn(self.ln_1(x), docs, pos))
-=======
-    def forward(self, x, cache=None):
-        x = x + self.drop(self.attn(self.ln_1(x), cache))
->>>>>>> main
+    def forward(self, x, cache=None, docs=None, pos=None):
+        x = x + self.drop(self.attn(self.ln_1(x), cache, docs, pos))
         return x + self.drop(self.mlp(self.ln_2(x)))
 
 
@@ -435,30 +406,18 @@ class GPTStage(nn.Module):
                 p.copy_(init_local(name, partition_of(p), "normal" if kind == "scaled" else kind, seed, scale,
                                    self.tp.rank, self.tp.size))
 
-<<<<<<< HEAD
-    def run_block(self, i: int, x, docs=None, pos=None):
-=======
-    def run_block(self, i: int, x, cache=None):
->>>>>>> main
+    def run_block(self, i: int, x, cache=None, docs=None, pos=None):
         """Block i (global id) on x; with full recomputation only x is kept, and the block is rerun (RNG
         replayed) in backward."""
         block = self.blocks[str(i)]
         if self.full_recompute and torch.is_grad_enabled():
-<<<<<<< HEAD
-            return checkpoint(block, x, docs, pos, use_reentrant=False)
-        return block(x, docs, pos)
+            return checkpoint(block, x, None, docs, pos, use_reentrant=False)
+        return block(x, cache, docs, pos)
 
-    def positions(self, T: int, pos=None):
+    def positions(self, T: int, start: int = 0, pos=None):
         """Learned: the wpe rows of the T tokens this rank holds (sp: its share; cp: their global positions;
-        `pos` (B, T): each token's position in its document). Rotary: nothing here (inside attention)."""
-=======
-            return checkpoint(block, x, use_reentrant=False)
-        return block(x, cache)
-
-    def positions(self, T: int, start: int = 0):
-        """Learned: the wpe rows of the T tokens this rank holds (sp: its share; cp: their global positions;
-        start: after the tokens a KV cache holds). Rotary: nothing here (inside attention)."""
->>>>>>> main
+        start: after the tokens a KV cache holds; `pos` (B, T): each token's position in its document).
+        Rotary: nothing here (inside attention)."""
         if self.cfg.spec.features.positions != "learned":
             return 0.0
         if pos is not None:
@@ -467,32 +426,21 @@ class GPTStage(nn.Module):
             return self.wpe[local_positions(T * self.cp.size, self.cp, self.tp, self.sp).to(self.wpe.device)]
         return self.wpe[slice(*seq_chunk(T, self.tp))] if self.sp else self.wpe[start:start + T]
 
-<<<<<<< HEAD
-    def forward(self, x, targets=None, chunk: int = 0, docs=None):
-        """Chunk 0 of the first stage: x is ids (B, T); others: hidden (B, T, C) ((B, T/tp, C) with sp).
-        With cp, T is this rank's T/cp tokens (its two chunks, context.split_sequence) at their global positions.
-        The last chunk of the last stage returns the mean loss over its tokens (or local logits (B, T, V/tp) when
-        targets is None); others return hidden. `docs` (B, T) (data.document_mask): each token's document;
-        attention stays inside it and positions restart at its first token."""
-        pos = None if docs is None else document_positions(docs)
-        if self.first and chunk == 0:
-            x = self.drop(self.wte(x) + self.positions(x.shape[1], pos))  # (B, T, C); with sp (B, T/tp, C)
-        for i in self.chunks[chunk]:
-            x = self.run_block(i, x, docs, pos)
-=======
-    def forward(self, x, targets=None, chunk: int = 0, cache=None, logits_to_keep: int = 0):
+    def forward(self, x, targets=None, chunk: int = 0, cache=None, logits_to_keep: int = 0, docs=None):
         """Chunk 0 of the first stage: x is ids (B, T); others: hidden (B, T, C) ((B, T/tp, C) with sp).
         With cp, T is this rank's T/cp tokens (its two chunks, context.split_sequence) at their global positions.
         The last chunk of the last stage returns the mean loss over its tokens (or local logits (B, T, V/tp) when
         targets is None); others return hidden. `cache` (generate.cache.KVCache; tp = pp = cp = 1): x's tokens
         come after those the cache holds, and their keys and values are added to it. `logits_to_keep` n > 0
-        (transformers' argument): the logits of the last n tokens only (sampling reads the last)."""
+        (transformers' argument): the logits of the last n tokens only (sampling reads the last). `docs` (B, T)
+        (data.document_mask): each token's document; attention stays inside it and positions restart at its
+        first token."""
+        pos = None if docs is None else document_positions(docs)
         if self.first and chunk == 0:
             start = cache.length if cache is not None else 0
-            x = self.drop(self.wte(x) + self.positions(x.shape[1], start))  # (B, T, C); with sp (B, T/tp, C)
+            x = self.drop(self.wte(x) + self.positions(x.shape[1], start, pos))  # (B, T, C); with sp (B, T/tp, C)
         for i in self.chunks[chunk]:
-            x = self.run_block(i, x, cache.layer(i) if cache is not None else None)
->>>>>>> main
+            x = self.run_block(i, x, cache.layer(i) if cache is not None else None, docs, pos)
         if not (self.last and chunk == len(self.chunks) - 1):
             return x
         x = self.ln_f(x[:, -logits_to_keep:] if logits_to_keep else x)
