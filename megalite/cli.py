@@ -30,7 +30,8 @@ EPILOGS = {
                "  megalite prepare dump.jsonl --text-field content --out data/dump.bin   # one document per line",
     "tokenizer": "examples:\n  megalite tokenizer train ~/books/ notes.txt --vocab-size 8192 --out data/bpe-8k\n"
                  "  megalite tokenizer train --vocab-size 4096 --out data/bpe-4k   # on the default corpus",
-    "inspect": "examples:\n  megalite inspect runs/demo/checkpoints\n  megalite inspect runs/demo/checkpoints --tree",
+    "inspect": "examples:\n  megalite inspect runs/demo/checkpoints\n  megalite inspect runs/demo/checkpoints --tree\n"
+               "  megalite inspect my-llama/ > my.toml   # a transformers folder's [model] section, to paste",
     "plot": "example:\n  megalite plot runs/demo runs/resumed --out loss.png",
     "verify": "examples:\n  megalite verify runs/demo/checkpoints                  # the step `latest` names\n"
               "  megalite verify runs/demo/checkpoints/step_00000150",
@@ -123,7 +124,12 @@ def _cmd_tokenizer(args, rest) -> int:
 
 def _cmd_inspect(args, rest) -> int:
     from .checkpoint.verify import inspect, tree
-    print(tree(args.ckpt) if args.tree else inspect(args.ckpt))
+    from pathlib import Path
+    from .convert.sources import is_checkpoint, model_section
+    if args.model or not is_checkpoint(Path(args.ckpt)):
+        print(model_section(args.ckpt), end="")
+    else:
+        print(tree(args.ckpt) if args.tree else inspect(args.ckpt))
     return 0
 
 
@@ -311,8 +317,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--force", action="store_true", help="replace --out if it exists")
     p.add_argument("--quiet", action="store_true")
 
-    p = add("inspect", "describe a checkpoint: step, layout, tensors and bytes per coordinate", _cmd_inspect)
-    p.add_argument("ckpt", help="a step folder, or a checkpoint root (the step `latest` names)")
+    p = add("inspect", "describe a checkpoint (step, layout, tensors and bytes per coordinate) or a model (a model "
+                       "file, a transformers folder: its [model] section as TOML)", _cmd_inspect)
+    p.add_argument("ckpt", help="a step folder, a checkpoint root (the step `latest` names), a megalite model "
+                                "file or a transformers folder")
+    p.add_argument("--model", action="store_true", help="print only the [model] section, as TOML to paste into a "
+                                                        "config (the default for a model file or folder)")
     p.add_argument("--tree", action="store_true", help="draw the rank-coded tree as the (tp, cp, pp, dp) grid")
 
     p = add("plot", "train/val loss curves of one or more runs on one chart (needs matplotlib)", _cmd_plot)
@@ -326,7 +336,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("ckpt", help="a step folder, or a checkpoint root (the step `latest` names); a `megalite "
                                 "convert` file; a transformers, Megatron-LM or DCP checkpoint folder")
     p.add_argument("--out", required=True)
-    p.add_argument("--dtype", default=None, help="fp32 | bf16 | fp16 (default fp32; from DCP: as stored)")
+    p.add_argument("--dtype", default=None, help="fp32 | bf16 | fp16 (default: the dtype the source recorded, a transformers folder's carried through checkpoints and files; else fp32; from DCP: as stored)")
     p.add_argument("--format", default="megalite", help="megalite (one .safetensors) | hf (the family's "
                    "transformers folder; hf-gpt2: GPT-2's) | dcp (a DCP folder, Hugging Face storage format)")
     p.add_argument("--from", dest="source", default=None, metavar="KIND",

@@ -124,6 +124,9 @@ class TrainConfig:
     tensorboard: bool = False  # also write TensorBoard event files to <out_dir>/tensorboard (needs `tensorboard`)
     wandb: bool = False  # also log to a Weights & Biases run, files in <out_dir>/wandb (needs `wandb`)
     wandb_project: str = "megalite"
+    # A fresh run's weights, [model] section and tokenizer from a model: a transformers folder, a megalite model
+    # file, or a checkpoint's weights (not its run state); "" = initialise from train.seed (run/init_from.py)
+    init_from: str = ""
 
 
 DEFAULT_DATA_PATH = "data/stdlib.bin"  # the only path `auto_prepare` may build (from the stdlib sources)
@@ -158,6 +161,7 @@ class Config:
     train: TrainConfig = field(default_factory=TrainConfig)
     data: DataConfig = field(default_factory=DataConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    named = frozenset()  # the `section.key`s its file and command line set (load_config); not a field
 
     def to_dict(self) -> dict:
         return {s.name: {_key(f.name): getattr(getattr(self, s.name), f.name)
@@ -265,6 +269,7 @@ def load_config(path: str | Path | None = None, overrides: typing.Sequence[str] 
         _set(cfg, key, value, "command line", from_text=True)
         named.add(key)
     apply_family_defaults(cfg, named)
+    cfg.named = frozenset(named)
     return cfg
 
 
@@ -470,6 +475,9 @@ def validate(cfg: Config, world_size: int | None = None) -> Config:
                           f"train.micro_batch_size * parallel.dp = {t.micro_batch_size}*{par.dp}")
     if t.min_lr > t.lr:
         raise ConfigError(f"train.min_lr = {t.min_lr} is larger than train.lr = {t.lr}")
+    if t.init_from and cfg.checkpoint.resume not in ("auto", "none", ""):
+        raise ConfigError(f"train.init_from = '{t.init_from}' and checkpoint.resume = '{cfg.checkpoint.resume}': "
+                          f"choose one (init_from starts a fresh run from a model's weights; resume continues a run)")
     return cfg
 
 
@@ -482,6 +490,8 @@ def settings(cfg: Config) -> dict:
     paths = [("train.out_dir", cfg.train.out_dir), ("checkpoint.dir", cfg.checkpoint.dir), ("data.path", cfg.data.path)]
     if cfg.checkpoint.resume not in ("auto", "none", ""):
         paths.append(("checkpoint.resume", cfg.checkpoint.resume))
+    if cfg.train.init_from:
+        paths.append(("train.init_from", cfg.train.init_from))
     for name, value in paths:
         if value:
             out[f"{name} (resolved)"] = os.path.realpath(value)
@@ -609,6 +619,8 @@ DOCS = {
     "train.wandb": "also log the same scalars to a Weights & Biases run, its files in <out_dir>/wandb (pip install "
                    "wandb; WANDB_MODE=offline works without a login)",
     "train.wandb_project": "the W&B project of train.wandb's runs",
+    "train.init_from": "a fresh run from a model: a transformers folder, a megalite model file or a checkpoint; its "
+                       "weights, [model] section and tokenizer (docs/converting.md); '' = from train.seed",
     "train.seed": "seed of the initial weights, the data order and dropout",
     "train.log_interval": "print a log line every N steps",
     "train.eval_interval": "validation loss every N steps (and at the end)",
@@ -668,6 +680,12 @@ def _toml_value(v) -> str:
     if isinstance(v, dict):  # an inline table
         return "{" + ", ".join(f"{k} = {_toml_value(x)}" for k, x in v.items()) + "}"
     return repr(v)
+
+
+def model_toml(model: dict) -> str:
+    """A [model] section as TOML a user can paste into a config (`inspect` of a model prints it)."""
+    full = {**dataclasses.asdict(ModelConfig()), **model}
+    return "[model]\n" + "".join(f"{k} = {_toml_value(v)}\n" for k, v in full.items())
 
 
 def to_toml(cfg: Config) -> str:

@@ -41,7 +41,7 @@ from .manifest import DTYPES, check_meta, step_meta
 from .optimizer import optimizer_state
 from .plan import collect
 from .state import StepState
-from .tree import TOKENIZER_FILE
+from .tree import ORIGIN_FILE, TOKENIZER_FILE
 
 
 def model_state(model) -> tuple[list, frozenset]:
@@ -86,13 +86,15 @@ def encode_scheduler(scheduler) -> Optional[dict]:
 def save_checkpoint(root, step: int, model, optimizer, grid, *, scheduler=None, client_state: Optional[dict] = None,
                     config: Optional[dict] = None, tokens_seen: int = 0, data_state: Optional[dict] = None,
                     keep_last: int = 0, saver: Optional[AsyncSaver] = None, keep=(),
-                    tokenizer: Optional[bytes] = None, direct: bool = False) -> Optional[Path]:
+                    tokenizer: Optional[bytes] = None, origin: Optional[bytes] = None,
+                    direct: bool = False) -> Optional[Path]:
     """Save this rank's slice under root/step_NNNNNNNN (all ranks call it). Returns the committed folder,
     or None when `saver` is given (async: the commit happens in the background; call saver.wait()). With
     megalite's optimizer the async snapshot is the live host tensors themselves (no copy): let only
     `optimizer.step` change them until saver.wait() (load_checkpoint with that optimizer waits by itself).
     keep_last prunes older steps (never the one `latest` names, one newer than `step`, or one in `keep`).
-    `tokenizer`: the run's tokenizer.json, which rank 0 writes into its folder (tp00-pp00-dp00).
+    `tokenizer`: the run's tokenizer.json, which rank 0 writes into its folder (tp00-pp00-dp00); `origin`: the
+    model's origin.json beside it (base/origin.py: its source's tokenizer files, dtype and ids).
     `direct`: the safetensors files are written around the page cache (O_DIRECT; the same bytes), which spares
     a loop that waits on GPUs the page-cache writeback of a large save (`checkpoint.direct_io`)."""
     if config is None and hasattr(model, "cfg"):  # enough for `megalite train` and the converter to use it
@@ -122,6 +124,8 @@ def save_checkpoint(root, step: int, model, optimizer, grid, *, scheduler=None, 
     meta = dataclasses.replace(meta, zero1=opt.zero1, optimizer=section)
     if tokenizer is not None and grid.rank == 0:
         pay.step_files[TOKENIZER_FILE] = bytes(tokenizer)
+    if origin is not None and grid.rank == 0:
+        pay.step_files[ORIGIN_FILE] = bytes(origin)
     if saver is not None:
         saver.submit(Path(root), step, pay, grid, meta, keep_last, keep, optimizer, direct)
         return None

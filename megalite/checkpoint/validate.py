@@ -3,7 +3,7 @@ the loader (load.py, read.py) and `verify` (verify.py, which runs them all witho
 asks it before moving an interrupted re-save in).
 
     read_checked(step, man, rel)   a small file read whole, checked against its size and CRC32C (state.json,
-                                   tokenizer.json); read_state, read_tokenizer
+                                   tokenizer.json, origin.json); read_state, read_tokenizer, read_origin
     check_file(step, rel, man)     a safetensors file as the loader opens it: inside the step folder (no link),
                                    the manifest's size, a well-formed header whose CRC32C matches
     check_key(step, header, ...)   a slice's key in its file, with the manifest's dtype and stored shape
@@ -16,10 +16,11 @@ from typing import Optional
 
 from ..base.errors import CheckpointError
 from ..base.fs import linked, read_all
+from ..base.origin import Origin
 from .manifest import Manifest, SliceRef, TensorEntry
 from .state import StepState
 from .stream import check_header, crc32c, read_header, st_dtype
-from .tree import STATE_FILE, coord_dir, tokenizer_rel
+from .tree import STATE_FILE, coord_dir, origin_rel, tokenizer_rel
 
 
 def read_checked(step: Path, man: Manifest, rel: str) -> bytes:
@@ -50,6 +51,14 @@ def read_tokenizer(step: Path, man: Manifest) -> Optional[bytes]:
     saved by the API without `tokenizer`)."""
     rel = tokenizer_rel(man.layout.cp)
     return read_checked(step, man, rel) if rel in man.files else None
+
+
+def read_origin(step: Path, man: Manifest) -> Optional[Origin]:
+    """The model's origin.json (base/origin.py), checked (read_checked) and parsed; None where the step has none."""
+    rel = origin_rel(man.layout.cp)
+    if rel not in man.files:
+        return None
+    return Origin.from_json(read_checked(step, man, rel), f"{step.name}: {rel}")
 
 
 def check_file(step: Path, rel: str, man: Manifest) -> tuple[dict, int]:

@@ -28,11 +28,13 @@ from ..base import faults
 from . import metrics, tensorboard_log, wandb_log
 from ..parallel.rng import seed_everything
 from .ckpt_policy import CheckpointManager
+from . import init_from
 from .compile import compile_blocks
 from ..config import DEFAULT_DATA_PATH, Config, ParallelConfig, num_microbatches, resolve, seq_len, settings, validate
 from ..data import (HASH_BITS, BatchSampler, TokenDataset, check_vocab, ensure_data, eval_batches,
                     eval_tokens_per_byte, identity as data_identity, token_hash)
 from ..base.errors import ConfigError, DataError, NonFiniteError
+from ..base.origin import Origin
 from ..model import GPTStage
 from .schedule import clip_scale, lr_at
 from ..parallel.context import local_positions, split_sequence
@@ -64,6 +66,7 @@ class Trainer:
     history: list = field(default_factory=list)
     stopped_by: Optional[str] = None
     tokenizer: Optional[Tokenizer] = None  # the token file's, copied into every checkpoint
+    origin: Optional[Origin] = None  # the model's source's tokenizer files, dtype, ids (base/origin.py): carried on
     val_tokens_per_byte: Optional[float] = None  # of the validation targets: val loss -> bits per byte
 
     @property
@@ -193,6 +196,7 @@ def train(cfg: Config, log=print, force: bool = False) -> Trainer:
     world = world_size_from_env()
     problem = None
     try:
+        init_from.adopt(cfg)  # train.init_from: the source's [model] section, before anything checks it
         validate(resolve(cfg, world), world)
     except ConfigError as e:
         if world == 1:
@@ -354,6 +358,12 @@ def _start(cfg: Config, grid: ParallelGrid, device, log, force: bool = False) ->
     try:
         if not explicit:
             agree(lambda: ckpt.resume(tr), grid)  # resume=auto may finish an interrupted save: under the lock
+        if cfg.train.init_from and ckpt.resumed_path is None:  # this run's own checkpoints take precedence
+            progress(f"reading the weights of train.init_from={cfg.train.init_from}...")
+            tr.origin = agree(lambda: init_from.load(tr, cfg.train.init_from), grid)
+            if grid.rank == 0:
+                log(f"initialised from {cfg.train.init_from} (its weights; a fresh optimizer and LR schedule "
+                    f"from step 1)")
         agree(lambda: ckpt.reserve(tr), grid)
         metrics_file = agree(lambda: metrics.open_for_run(out_dir, tr.step, ckpt.resumed_event, log)
                              if grid.rank == 0 else None, grid)

@@ -1,0 +1,161 @@
+"""A practitioner's own pretrained model in, fine-tuned at a layout, and back out whole (issue 38, items 2-4),
+against transformers as the outside reference: a tiny LlamaForCausalLM with a byte-level BPE (built with the
+`tokenizers` library, saved through transformers' PreTrainedTokenizerFast), a chat template, added special tokens
+and a list of eos ids in generation_config.json, saved in bf16 by transformers' own save_pretrained.
+
+Planted and watched fail (see the commit message): the export dropping chat_template.jinja, the export writing
+fp32 by default, the export's config.json ids left at megalite's defaults, init_from not reading the weights."""
+import json
+import shlex
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors import safe_open
+
+import helpers as H
+from megalite.base.origin import Origin
+from megalite.config import load_config
+from megalite.convert.sources import open_source
+
+transformers = pytest.importorskip("transformers")
+
+ROOT = Path(__file__).resolve().parents[1]
+SPECIAL = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+TEMPLATE = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+            "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+CARRIED = ("tokenizer.json", "tokenizer_config.json", "generation_config.json", "chat_template.jinja")
+CHAT = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "def f(x): return hello"}]
+
+
+def save_own_llama(folder: Path) -> None:
+    """The model as transformers saves it: bf16 weights (std 0.3, so logits carry a signal), config.json with
+    bos 1 / eos 2 / pad 2, generation_config.json with eos [2, 0], the tokenizer's files and chat template."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import GenerationConfig, LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+    backend = Tokenizer(models.BPE())
+    backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    backend.decoder = decoders.ByteLevel()
+    backend.train_from_iterator([H.synthetic_text(20_000)], trainers.BpeTrainer(
+        vocab_size=300, special_tokens=SPECIAL, initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
+    tok = PreTrainedTokenizerFast(tokenizer_object=backend, bos_token="<|im_start|>", eos_token="<|im_end|>",
+                                  pad_token="<|im_end|>", unk_token="<|endoftext|>")
+    tok.chat_template = TEMPLATE
+    tok.save_pretrained(folder)
+    cfg = LlamaConfig(vocab_size=len(tok), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128,
+                      tie_word_embeddings=False, bos_token_id=1, eos_token_id=2, pad_token_id=2)
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(cfg)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.normal_(0, 0.3)
+    model = model.to(torch.bfloat16)
+    model.generation_config = GenerationConfig(bos_token_id=1, eos_token_id=[2, 0], pad_token_id=2)
+    model.save_pretrained(folder)
+
+
+@pytest.fixture(scope="module")
+def own(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("own") / "my-llama"
+    save_own_llama(folder)
+    return folder
+
+
+def _tensors(path: Path) -> dict:
+    out = {}
+    for f in sorted(path.glob("*.safetensors")):
+        with safe_open(f, "pt") as st:
+            out.update({k: st.get_tensor(k) for k in st.keys()})
+    return out
+
+
+def test_the_documented_own_model_commands(tmp_path, own, monkeypatch):
+    """Each line of docs/converting.md's own-model block, run as shown on the tiny Llama (the training line
+    under torchrun at tp = 2 with --train.lr=0 added, so the export must hold the source's weights bit for bit),
+    then a second run from the first run's checkpoint at tp = 1, against the original folder."""
+    doc = (ROOT / "docs" / "converting.md").read_text()
+    block = doc.split("test_the_documented_own_model_commands", 1)[1].split("```bash\n", 1)[1].split("```", 1)[0]
+    lines = [ln for ln in block.splitlines() if ln.strip()]
+    assert len(lines) == 6
+    (tmp_path / "my-llama").symlink_to(own)
+    (tmp_path / "my-notes.txt").write_text(H.stdlib_text(30_000))
+    (tmp_path / "data").mkdir()
+    monkeypatch.chdir(tmp_path)
+    outs = {}
+    for line in lines:
+        argv = shlex.split(line)
+        if argv[0] == "torchrun":
+            p = H.run([*H.TORCHRUN, *argv[1:], "--train.lr=0", "--train.min_lr=0"], cwd=tmp_path,
+                      timeout=H.TORCHRUN_TIMEOUT)
+            assert p.returncode == 0, p.stderr[-3000:]
+            out, err = p.stdout, p.stderr
+            assert "initialised from my-llama.safetensors" in out and "schedule gave" not in out
+        else:
+            rc, out, err = H.cli_in_process(*argv[1:])
+            assert rc == 0, (line, err[-2000:])
+        outs[argv[1] if argv[0] == "megalite" else "train"] = out + err
+    assert "check: transformers' forward of the export" in outs["convert"]
+    (tmp_path / "my.toml").write_text(outs["inspect"])  # the [model] section as TOML a config reads back
+    m = load_config(tmp_path / "my.toml").model
+    assert (m.arch, m.n_layer, m.n_embd, m.n_head, m.n_kv_head, m.vocab_size, m.tie_embeddings) == \
+        ("llama", 2, 64, 4, 2, 300, False)
+    back = tmp_path / "my-llama-tuned"
+    _same_model_whole(own, back)
+
+    # a second fresh run from the first run's checkpoint (its weights only) at tp = 1, in this process
+    cfg = load_config(None, ["--train.init_from=runs/mine/checkpoints", "--data.path=data/my-notes.bin",
+                             "--train.seq_len=64", "--train.steps=1", "--train.lr=0", "--train.min_lr=0",
+                             "--train.out_dir=runs/again", "--train.global_batch_size=4"])
+    H.train_in_process(cfg)
+    rc, _, err = H.cli_in_process("convert", "runs/again/checkpoints", "--format", "hf", "--out", "again")
+    assert rc == 0, err
+    _same_model_whole(own, tmp_path / "again")
+
+
+def _same_model_whole(own: Path, back: Path) -> None:
+    """The export against the folder transformers saved: tensors bitwise, the tokenizer's and generation's files
+    byte for byte, the chat template's ids, bf16, config.json's ids, the family in the metadata; loadable."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer, pipeline
+    a, b = _tensors(own), _tensors(back)
+    assert sorted(a) == sorted(b) and all(torch.equal(a[k], b[k]) for k in a)
+    assert {k: v.dtype for k, v in b.items()} == {k: torch.bfloat16 for k in a}
+    for name in CARRIED:
+        assert (back / name).read_bytes() == (own / name).read_bytes(), name
+    ta, tb = AutoTokenizer.from_pretrained(own), AutoTokenizer.from_pretrained(back)
+    want = ta.apply_chat_template(CHAT, add_generation_prompt=True)["input_ids"]
+    assert tb.apply_chat_template(CHAT, add_generation_prompt=True)["input_ids"] == want
+    assert want[0] == 1 and 2 in want
+    ca, cb = (json.loads((f / "config.json").read_text()) for f in (own, back))
+    assert [cb[k] for k in ("bos_token_id", "eos_token_id", "pad_token_id")] == \
+        [ca[k] for k in ("bos_token_id", "eos_token_id", "pad_token_id")] == [1, 2, 2]
+    with safe_open(back / "model.safetensors", "pt") as st:
+        assert st.metadata()["megalite.kind"] == "hf-llama"
+    model = AutoModelForCausalLM.from_pretrained(back)
+    assert model.dtype == torch.bfloat16 and model.generation_config.eos_token_id == [2, 0]
+    text = pipeline("text-generation", model=model, tokenizer=tb)("hello", max_new_tokens=3, do_sample=False)
+    assert text[0]["generated_text"].startswith("hello")
+
+
+def test_init_from_refuses_what_contradicts_the_model(tmp_path, own, monkeypatch):
+    """One line naming every contradicting key with both values, nothing written; init_from with resume=PATH is
+    refused; --dtype overrides the recorded dtype; the origin survives split (a checkpoint's origin.json)."""
+    monkeypatch.chdir(tmp_path)
+    rc, _, err = H.cli_in_process("train", f"--train.init_from={own}", "--model.n_layer=4", "--model.n_head=4",
+                                  "--model.n_embd=32", "--model.dropout=0.1", "--train.out_dir=runs/x")
+    assert rc == 2 and len(err.strip().splitlines()) == 1, err
+    assert f"model.n_layer = 4 but {own} has 2; model.n_embd = 32 but {own} has 64" in err
+    assert "n_head =" not in err and "dropout" not in err and not (tmp_path / "runs").exists()
+    rc, _, err = H.cli_in_process("train", f"--train.init_from={own}", "--checkpoint.resume=elsewhere")
+    assert rc == 2 and "choose one" in err
+    rc, _, err = H.cli_in_process("convert", str(own), "--dtype", "fp32", "--no-check", "--out", "f32.safetensors")
+    assert rc == 0, err
+    rc, _, err = H.cli_in_process("split", str(own), "--tp", "2", "--pp", "1", "--dp", "1", "--out", "ck")
+    assert rc == 0, err
+    assert {v.dtype for v in _tensors(tmp_path).values()} == {torch.float32}
+    origin = open_source(tmp_path / "ck").origin()
+    assert origin.dtype == "bfloat16" and origin.eos_ids() == [2, 0] and origin.ids["bos_token_id"] == 1
+    assert origin.chat_template() == TEMPLATE
+    assert Origin.from_json(origin.to_json(), "x") == origin
