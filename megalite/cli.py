@@ -93,8 +93,11 @@ def _cmd_train(args, rest) -> int:
 
 def _cmd_config(args, rest) -> int:
     from .config import load_config, resolve, to_toml, validate
+    from .run.init_from import adopt
     world = int(os.environ.get("WORLD_SIZE", "0")) or None
-    cfg = validate(resolve(load_config(args.config, rest), world), world)
+    cfg = load_config(args.config, rest)
+    adopt(cfg)  # train.init_from: the model's [model] section, as train would take it
+    cfg = validate(resolve(cfg, world), world)
     print(to_toml(cfg), end="")
     return 0
 

@@ -109,10 +109,25 @@ def test_the_documented_own_model_commands(tmp_path, own, monkeypatch):
     cfg = load_config(None, ["--train.init_from=runs/mine/checkpoints", "--data.path=data/my-notes.bin",
                              "--train.seq_len=64", "--train.steps=1", "--train.lr=0", "--train.min_lr=0",
                              "--train.out_dir=runs/again", "--train.global_batch_size=4"])
-    H.train_in_process(cfg)
+    loss, ref = H.train_in_process(cfg).history[0]["loss"], _transformers_loss(own, cfg)
+    print(f"step-1 loss from init_from (tp=1, from the tp=2 run's checkpoint) {loss:.7f}, transformers {ref:.7f}")
+    assert abs(loss - ref) <= 1e-5 * loss  # the weights transformers saved, at step 1
     rc, _, err = H.cli_in_process("convert", "runs/again/checkpoints", "--format", "hf", "--out", "again")
     assert rc == 0, err
     _same_model_whole(own, tmp_path / "again")
+
+
+def _transformers_loss(own: Path, cfg) -> float:
+    """transformers' own model (fp32) on the run's first batch, drawn as the run draws it."""
+    from transformers import AutoModelForCausalLM
+    from megalite.data import BatchSampler, TokenDataset
+    t = cfg.train
+    x, y = BatchSampler(TokenDataset(cfg.data.path, "train"), t.seq_len, t.global_batch_size, 0, 1,
+                        t.seed).batch_at(0)
+    model = AutoModelForCausalLM.from_pretrained(own, dtype=torch.float32).eval()
+    with torch.no_grad():
+        logits = model(x).logits
+    return torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), y.reshape(-1)).item()
 
 
 def _same_model_whole(own: Path, back: Path) -> None:
@@ -159,3 +174,23 @@ def test_init_from_refuses_what_contradicts_the_model(tmp_path, own, monkeypatch
     assert origin.dtype == "bfloat16" and origin.eos_ids() == [2, 0] and origin.ids["bos_token_id"] == 1
     assert origin.chat_template() == TEMPLATE
     assert Origin.from_json(origin.to_json(), "x") == origin
+
+
+def test_an_origin_is_checked_where_it_is_read(tmp_path, own):
+    """A model file's megalite.origin and a checkpoint's origin.json are parsed with one-line errors naming the
+    field; a changed origin.json fails its checksum in `verify`."""
+    from megalite.base.errors import ConvertError
+    from megalite.checkpoint.verify import verify
+    from megalite.convert.resharding import split
+    good = json.loads(Origin(files={"generation_config.json": b"{}"}, dtype="bfloat16").to_json())
+    for change, says in [({"format": "x"}, "not a megalite origin"), ({"extra": 1}, "unknown field 'extra'"),
+                         ({"files": {"model.safetensors": ""}}, "field 'files'"),
+                         ({"dtype": "int8"}, "field 'dtype' = 'int8'"),
+                         ({"ids": {"eos_token_id": [2, -1]}}, "eos_token_id = -1"),
+                         ({"tokenizer": "abc"}, "field 'tokenizer' = 'abc'")]:
+        with pytest.raises(ConvertError, match=says):
+            Origin.from_json(json.dumps({**good, **change}), "m.safetensors: metadata 'megalite.origin'", ConvertError)
+    step = split(own, tmp_path / "ck", 1, 1, 1, quiet=True)
+    rel = step / "tp00-pp00-dp00" / "origin.json"
+    rel.write_bytes(rel.read_bytes().replace(b"bfloat16", b"float16\x20"))
+    assert any("origin.json fails its checksum" in p for p in verify(step)[1])
