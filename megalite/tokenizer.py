@@ -245,7 +245,7 @@ def load(spec, what: str = "--tokenizer") -> Tokenizer:
     p = Path(spec)
     if p.is_dir():
         if (p / TOKENIZER_JSON).exists():
-            return from_json(_read_text(p / TOKENIZER_JSON, what), str(p / TOKENIZER_JSON))
+            return _with_folder_eos(from_json(_read_text(p / TOKENIZER_JSON, what), str(p / TOKENIZER_JSON)), p)
         if (p / "vocab.json").exists():
             p = p / "vocab.json"
         else:
@@ -261,6 +261,20 @@ def load(spec, what: str = "--tokenizer") -> Tokenizer:
                             f"in one folder)")
         return gpt2_from_files(p, merges)
     return from_json(_read_text(p, what), str(p))
+
+
+def _with_folder_eos(tok: Tokenizer, folder: Path) -> Tokenizer:
+    """A tokenizer without GPT-2's end-of-text token (Llama 3's has <|end_of_text|>) takes its folder's own: the
+    eos_token its tokenizer_config.json names, where the vocabulary has it (never a default: issue 38)."""
+    cfg_path = folder / "tokenizer_config.json"
+    if tok.eot_id is not None or tok.is_byte or not cfg_path.is_file():
+        return tok
+    limits.within(cfg_path.stat().st_size, "json", str(cfg_path), DataError)
+    cfg = loads(cfg_path.read_bytes(), str(cfg_path), DataError)
+    eos = cfg.get("eos_token") if isinstance(cfg, dict) else None
+    eos = eos.get("content") if isinstance(eos, dict) else eos
+    tok.eot_id = tok.backend.token_to_id(eos) if isinstance(eos, str) else None
+    return tok
 
 
 # ---------------------------------------------------------------- an HF tokenizer folder
@@ -543,6 +557,9 @@ def of_token_file(path: Path, meta: dict, vocab_size: int) -> Tokenizer:
                         f"not the tokenizer_sha256 {str(sha)[:16]}... recorded in '{mpath.name}' (the tokenizer was "
                         f"changed after `megalite prepare`; prepare the data again)")
     tok = from_json(raw.decode("utf-8", errors="replace"), f"data.path: tokenizer_file '{tpath}'")
+    eot = meta.get("eot_id")
+    if tok.eot_id is None and isinstance(eot, int) and not isinstance(eot, bool) and 0 <= eot < tok.vocab_size:
+        tok.eot_id = eot  # the end of text prepare separated documents with (the folder's eos: _with_folder_eos)
     if vocab_size > tok.vocab_size:
         raise DataError(f"data.path: '{mpath}' records vocab_size {vocab_size} but its tokenizer "
                         f"'{tpath}' has {tok.vocab_size} ids")

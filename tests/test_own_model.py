@@ -194,3 +194,28 @@ def test_an_origin_is_checked_where_it_is_read(tmp_path, own):
     rel = step / "tp00-pp00-dp00" / "origin.json"
     rel.write_bytes(rel.read_bytes().replace(b"bfloat16", b"float16\x20"))
     assert any("origin.json fails its checksum" in p for p in verify(step)[1])
+
+
+def test_end_of_text_comes_from_the_tokenizers_folder(tmp_path):
+    """A tokenizer without <|endoftext|> (Llama 3's names <|end_of_text|>): prepare separates documents with the
+    eos_token its tokenizer_config.json names, records it, and a run's tokenizer reads it back; the "\\n\\n"
+    default (the ids of two newlines) is never used for it."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+    from megalite.data import TokenDataset, prepare
+    backend = Tokenizer(models.BPE())
+    backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    backend.decoder = decoders.ByteLevel()
+    backend.train_from_iterator(["some text " * 50], trainers.BpeTrainer(
+        vocab_size=280, special_tokens=["<|begin_of_text|>", "<|end_of_text|>"],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
+    PreTrainedTokenizerFast(tokenizer_object=backend, bos_token="<|begin_of_text|>",
+                            eos_token="<|end_of_text|>").save_pretrained(tmp_path / "tok")
+    eos = backend.token_to_id("<|end_of_text|>")
+    for i in range(2):
+        (tmp_path / f"d{i}.txt").write_text(f"document {i} " * 40)
+    prepare([tmp_path / "d0.txt", tmp_path / "d1.txt"], tmp_path / "t.bin", tokenizer=str(tmp_path / "tok"),
+            val_fraction=0.0, log=lambda *a: None)
+    assert json.loads((tmp_path / "t.json").read_text())["eot_id"] == eos
+    ds = TokenDataset(tmp_path / "t.bin", "train")
+    assert ds.tokenizer().eot_id == eos and list(ds.tokens).count(eos) == 1
