@@ -219,3 +219,38 @@ def test_end_of_text_comes_from_the_tokenizers_folder(tmp_path):
     assert json.loads((tmp_path / "t.json").read_text())["eot_id"] == eos
     ds = TokenDataset(tmp_path / "t.bin", "train")
     assert ds.tokenizer().eot_id == eos and list(ds.tokens).count(eos) == 1
+
+
+def test_a_folder_as_transformers_4_writes_it_comes_back_whole(tmp_path, own):
+    """transformers 4.x's layout of the same model: the chat template and added_tokens_decoder inside
+    tokenizer_config.json, a special_tokens_map.json, `torch_dtype` and `rope_theta` in config.json. split ->
+    convert --format hf writes each file back byte for byte, and the dtype it names."""
+    from megalite.convert.resharding import split
+    from megalite.convert.single import convert
+    from transformers import AutoTokenizer
+    old = tmp_path / "v4"
+    old.mkdir()
+    for f in ("model.safetensors", "tokenizer.json", "generation_config.json"):
+        (old / f).write_bytes((own / f).read_bytes())
+    cfg = json.loads((own / "config.json").read_text())
+    cfg["torch_dtype"] = cfg.pop("dtype")
+    cfg["rope_theta"] = cfg.pop("rope_parameters")["rope_theta"]
+    (old / "config.json").write_text(json.dumps(cfg, indent=2) + "\n")
+    added = {str(i): {"content": t, "lstrip": False, "normalized": False, "rstrip": False, "single_word": False,
+                      "special": True} for i, t in enumerate(SPECIAL)}
+    (old / "tokenizer_config.json").write_text(json.dumps(
+        {"added_tokens_decoder": added, "bos_token": "<|im_start|>", "chat_template": TEMPLATE,
+         "clean_up_tokenization_spaces": False, "eos_token": "<|im_end|>", "model_max_length": 128,
+         "pad_token": "<|im_end|>", "tokenizer_class": "PreTrainedTokenizerFast", "unk_token": "<|endoftext|>"},
+        indent=2) + "\n")
+    (old / "special_tokens_map.json").write_text(json.dumps(
+        {"bos_token": "<|im_start|>", "eos_token": "<|im_end|>", "pad_token": "<|im_end|>",
+         "unk_token": "<|endoftext|>"}, indent=2) + "\n")
+    step = split(old, tmp_path / "ck", 2, 1, 1, quiet=True)
+    back = convert(step, tmp_path / "back", fmt="hf", quiet=True, check=False)
+    for f in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "generation_config.json"):
+        assert (back / f).read_bytes() == (old / f).read_bytes(), f
+    assert not (back / "chat_template.jinja").exists()
+    assert json.loads((back / "config.json").read_text())["torch_dtype"] == "bfloat16"
+    ids = AutoTokenizer.from_pretrained(back).apply_chat_template(CHAT, add_generation_prompt=True)["input_ids"]
+    assert ids == AutoTokenizer.from_pretrained(own).apply_chat_template(CHAT, add_generation_prompt=True)["input_ids"]
