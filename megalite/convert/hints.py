@@ -23,6 +23,7 @@ from ..base.errors import ConvertError
 from ..base.fs import read_all
 from ..base.jsonio import loads
 from ..base.limits import FILE_BYTES
+from .. import models
 from ..config import ModelConfig
 
 NORMS, MLPS = ("rms", "layer"), ("swiglu", "gelu", "gelu_tanh")
@@ -61,7 +62,8 @@ def merge_config(h: Hints, path: Path) -> Hints:
     c = loads(raw, f"--config {path}", ConvertError, kind="json")  # its size and depth within limits' budget
     if not isinstance(c, dict):
         raise ConvertError(f"--config {path}: expected a JSON object (a transformers config.json)")
-    gpt2 = c.get("model_type") == "gpt2"
+    family = models.BY_MODEL_TYPE.get(c.get("model_type"))
+    gpt2 = family is not None and family.features.positions == "learned"  # GPT2Config's key names
     rope = c.get("rope_parameters") if isinstance(c.get("rope_parameters"), dict) else {}
     scaling = c.get("rope_scaling") if isinstance(c.get("rope_scaling"), dict) else None
     if scaling is None and rope.get("rope_type", "default") != "default":
@@ -132,7 +134,7 @@ def llama_model(n_layer: int, n_head: int, n_kv_head: int, n_embd: int, ffn: int
                 theta: float, scaling: Optional[dict], eps: float, block_size: int) -> dict:
     """megalite's [model] dict for a Llama (arch, n_kv_head, intermediate_size, rope_theta, rope_scaling;
     layer_norm_eps is RMSNorm's eps), every other key at ModelConfig's default."""
-    m = ModelConfig(arch="llama", n_layer=n_layer, n_head=n_head, n_kv_head=n_kv_head, n_embd=n_embd,
+    m = ModelConfig(arch=models.llama.SPEC.name, n_layer=n_layer, n_head=n_head, n_kv_head=n_kv_head, n_embd=n_embd,
                     intermediate_size=ffn, vocab_size=vocab, block_size=block_size, dropout=0.0, tie_embeddings=tied,
                     rope_theta=float(theta), rope_scaling=rope_scaling(scaling), layer_norm_eps=float(eps))
     return dataclasses.asdict(m)
