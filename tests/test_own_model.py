@@ -224,7 +224,7 @@ def test_end_of_text_comes_from_the_tokenizers_folder(tmp_path):
 def test_a_folder_as_transformers_4_writes_it_comes_back_whole(tmp_path, own):
     """transformers 4.x's layout of the same model: the chat template and added_tokens_decoder inside
     tokenizer_config.json, a special_tokens_map.json, `torch_dtype` and `rope_theta` in config.json. split ->
-    convert --format hf writes each file back byte for byte, and the dtype it names."""
+    convert (a model file) -> convert --format hf writes each file back byte for byte, and the dtype it names."""
     from megalite.convert.resharding import split
     from megalite.convert.single import convert
     from transformers import AutoTokenizer
@@ -246,8 +246,9 @@ def test_a_folder_as_transformers_4_writes_it_comes_back_whole(tmp_path, own):
     (old / "special_tokens_map.json").write_text(json.dumps(
         {"bos_token": "<|im_start|>", "eos_token": "<|im_end|>", "pad_token": "<|im_end|>",
          "unk_token": "<|endoftext|>"}, indent=2) + "\n")
-    step = split(old, tmp_path / "ck", 2, 1, 1, quiet=True)
-    back = convert(step, tmp_path / "back", fmt="hf", quiet=True, check=False)
+    step = split(old, tmp_path / "ck", 2, 1, 1, quiet=True)  # folder -> checkpoint -> model file -> folder
+    one = convert(step, tmp_path / "one.safetensors", quiet=True, check=False)
+    back = convert(one, tmp_path / "back", fmt="hf", quiet=True, check=False)
     for f in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "generation_config.json"):
         assert (back / f).read_bytes() == (old / f).read_bytes(), f
     assert not (back / "chat_template.jinja").exists()
