@@ -174,6 +174,18 @@ def test_init_from_refuses_what_contradicts_the_model(tmp_path, own, monkeypatch
     assert origin.dtype == "bfloat16" and origin.eos_ids() == [2, 0] and origin.ids["bos_token_id"] == 1
     assert origin.chat_template() == TEMPLATE
     assert Origin.from_json(origin.to_json(), "x") == origin
+    # resuming that weights-only split (the old route) says nothing of a run's schedule: there never was one
+    from megalite.data import prepare
+    (tmp_path / "notes.txt").write_text(H.synthetic_text(8_000))
+    prepare([tmp_path / "notes.txt"], tmp_path / "notes.bin", tokenizer=str(own), log=lambda *a: None)
+    cfg = load_config(None, [f"--checkpoint.resume={tmp_path / 'ck'}", f"--data.path={tmp_path / 'notes.bin'}",
+                             "--train.steps=1", "--train.seq_len=32", "--train.global_batch_size=4",
+                             f"--train.out_dir={tmp_path / 'run'}"])
+    for k, v in open_source(own).model.items():  # the split's [model], as a config would spell it
+        setattr(cfg.model, k, v)
+    lines = []
+    H.train_in_process(cfg, log=lines.append)
+    assert any("resumed from" in ln for ln in lines) and not any("schedule now spans" in ln for ln in lines), lines
 
 
 def test_an_origin_is_checked_where_it_is_read(tmp_path, own):
