@@ -128,8 +128,9 @@ def _cmd_tokenizer(args, rest) -> int:
 def _cmd_inspect(args, rest) -> int:
     from .checkpoint.verify import inspect, tree
     from pathlib import Path
-    from .convert.sources import is_checkpoint, model_section
-    if args.model or not is_checkpoint(Path(args.ckpt)):
+    from .convert.sources import detect, model_section
+    p = Path(args.ckpt)  # a model file or a transformers folder: its [model]; anything else is read as a checkpoint
+    if args.model or not args.tree and (p.is_file() and p.suffix == ".safetensors" or detect(p) == "hf"):
         print(model_section(args.ckpt), end="")
     else:
         print(tree(args.ckpt) if args.tree else inspect(args.ckpt))
