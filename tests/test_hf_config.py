@@ -141,3 +141,23 @@ def test_a_tied_config_beside_a_different_stored_head_keeps_the_head_as_transfor
     f = convert(src, tmp_path / "m.safetensors", quiet=True)
     assert (load_model(f)(IDS).detach() - want.detach()).abs().max() < 1e-5
     assert (load_model(split(src, tmp_path / "ck", 1, 1, 1, quiet=True))(IDS).detach() - want.detach()).abs().max() < 1e-5
+
+
+def test_convert_config_flag_reads_config_json_as_the_import_does(tmp_path):
+    """`convert --config` (other trainers' checkpoints) reads config.json with the family's own rules: a key that
+    changes the forward is refused in the same line an import gives; two rope_thetas that disagree are refused;
+    harmless keys pass."""
+    from megalite.convert import hints as hn
+    base = dict(model_type="llama", num_attention_heads=4, num_key_value_heads=2, hidden_act="silu",
+                rms_norm_eps=1e-5, vocab_size=96)
+    p = tmp_path / "config.json"
+    p.write_text(json.dumps({**base, **HUB_CARD}))
+    assert hn.merge_config(hn.Hints(), p).num_heads == 4
+    for bad, pattern in ((dict(mlp_bias=True, rope_interleaved=True), r"2 fields would change the forward: "
+                                                                      r"mlp_bias = true .*rope_interleaved = true"),
+                         (dict(rope_theta=5e5, rope_parameters={"rope_type": "default", "rope_theta": 1e4}),
+                          r"rope_theta = 500000.0 and rope_parameters.rope_theta = 10000.0 disagree"),
+                         (dict(model_type="gemma"), r"model_type = 'gemma', expected one of")):
+        p.write_text(json.dumps({**base, **bad}))
+        with pytest.raises(ConvertError, match=pattern):
+            hn.merge_config(hn.Hints(), p)

@@ -10,6 +10,15 @@ DEFAULT = "gpt2"  # a [model] without `arch` (older configs and checkpoints)
 BY_MODEL_TYPE = {s.hf.model_type: s for s in FAMILIES.values()}
 
 
+def family_for(**features) -> FamilySpec:
+    """The first registered family whose features are these (a Megatron-LM Llama with q/k/v biases is a Qwen2);
+    KeyError when none is."""
+    for s in FAMILIES.values():
+        if all(getattr(s.features, k) == v for k, v in features.items()):
+            return s
+    raise KeyError(features)
+
+
 def spec(name) -> FamilySpec:
     """The spec of family `name` (KeyError for a name not registered: config.validate names the field first)."""
     return FAMILIES[name]

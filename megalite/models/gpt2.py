@@ -86,9 +86,13 @@ class GPT2HF:
                 "tie_word_embeddings": m["tie_embeddings"], "bos_token_id": eot_id, "eos_token_id": eot_id,
                 "pad_token_id": None, "torch_dtype": "float32", "use_cache": True}
 
+    def check_keys(self, hf: dict, where: str) -> list:
+        """The harmless keys of config.json `hf`; every key whose value changes the forward refused in one line."""
+        return H.classify(hf, self.HONOURED, self.ONLY_AT, (), where, self.config_class)
+
     def model_from_hf(self, hf: dict, where: str) -> tuple[dict, list]:
         """(the [model] keys config.json sets, GPT2Config's defaults for what it leaves out; its harmless keys)."""
-        harmless = H.classify(hf, self.HONOURED, self.ONLY_AT, (), where, self.config_class)
+        harmless = self.check_keys(hf, where)
         sizes = {k: H.positive_int(hf, k, where) for k in ("vocab_size", "n_positions", "n_embd", "n_layer",
                                                            "n_head")}
         if hf.get("n_inner") not in (None, 4 * sizes["n_embd"]):

@@ -89,8 +89,7 @@ class LlamaHF:
     def model_from_hf(self, hf: dict, where: str) -> tuple[dict, list]:
         """(the [model] keys config.json sets, with the config class's defaults for what it leaves out; the
         harmless keys)."""
-        harmless = H.classify(hf, self.HONOURED | set(self.own_keys()), {**self.ONLY_AT, "model_type":
-                              (self.model_type,)}, self.HARMLESS, where, self.config_class)
+        harmless = self.check_keys(hf, where)
         sizes = {k: H.positive_int(hf, k, where) for k in ("vocab_size", "hidden_size", "num_hidden_layers",
                                                            "num_attention_heads", "intermediate_size")}
         C, Hn = sizes["hidden_size"], sizes["num_attention_heads"]
@@ -113,6 +112,12 @@ class LlamaHF:
         if D != C // Hn:
             m["head_size"] = D
         return m, harmless
+
+    def check_keys(self, hf: dict, where: str) -> list:
+        """The harmless keys of config.json `hf`; every key whose value changes the forward refused in one line
+        (models/hf.py's rule, the one reading of a config.json: import, split, generate and convert --config)."""
+        return H.classify(hf, self.HONOURED | set(self.own_keys()), {**self.ONLY_AT, "model_type":
+                          (self.model_type,)}, self.HARMLESS, where, self.config_class)
 
     def own_keys(self) -> tuple:
         return ()
