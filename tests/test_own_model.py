@@ -174,6 +174,8 @@ def test_init_from_refuses_what_contradicts_the_model(tmp_path, own, monkeypatch
     assert origin.dtype == "bfloat16" and origin.eos_ids() == [2, 0] and origin.ids["bos_token_id"] == 1
     assert origin.chat_template() == TEMPLATE
     assert Origin.from_json(origin.to_json(), "x") == origin
+    from megalite.convert.resharding import reshard
+    assert open_source(reshard(tmp_path / "ck", tmp_path / "ck1", 1, 1, 1, quiet=True)).origin() == origin
     # resuming that weights-only split (the old route) says nothing of a run's schedule: there never was one
     from megalite.data import prepare
     (tmp_path / "notes.txt").write_text(H.synthetic_text(8_000))
