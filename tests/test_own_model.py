@@ -174,6 +174,9 @@ def test_init_from_refuses_what_contradicts_the_model(tmp_path, own, monkeypatch
     assert origin.dtype == "bfloat16" and origin.eos_ids() == [2, 0] and origin.ids["bos_token_id"] == 1
     assert origin.chat_template() == TEMPLATE
     assert Origin.from_json(origin.to_json(), "x") == origin
+    assert origin.beside(origin.tokenizer) == origin and origin.beside("0" * 64) == Origin(dtype="bfloat16")
+    nameless = Origin(origin.files, None, "bfloat16", origin.ids).beside("0" * 64)  # a source without a tokenizer
+    assert set(nameless.files) == {"generation_config.json"} and nameless.ids == origin.ids
     from megalite.convert.resharding import reshard
     assert open_source(reshard(tmp_path / "ck", tmp_path / "ck1", 1, 1, 1, quiet=True)).origin() == origin
     # resuming that weights-only split (the old route) says nothing of a run's schedule: there never was one

@@ -95,15 +95,18 @@ class Origin:
                    _checked_ids(ids, where, error))
 
     # ------------------------------------------------------------ writing a transformers folder
-    def tokenizer_files(self, sha256: Optional[str]) -> dict:
-        """The files to write beside the tokenizer of canonical sha256 `sha256`: all of them when they belong
-        to it, else only generation_config.json (it names ids, not a tokenizer's text)."""
+    def beside(self, sha256: Optional[str]) -> "Origin":
+        """What of it an export writes beside the tokenizer of canonical sha256 `sha256`: all of it where its files
+        belong to that tokenizer; where the source named no tokenizer, its generation_config.json and ids (the
+        only ids there are); beside another tokenizer only its dtype (its ids would name that tokenizer's tokens)."""
         if self.tokenizer is not None and self.tokenizer == sha256:
-            return dict(self.files)
-        return {k: v for k, v in self.files.items() if k == GENERATION}
+            return self
+        if self.tokenizer is None:
+            return Origin({k: v for k, v in self.files.items() if k == GENERATION}, None, self.dtype, self.ids)
+        return Origin(dtype=self.dtype)
 
     def write(self, folder: Path, files: dict) -> list[Path]:
-        """`files` (name -> bytes, from tokenizer_files) written into `folder` as they came."""
+        """`files` (name -> bytes, some of self.files) written into `folder` as they came."""
         out = []
         for name, data in files.items():
             write_new(Path(folder) / name, data)

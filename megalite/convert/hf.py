@@ -235,8 +235,8 @@ def write_hf(tmp: Path, src: Source, dtype: torch.dtype, progress: Progress, max
         write_new(tmp / ST_INDEX, (json.dumps(index, indent=2) + "\n").encode())
     eot = tok.eot_id if tok is not None and tok.eot_id is not None and tok.eot_id < rows else None
     tok = tok or byte_tokenizer()
-    origin = src.origin() or Origin()
-    carried = origin.tokenizer_files(tok.sha256)  # the source's own files, where they belong to this tokenizer
+    origin = (src.origin() or Origin()).beside(tok.sha256)  # the source's own files and ids, where they apply
+    carried = dict(origin.files)
     cfg = fam.hf_config({**m, "vocab_size": rows}, eot)
     cfg.update(origin.ids)  # the source's bos/eos/pad (one small step after the family's table: issue 38)
     cfg["torch_dtype"] = TORCH_DTYPE[dtype]
