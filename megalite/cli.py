@@ -175,7 +175,7 @@ def _cmd_convert(args, rest) -> int:
 def _cmd_split(args, rest) -> int:
     from .convert import split
     out = split(args.model, args.out, args.tp, args.pp, args.dp, zero1=args.zero1 == "on", step=args.step,
-                force=args.force, quiet=args.quiet, cp=args.cp)
+                force=args.force, quiet=args.quiet, cp=args.cp, check=args.check)
     if not args.quiet:
         print(f"split: wrote {out}")
     return 0
@@ -244,7 +244,8 @@ def _cmd_bench(args, rest) -> int:
         from .bench.train import bench_train
         bench_train(steps=args.steps, nproc=args.nproc, n_embd=args.n_embd or 128, n_layer=args.n_layer or 4,
                     block_size=args.block_size or 128, rounds=args.rounds or 2, wait_ms=args.bubble_wait_ms,
-                    cp_seq=args.cp_seq, pairs=args.pairs, llama_only=args.llama_only)
+                    cp_seq=args.cp_seq, pairs=args.pairs, llama_only=args.llama_only,
+                    families=args.families)
     return 0
 
 
@@ -365,12 +366,16 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--force", action="store_true", help="replace --out if it exists")
     p.add_argument("--quiet", action="store_true")
 
-    p = add("split", "cut one model file (megalite or HF GPT-2 folder) into a checkpoint at a layout "
-                     "(fresh optimizer state)", _cmd_split)
+    p = add("split", "cut one model (a megalite file, a transformers folder of any family, a Megatron-LM "
+                     "checkpoint) into a checkpoint at a layout (fresh optimizer state)", _cmd_split)
     p.add_argument("model")
     _layout_flags(p)
     p.add_argument("--zero1", choices=["on", "off"], default="off")
     p.add_argument("--step", type=int, default=0, help="the step the checkpoint says it is at")
+    p.add_argument("--check", action=argparse.BooleanOptionalAction, default=None,
+                   help="from another trainer or transformers: megalite's model on the source's tensors against "
+                        "the source's own forward on fixed prompts, before anything is written (default: on "
+                        "where transformers is installed)")
 
     p = add("reshard", "move a full training checkpoint (model, optimizer, step, data position) to a new "
                        "layout", _cmd_reshard)
@@ -435,6 +440,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--llama-only", action="store_true",
                    help="train: only the Llama tables (9: vs transformers' LlamaForCausalLM, 10: a block's "
                         "saved bytes per rank)")
+    p.add_argument("--families", action="store_true",
+                   help="train: table 9 also for every other SwiGLU family (qwen2, qwen3, mistral) against its "
+                        "own transformers class")
     p.add_argument("--bubble-wait-ms", type=float, default=None,
                    help="train: t_f of the bubble table's wait rows (default: the model's, at least 40 ms)")
 
