@@ -46,8 +46,9 @@ class Origin:
     def of_folder(cls, folder: Path, hf_config: dict, canonical: Optional[str], sha256: Optional[str],
                   stored: Optional[str] = None, error: type = CheckpointError) -> "Origin":
         """A transformers folder's origin: its FILES that exist (each within its budget; tokenizer.json kept
-        only where it is not `canonical`), its config.json's dtype (`dtype`, or 4.x's `torch_dtype`; else
-        `stored`, the weights' own) and ids (config.json's, else generation_config.json's)."""
+        only where it is not `canonical`), the dtype its weights are `stored` in (what it holds, whatever a
+        hand-edited config.json says; else config.json's `dtype` or 4.x's `torch_dtype`) and ids (config.json's,
+        else generation_config.json's)."""
         files = {}
         for name in FILES:
             p = Path(folder) / name
@@ -56,7 +57,7 @@ class Origin:
                 files[name] = p.read_bytes()
         if canonical is not None and files.get(TOKENIZER_JSON) == canonical.encode("utf-8"):
             del files[TOKENIZER_JSON]  # the canonical text: the tokenizer the run carries writes it again
-        dtype = next((d for d in (hf_config.get("dtype"), hf_config.get("torch_dtype"), stored) if d in DTYPES), None)
+        dtype = next((d for d in (stored, hf_config.get("dtype"), hf_config.get("torch_dtype")) if d in DTYPES), None)
         gen = _json_or_empty(files.get(GENERATION))
         ids = {k: hf_config[k] if k in hf_config else gen[k] for k in IDS if k in hf_config or k in gen}
         return cls(files, sha256, dtype, _checked_ids(ids, str(folder), error))

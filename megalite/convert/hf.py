@@ -130,8 +130,8 @@ class HFFolder(Source):
         return carried_by(self.folder)
 
     def origin(self):
-        """Its tokenizer's and generation's files as they are, its dtype (config.json's, else the stored one's)
-        and config.json's special ids (base/origin.py)."""
+        """Its tokenizer's and generation's files as they are, its weights' stored dtype and config.json's special
+        ids (base/origin.py)."""
         tok = self.tokenizer()
         stored = next((TORCH_DTYPE.get(s.dtype) for s in self.specs.values() if s.dtype.is_floating_point), None)
         return Origin.of_folder(self.folder, self.hf, tok and tok.json, tok and tok.sha256, stored, ConvertError)
