@@ -302,8 +302,6 @@ def test_rope_scaling_high_must_pass_low_at_the_edge():
         check_rope_scaling({**LLAMA3, "low_freq_factor": 1.0, "high_freq_factor": 1.0})
 
 
-@pytest.mark.xfail(strict=True, reason="hints.rope_scaling cuts it with int(): the fix belongs in convert/hints.py, "
-                                       "which the lead is moving into megalite/models/ (issue 42 report)")
 def test_rope_scaling_original_context_is_a_whole_number():
     """original_max_position_embeddings is a count of positions (transformers keeps it an int): 8192.0 is 8192;
     0.5 or 8192.5 would be cut to an int silently, so they are refused."""

@@ -258,7 +258,7 @@ class MegatronGPT(ForeignModel):
             m = model_from_args(args, f"{where} (with the flags given)")
         else:
             m = model_from_args(args, f"{self.step / COMMON}: args")
-        vocab_size = vocab_size or hints.vocab_size
+        vocab_size = hints.vocab_size if vocab_size is None else vocab_size
         _check_layers(self.ck, m, where)
         word = self.ck.tensors.get("embedding.word_embeddings.weight")
         if word is None or len(word.shape) != 2 or word.shape[1] != m["n_embd"]:
@@ -269,7 +269,7 @@ class MegatronGPT(ForeignModel):
         if vocab_size is not None and not 1 <= vocab_size <= padded:
             raise ConvertError(f"--vocab-size {vocab_size}: expected 1 to the checkpoint's padded vocabulary "
                                f"{padded}")
-        m["vocab_size"] = vocab_size or padded
+        m["vocab_size"] = padded if vocab_size is None else vocab_size
         self.interleaved = m.pop("_interleaved", False)
         self.qkv_bias = m.pop("_qkv_bias", False)
         self.m = m

@@ -38,9 +38,6 @@ def convert(ckpt, out, dtype: Optional[str] = None, fmt: str = "megalite", force
     if isinstance(max_shard_size, bool) or not isinstance(max_shard_size, int) or max_shard_size < 1:
         raise ConvertError(f"--max-shard-size {max_shard_size!r}: expected a positive number of bytes")
     src = open_source(Path(ckpt), source, vocab_size, arch, hints)
-    if getattr(src, "harmless", None) and not quiet:  # one informational line, models/hf.py's rule
-        print(f"convert: {src.where}/config.json: {len(src.harmless)} harmless fields ignored (they change neither "
-              f"the weights nor the logits): {', '.join(src.harmless)}", file=sys.stderr, flush=True)
     if src.model is not None and fmt != "hf-gpt2":
         src.partitions()  # a model megalite's cannot hold (q/k/v biases) is refused before anything is written
     out = Path(out)
@@ -53,9 +50,15 @@ def convert(ckpt, out, dtype: Optional[str] = None, fmt: str = "megalite", force
     elif check and (src.model is None or fmt == "dcp"):
         raise ConvertError(f"--check: {src.where} -> --format {fmt} has no model forward to compare "
                            f"(a plain DCP source, or a DCP output)")
+    elif check and not checking.available():  # asked for: its reference forward is transformers'
+        raise ConvertError("--check needs the `transformers` package, which is not importable: `pip install "
+                           "transformers` (or megalite[hf]), or --no-check; nothing was written")
     progress = Progress("convert", len(src.specs), sum(s.nbytes for s in src.specs.values()), quiet)
     proof = _proof(src, fmt, torch_dtype or torch.float32, quiet) if check else None
     done = write(src, out, fmt, torch_dtype, progress, proof, max_shard_size)
+    if getattr(src, "harmless", None) and not quiet:  # one informational line (models/hf.py's rule), after
+        print(f"convert: {src.where}/config.json: {len(src.harmless)} harmless fields ignored (they change "  # the work
+              f"neither the weights nor the logits): {', '.join(src.harmless)}", file=sys.stderr, flush=True)
     if src.skipped and not quiet:  # after the work: a failed convert prints its one error line only
         n = len(src.skipped)
         shown = ", ".join(src.skipped[:8]) + (f", ... ({n} in all)" if n > 8 else "")

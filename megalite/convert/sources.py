@@ -12,6 +12,7 @@ from .. import models
 from ..checkpoint import manifest as mf
 from ..base.origin import Origin
 from ..checkpoint.read import SliceReader
+from ..checkpoint.stream import dtype_of
 from ..checkpoint.validate import read_origin
 from ..checkpoint.tree import LATEST, MANIFEST, resolve
 from ..base.fs import path_kind
@@ -62,7 +63,7 @@ class FileSource(Source):
     def __init__(self, path):
         p = Path(path)
         self.where, self.guards = str(p), [p]
-        self.f = open_safetensors(p)
+        self.f = open_safetensors(p, follow=True)  # the file the user named
         self.meta = self.f.metadata() or {}
         if MODEL_CONFIG not in self.meta:
             raise ConvertError(f"{p}: safetensors metadata has no '{MODEL_CONFIG}' (expected a file written by "
@@ -72,7 +73,7 @@ class FileSource(Source):
         self.specs = {}
         for k in sorted(self.f.keys()):
             s = self.f.get_slice(k)
-            self.specs[k] = Spec(tuple(s.get_shape()), _dtype_of(s.get_dtype()))
+            self.specs[k] = Spec(tuple(s.get_shape()), dtype_of(s.get_dtype(), f"{p}: tensor '{k}'", ConvertError))
 
     def read(self, name, region=None):
         if region is None:
@@ -85,15 +86,6 @@ class FileSource(Source):
     def origin(self):
         text = self.meta.get(ORIGIN)
         return None if text is None else Origin.from_json(text, f"{self.where}: metadata '{ORIGIN}'", ConvertError)
-
-
-_ST = {"F32": torch.float32, "BF16": torch.bfloat16, "F16": torch.float16, "F64": torch.float64,
-       "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8,
-       "BOOL": torch.bool}
-
-
-def _dtype_of(st: str) -> torch.dtype:
-    return _ST.get(st, torch.float32)
 
 
 def is_megatron(path: Path) -> bool:
