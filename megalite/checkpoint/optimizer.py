@@ -63,6 +63,7 @@ class OptimizerState:
     """No optimizer: the weights only (the interface every kind implements)."""
     optimizer = None
     zero1 = False
+    per_tensor = False  # a ZeRO-2 or 3 optimizer: its pieces are cut tensor by tensor (plan_writes' per_tensor)
     fresh = ""  # the end of the warning when a checkpoint holds no state for this kind
 
     def section(self, named, grid) -> Optional[dict]:
@@ -92,6 +93,7 @@ class AdamWState(OptimizerState):
 
     def __init__(self, optimizer):
         self.optimizer, self.zero1 = optimizer, bool(optimizer.zero1)
+        self.per_tensor = bool(getattr(optimizer, "per_tensor", False))
 
     def section(self, named, grid) -> dict:
         o = self.optimizer

@@ -217,7 +217,8 @@ class CheckpointManager:
                 self.log(f"WARNING: resume=auto: falling back to {path}")
         else:
             path = Path(want)
-        info = load_checkpoint(path, tr.model, tr.optimizer, self.grid, model_config=self.cfg.to_dict()["model"])
+        with tr.grads.whole():  # zero 3: the weights gathered, loaded, cut again
+            info = load_checkpoint(path, tr.model, tr.optimizer, self.grid, model_config=self.cfg.to_dict()["model"])
         self._check_tokenizer(info, tr)
         tr.step, tr.tokens_seen = info.step, info.tokens_seen
         tr.sampler.load_state_dict(info.data)
@@ -257,7 +258,8 @@ class CheckpointManager:
     def reserve(self, tr) -> None:
         """Async saves: allocate the optimizer's spare set (or host staging buffers) before training starts."""
         if self.saver is not None and self.root is not None:
-            self.saver.reserve(collect(tr.params, tr.optimizer, self.grid), tr.optimizer)
+            with tr.grads.whole():
+                self.saver.reserve(collect(tr.params, tr.optimizer, self.grid), tr.optimizer)
 
     # ------------------------------------------------------------ signals
     def install_signal_handlers(self) -> None:
@@ -322,11 +324,12 @@ class CheckpointManager:
             self._poll()
         t0 = time.perf_counter()
         try:
-            path = save_checkpoint(self.root, tr.step, tr.model, tr.optimizer, self.grid,
-                                   config=self.cfg.to_dict(), tokens_seen=tr.tokens_seen,
-                                   data_state=tr.sampler.state_dict(), keep_last=self.c.keep_last, saver=self.saver,
-                                   keep=self.keep, tokenizer=tr.tokenizer.json.encode() if tr.tokenizer else None,
-                                   direct=self.direct)
+            with tr.grads.whole():  # zero 3: every weight gathered while the save reads it
+                path = save_checkpoint(self.root, tr.step, tr.model, tr.optimizer, self.grid,
+                                       config=self.cfg.to_dict(), tokens_seen=tr.tokens_seen,
+                                       data_state=tr.sampler.state_dict(), keep_last=self.c.keep_last,
+                                       saver=self.saver, keep=self.keep, direct=self.direct,
+                                       tokenizer=tr.tokenizer.json.encode() if tr.tokenizer else None)
         except CheckpointError as e:
             self._failed(e)
             return
