@@ -87,6 +87,7 @@ class ParallelConfig:
     zero1: bool = False  # the older spelling of zero = 1 (with another zero level: refused); read `zero_level`
     zero: int = 0  # 0 replicated | 1 AdamW moments | 2 + gradients | 3 + parameters, sharded over dp x cp
     reshard_after_forward: bool = True  # zero 3: free a block's gathered parameters after its forward
+    dp_shard: int = 0  # zero 2/3 hybrid sharding: cut within groups of this many dp x cp ranks (0: all of them)
     bucket_mb: float = 25.0  # size of a data-parallel gradient all-reduce bucket
     sp: bool = False  # sequence parallelism: LayerNorm/dropout regions hold seq/tp of the sequence
     vpp: int = 1  # virtual pipeline stages per rank (interleaved 1F1B when > 1)
@@ -456,6 +457,10 @@ def validate(cfg: Config, world_size: int | None = None) -> Config:
     if par.zero1 and par.zero not in (0, 1):
         raise ConfigError(f"parallel.zero1 = true contradicts parallel.zero = {par.zero}: zero1 = true means zero = 1; "
                           f"drop parallel.zero1 to use zero = {par.zero}")
+    if par.dp_shard and (par.dp_shard < 2 or par.zero_level < 2 or (par.dp * par.cp) % par.dp_shard):
+        raise ConfigError(f"parallel.dp_shard = {par.dp_shard}: expected 0 (cut over all dp x cp ranks) or a divisor "
+                          f">= 2 of parallel.dp * parallel.cp = {par.dp * par.cp}, with parallel.zero 2 or 3 "
+                          f"(zero = {par.zero_level})")
     if par.schedule not in ("1f1b", "afab"):
         raise ConfigError(f"parallel.schedule = '{par.schedule}': expected '1f1b' or 'afab'")
     if cfg.checkpoint.on_error not in ("stop", "continue"):
@@ -599,6 +604,8 @@ DOCS = {
     "parallel.zero": "ZeRO level over dp (x cp): 0 none, 1 AdamW moments, 2 + gradients, 3 + parameters",
     "parallel.reshard_after_forward": "zero 3: free each block's gathered parameters after its forward (gathered "
                                       "again for its backward)",
+    "parallel.dp_shard": "zero 2/3 hybrid sharding: cut within groups of N dp x cp ranks, all-reduce across groups; "
+                         "0 = all",
     "parallel.bucket_mb": "size of one data-parallel gradient all-reduce bucket, MiB",
     "parallel.sp": "sequence parallelism: LayerNorm/dropout regions hold seq/tp of the tokens (needs tp > 1)",
     "parallel.vpp": "virtual pipeline stages per rank (> 1: the interleaved 1F1B schedule)",

@@ -41,6 +41,13 @@ RUNS = [
                   "checkpoint.resume": "{tmp}/ckpt-z3/step_00000002"}),
     ("z2-to-z3", {"parallel.tp": 2, "parallel.dp": 4, "train.micro_batch_size": 2, "parallel.zero": 3,
                   "checkpoint.resume": "{tmp}/ckpt-z2/step_00000002"}),
+    # hybrid sharding, dp 4 = 2 groups x 2: cut within a group, all-reduced across; and its checkpoint resumed
+    # at ZeRO-1 (2,2,2); the ZeRO-3 (2,2,2) checkpoint resumed at hybrid (1,2,4) ZeRO-2
+    ("hsdp-z3", {"parallel.tp": 2, "parallel.dp": 4, "train.micro_batch_size": 2, "parallel.zero": 3,
+                 "parallel.dp_shard": 2, "checkpoint.dir": "{tmp}/ckpt-h", "checkpoint.interval": 2}),
+    ("hsdp-to-z1", {**A, "parallel.zero": 1, "checkpoint.resume": "{tmp}/ckpt-h/step_00000002"}),
+    ("z3-to-hsdp", {"parallel.pp": 2, "parallel.dp": 4, "train.micro_batch_size": 2, "parallel.zero": 2,
+                    "parallel.dp_shard": 2, "checkpoint.resume": "{tmp}/ckpt-z3/step_00000002"}),
 ]
 
 
@@ -94,6 +101,21 @@ def test_zero_levels_in_the_config():
         validate(resolve(cfg(zero1=True, zero=2)))
     with pytest.raises(ConfigError, match=r"^parallel.zero = 4: expected 0, 1, 2 or 3$"):
         validate(resolve(cfg(zero=4)))
+    for bad in ({"dp": 4, "zero": 3, "dp_shard": 3}, {"dp": 4, "zero": 1, "dp_shard": 2}, {"dp": 4, "zero": 2,
+                                                                                           "dp_shard": 1}):
+        with pytest.raises(ConfigError, match=rf"^parallel.dp_shard = {bad['dp_shard']}: expected 0 .*$"):
+            validate(resolve(cfg(**bad)))
+    assert validate(resolve(cfg(dp=4, zero=2, dp_shard=2), 4)).parallel.dp_shard == 2
+
+
+def test_hybrid_groups():
+    from megalite.parallel.grid import Layout
+    lay = Layout(2, 1, 4, 2)  # tp 2, dp 4, cp 2: every dp x cp group holds 8 ranks
+    c = lay.coord_of(5)
+    members = lay.dp_cp_ranks(c)
+    assert lay.shard_ranks(c, 4) == members[:4] and lay.replicate_ranks(c, 4) == members[lay.replica(c) % 4::4]
+    groups = {tuple(lay.shard_ranks(lay.coord_of(r), 2)) for r in range(lay.world_size)}
+    assert sorted(r for g in groups for r in g) == list(range(16)) and all(len(g) == 2 for g in groups)
 
 
 def test_the_per_tensor_cut_gives_each_rank_chunk_r_of_every_tensor():

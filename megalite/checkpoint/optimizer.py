@@ -64,6 +64,7 @@ class OptimizerState:
     optimizer = None
     zero1 = False
     per_tensor = False  # a ZeRO-2 or 3 optimizer: its pieces are cut tensor by tensor (plan_writes' per_tensor)
+    shard = 0  # over how many dp x cp ranks it cuts (0: all; hybrid sharding: parallel.dp_shard)
     fresh = ""  # the end of the warning when a checkpoint holds no state for this kind
 
     def section(self, named, grid) -> Optional[dict]:
@@ -94,6 +95,7 @@ class AdamWState(OptimizerState):
     def __init__(self, optimizer):
         self.optimizer, self.zero1 = optimizer, bool(optimizer.zero1)
         self.per_tensor = bool(getattr(optimizer, "per_tensor", False))
+        self.shard = optimizer.dp.size if self.per_tensor else 0
 
     def section(self, named, grid) -> dict:
         o = self.optimizer

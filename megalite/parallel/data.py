@@ -105,7 +105,7 @@ class GradBuffer:
     Autograd accumulates micro-batch gradients into the views in place; `finish()` then averages each
     whole bucket over dp with one collective (started during backward with overlap).
     """
-    sharded = False  # every rank holds whole gradients (parallel.zero.ShardedState: chunks)
+    chunks_over = None  # every rank holds whole gradients (parallel.zero.ShardedState: chunks, over an axis)
 
     def __init__(self, params: list, dp: Axis, bucket_mb: float = 25.0, overlap: bool = False):
         self.dp = dp

@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Callable
+from typing import Callable, Optional
 
 import torch
 import torch.distributed as dist
@@ -66,7 +66,7 @@ def finalize_grads(params: list, buffer: GradBuffer, grid: ParallelGrid, sp: boo
     for r in reductions(grid, sp):
         all_reduce_grads([g for _, p, g in grads if r.selects(partition_of(p))], r.axis)
     shared_reduce([p for _, p in params if is_shared(partition_of(p), grid.tp.size)], grid.tp)
-    return grad_norm(grads, grid, sharded=buffer.sharded)
+    return grad_norm(grads, grid, chunks_over=buffer.chunks_over)
 
 
 def is_shared(part: Partition, tp_size: int) -> bool:
@@ -107,14 +107,15 @@ def all_reduce_grads(grads: list, axis: Axis) -> None:
         offset += g.numel()
 
 
-def grad_norm(named_grads, grid: ParallelGrid, sharded: bool = False) -> float:
+def grad_norm(named_grads, grid: ParallelGrid, chunks_over: Optional[Axis] = None) -> float:
     """L2 norm of the whole model's gradient, as a single process would compute it.
 
     tp-replicated parameters (LayerNorms, row-parallel biases, wpe) are counted on tp rank 0 only (a kv head
     shared by several tp ranks on the first of them: `tp_replica`) and
     the tied LM-head copy is skipped; the partial sums are then added over the model-parallel group
     (all tp and pp ranks of one dp x cp replica). Gradients are identical across dp and cp after the all-reduce;
-    `sharded` (zero 2 and 3): each dp x cp rank holds a chunk of them, and the sums are added over dp x cp too.
+    `chunks_over` (zero 2 and 3): the ranks that each hold a chunk of them (dp x cp, or a hybrid shard group);
+    the sums are added over it too.
     `named_grads`: (global name, parameter, its gradient).
     """
     sq = torch.zeros((), dtype=torch.float64, device=named_grads[0][1].device)
@@ -125,6 +126,6 @@ def grad_norm(named_grads, grid: ParallelGrid, sharded: bool = False) -> float:
         sq += g.detach().double().pow(2).sum()
     if grid.mp.active:
         dist.all_reduce(sq, group=grid.mp.group)
-    if sharded and grid.dp_cp.active:
-        dist.all_reduce(sq, group=grid.dp_cp.group)
+    if chunks_over is not None and chunks_over.active:
+        dist.all_reduce(sq, group=chunks_over.group)
     return math.sqrt(sq.item())

@@ -65,11 +65,12 @@ class ShardedState:
 
     The GradBuffer interface (zero, arm, finish, grad) for finalize and the optimizer: `grad(name)` is this
     rank's chunk of the mean gradient, `weight(name)` (zero 3) its chunk of the weight."""
-    sharded = True
 
     def __init__(self, named_params: list, units: list, root: nn.Module, tp: Axis, dp: Axis, level: int,
-                 reshard_after_forward: bool = True, overlap: bool = False):
-        self.tp, self.dp, self.level = tp, dp, level
+                 reshard_after_forward: bool = True, overlap: bool = False, replicate: Axis = Axis(1, 0)):
+        # dp: the ranks a tensor is cut over; replicate (hybrid sharding): the ranks holding the same chunk
+        self.tp, self.dp, self.replicate, self.level = tp, dp, replicate, level
+        self.chunks_over = dp  # the gradient norm adds the chunks' squares over it (finalize.grad_norm)
         self.reshard, self.overlap = reshard_after_forward, overlap
         shared = [(n, tp_replicas(partition_of(p), tp.size)) for n, p in named_params
                   if partition_of(p).dim is not None and tp_replicas(partition_of(p), tp.size) > 1]
@@ -132,7 +133,7 @@ class ShardedState:
             if u.accumulated:
                 self._reduce(u)
         for g in self.grads.values():
-            g.div_(self.dp.size)
+            g.div_(self.dp.size * self.replicate.size)
         if self.level >= 3:
             for u in self.units:
                 if u.pending is not None:  # a prefetch no forward used (the weights change in the step)
@@ -159,6 +160,8 @@ class ShardedState:
         flat = torch.cat(rows, dim=1).reshape(-1)  # rank-major: chunk r of every tensor, then r + 1
         out = torch.empty(flat.numel() // n, dtype=flat.dtype, device=flat.device)
         _reduce_scatter(out, flat, group=self.dp.group)
+        if self.replicate.active:  # hybrid: the shard groups' sums added across them
+            dist.all_reduce(out, group=self.replicate.group)
         self.reduced += 1
         off = 0
         for name, p in u.named:

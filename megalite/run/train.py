@@ -93,11 +93,12 @@ def build(cfg: Config, grid: ParallelGrid, device: torch.device) -> Trainer:
     params = sorted(model.global_parameters(), key=lambda np_: np_[0])
     # cp ranks hold the same weights as dp replicas do: gradients are averaged, and ZeRO cuts, over dp x cp
     if par.zero_level >= 2 and grid.dp_cp.active:  # each block one unit (gathered, reduced together): parallel/zero.py
-        grads = ShardedState(params, list(model.blocks.values()), model, grid.tp, grid.dp_cp, par.zero_level,
-                             par.reshard_after_forward, overlap=par.overlap_grad_reduce)
+        shard, replicate = grid.hybrid(par.dp_shard)  # dp_shard: cut within groups, all-reduced across them
+        grads = ShardedState(params, list(model.blocks.values()), model, grid.tp, shard, par.zero_level,
+                             par.reshard_after_forward, par.overlap_grad_reduce, replicate)
     else:
         grads = GradBuffer([p for _, p in params], grid.dp_cp, par.bucket_mb, overlap=par.overlap_grad_reduce)
-    opt = ShardedAdamW(params, grid.tp, grid.dp_cp, zero=par.zero_level, betas=(t.beta1, t.beta2), shards=grads,
+    opt = ShardedAdamW(params, grid.tp, grads.dp, zero=par.zero_level, betas=(t.beta1, t.beta2), shards=grads,
                        weight_decay=t.weight_decay, bucket_mb=par.bucket_mb, fused=use_fused(t.fused_adamw, device))
     dp_rank, dp = grid.coord.dp, grid.layout.dp
     sampler = BatchSampler(train_ds, seq_len(cfg), t.global_batch_size, dp_rank, dp, t.seed)
