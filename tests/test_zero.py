@@ -178,3 +178,75 @@ def test_zero_3_equals_pytorch_fsdp2_on_gloo(tmp_path):
     print(f"ZeRO-3 vs FSDP2 fully_shard, 5 steps at dp 2: worst loss relative difference {worst:.2e}")
     assert losses[-1][0] < losses[0][0] - 0.05  # it trains
     assert worst < 1e-5, losses
+
+
+TABLE = [(1, 4, 1), (1, 2, 2), (1, 1, 4), (2, 2, 1), (2, 1, 2)]  # (tp, pp, dp) on 4 ranks
+
+
+def held_bytes(tr) -> dict:
+    """Bytes of the distinct tensor storages a Trainer holds between steps: weights (zero 3: the chunks),
+    gradient buffers or chunks, AdamW moments."""
+    def total(tensors):
+        seen = {}
+        for t in tensors:
+            st = t.untyped_storage()
+            seen[st.data_ptr()] = st.nbytes()
+        return sum(seen.values())
+    weights = [p.data for _, p in tr.params] + list(getattr(tr.grads, "weights", {}).values())
+    grads = getattr(tr.grads, "buffers", None) or list(tr.grads.grads.values())
+    moments = list(tr.optimizer.exp_avg.values()) + list(tr.optimizer.exp_avg_sq.values())
+    return {"params": total(weights), "grads": total(grads), "optimizer": total(moments)}
+
+
+def _memory_table(rank, world_size, tmp_dir, tokens):
+    from datetime import timedelta
+    from megalite.bench.memory import predict
+    from megalite.config import num_microbatches
+    from megalite.parallel.grid import Layout, ParallelGrid
+    from megalite.run.train import build, train_step
+    rows = []
+    for tp, pp, dp in TABLE:
+        grid = ParallelGrid.create(Layout(tp, pp, dp), timeout=timedelta(seconds=120))
+        for zero in range(4):
+            cfg = H.TINY.config(tokens, f"{tmp_dir}/run", **{"parallel.tp": tp, "parallel.pp": pp, "parallel.dp": dp,
+                                                             "parallel.zero": zero})
+            validate(resolve(cfg, world_size), world_size)
+            tr = build(cfg, grid, torch.device("cpu"))
+            held = held_bytes(tr)
+            train_step(tr)
+            assert held == held_bytes(tr), (held, held_bytes(tr))  # a step leaves what it found
+            sent = {**tr.grads.sent}
+            for k, v in tr.optimizer.sent.items():
+                sent[k] = sent.get(k, 0) + v
+            want = predict(H.TINY_MODEL, grid.layout, grid.coord, zero, num_microbatches(cfg))
+            rows.append(((tp, pp, dp), zero, rank, held, sent, want))
+    torch.save(rows, f"{tmp_dir}/memory-{rank}.pt")
+
+
+def test_memory_per_rank_and_bytes_sent_equal_the_plan(tmp_path, token_file):
+    """`bench plan --memory`'s count against live runs: each rank's distinct tensor storages (weights, gradients,
+    AdamW moments) after build and after a step, and the bytes its collectives carried in one step, at dp 1/2/4
+    x zero 0..3 x tp 1/2 (4 ranks: pp fills the rest; (tp, dp) = (2, 4) would need 8)."""
+    run_parallel(_memory_table, 4, tmp_path, args=(token_file,))
+    worst, rows = 0.0, []
+    for rank in range(4):
+        for layout, zero, r, held, sent, want in torch.load(tmp_path / f"memory-{rank}.pt"):
+            for k in ("params", "grads", "optimizer"):
+                worst = max(worst, abs(held[k] - want[k]) / want[k])
+            got_sent = {k: sent.get(k, 0) for k in want["comm"]}
+            assert got_sent == want["comm"], (layout, zero, r, got_sent, want["comm"])
+            rows.append((layout, zero, r, held["params"] + held["grads"] + held["optimizer"]))
+    print(f"memory: {len(rows)} rank rows, worst relative difference from the plan {worst:.2e}")
+    assert worst < 0.01
+    # ZeRO-3 at dp 4 holds about a quarter of zero 0's bytes on each rank (padding aside)
+    z = {zero: b for layout, zero, r, b in rows if layout == (1, 1, 4) and r == 0}
+    assert z[3] < 0.27 * z[0] and z[0] > z[1] > z[2] > z[3]
+
+
+def test_bench_plan_memory_prints_each_stage():
+    code, out, err = H.cli_in_process("bench", "plan", "--memory", "--tp", "2", "--pp", "2", "--dp", "2,4",
+                                      "--zero", "3", "--n-layer", "4", "--n-embd", "64", "--n-head", "4",
+                                      "--vocab-size", "256", "--block-size", "32")
+    assert code == 0, err
+    lines = [x for x in out.splitlines() if x.startswith("tp=2 pp=2")]
+    assert [x.split()[3:6] for x in lines] == [["zero", "3", "stage"]] * 4, out

@@ -120,6 +120,7 @@ class GradBuffer:
             self.buffers.append(flat)
             self.buckets.append(bucket)
         self.overlap = overlap and dp.active
+        self.sent = {"all_reduce": 0}  # bytes handed to collectives (bench.memory's count is tested against it)
         self.works: list = [None] * len(self.buffers)
         self.expected = 0  # accumulations per parameter in this step (its micro-batches); 0: not armed
         if self.overlap:
@@ -160,6 +161,7 @@ class GradBuffer:
         fewer gradients than expected, in bucket order on every rank), or do them all now without overlap."""
         if not self.overlap:
             return self.all_reduce_mean()
+        self.sent["all_reduce"] += sum(b.numel() * b.element_size() for b in self.buffers)
         for i, b in enumerate(self.buffers):
             if self.works[i] is None:
                 self.works[i] = dist.all_reduce(b, group=self.dp.group, async_op=True)
@@ -172,6 +174,7 @@ class GradBuffer:
     def all_reduce_mean(self) -> None:
         if not self.dp.active:
             return
+        self.sent["all_reduce"] += sum(b.numel() * b.element_size() for b in self.buffers)
         works = [dist.all_reduce(b, group=self.dp.group, async_op=True) for b in self.buffers]
         for w, b in zip(works, self.buffers):
             w.wait()
@@ -241,6 +244,7 @@ class ShardedAdamW:
                 starts = list(itertools.accumulate([k for _, k in space], initial=0))
                 self._spaces.append(([self._by_name[n].param for n, _ in space], starts))
         self._gather_elems = max(1, int(bucket_mb * 2**20 / 4 / dp.size))  # per rank per all-gather
+        self.sent = {"all_gather": 0}  # bytes handed to collectives (as GradBuffer.sent)
         self._spare: dict[tuple[str, int], torch.Tensor] = {}  # zero-copy snapshots: see `hold`
         self.held: set[tuple[str, int]] = set()
         self._writer_wait, self._index = None, None
@@ -398,6 +402,7 @@ class ShardedAdamW:
                     mine[at:at + view.numel()] = view
                 gathered = [torch.empty_like(mine) for _ in range(n)]
                 dist.all_gather(gathered, mine, group=self.dp.group)
+                self.sent["all_gather"] += n * mine.numel() * mine.element_size()
                 for r, (lo, hi) in enumerate(spans):
                     for view, at in self._views(space, lo, hi):
                         view.copy_(gathered[r][at:at + view.numel()])

@@ -93,6 +93,7 @@ class ShardedState:
         self.shapes = {n: tuple(p.shape) for n, p in self.named}
         self.expected = 1
         self.reduced = 0  # reduce-scatters run (a test counts them)
+        self.sent = {"all_gather": 0, "reduce_scatter": 0, "all_reduce": 0}  # bytes handed to collectives
         for _, p in self.named:
             p.grad = None
             p.register_post_accumulate_grad_hook(self._accumulated)
@@ -160,8 +161,10 @@ class ShardedState:
         flat = torch.cat(rows, dim=1).reshape(-1)  # rank-major: chunk r of every tensor, then r + 1
         out = torch.empty(flat.numel() // n, dtype=flat.dtype, device=flat.device)
         _reduce_scatter(out, flat, group=self.dp.group)
+        self.sent["reduce_scatter"] += flat.numel() * flat.element_size()
         if self.replicate.active:  # hybrid: the shard groups' sums added across them
             dist.all_reduce(out, group=self.replicate.group)
+            self.sent["all_reduce"] += out.numel() * out.element_size()
         self.reduced += 1
         off = 0
         for name, p in u.named:
@@ -181,6 +184,7 @@ class ShardedState:
         mine = torch.cat([F.pad(self.weights[name], (0, self.chunk[name] - self.weights[name].numel()))
                           for name, _ in u.named])
         flat = torch.empty(n * mine.numel(), dtype=mine.dtype, device=mine.device)
+        self.sent["all_gather"] += flat.numel() * flat.element_size()
         return _all_gather(flat, mine, group=self.dp.group, async_op=True), flat
 
     def gather(self, u: Unit) -> None:
