@@ -11,12 +11,13 @@ import pytest
 import torch
 
 import helpers as H
+from safetensors.torch import load_file
 from megalite.config import Config, resolve, validate
 from megalite.base.errors import ConfigError
 from megalite.parallel.data import dp_pieces
 from megalite.run.train import train
 from megalite.testing import gather_full_model, run_parallel
-from test_features_parallel import _compare
+from test_features_parallel import BF16_LOSS_RTOL, _compare
 
 STEPS = {"train.steps": 4}  # a checkpoint at step 2; resumed runs train steps 3 and 4
 LLAMA = {"model.arch": "llama", "model.n_kv_head": 2, "model.rope_theta": 500000.0}  # 4 heads, 2 kv heads
@@ -24,6 +25,7 @@ M4 = {"train.micro_batch_size": 4}  # m = 2 micro-batches per dp rank at dp 2, 1
 # (2,2,2) + sp + vpp 2: two chunks per stage, interleaved 1F1B over m = 2 micro-batches
 A = {"parallel.tp": 2, "parallel.pp": 2, "parallel.dp": 2, "parallel.sp": True, "parallel.vpp": 2, **M4}
 RUNS = [
+    ("z1-A", {**A, "parallel.zero": 1, "checkpoint.dir": "{tmp}/ckpt-z1", "checkpoint.interval": 2}),
     ("z2-A", {**A, "parallel.zero": 2, "checkpoint.dir": "{tmp}/ckpt-z2", "checkpoint.interval": 2}),
     ("z3-A", {**A, "parallel.zero": 3, "train.recompute": "selective", "parallel.overlap_grad_reduce": True,
               "checkpoint.dir": "{tmp}/ckpt-z3", "checkpoint.interval": 2}),
@@ -36,6 +38,9 @@ RUNS = [
                      "train.recompute": "full", "parallel.reshard_after_forward": False,
                      "parallel.overlap_grad_reduce": True}),
     ("z3-dp8", {"parallel.dp": 8, "train.micro_batch_size": 1, "parallel.zero": 3}),
+    # cp 2: the chunks cut over dp x cp = 4 (the ranks holding a stage's weights); bf16 autocast (fp32 chunks)
+    ("z3-cp2", {"parallel.cp": 2, "parallel.tp": 2, "parallel.dp": 2, "parallel.zero": 3, **M4}),
+    ("z2-bf16", {**A, "parallel.zero": 2, "train.precision": "bf16"}),
     # resumed at another zero level and dp: ZeRO-3 (2,2,2) -> ZeRO-1 (1,2,4); ZeRO-2 (2,2,2) -> ZeRO-3 (2,1,4)
     ("z3-to-z1", {"parallel.pp": 2, "parallel.dp": 4, "train.micro_batch_size": 2, "parallel.zero1": True,
                   "checkpoint.resume": "{tmp}/ckpt-z3/step_00000002"}),
@@ -72,16 +77,18 @@ def _single(tokens, tmp, name, **overrides):
 def test_zero_2_and_3_match_one_process_and_resume_at_other_levels(tmp_path, token_file):
     run_parallel(_worker, 8, tmp_path / "rdzv8", args=(token_file, tmp_path, RUNS))
     ref, ref_llama = _single(token_file, tmp_path, "ref"), _single(token_file, tmp_path, "ref-llama", **LLAMA)
+    ref16 = _single(token_file, tmp_path, "ref16", **{"train.precision": "bf16"})
     failures = []
     for name, overrides in RUNS:
         run = torch.load(tmp_path / f"{name}.pt")
         resumed = "checkpoint.resume" in overrides
-        _compare(name, run, ref_llama if "llama" in name else ref, 1e-5, 1e-4, failures,
-                 first_step=3 if resumed else 1)
+        bf16 = "bf16" in name  # test_features_parallel's bf16 tolerance (2^-8 / 4), against bf16 at (1,1,1)
+        _compare(name, run, ref16 if bf16 else ref_llama if "llama" in name else ref,
+                 BF16_LOSS_RTOL if bf16 else 1e-5, None if bf16 else 1e-4, failures, first_step=3 if resumed else 1)
         level = overrides.get("parallel.zero", 0)
         if level >= 2:
             # each unit (a block, the rest of the stage) reduce-scatters once per micro-batch and step
-            m = 16 // (overrides["train.micro_batch_size"] * overrides["parallel.dp"])
+            m = 16 // (overrides["train.micro_batch_size"] * overrides["parallel.dp"])  # cp: the same rows
             steps = 2 if resumed else 4
             assert run["reduced"] == steps * m * run["units"], (name, run["reduced"], run["units"])
         if level == 3:
@@ -89,6 +96,15 @@ def test_zero_2_and_3_match_one_process_and_resume_at_other_levels(tmp_path, tok
     assert not failures, "\n".join(failures)
     man = json.loads((tmp_path / "ckpt-z3" / "step_00000002" / "manifest.json").read_text())
     assert man["config"]["parallel"]["zero"] == 3 and man["layout"]["zero1"] is True
+    # the same training at ZeRO-1, 2 and 3 converts to one model file (the rounding of the reductions aside)
+    from megalite.convert import convert
+    files = {z: convert(tmp_path / f"ckpt-z{z}" / "step_00000002", tmp_path / f"z{z}.safetensors", quiet=True)
+             for z in (1, 2, 3)}
+    print("converted files bitwise equal: z2 = z3", files[2].read_bytes() == files[3].read_bytes(),
+          ", z1 = z3", files[1].read_bytes() == files[3].read_bytes())
+    assert files[2].read_bytes() == files[3].read_bytes()
+    one, three = load_file(files[1]), load_file(files[3])
+    assert one.keys() == three.keys() and max(H.rel_err(one[k], three[k]) for k in one) < 1e-4
 
 
 def test_zero_levels_in_the_config():
@@ -106,6 +122,8 @@ def test_zero_levels_in_the_config():
         with pytest.raises(ConfigError, match=rf"^parallel.dp_shard = {bad['dp_shard']}: expected 0 .*$"):
             validate(resolve(cfg(**bad)))
     assert validate(resolve(cfg(dp=4, zero=2, dp_shard=2), 4)).parallel.dp_shard == 2
+    with pytest.raises(ConfigError, match=r"^parallel.zero = 3 with train.compile = true: .*$"):
+        validate(resolve(Config.from_dict({"parallel": {"zero": 3}, "train": {"compile": True}})))
 
 
 def test_hybrid_groups():

@@ -75,6 +75,15 @@ class OptimizerState:
         WriteItem), cut as it is (`WriteItem.state(kind)`)."""
         return []
 
+    def chunked(self) -> frozenset:
+        """The parameters whose weights this optimizer holds in chunks (ZeRO-3: empty between steps)."""
+        return frozenset()
+
+    def weight(self, it):
+        """The planned model slice `it` from the optimizer's own copy of the weights (a ZeRO-3 rank's chunk: its
+        parameter is not whole between steps), or None: read it from the parameter."""
+        return None
+
     def settle(self) -> None:
         """Wait for an async save still writing from the optimizer's tensors."""
 
@@ -111,6 +120,18 @@ class AdamWState(OptimizerState):
                 t = store[it.name][a - start:b - start]
                 out.append((it.state(kind), part, t if it.flat else t.view(it.box.shape)))
         return out
+
+    def chunked(self) -> frozenset:
+        return frozenset(self.optimizer.exp_avg) if self.optimizer.level >= 3 else frozenset()
+
+    def weight(self, it):
+        o = self.optimizer
+        if o.level < 3:
+            return None
+        start = o.piece_of(it.name)[0]  # the plan cuts as the chunk is held (per tensor, same ranks)
+        a, b = it.flat or (0, it.box.numel)
+        t = o.shards.weight(it.name)[a - start:b - start]
+        return t if it.flat else t.view(it.box.shape)
 
     def settle(self) -> None:
         self.optimizer.settle()

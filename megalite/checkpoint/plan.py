@@ -115,9 +115,11 @@ def collect(params, optimizer, grid, state=None, buffers: frozenset = frozenset(
     pay = Payload(files={MODEL_FILE: {}, OPTIM_FILE: {}}, state=state)
     for it in plan_writes([(n, partition_of(p)) for n, p in params], c, L, optimizer=False, buffers=buffers,
                           per_tensor=owner.per_tensor, shard=owner.shard):
-        part = partition_of(live[it.name])
-        t = valid_view(live[it.name].detach(), part, c.tp, L.tp).reshape(-1)
-        add(pay, it, part, t[it.flat[0]:it.flat[1]] if it.flat else t.view(it.box.shape))
+        part, t = partition_of(live[it.name]), owner.weight(it)  # ZeRO-3: the rank's chunk, as held
+        if t is None:
+            t = valid_view(live[it.name].detach(), part, c.tp, L.tp).reshape(-1)
+            t = t[it.flat[0]:it.flat[1]] if it.flat else t.view(it.box.shape)
+        add(pay, it, part, t)
     for it, part, t in owner.slices(params, pay.model_slices(), grid):
         add(pay, it, part, t)
     return pay

@@ -258,8 +258,7 @@ class CheckpointManager:
     def reserve(self, tr) -> None:
         """Async saves: allocate the optimizer's spare set (or host staging buffers) before training starts."""
         if self.saver is not None and self.root is not None:
-            with tr.grads.whole():
-                self.saver.reserve(collect(tr.params, tr.optimizer, self.grid), tr.optimizer)
+            self.saver.reserve(collect(tr.params, tr.optimizer, self.grid), tr.optimizer)
 
     # ------------------------------------------------------------ signals
     def install_signal_handlers(self) -> None:
@@ -324,12 +323,11 @@ class CheckpointManager:
             self._poll()
         t0 = time.perf_counter()
         try:
-            with tr.grads.whole():  # zero 3: every weight gathered while the save reads it
-                path = save_checkpoint(self.root, tr.step, tr.model, tr.optimizer, self.grid,
-                                       config=self.cfg.to_dict(), tokens_seen=tr.tokens_seen,
-                                       data_state=tr.sampler.state_dict(), keep_last=self.c.keep_last,
-                                       saver=self.saver, keep=self.keep, direct=self.direct,
-                                       tokenizer=tr.tokenizer.json.encode() if tr.tokenizer else None)
+            path = save_checkpoint(self.root, tr.step, tr.model, tr.optimizer, self.grid,
+                                   config=self.cfg.to_dict(), tokens_seen=tr.tokens_seen,
+                                   data_state=tr.sampler.state_dict(), keep_last=self.c.keep_last, saver=self.saver,
+                                   keep=self.keep, tokenizer=tr.tokenizer.json.encode() if tr.tokenizer else None,
+                                   direct=self.direct)
         except CheckpointError as e:
             self._failed(e)
             return
