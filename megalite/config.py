@@ -17,6 +17,7 @@ from pathlib import Path
 from .base.errors import ConfigError, LayoutError
 from .base.limits import MAX_COUNT, MAX_SIZE  # noqa: F401 (re-exported: config.MAX_COUNT is read elsewhere)
 from .base.fs import path_kind
+from . import models
 from .parallel.grid import Layout
 
 if sys.version_info >= (3, 11):
@@ -36,18 +37,26 @@ class ModelConfig:
     tie_embeddings: bool = True  # the LM head is wte.weight (GPT-2); false: a separate lm_head.weight
     layer_norm_eps: float = 1e-5  # LayerNorm's epsilon (gpt2); RMSNorm's (llama)
     activation: str = "gelu_new"  # GPT-2's MLP: "gelu_new" (tanh approximation) | "gelu" (exact, erf) | "relu"
-    # The family (model.py): GPT-2, or Llama (RMSNorm, rotary positions, SwiGLU, grouped-query attention).
-    # The keys below shape Llama only; each has a default, so `--model.arch=llama` trains any config as is.
-    arch: str = "gpt2"  # "gpt2" | "llama"
+    # The family (megalite/models/: one spec file each). The keys below apply to the families whose spec takes
+    # them; each has a default, so `--model.arch=llama` (or qwen2, qwen3, mistral) trains any config as is.
+    arch: str = models.DEFAULT  # a name of models.FAMILIES: "gpt2" | "llama" | "qwen2" | "qwen3" | "mistral"
     n_kv_head: int = 0  # key/value heads, dividing n_head (GQA; 1: MQA); 0: n_head (MHA)
     intermediate_size: int = 0  # SwiGLU's hidden width; 0: Llama's rule from the width (`ffn_size`)
-    rope_theta: float = 10000.0  # rotary base (transformers' LlamaConfig default; Llama 3: 500000)
+    rope_theta: float = 10000.0  # rotary base (transformers' LlamaConfig default; Llama 3: 500000; Qwen: 1e6)
     rope_scaling: dict = field(default_factory=dict)  # {}: none; {rope_type = "llama3", factor, low_freq_factor,
-    #                                                   high_freq_factor, original_max_position_embeddings}
+    #                                                   high_freq_factor, original_max_position_embeddings} or
+    #                                                   {rope_type = "yarn", factor, original_max_position_embeddings,
+    #                                                   optional attention_factor, beta_fast, beta_slow, ...}
+    head_size: int = 0  # a head's width; 0: n_embd / n_head (transformers' head_dim; Qwen3: 128)
+    sliding_window: int = 0  # attention sees at most this many keys back (Mistral); 0: the whole sequence
+
+    @property
+    def spec(self):
+        return models.spec(self.arch)
 
     @property
     def head_dim(self) -> int:
-        return self.n_embd // self.n_head
+        return self.head_size or self.n_embd // self.n_head
 
     @property
     def kv_heads(self) -> int:
@@ -56,17 +65,17 @@ class ModelConfig:
 
     @property
     def ffn_size(self) -> int:
-        """The MLP's hidden width: GPT-2's 4C; Llama's intermediate_size, or its own rule from the width when 0
-        (Meta's: two thirds of 4C, rounded up to a multiple of 256)."""
-        if self.arch != "llama":
-            return 4 * self.n_embd
-        return self.intermediate_size or 256 * -(-(8 * self.n_embd // 3) // 256)
+        """The MLP's hidden width: intermediate_size, or the family's rule from the width when 0 (GPT-2's 4C;
+        Meta's for the SwiGLU families: two thirds of 4C, rounded up to a multiple of 256)."""
+        return self.intermediate_size or self.spec.ffn_size({"n_embd": self.n_embd})
 
 
 ACTIVATIONS = ("gelu_new", "gelu", "relu")
-ARCHS = ("gpt2", "llama")
-ROPE_SCALING = {"llama3": ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")}
-FAMILY_DEFAULTS = {"llama": {"tie_embeddings": False}}  # where a family's default differs from the dataclass's
+ARCHS = tuple(models.FAMILIES)
+ROPE_SCALING = {"llama3": ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings"),
+                "yarn": ("factor", "original_max_position_embeddings")}
+ROPE_OPTIONAL = {"llama3": (), "yarn": ("attention_factor", "beta_fast", "beta_slow", "mscale", "mscale_all_dim",
+                                        "truncate")}
 SIZE_FIELDS = ("n_layer", "n_head", "n_embd", "block_size", "vocab_size")  # positive integers
 TRAINING_ONLY = ("dropout",)  # [model] keys that do not define the model: never compared with a checkpoint
 
@@ -193,7 +202,9 @@ def given(d: dict) -> set:
 def apply_family_defaults(cfg: Config, named: set) -> None:
     """The model family's own defaults for the keys the config did not name (Llama's LM head is untied,
     GPT-2's tied), so `--model.arch=llama` on a GPT-2 config is a Llama as transformers makes one."""
-    for key, value in FAMILY_DEFAULTS.get(cfg.model.arch, {}).items():
+    if cfg.model.arch not in models.FAMILIES:
+        return  # validate names the field
+    for key, value in cfg.model.spec.defaults.items():
         if f"model.{key}" not in named:
             setattr(cfg.model, key, value)
 
@@ -296,56 +307,66 @@ def model_from(raw, source: str) -> dict:
         raise ConfigError(f"{source}: model.layer_norm_eps = {m.layer_norm_eps}: must be positive")
     if not 0.0 <= m.dropout < 1.0:
         raise ConfigError(f"{source}: model.dropout = {m.dropout}: expected a value in [0, 1)")
-    if m.n_embd % m.n_head:
-        raise ConfigError(f"{source}: model.n_embd = {m.n_embd} is not divisible by model.n_head = {m.n_head}")
     check_family(m, f"{source}: ")
     return dataclasses.asdict(m)
 
 
 def check_family(m: ModelConfig, where: str = "") -> None:
-    """The family and its keys: one line naming the field. GPT-2 takes none of Llama's keys (a GPT-2 with
-    grouped-query attention or rotary positions is not a model megalite has)."""
-    if m.arch not in ARCHS:
-        raise ConfigError(f"{where}model.arch = '{m.arch}': expected one of {', '.join(ARCHS)}")
-    for name in ("n_kv_head", "intermediate_size"):
+    """The family and its keys, asked of its spec (megalite/models/): one line naming the field. A key the family
+    does not take must stay at its default (a GPT-2 with grouped-query attention, or a Llama with GPT-2's
+    activation, is not a model megalite has)."""
+    if not isinstance(m.arch, str) or m.arch not in ARCHS:
+        raise ConfigError(f"{where}model.arch = {m.arch!r}: expected one of {', '.join(ARCHS)}")
+    spec = m.spec
+    for name in ("n_kv_head", "intermediate_size", "head_size", "sliding_window"):
         if getattr(m, name) < 0:
             raise ConfigError(f"{where}model.{name} = {getattr(m, name)}: must not be negative (0: the default)")
-    if m.arch != "llama":
-        for name, default in (("n_kv_head", (0, m.n_head)), ("intermediate_size", (0, 4 * m.n_embd)),
-                              ("rope_theta", (10000.0,)), ("rope_scaling", ({},))):
-            if getattr(m, name) not in default:
-                raise ConfigError(f"{where}model.{name} = {getattr(m, name)!r} applies to model.arch = 'llama' "
-                                  f"only (model.arch is '{m.arch}')")
-        return
+    # values that mean "not used" for a family without the key (n_kv_head = n_head, GPT-2's own MLP width)
+    same = {"n_kv_head": (m.n_head,), "intermediate_size": (spec.ffn_size({"n_embd": m.n_embd}),),
+            "head_size": (m.n_embd // m.n_head,)}
+    for name, default in models.OPTIONAL_KEYS.items():
+        v = getattr(m, name)
+        if not spec.takes(name) and v != default and v not in same.get(name, ()):
+            takers = [f for f, s in models.FAMILIES.items() if s.takes(name)]
+            raise ConfigError(f"{where}model.{name} = {v!r} applies to model.arch = {' | '.join(takers)} only "
+                              f"(model.arch is '{m.arch}')")
+    if not m.head_size and m.n_embd % m.n_head:
+        raise ConfigError(f"{where}model.n_embd = {m.n_embd} is not divisible by model.n_head = {m.n_head}")
     if m.n_head % m.kv_heads:
         raise ConfigError(f"{where}model.n_kv_head = {m.n_kv_head} does not divide model.n_head = {m.n_head} "
                           f"(each key/value head serves n_head / n_kv_head query heads)")
+    if spec.features.positions != "rope":
+        return
     if m.head_dim % 2:
-        raise ConfigError(f"{where}model.n_embd / model.n_head = {m.head_dim} is odd: rotary positions rotate "
-                          f"pairs of a head's dims")
+        raise ConfigError(f"{where}model head width {m.head_dim} (model.head_size, or n_embd / n_head) is odd: "
+                          f"rotary positions rotate pairs of a head's dims")
     if not (math.isfinite(m.rope_theta) and m.rope_theta > 1.0):
         raise ConfigError(f"{where}model.rope_theta = {m.rope_theta}: expected a finite number above 1")
     check_rope_scaling(m.rope_scaling, where)
 
 
 def check_rope_scaling(rs: dict, where: str = "") -> None:
-    """{} or transformers' llama3 rope_scaling with every number it needs (positive, finite; high > low)."""
+    """{} or transformers' llama3 / yarn rope_scaling with every number it needs (positive, finite; high > low)."""
     if not rs:
         return
     kind = rs.get("rope_type", rs.get("type"))
     if kind not in ROPE_SCALING:
         raise ConfigError(f"{where}model.rope_scaling.rope_type = {kind!r}: megalite models none ({{}}) or "
                           f"{', '.join(repr(k) for k in ROPE_SCALING)}")
-    need = ROPE_SCALING[kind]
-    extra = sorted(set(rs) - set(need) - {"rope_type", "type"})
+    need, optional = ROPE_SCALING[kind], ROPE_OPTIONAL[kind]
+    extra = sorted(set(rs) - set(need) - set(optional) - {"rope_type", "type"})
     if extra:
         raise ConfigError(f"{where}model.rope_scaling.{extra[0]}: not a key of rope_type '{kind}' "
-                          f"(expected {', '.join(need)})")
-    for key in need:
+                          f"(expected {', '.join(need + optional)})")
+    for key in need + optional:
         v = rs.get(key)
+        if key not in need and (v is None or key == "truncate"):
+            if key == "truncate" and v is not None and not isinstance(v, bool):
+                raise ConfigError(f"{where}model.rope_scaling.truncate = {v!r}: expected true or false")
+            continue
         if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or v <= 0:
             raise ConfigError(f"{where}model.rope_scaling.{key} = {v!r}: expected a positive number")
-    if not rs["high_freq_factor"] > rs["low_freq_factor"]:
+    if kind == "llama3" and not rs["high_freq_factor"] > rs["low_freq_factor"]:
         raise ConfigError(f"{where}model.rope_scaling.high_freq_factor = {rs['high_freq_factor']}: must be larger "
                           f"than low_freq_factor = {rs['low_freq_factor']}")
 
@@ -473,8 +494,6 @@ def validate(cfg: Config, world_size: int | None = None) -> Config:
     if t.precision not in ("auto", "fp32", "bf16"):
         raise ConfigError(f"train.precision = '{t.precision}': expected 'auto', 'fp32' or 'bf16'")
     _validate_memory_features(cfg)
-    if m.n_embd % m.n_head:
-        raise ConfigError(f"model.n_embd = {m.n_embd} is not divisible by model.n_head = {m.n_head}")
     check_family(m)
     try:
         par.layout.validate(m, "parallel.")
@@ -592,12 +611,15 @@ DOCS = {
                             "llama false)",
     "model.layer_norm_eps": "LayerNorm's epsilon (GPT-2: 1e-5); RMSNorm's for llama",
     "model.activation": "GPT-2's MLP activation: gelu_new (tanh approximation) | gelu (exact) | relu",
-    "model.arch": "model family: gpt2 | llama (RMSNorm, rotary positions, SwiGLU, grouped-query attention)",
+    "model.arch": "model family: " + " | ".join(models.FAMILIES) + " (docs/families.md)",
     "model.n_kv_head": "llama: key/value heads, dividing model.n_head (1: MQA); 0 = model.n_head",
     "model.intermediate_size": "llama: SwiGLU hidden width; 0 = two thirds of 4*n_embd rounded up to 256",
     "model.rope_theta": "llama: rotary base (Llama 3: 500000)",
     "model.rope_scaling": "llama: {} or {rope_type = \"llama3\", factor, low_freq_factor, high_freq_factor, "
-                          "original_max_position_embeddings}",
+                          "original_max_position_embeddings} or {rope_type = \"yarn\", factor, "
+                          "original_max_position_embeddings, ...}",
+    "model.head_size": "rotary families: a head's width; 0 = model.n_embd / model.n_head (Qwen3: 128)",
+    "model.sliding_window": "mistral: attention sees at most this many keys back; 0 = the whole sequence",
     "parallel.tp": "tensor-parallel size (splits heads and the MLP across ranks)",
     "parallel.pp": "pipeline-parallel size (splits the blocks into stages)",
     "parallel.dp": "data-parallel replicas; 0 = world_size / (tp * cp * pp)",

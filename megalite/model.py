@@ -17,14 +17,16 @@ tokens at their global positions; attention is ring attention over the cp group,
 With dropout on, attention uses the counter-based mask of context.py at every layout, cp = 1 included, so every
 layout drops the same attention weights as the single process.
 
-Two families, one module (`model.arch`): what they share is everything above (the parallel layers, the tags,
-the block's residual structure, the vocab-parallel embedding, head and loss). Llama (transformers'
-LlamaForCausalLM) differs in four places, each a branch on `cfg.arch` where it happens:
-    norm       LayerNorm (weight, bias)        RMSNorm (weight)
-    positions  a learned table wpe             rotary embeddings on q and k at each token's global position
-    MLP        fc -> GeLU -> proj (biases)     proj(silu(gate x) * up x), no biases
-    attention  fused qkv (3, C, C), biases     q, k, v apart (kv_heads <= n_head: GQA), no biases
-Names: docs/families.md. Rotary uses transformers' rotate-half layout (a head's dim i pairs with i + D/2).
+Families (megalite/models/, one spec file each): the model never compares a family's name; each layer asks the
+family's features (`cfg.spec.features`, models/spec.py) where it differs:
+    norm       LayerNorm (weight, bias)        | RMSNorm (weight)
+    positions  a learned table wpe             | rotary on q and k at each token's global position (rotate-half;
+                                                 rope_scaling llama3 or yarn)
+    MLP        fc -> activation -> proj        | proj(silu(gate x) * up x)            (dense biases: GPT-2's)
+    attention  fused qkv (3, C, C)             | q, k, v apart (kv_heads <= n_head: GQA; q/k/v biases: Qwen2;
+                                                 per-head q/k RMSNorm before rotary: Qwen3; a head width of its
+                                                 own: head_size; a sliding window: Mistral)
+Names: docs/families.md.
 """
 from __future__ import annotations
 
@@ -80,32 +82,81 @@ class RMSNorm(nn.Module):
         return F.rms_norm(x, self.weight.shape, self.weight, self.eps)
 
 
-def norm(cfg: ModelConfig, placement: str) -> nn.Module:
-    return (RMSNorm if cfg.arch == "llama" else LayerNorm)(cfg.n_embd, cfg.layer_norm_eps, placement)
+def norm(cfg: ModelConfig, placement: str, dim: int = 0) -> nn.Module:
+    return (RMSNorm if cfg.spec.features.norm == "rms" else LayerNorm)(dim or cfg.n_embd, cfg.layer_norm_eps,
+                                                                      placement)
+
+
+def head_norm(cfg: ModelConfig, placement: str) -> nn.Module:
+    """Qwen3's RMSNorm over each head's width, one weight shared by every head: replicated on every tp rank, which
+    applies it to its own heads only, so its gradient is summed over tp (the tag's tp_partial, finalize.py)."""
+    n = RMSNorm(cfg.head_dim, cfg.layer_norm_eps, placement)
+    n.weight = tag(nn.Parameter(torch.zeros(cfg.head_dim)), Partition((cfg.head_dim,), None, placement=placement,
+                                                                      init="ones", decay=False, tp_partial=True))
+    return n
 
 
 # ---------------------------------------------------------------- rotary position embeddings (Llama)
 def rope_frequencies(cfg: ModelConfig) -> torch.Tensor:
-    """The D/2 angular frequencies theta^(-2i/D), with rope_scaling "llama3" (Llama 3.1/3.2) rescaled as
-    transformers does: wavelengths longer than original_max_position_embeddings / low_freq_factor are slowed
-    by `factor`, shorter than .../high_freq_factor kept, and the band between blended linearly in
-    original_max / wavelength."""
+    """The D/2 angular frequencies theta^(-2i/D) (`rope_attention_factor`: what cos and sin are scaled by).
+
+    rope_scaling "llama3" (Llama 3.1/3.2), as transformers: wavelengths longer than original_max_position_embeddings
+    / low_freq_factor are slowed by `factor`, shorter than .../high_freq_factor kept, the band between blended
+    linearly in original_max / wavelength. "yarn" (Peng et al. 2023, transformers' definition): dims that turn
+    fewer than beta_slow times over the original context are interpolated (slowed by `factor`), more than
+    beta_fast times extrapolated (kept), a linear ramp between; attention_factor (default 0.1 ln(factor) + 1, or
+    the mscale ratio) scales cos and sin."""
     d = cfg.head_dim
     inv = 1.0 / cfg.rope_theta ** (torch.arange(0, d, 2, dtype=torch.int64).float() / d)  # (D/2,)
     rs = cfg.rope_scaling
     if not rs:
         return inv
+    if rs.get("rope_type", rs.get("type")) == "yarn":
+        return _yarn(inv, d, cfg.rope_theta, rs)[0]
     old, lo, hi = rs["original_max_position_embeddings"], rs["low_freq_factor"], rs["high_freq_factor"]
     ratio = old / (2 * math.pi / inv)  # context length in wavelengths
     blend = ((ratio - lo) / (hi - lo)).clamp(0.0, 1.0)  # 0: slowed whole (long waves), 1: kept (short ones)
     return inv / rs["factor"] * (1 - blend) + inv * blend
 
 
-def rope_cos_sin(inv_freq: torch.Tensor, positions: torch.Tensor, dtype) -> tuple:
+def rope_attention_factor(cfg: ModelConfig) -> float:
+    """What cos and sin are scaled by: yarn's attention factor, else 1."""
+    rs = cfg.rope_scaling
+    if rs and rs.get("rope_type", rs.get("type")) == "yarn":
+        return _yarn(torch.ones(cfg.head_dim // 2), cfg.head_dim, cfg.rope_theta, rs)[1]
+    return 1.0
+
+
+def _yarn(inv: torch.Tensor, d: int, theta: float, rs: dict) -> tuple[torch.Tensor, float]:
+    factor, old = rs["factor"], rs["original_max_position_embeddings"]
+
+    def mscale(scale, m=1.0):
+        return 1.0 if scale <= 1 else 0.1 * m * math.log(scale) + 1.0
+
+    attn = rs.get("attention_factor")
+    if attn is None:
+        m, m_all = rs.get("mscale"), rs.get("mscale_all_dim")
+        attn = mscale(factor, m) / mscale(factor, m_all) if m and m_all else mscale(factor)
+
+    def dim_of(rotations):  # the dim whose wavelength turns `rotations` times over the original context
+        return d * math.log(old / (rotations * 2 * math.pi)) / (2 * math.log(theta))
+
+    lo, hi = dim_of(rs.get("beta_fast") or 32), dim_of(rs.get("beta_slow") or 1)
+    if rs.get("truncate", True):
+        lo, hi = math.floor(lo), math.ceil(hi)
+    lo, hi = max(lo, 0), min(hi, d - 1)
+    ramp = ((torch.arange(d // 2, dtype=torch.float32) - lo) / ((hi - lo) or 0.001)).clamp(0, 1)
+    keep = 1 - ramp  # 1: extrapolated (kept), 0: interpolated (slowed by factor)
+    return inv / factor * (1 - keep) + inv * keep, float(attn)
+
+
+def rope_cos_sin(inv_freq: torch.Tensor, positions: torch.Tensor, dtype, scale: float = 1.0) -> tuple:
     """cos and sin (T, D) of the angles position * frequency (`rope_frequencies`), each frequency twice
-    (rotate-half layout)."""
+    (rotate-half layout), times `scale` (yarn's attention factor)."""
     angles = positions.float()[:, None] * inv_freq[None]  # (T, D/2)
     angles = torch.cat([angles, angles], dim=-1)  # (T, D)
+    if scale != 1.0:
+        return (angles.cos() * scale).to(dtype), (angles.sin() * scale).to(dtype)
     return angles.cos().to(dtype), angles.sin().to(dtype)
 
 
@@ -140,8 +191,13 @@ class SeqDropout(nn.Module):
         return x * keep / (1.0 - self.p)
 
 
-def _attention_core(q, k, v, dropout_p: float):  # (B, H, T, D), (B, H/g, T, D) x2 -> (B, H, T, D)
-    return F.scaled_dot_product_attention(q, k, v, is_causal=True, dropout_p=dropout_p,
+def _attention_core(q, k, v, dropout_p: float, window: int = 0):  # (B, H, T, D), (B, H/g, T, D) x2 -> (B, H, T, D)
+    T = q.shape[2]
+    mask = None
+    if window and window < T:  # query i sees keys i - window < j <= i (transformers' sliding_window_overlay)
+        i = torch.arange(T, device=q.device)
+        mask = (i[None, :] <= i[:, None]) & (i[:, None] - i[None, :] < window)  # (T, T)
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None, dropout_p=dropout_p,
                                           enable_gqa=k.shape[1] != q.shape[1])
 
 
@@ -154,46 +210,63 @@ def _ring_core(q, k, v, groups: int, **kw):
 
 
 class CausalSelfAttention(nn.Module):
-    """GPT-2: one fused, stacked qkv weight (3, C, C) with biases. Llama: q (n_head * D, C), k and v
-    (kv_heads * D, C), no biases; the kv heads are split across tp when tp divides them, else each is held by
-    the tp / kv_heads ranks whose query heads use it (ColumnParallelLinear's `units`); rotary on q and k."""
+    """Fused (GPT-2): one stacked qkv weight (3, C, C). Apart (the rotary families): q (n_head * D, C), k and v
+    (kv_heads * D, C), biases where the family has them (Qwen2); the kv heads are split across tp when tp divides
+    them, else each is held by the tp / kv_heads ranks whose query heads use it (ColumnParallelLinear's `units`);
+    a per-head RMSNorm on q and k where the family has one (Qwen3), then rotary on q and k; a sliding window
+    where the family has one (Mistral)."""
 
     def __init__(self, cfg: ModelConfig, tp: Axis, sp: bool, recompute: str, placement: str,
                  cp: Optional[Axis] = None):
         super().__init__()
         self.cfg, self.tp, self.cp, self.sp = cfg, tp, cp or Axis(1, 0), sp
+        f = self.features = cfg.spec.features
         self.head_dim = D = cfg.head_dim
-        self.llama = cfg.arch == "llama"
-        if self.llama:
-            kv = cfg.kv_heads
-            self.q = ColumnParallelLinear(cfg.n_embd, cfg.n_head * D, tp, bias=False, sp=sp, placement=placement)
-            self.k, self.v = (ColumnParallelLinear(cfg.n_embd, kv * D, tp, bias=False, sp=sp, placement=placement,
-                                                   units=kv) for _ in range(2))
-            self.groups = (cfg.n_head // tp.size) // max(1, kv // tp.size)  # local query heads per local kv head
-            # a constant of the config, kept with the module so that it moves to the GPU once (never saved)
-            self.register_buffer("inv_freq", rope_frequencies(cfg), persistent=False)
-        else:
-            self.qkv = ColumnParallelLinear(cfg.n_embd, cfg.n_embd, tp, stack=3, sp=sp, placement=placement)
+        width = cfg.n_head * D
+        if f.fused_qkv:
+            self.qkv = ColumnParallelLinear(cfg.n_embd, width, tp, stack=3, bias=f.qkv_bias, sp=sp,
+                                            placement=placement)
             self.groups = 1
-        # GPT-2: residual projections start at std / sqrt(2 * n_layer); Llama (transformers): std
-        self.proj = RowParallelLinear(cfg.n_embd, cfg.n_embd, tp, bias=not self.llama, sp=sp, placement=placement,
-                                      init="normal" if self.llama else "scaled")
+        else:
+            kv = cfg.kv_heads
+            self.q = ColumnParallelLinear(cfg.n_embd, width, tp, bias=f.qkv_bias, sp=sp, placement=placement)
+            self.k, self.v = (ColumnParallelLinear(cfg.n_embd, kv * D, tp, bias=f.qkv_bias, sp=sp,
+                                                   placement=placement, units=kv) for _ in range(2))
+            self.groups = (cfg.n_head // tp.size) // max(1, kv // tp.size)  # local query heads per local kv head
+        if f.qk_norm:
+            self.q_norm, self.k_norm = head_norm(cfg, placement), head_norm(cfg, placement)
+        if f.positions == "rope":
+            # constants of the config, kept with the module so that they move to the GPU once (never saved)
+            self.register_buffer("inv_freq", rope_frequencies(cfg), persistent=False)
+            self.rope_scale = rope_attention_factor(cfg)
+        # GPT-2: residual projections start at std / sqrt(2 * n_layer); the others (transformers'): std
+        self.proj = RowParallelLinear(width, cfg.n_embd, tp, bias=f.dense_bias, sp=sp, placement=placement,
+                                      init="scaled" if f.init == "scaled" else "normal")
+        self.window = cfg.sliding_window if f.sliding_window else 0
         self.dropout = cfg.dropout
         self.selective = recompute == "selective"
 
     def heads(self, x):
         """x (B, T, C) (sp: (B, T/tp, C)) -> q (B, H/tp, T, D), k and v (B, kv heads here, T, D)."""
-        if not self.llama:
+        if self.features.fused_qkv:
             qkv = self.qkv(x)  # (B, T, 3 * C/tp)
-            return rearrange(qkv, "b t (three h d) -> three b h t d", three=3, d=self.head_dim)
-        qkv = column_parallel(x, [self.q.weight, self.k.weight, self.v.weight], self.tp, self.sp)  # one gather
-        q, k, v = (rearrange(t, "b t (h d) -> b h t d", d=self.head_dim) for t in qkv)
+            q, k, v = rearrange(qkv, "b t (three h d) -> three b h t d", three=3, d=self.head_dim)
+        else:
+            lin = (self.q, self.k, self.v)
+            qkv = column_parallel(x, [m.weight for m in lin], self.tp, self.sp)  # one input gather for all three
+            if self.features.qkv_bias:
+                qkv = [t + m.bias for t, m in zip(qkv, lin)]
+            q, k, v = (rearrange(t, "b t (h d) -> b h t d", d=self.head_dim) for t in qkv)
+        if self.features.qk_norm:  # over each head's width, before rotary (transformers' Qwen3)
+            q, k = self.q_norm(q), self.k_norm(k)
+        if self.features.positions != "rope":
+            return q, k, v
         T = q.shape[2]  # this rank's tokens; with cp at their global positions (two chunks, context.py)
         if self.cp.active:
             pos = local_positions(T * self.cp.size, self.cp).to(q.device)
         else:
             pos = torch.arange(T, device=q.device)
-        cos, sin = rope_cos_sin(self.inv_freq, pos, q.dtype)
+        cos, sin = rope_cos_sin(self.inv_freq, pos, q.dtype, self.rope_scale)
         return rotate(q, cos, sin), rotate(k, cos, sin), v
 
     def forward(self, x):  # (B, T, C) -> (B, T, C); with sp (B, T/tp, C) -> (B, T/tp, C)
@@ -201,9 +274,10 @@ class CausalSelfAttention(nn.Module):
         p = self.dropout if self.training else 0.0
         if self.cp.active or p > 0.0:  # ring attention (cp = 1: one block) with the counter-based dropout mask
             core = functools.partial(_ring_core, groups=self.groups, cp=self.cp, dropout_p=p,
-                                     seed=draw_seed() if p else 0, head0=self.tp.rank * q.shape[1])
+                                     seed=draw_seed() if p else 0, head0=self.tp.rank * q.shape[1],
+                                     window=self.window)
         else:
-            core = functools.partial(_attention_core, dropout_p=0.0)
+            core = functools.partial(_attention_core, dropout_p=0.0, window=self.window)
         if self.selective and torch.is_grad_enabled():
             # Selective recomputation (Korthikanti et al.): keep only q, k, v; the softmax statistics and the
             # output are recomputed in backward (the dropout mask comes from the seed drawn above).
@@ -214,24 +288,25 @@ class CausalSelfAttention(nn.Module):
 
 
 class MLP(nn.Module):
-    """GPT-2: proj(act(fc x)), biases. Llama (SwiGLU): proj(silu(gate x) * up x), no biases; gate and up are two
-    column-parallel weights (their names in every checkpoint) sharing one input communication."""
+    """"act" (GPT-2): proj(act(fc x)), with the family's dense biases. "swiglu": proj(silu(gate x) * up x); gate
+    and up are two column-parallel weights (their names in every checkpoint) sharing one input communication."""
 
     def __init__(self, cfg: ModelConfig, tp: Axis, sp: bool, placement: str):
         super().__init__()
-        self.tp, self.sp, self.llama = tp, sp, cfg.arch == "llama"
-        hidden = cfg.ffn_size
-        if self.llama:
+        f = cfg.spec.features
+        self.tp, self.sp, self.swiglu = tp, sp, f.mlp == "swiglu"
+        hidden, bias = cfg.ffn_size, f.dense_bias
+        if self.swiglu:
             self.gate, self.up = (ColumnParallelLinear(cfg.n_embd, hidden, tp, bias=False, sp=sp, placement=placement)
                                   for _ in range(2))
         else:
-            self.fc = ColumnParallelLinear(cfg.n_embd, hidden, tp, sp=sp, placement=placement)
+            self.fc = ColumnParallelLinear(cfg.n_embd, hidden, tp, bias=bias, sp=sp, placement=placement)
             self.act = ACTIVATION_FNS[cfg.activation]
-        self.proj = RowParallelLinear(hidden, cfg.n_embd, tp, bias=not self.llama, sp=sp, placement=placement,
-                                      init="normal" if self.llama else "scaled")
+        self.proj = RowParallelLinear(hidden, cfg.n_embd, tp, bias=bias, sp=sp, placement=placement,
+                                      init="scaled" if f.init == "scaled" else "normal")
 
     def forward(self, x):  # (B, T, C) -> (B, T, C)
-        if not self.llama:
+        if not self.swiglu:
             return self.proj(self.act(self.fc(x)))
         gate, up = column_parallel(x, [self.gate.weight, self.up.weight], self.tp, self.sp)  # (B, T, F/tp) each
         return self.proj(F.silu(gate) * up)
@@ -268,7 +343,7 @@ class GPTStage(nn.Module):
         if self.first:  # `tied`: the last stage holds a copy (the LM head) whose gradient is summed with it
             self.wte = VocabParallelEmbedding(cfg.vocab_size, cfg.n_embd, grid.tp, sp=self.sp, placement="first",
                                               tied=cfg.tie_embeddings and not self.last)
-            if cfg.arch != "llama":  # Llama's positions are rotary, inside attention
+            if cfg.spec.features.positions == "learned":  # rotary positions live inside attention
                 self.wpe = _replicated((cfg.block_size, cfg.n_embd), "first", "normal")
             self.drop = SeqDropout(cfg.dropout, grid.tp, self.sp, grid.cp)
         self.blocks = nn.ModuleDict({str(i): Block(cfg, grid.tp, i, self.sp, recompute, grid.cp)
@@ -309,9 +384,9 @@ class GPTStage(nn.Module):
         return block(x)
 
     def positions(self, T: int):
-        """GPT-2: the wpe rows of the T tokens this rank holds (sp: its share; cp: their global positions).
-        Llama: nothing here (its positions are rotary, inside attention)."""
-        if self.cfg.arch == "llama":
+        """Learned: the wpe rows of the T tokens this rank holds (sp: its share; cp: their global positions).
+        Rotary: nothing here (inside attention)."""
+        if self.cfg.spec.features.positions != "learned":
             return 0.0
         if self.cp.active:
             return self.wpe[local_positions(T * self.cp.size, self.cp, self.tp, self.sp).to(self.wpe.device)]

@@ -32,6 +32,7 @@ FLOORS = {
     "megalite": 0,
     "base": 1,                                  # torch-free: errors, jsonio, faults, fs
     "parallel": 2,                              # the grid, the process group, the parallel layers
+    "models": 2,                                # the family specs: data plus a few functions (no family above)
     "config": 3,
     "model": 4, "checkpoint": 4,                # checkpoint/: the format's engine
     "tokenizer": 5,                             # which tokenizer an artifact carries: it reads checkpoints

@@ -23,7 +23,7 @@ from megalite.base.errors import ConvertError
 from megalite.config import ModelConfig
 from megalite.convert import convert, open_source, split
 from megalite.convert.common import Progress, Source, Spec
-from megalite.convert.family import Llama
+from megalite.models.llama import LlamaHF as Llama
 from megalite.convert.sink import write
 from megalite.generate import load_model
 from megalite.model import GPTStage
@@ -175,10 +175,11 @@ def _edit(folder, **changes):
 
 
 @pytest.mark.parametrize("changes,pattern", [
-    (dict(rope_scaling={"rope_type": "yarn", "factor": 4.0}), r"rope_scaling\.rope_type = \"yarn\" is not supported"),
+    (dict(rope_scaling={"rope_type": "longrope", "factor": 4.0}), r"rope_scaling\.rope_type = \"longrope\" is not "
+                                                                   r"supported"),
     (dict(rope_scaling=None, rope_parameters={"rope_type": "dynamic", "factor": 2.0, "rope_theta": 1e4}),
      r"rope_parameters\.rope_type = \"dynamic\""),
-    (dict(sliding_window=4096), r"sliding_window = 4096 is not supported"),
+    (dict(sliding_window=4096), r"1 field would change the forward: sliding_window = 4096 is not supported"),
     (dict(attention_bias=True), r"attention_bias = true is not supported"),
     (dict(mlp_bias=True), r"mlp_bias = true is not supported"),
     (dict(num_local_experts=8), r"field 'num_local_experts' is not a LlamaConfig field"),
@@ -187,9 +188,10 @@ def _edit(folder, **changes):
     (dict(intermediate_size=96), r"'model.layers.0.mlp.gate_proj.weight' has shape \[64, 32\], but config.json "
                                  r"implies \[96, 32\]"),
     (dict(num_key_value_heads=4), r"'model.layers.0.self_attn.k_proj.weight' has shape \[16, 32\], but config"),
-    (dict(model_type="mistral"), r"model_type is 'mistral', expected one of 'gpt2', 'llama'"),
-], ids=["rope-yarn", "rope5-dynamic", "sliding-window", "attention-bias", "mlp-bias", "moe", "kv-not-dividing",
-        "layers-disagree", "ffn-disagrees", "kv-disagrees", "mistral"])
+    (dict(model_type="gemma"), r"model_type is 'gemma', expected one of 'gpt2', 'llama', 'qwen2', 'qwen3', "
+                              r"'mistral'"),
+], ids=["rope-longrope", "rope5-dynamic", "sliding-window", "attention-bias", "mlp-bias", "moe", "kv-not-dividing",
+        "layers-disagree", "ffn-disagrees", "kv-disagrees", "gemma"])
 def test_what_megalite_does_not_model_or_a_folder_that_disagrees_is_one_line(tmp_path, hf_gqa, changes, pattern):
     folder = tmp_path / "hf"
     shutil.copytree(hf_gqa[1], folder)

@@ -169,11 +169,13 @@ def test_training_matches_transformers_and_torch_adamw(token_file, tmp_path):
 # ---------------------------------------------------------------- bad input: one line naming the field
 @pytest.mark.parametrize("overrides,match", [
     (["--model.n_kv_head=3"], r"model\.n_kv_head = 3 does not divide model\.n_head = 4"),
-    (['--model.rope_scaling={rope_type="yarn", factor=4.0}'], r"model\.rope_scaling\.rope_type = 'yarn': megalite "
-                                                               r"models none"),
+    (['--model.rope_scaling={rope_type="longrope", factor=4.0}'], r"model\.rope_scaling\.rope_type = 'longrope': "
+                                                                       r"megalite models none"),
+    (['--model.rope_scaling={rope_type="yarn", factor=4.0}'], r"model\.rope_scaling\.original_max_position_"
+                                                                   r"embeddings = None: expected a positive number"),
     (['--model.rope_scaling={rope_type="llama3", factor=8.0}'], r"model\.rope_scaling\.low_freq_factor = None"),
     (["--model.rope_scaling=[1, 2]"], r"model\.rope_scaling = \[1, 2\] has type list, expected dict"),
-    (["--model.arch=mamba"], r"model\.arch = 'mamba': expected one of gpt2, llama"),
+    (["--model.arch=mamba"], r"model\.arch = 'mamba': expected one of gpt2, llama, qwen2, qwen3, mistral"),
     (["--model.n_kv_head=2", "--parallel.tp=4", "--model.n_head=12", "--model.n_embd=48", "--model.n_kv_head=6"],
      r"parallel\.tp = 4 neither divides model\.n_kv_head = 6 nor is a multiple of it"),
     (["--model.rope_theta=0.5"], r"model\.rope_theta = 0\.5: expected a finite number above 1"),
@@ -195,7 +197,7 @@ def test_bad_llama_config_on_the_command_line_is_one_line_and_writes_nothing(tin
 
 
 def test_gpt2_refuses_llama_keys(tiny_toml):
-    with pytest.raises(ConfigError, match=r"model\.n_kv_head = 2 applies to model\.arch = 'llama' only"):
+    with pytest.raises(ConfigError, match=r"model\.n_kv_head = 2 applies to model\.arch = llama \| qwen2 \| qwen3 \| mistral only"):
         validate(resolve(load_config(tiny_toml, ["--model.n_kv_head=2"])))
 
 

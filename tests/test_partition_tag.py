@@ -54,8 +54,9 @@ def fixed_since_main(table: dict) -> dict:
         if not tie and pp > 1 and stage == 0:
             assert params["wte.weight"]["tied"] is True  # what main had
             params["wte.weight"]["tied"] = False
-        for tag_ in params.values():  # `units` (GQA's kv heads, issue 32) came later: 0 on every GPT-2 tensor
-            tag_["units"] = 0
+        for tag_ in params.values():  # `units` (GQA's kv heads, issue 32) and `tp_partial` (per-head norms,
+            tag_["units"] = 0        # issue 39) came later: 0 and False on every GPT-2 tensor
+            tag_["tp_partial"] = False
     return table
 
 

@@ -20,6 +20,8 @@ from pathlib import Path
 
 import torch
 
+from .. import models
+
 
 def matmul_tflops(device: torch.device, dtype: torch.dtype, n: int, seconds: float) -> float:
     """Dense (n x n) @ (n x n) rate in TFLOP/s: 2 n^3 flops per product, timed after a warm-up."""
@@ -57,8 +59,11 @@ def n_params(m) -> int:
     Llama's lookup table does no matmul: its LM head counts instead, the same V x C).
     Llama: q and o (C x C), k and v (C x kv_heads * head_dim), gate, up and down (C x F), two RMSNorms."""
     C = m.n_embd
-    if getattr(m, "arch", "gpt2") == "llama":
-        per_layer = 2 * C * C + 2 * C * m.kv_heads * m.head_dim + 3 * C * m.ffn_size + 2 * C
+    f = m.spec.features
+    if f.mlp == "swiglu":  # q, o (C x H*D), k, v (C x kv*D), gate, up, down, two RMSNorms; biases, q/k norms
+        q, kv = m.n_head * m.head_dim, m.kv_heads * m.head_dim
+        per_layer = 2 * C * q + 2 * C * kv + 3 * C * m.ffn_size + 2 * C
+        per_layer += (q + 2 * kv) * f.qkv_bias + 2 * m.head_dim * f.qk_norm
         return m.n_layer * per_layer + m.vocab_size * C + C
     per_layer = 12 * C ** 2 + 13 * C  # qkv, proj, fc, fc-proj weights and biases, two LayerNorms
     return m.n_layer * per_layer + m.vocab_size * C + 2 * C
@@ -67,8 +72,10 @@ def n_params(m) -> int:
 def flops_per_token(m, seq: int) -> float:
     """Training flops per token, as PaLM (appendix B) and nanoGPT's estimate_mfu count them: 6 N for the
     weight matmuls (2 forward + 4 backward per parameter) plus 12 L h T for attention's scores and values
-    (T = seq, the tokens a sequence attends over; causal masking not discounted)."""
-    return 6 * n_params(m) + 12 * m.n_layer * m.n_embd * seq
+    (h = the attention width n_head * head width; T = seq, the tokens a query attends over, at most a sliding
+    window; causal masking not discounted)."""
+    span = min(seq, m.sliding_window) if m.sliding_window else seq
+    return 6 * n_params(m) + 12 * m.n_layer * m.n_head * m.head_dim * span
 
 
 def _same(live: dict, other: dict, what: str, dtype=None) -> list:
@@ -145,7 +152,7 @@ def _train_window(cfg, grid, device, window_s: float, peaks: tuple, t, label: st
     measured, sheet = peaks
     m = cfg.model
     t.row([f"2. {label}: warm-up ({'2 steps, compiling' if cfg.train.compile else '1 step'})", f"{warm:.1f} s"])
-    family = "Llama " if m.arch == "llama" else ""  # GPT-2's rows read as they always did
+    family = "" if m.arch == models.DEFAULT else f"{m.arch.capitalize()} "  # GPT-2's rows read as they always did
     t.row([f"2. {label}: train {family}{m.n_layer}x{m.n_embd} V{m.vocab_size} bf16 (1,1,1), {steps} steps in {dt:.1f} s",
            f"{tok_s:,.0f} tokens/s/GPU"])
     t.row([f"2. {label}: MFU vs datasheet peak (6N + 12LhT flops/token)",

@@ -22,13 +22,16 @@ import statistics
 
 import torch
 
+from .. import models
 from ..parallel import agree
 from . import SavedBytes, StreamTable
+
+LLAMA = models.llama.SPEC.name
 
 
 def llama_model(o: dict) -> dict:
     """The bench's GPT dims as a Llama: half as many kv heads as heads (GQA), SwiGLU at Llama's own rule."""
-    return {**o["model"], "arch": "llama", "n_kv_head": max(1, o["model"]["n_head"] // 2), "tie_embeddings": False}
+    return {**o["model"], "arch": LLAMA, "n_kv_head": max(1, o["model"]["n_head"] // 2), "tie_embeddings": False}
 
 
 def _transformers_step(cfg):
@@ -118,7 +121,7 @@ def _worker(rank: int, world: int, tmp: str, o: dict) -> None:
     out = []
     for lay in o["layouts"]:
         grid = ParallelGrid.create(Layout(*lay))
-        m = Config.from_dict({"model": o["llama"]}).model
+        m = Config.from_dict({"model": o[LLAMA]}).model
         model = GPTStage(m, grid)
         model.init_weights(0)
         blk = model.blocks["0"]
@@ -147,7 +150,7 @@ def block_activations(o: dict, world: int, seq: int, log=print) -> list:
     layouts = block_layouts(world, m.n_head, seq)
     log(f"\n10. saved bytes of one Llama block per rank ({m.n_embd} wide, {m.n_head} heads, {m.kv_heads} kv heads, "
         f"SwiGLU {m.ffn_size}), one {seq}-token sequence, fp32, vs the formula (bench/llama.py)")
-    run_parallel(_worker, world, tmp_dir=o["work"], args=({**o, "llama": llama, "layouts": layouts},))
+    run_parallel(_worker, world, tmp_dir=o["work"], args=({**o, LLAMA: llama, "layouts": layouts},))
     with open(os.path.join(o["work"], f"llama-{world}.json")) as f:
         result = json.load(f)
     t = StreamTable(["tp,pp,dp,cp", "attn KiB", "(formula)", "MLP KiB", "(formula)", "block vs tp=1"],
@@ -166,5 +169,5 @@ def block_activations(o: dict, world: int, seq: int, log=print) -> list:
 
 
 def bench_llama(o: dict, nproc: int, pairs: int, run_single, seq: int, log=print) -> dict:
-    return {"llama": vs_transformers(o, pairs, run_single, log),
+    return {LLAMA: vs_transformers(o, pairs, run_single, log),
             "llama_block": block_activations(o, nproc, seq, log)}

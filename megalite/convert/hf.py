@@ -44,7 +44,7 @@ class HFFolder(Source):
         if self.family is None:
             raise ConvertError(f"{cfg_file}: model_type is {limits.describe(got)}, expected one of "
                                f"{', '.join(repr(k) for k in BY_MODEL_TYPE)} (the families megalite models)")
-        m = self.family.model_from_hf(hf, str(cfg_file))
+        m, self.harmless = self.family.read_config(hf, str(cfg_file))
         self.files = {}  # transformers name -> the open safetensors file that holds it
         for fname in self._weight_files():
             f = open_safetensors(p / fname)
@@ -53,8 +53,22 @@ class HFFolder(Source):
         weights = p / (ST_FILE if (p / ST_FILE).is_file() else ST_INDEX)
         _sizes_stored(self.family, hf, {k: f.get_slice(k).get_shape() for k, f in self.files.items()}, cfg_file,
                       weights)
-        self.model = model_from(m, str(cfg_file))
+        self.model = model_from(self._tie_as_transformers(m, cfg_file), str(cfg_file))
         self._table(weights)
+
+    def _tie_as_transformers(self, m: dict, cfg_file: Path) -> dict:
+        """tie_word_embeddings true beside a stored lm_head that differs from the embedding: transformers (5.x)
+        keeps the stored head untied, and so does megalite (a head equal to the embedding is the tied copy)."""
+        if not m["tie_embeddings"] or "lm_head.weight" not in self.files:
+            return m
+        embed = next((k for k in self.files if (r := self.family.from_hf(k, torch.empty(0), True)) and
+                      r[0] == "wte.weight"), None)
+        if embed is None or torch.equal(self.files[embed].get_tensor(embed),
+                                        self.files["lm_head.weight"].get_tensor("lm_head.weight")):
+            return m
+        self.harmless = [*self.harmless, "tie_word_embeddings (true, but the stored lm_head.weight differs from "
+                                          "the embedding: kept untied, as transformers does)"]
+        return {**m, "tie_embeddings": False}
 
     def _weight_files(self) -> list[str]:
         p = self.folder
@@ -118,21 +132,11 @@ class HFFolder(Source):
         return transformers_runner(self.folder)
 
 
-# config.json's sizes as the stored tensors show them: (config key, what, how to read it from the shapes)
-STORED = {"gpt2": (("n_layer", "blocks h.0, h.1, ... of", "layers", r"(?:transformer\.)?h\.([0-9]{1,9})\."),
-                   ("vocab_size", "rows of wte.weight in", 0, ("transformer.wte.weight", "wte.weight")),
-                   ("n_embd", "columns of wte.weight in", -1, ("transformer.wte.weight", "wte.weight")),
-                   ("n_positions", "rows of wpe.weight in", 0, ("transformer.wpe.weight", "wpe.weight"))),
-          "llama": (("num_hidden_layers", "layers model.layers.0, 1, ... of", "layers", r"model\.layers\.([0-9]{1,9})\."),
-                    ("vocab_size", "rows of model.embed_tokens.weight in", 0, ("model.embed_tokens.weight",)),
-                    ("hidden_size", "columns of model.embed_tokens.weight in", -1, ("model.embed_tokens.weight",)))}
-
-
 def _sizes_stored(fam: Family, hf: dict, shapes: dict, cfg_file: Path, weights: Path) -> None:
     """config.json's sizes are those of the tensors stored, checked before anything is built from them:
     n_layer = 10**6 over two stored blocks once ran for minutes, n_positions = 2**31 - 1 failed in the
     allocator."""
-    for key, what, how, names in STORED[fam.name]:
+    for key, what, how, names in fam.stored:
         if how == "layers":
             blocks = {int(m.group(1)) for k in shapes if (m := re.match(names, k))}
             have = len(blocks) if blocks == set(range(len(blocks))) else None

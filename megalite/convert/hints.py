@@ -23,7 +23,9 @@ from ..base.errors import ConvertError
 from ..base.fs import read_all
 from ..base.jsonio import loads
 from ..base.limits import FILE_BYTES
+from .. import models
 from ..config import ModelConfig
+from ..models.llama import rope_from_hf as llama_rope
 
 NORMS, MLPS = ("rms", "layer"), ("swiglu", "gelu", "gelu_tanh")
 
@@ -61,20 +63,25 @@ def merge_config(h: Hints, path: Path) -> Hints:
     c = loads(raw, f"--config {path}", ConvertError, kind="json")  # its size and depth within limits' budget
     if not isinstance(c, dict):
         raise ConvertError(f"--config {path}: expected a JSON object (a transformers config.json)")
-    gpt2 = c.get("model_type") == "gpt2"
-    rope = c.get("rope_parameters") if isinstance(c.get("rope_parameters"), dict) else {}
-    scaling = c.get("rope_scaling") if isinstance(c.get("rope_scaling"), dict) else None
-    if scaling is None and rope.get("rope_type", "default") != "default":
-        scaling = rope
+    where = f"--config {path}"
+    mt = c.get("model_type", models.llama.SPEC.hf.model_type)  # a config without one is read as LlamaConfig
+    family = models.BY_MODEL_TYPE.get(mt) if isinstance(mt, str) else None
+    if family is None:
+        raise ConvertError(f"{where}: model_type = {limits.describe(mt)}, expected one of "
+                           f"{', '.join(repr(k) for k in models.BY_MODEL_TYPE)}")
+    family.hf.check_keys(c, where)  # the family's own reading: every key that changes the forward refused
+    gpt2 = family.features.positions == "learned"  # GPT2Config's key names
+    theta, scaling = (None, None) if gpt2 else llama_rope(c, where)
+    told = "rope_theta" in c or "rope_theta" in (c.get("rope_parameters") or {})
     act = c.get("activation_function" if gpt2 else "hidden_act")
     got = dict(num_heads=c.get("n_head" if gpt2 else "num_attention_heads"),
                num_kv_heads=None if gpt2 else c.get("num_key_value_heads"),
-               rope_theta=None if gpt2 else c.get("rope_theta", rope.get("rope_theta")),
+               rope_theta=theta if told else None,
                norm="layer" if gpt2 else "rms", norm_eps=c.get("layer_norm_epsilon" if gpt2 else "rms_norm_eps"),
                mlp={"gelu": "gelu", "gelu_new": "gelu_tanh", "gelu_pytorch_tanh": "gelu_tanh"}.get(act, "?") if gpt2
                else ("swiglu" if act == "silu" else f"{act}-gated"),
                vocab_size=c.get("vocab_size"), block_size=c.get("n_positions" if gpt2 else "max_position_embeddings"))
-    out = dataclasses.replace(h, config=str(path), rope_scaling=scaling)
+    out = dataclasses.replace(h, config=str(path), rope_scaling=scaling or None)
     for k, v in got.items():
         mine = getattr(h, k)
         if v is None:
@@ -132,7 +139,7 @@ def llama_model(n_layer: int, n_head: int, n_kv_head: int, n_embd: int, ffn: int
                 theta: float, scaling: Optional[dict], eps: float, block_size: int) -> dict:
     """megalite's [model] dict for a Llama (arch, n_kv_head, intermediate_size, rope_theta, rope_scaling;
     layer_norm_eps is RMSNorm's eps), every other key at ModelConfig's default."""
-    m = ModelConfig(arch="llama", n_layer=n_layer, n_head=n_head, n_kv_head=n_kv_head, n_embd=n_embd,
+    m = ModelConfig(arch=models.llama.SPEC.name, n_layer=n_layer, n_head=n_head, n_kv_head=n_kv_head, n_embd=n_embd,
                     intermediate_size=ffn, vocab_size=vocab, block_size=block_size, dropout=0.0, tie_embeddings=tied,
                     rope_theta=float(theta), rope_scaling=rope_scaling(scaling), layer_norm_eps=float(eps))
     return dataclasses.asdict(m)

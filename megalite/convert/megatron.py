@@ -31,6 +31,7 @@ from typing import Optional
 import torch
 from einops import rearrange
 
+from .. import models
 from ..base import limits
 from ..base.fs import path_kind, read_all
 from ..config import ModelConfig, model_from
@@ -265,11 +266,12 @@ class MegatronGPT(ForeignModel):
         self.interleaved = m.pop("_interleaved", False)
         self.qkv_bias = m.pop("_qkv_bias", False)
         self.m = m
-        if m.get("arch") == "llama":
+        if models.spec_of(m).features.positions == "rope":
+            if self.qkv_bias:  # Qwen-style q/k/v biases (Megatron-Bridge's Qwen2): the family that has them
+                m["arch"] = models.family_for(positions="rope", qkv_bias=True, qk_norm=False,
+                                              sliding_window=False).name
             self.shapes = hn.llama_shapes(m, self.qkv_bias)
-            self.parts = None if self.qkv_bias else model_partitions(m)  # megalite's model has no q/k/v biases
-            self.refusal = (f"{self.step / COMMON}: args: add_qkv_bias = True: megalite's Llama has no q/k/v "
-                            f"biases (Qwen-style), so it cannot hold this model")
+            self.parts = model_partitions(m)
             self.src = megatron_llama.llama_sources(dict(m, _interleaved=self.interleaved), set(self.ck.tensors))
             self._check_llama(where, padded)
         else:
@@ -293,7 +295,7 @@ class MegatronGPT(ForeignModel):
     def reference(self):
         """A Llama's own-layout forward (native.py) for --check; None for a GPT-2 (megalite's model on its
         tensors is the source side there)."""
-        if self.m.get("arch") != "llama":
+        if models.spec_of(self.m).features.positions != "rope":
             return None
         from .native import reference_logits
         return lambda ids: reference_logits(self, ids).float()

@@ -14,6 +14,7 @@ from typing import Callable, Iterable, Optional
 
 import torch
 
+from .. import models
 from ..base.fs import remove_tree, replace_output
 from ..checkpoint.stream import WRITABLE, StreamingWriter, raw_bytes
 from .common import KIND, MODEL_CONFIG, MODEL_KIND, SKIPPED, ConvertError, Progress, Source
@@ -87,7 +88,7 @@ def write(src: Source, out: Path, fmt: str, dtype: Optional[torch.dtype], progre
         if src.model is None:
             raise ConvertError(f"--format {fmt}: {src.where} is a plain DCP checkpoint, which does not say what "
                                f"model its tensors make (a Megatron-LM checkpoint converts with --from megatron)")
-        if fmt == "hf-gpt2" and src.model.get("arch", "gpt2") != "gpt2":
+        if fmt == "hf-gpt2" and models.spec_of(src.model) is not models.spec(models.DEFAULT):
             raise ConvertError(f"--format hf-gpt2: {src.where} is a model.arch = '{src.model['arch']}' model; "
                                f"--format hf writes each family's own transformers folder")
         return deliver(out, lambda tmp: write_hf(tmp, src, dtype or torch.float32, progress, max_shard), check)

@@ -8,6 +8,7 @@ from typing import Optional
 
 import torch
 
+from .. import models
 from ..checkpoint import manifest as mf
 from ..checkpoint.read import SliceReader
 from ..checkpoint.tree import LATEST, MANIFEST, resolve
@@ -130,21 +131,23 @@ def open_source(path, forced: Optional[str] = None, vocab_size: Optional[int] = 
     if vocab_size is not None and kind != "megatron":
         raise ConvertError(f"--vocab-size: only for a Megatron checkpoint (this source is "
                            f"{'a megalite checkpoint' if kind == 'megalite' else kind})")
+    readers = {r: [n for n, s in models.FAMILIES.items() if r in s.readers] for r in ("megatron", "torchtitan")}
     if kind == "megatron":
-        if arch not in (None, "gpt2", "llama"):
-            raise ConvertError(f"--arch '{arch}': expected gpt2 or llama")
+        if arch not in (None, *readers["megatron"]):
+            raise ConvertError(f"--arch '{arch}': expected {' or '.join(readers['megatron'])}")
         g = MegatronGPT(p, vocab_size, hints)
-        if arch is not None and g.m.get("arch", "gpt2") != arch:
-            raise ConvertError(f"--arch {arch} contradicts {p}: its arguments and tensors make a "
-                               f"{g.m.get('arch', 'gpt2')}")
+        made = models.spec_of(g.m).name
+        if arch is not None and made != arch:
+            raise ConvertError(f"--arch {arch} contradicts {p}: its arguments and tensors make a {made}")
         return g
     if kind == "dcp":
+        tt = " or ".join(readers["torchtitan"])
         if arch is None:
             if told:
-                raise ConvertError("--num-heads, --config, ...: a DCP folder is read as a model only with --arch llama")
+                raise ConvertError(f"--num-heads, --config, ...: a DCP folder is read as a model only with --arch {tt}")
             return DcpFolder(p)
-        if arch != "llama":
-            raise ConvertError(f"--arch '{arch}': a DCP folder is read as a model only for --arch llama (torchtitan's "
+        if arch not in readers["torchtitan"]:
+            raise ConvertError(f"--arch '{arch}': a DCP folder is read as a model only for --arch {tt} (torchtitan's "
                                f"Llama 3)")
         from .torchtitan import TorchtitanLlama
         return TorchtitanLlama(p, hints or Hints())

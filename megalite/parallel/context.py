@@ -22,7 +22,8 @@ Backward goes around the ring again with (k, v), carrying the key/value gradient
 each (dk, dv) has collected every rank's contribution and one last hop takes it home.
 
 Per (q chunk a, kv chunk b) block the causal mask is: b < a whole block; b == a lower triangle; b > a nothing
-(skipped). With the load-balanced chunks every off-diagonal ring step computes exactly half of the (2c x 2c)
+(skipped). A sliding window also skips the blocks wholly farther back than it and masks the ones it
+cuts. With the load-balanced chunks every off-diagonal ring step computes exactly half of the (2c x 2c)
 block's pairs on every rank.
 
 Attention dropout is a counter-based mask: keep(b, h, i, j) = hash(seed, b, h, i, j) >= p * 2^32 for row b of
@@ -147,9 +148,12 @@ class Ring:
 
 
 # ---------------------------------------------------------------- ring attention
-def _blocks(my_chunks, src_chunks):
-    """(i, j, diagonal) for every (my q chunk i, src kv chunk j) pair the causal mask does not wholly hide."""
-    return [(i, j, a == b) for i, a in enumerate(my_chunks) for j, b in enumerate(src_chunks) if b <= a]
+def _blocks(my_chunks, src_chunks, c: int = 1, window: int = 0):
+    """(i, j, a, b) for every (my q chunk i = global chunk a, src kv chunk j = b) pair the mask does not wholly
+    hide: causal (b <= a), and with a sliding window, the nearest pair of the block (a's first query, b's last
+    key: (a - b - 1) c + 1 apart) less than `window` apart."""
+    return [(i, j, a, b) for i, a in enumerate(my_chunks) for j, b in enumerate(src_chunks)
+            if b <= a and (not window or (a - b - 1) * c + 1 < window)]
 
 
 class _RingAttention(torch.autograd.Function):
@@ -162,9 +166,9 @@ class _RingAttention(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx, q, k, v, cp: Axis, dropout_p: float, seed: int, head0: int):
+    def forward(ctx, q, k, v, cp: Axis, dropout_p: float, seed: int, head0: int, window: int):
         with torch.autocast(q.device.type, enabled=False):
-            ctx.meta = (cp, dropout_p, seed, head0)
+            ctx.meta = (cp, dropout_p, seed, head0, window)
             out, lse = _forward(q.float(), torch.stack([k.float(), v.float()]), *ctx.meta)
         ctx.save_for_backward(q, k, v, out, lse)
         return out.to(q.dtype)
@@ -174,14 +178,15 @@ class _RingAttention(torch.autograd.Function):
         q, k, v, out, lse = ctx.saved_tensors
         with torch.autocast(q.device.type, enabled=False):
             dq, dkv = _backward(q.float(), torch.stack([k.float(), v.float()]), out, lse, g.float(), *ctx.meta)
-        return dq.to(q.dtype), dkv[0].to(k.dtype), dkv[1].to(v.dtype), None, None, None, None
+        return dq.to(q.dtype), dkv[0].to(k.dtype), dkv[1].to(v.dtype), None, None, None, None, None
 
 
 class _Blocks:
-    """The per-block maths both passes share: chunk views, scores with the causal mask, the dropout mask."""
+    """The per-block maths both passes share: chunk views, scores with the causal (and sliding-window) mask, the
+    dropout mask."""
 
-    def __init__(self, q, cp: Axis, dropout_p: float, seed: int, head0: int):
-        self.cp, self.p, self.seed = cp, dropout_p, seed
+    def __init__(self, q, cp: Axis, dropout_p: float, seed: int, head0: int, window: int = 0):
+        self.cp, self.p, self.seed, self.window = cp, dropout_p, seed, window
         self.mine = chunk_ids(cp.rank, cp.size)
         self.c = q.shape[2] // len(self.mine)
         self.scale = 1.0 / math.sqrt(q.shape[-1])
@@ -192,9 +197,16 @@ class _Blocks:
     def chunk(self, t, i):  # (..., T/cp, D) -> chunk i of this rank's local order
         return t[..., i * self.c:(i + 1) * self.c, :]
 
-    def scores(self, q_i, k_j, diagonal: bool):  # (B, H, c, D) x2 -> (B, H, c, c)
+    def blocks(self, src: int):
+        return _blocks(self.mine, chunk_ids(src, self.cp.size), self.c, self.window)
+
+    def scores(self, q_i, k_j, a: int, b: int):  # (B, H, c, D) x2 -> (B, H, c, c) for global chunks a, b
         s = (q_i @ k_j.transpose(-1, -2)) * self.scale
-        return s.masked_fill(~self.causal, float("-inf")) if diagonal else s
+        if self.window and (a - b + 1) * self.c - 1 >= self.window:  # the block's farthest pair is outside
+            i = torch.arange(self.c, device=s.device)
+            dist = (a - b) * self.c + i[:, None] - i[None, :]  # query position - key position
+            return s.masked_fill((dist < 0) | (dist >= self.window), float("-inf"))
+        return s.masked_fill(~self.causal, float("-inf")) if a == b else s
 
     def keep(self, a: int, b: int):
         """Dropout's 1/(1-p)-scaled keep mask of the block (q chunk a, kv chunk b), or None without dropout."""
@@ -205,9 +217,9 @@ class _Blocks:
         return keep.to(torch.float32) / (1.0 - self.p)
 
 
-def _forward(q, kv, cp: Axis, dropout_p, seed, head0):
+def _forward(q, kv, cp: Axis, dropout_p, seed, head0, window):
     """q (B, H, T/cp, D), kv (2, B, H, T/cp, D) -> output (B, H, T/cp, D), log-sum-exp (B, H, T/cp)."""
-    blk = _Blocks(q, cp, dropout_p, seed, head0)
+    blk = _Blocks(q, cp, dropout_p, seed, head0, window)
     n = len(blk.mine)
     m = [torch.full(q.shape[:2] + (blk.c,), float("-inf"), device=q.device) for _ in range(n)]  # row max
     l = [torch.zeros(q.shape[:2] + (blk.c,), device=q.device) for _ in range(n)]  # row sum of exp  # noqa: E741
@@ -217,13 +229,15 @@ def _forward(q, kv, cp: Axis, dropout_p, seed, head0):
         src = (cp.rank - step) % cp.size  # whose (k, v) we hold
         if step < cp.size - 1:
             ring.start(kv)  # the next hop travels while this block is computed
-        for i, j, diagonal in _blocks(blk.mine, chunk_ids(src, cp.size)):
-            s = blk.scores(blk.chunk(q, i), blk.chunk(kv[0], j), diagonal)
+        for i, j, a, b in blk.blocks(src):
+            s = blk.scores(blk.chunk(q, i), blk.chunk(kv[0], j), a, b)
             m_new = torch.maximum(m[i], s.amax(-1))
+            # a row a sliding window hides wholly, so far, has max -inf: its terms are 0, not exp(-inf + inf)
+            m_new = torch.where(torch.isinf(m_new), torch.zeros_like(m_new), m_new)
             p = torch.exp(s - m_new.unsqueeze(-1))
             fix = torch.exp(m[i] - m_new)  # rescales what was summed under the old max
             l[i] = l[i] * fix + p.sum(-1)
-            keep = blk.keep(blk.mine[i], chunk_ids(src, cp.size)[j])
+            keep = blk.keep(a, b)
             acc[i] = acc[i] * fix.unsqueeze(-1) + (p if keep is None else p * keep) @ blk.chunk(kv[1], j)
             m[i] = m_new
         if step < cp.size - 1:
@@ -235,14 +249,14 @@ def _forward(q, kv, cp: Axis, dropout_p, seed, head0):
     return out.transpose(1, 2).contiguous().transpose(1, 2), lse
 
 
-def _backward(q, kv, out, lse, g, cp: Axis, dropout_p, seed, head0):
+def _backward(q, kv, out, lse, g, cp: Axis, dropout_p, seed, head0, window):
     """Gradients of the forward above: dq (B, H, T/cp, D) and this rank's own dkv (2, B, H, T/cp, D).
 
     With P = softmax(S) (rows normalised over the whole sequence: exp(S - lse)) and the dropout's scaled mask D:
     out = (P * D) V, so dV = (P * D)^T g, dP = (g V^T) * D, and dS = P * (dP - delta) with
     delta = rowsum(dP * P) = rowsum(g * out) (the flash-attention identity), dQ = dS K / sqrt(d), dK = dS^T Q / sqrt(d).
     """
-    blk = _Blocks(q, cp, dropout_p, seed, head0)
+    blk = _Blocks(q, cp, dropout_p, seed, head0, window)
     delta = (g * out).sum(-1)  # (B, H, T/cp)
     dq = torch.zeros_like(q)
     dkv = torch.zeros_like(kv)
@@ -251,12 +265,12 @@ def _backward(q, kv, out, lse, g, cp: Axis, dropout_p, seed, head0):
         src = (cp.rank - step) % cp.size
         if step < cp.size - 1:
             ring.start(kv)
-        for i, j, diagonal in _blocks(blk.mine, chunk_ids(src, cp.size)):
+        for i, j, a, b in blk.blocks(src):
             q_i, g_i = blk.chunk(q, i), blk.chunk(g, i)
             k_j, v_j = blk.chunk(kv[0], j), blk.chunk(kv[1], j)
-            s = blk.scores(q_i, k_j, diagonal)
+            s = blk.scores(q_i, k_j, a, b)
             p = torch.exp(s - blk.chunk(lse.unsqueeze(-1), i))
-            keep = blk.keep(blk.mine[i], chunk_ids(src, cp.size)[j])
+            keep = blk.keep(a, b)
             dp = g_i @ v_j.transpose(-1, -2)
             if keep is not None:
                 dp = dp * keep
@@ -271,9 +285,11 @@ def _backward(q, kv, out, lse, g, cp: Axis, dropout_p, seed, head0):
     return dq, dkv
 
 
-def ring_attention(q, k, v, cp: Axis, dropout_p: float = 0.0, seed: int = 0, head0: int = 0):
+def ring_attention(q, k, v, cp: Axis, dropout_p: float = 0.0, seed: int = 0, head0: int = 0, window: int = 0):
     """Causal attention, (B, H, T/cp, D) x3 -> (B, H, T/cp, D), of this cp rank's tokens (local order: chunks r and
     2cp-1-r) against the whole sequence held by the ring (the ranks of `cp.group`). With cp = 1 it is plain
     causal attention with the counter-based dropout (the single process's path when dropout is on).
-    `head0`: the global index of q's first head (tp rank x heads per rank), for the dropout mask."""
-    return _RingAttention.apply(q, k, v, cp, dropout_p, seed, head0)
+    `head0`: the global index of q's first head (tp rank x heads per rank), for the dropout mask. `window` > 0:
+    query i sees only keys j with i - window < j <= i; blocks wholly outside it are skipped, the partial ones
+    masked."""
+    return _RingAttention.apply(q, k, v, cp, dropout_p, seed, head0, window)

@@ -11,6 +11,8 @@ split. In order:
          - tied embedding copies (wte on the first stage, its LM-head copy on the last) over `grid.embed`;
          - with sequence parallelism, the tp-replicated parameters (LayerNorms, row-parallel biases, wpe),
            which saw seq/tp of the tokens on each rank, over `grid.tp`;
+         - without sp, the replicated parameters each tp rank applies to its own heads only (a per-head norm
+           shared by every head: `tp_partial`), over `grid.tp`;
          - GQA with tp > n_kv_head: each kv head's k/v rows are held by the tp/n_kv_head ranks whose query heads
            use it, each holding the gradient of its own queries: summed over the ranks that share the head
            (`shared_reduce`, over `grid.tp`);
@@ -49,6 +51,8 @@ def reductions(grid: ParallelGrid, sp: bool) -> list[Reduction]:
     out = [Reduction("tied embedding copies", grid.embed, lambda part: part.tied)]
     if sp:
         out.append(Reduction("sequence-parallel replicas", grid.tp, lambda part: part.dim is None))
+    else:
+        out.append(Reduction("per-head norms", grid.tp, lambda part: part.tp_partial))
     return out
 
 

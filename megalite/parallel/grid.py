@@ -165,15 +165,14 @@ class Layout(tuple):
         n_head, n_layer = get("n_head"), get("n_layer")
         if isinstance(n_head, int) and n_head > 0 and n_head % self.tp:
             raise LayoutError(f"{prefix}tp{sep}{self.tp} does not divide model.n_head = {n_head}")
-        if get("arch") == "llama" and isinstance(n_head, int) and n_head > 0:
-            kv = get("n_kv_head") or n_head
-            if isinstance(kv, int) and kv > 0 and kv % self.tp and self.tp % kv:
-                raise LayoutError(f"{prefix}tp{sep}{self.tp} neither divides model.n_kv_head = {kv} nor is a "
-                                  f"multiple of it (kv heads are split across tp, or each shared by tp/n_kv_head "
-                                  f"ranks)")
-            ffn = get("intermediate_size")
-            if isinstance(ffn, int) and ffn > 0 and ffn % self.tp:
-                raise LayoutError(f"{prefix}tp{sep}{self.tp} does not divide model.intermediate_size = {ffn}")
+        kv = get("n_kv_head") or n_head  # 0: one kv head per query head (every family without GQA)
+        if isinstance(kv, int) and isinstance(n_head, int) and kv > 0 and kv % self.tp and self.tp % kv:
+            raise LayoutError(f"{prefix}tp{sep}{self.tp} neither divides model.n_kv_head = {kv} nor is a "
+                              f"multiple of it (kv heads are split across tp, or each shared by tp/n_kv_head "
+                              f"ranks)")
+        ffn = get("intermediate_size")
+        if isinstance(ffn, int) and ffn > 0 and ffn % self.tp:
+            raise LayoutError(f"{prefix}tp{sep}{self.tp} does not divide model.intermediate_size = {ffn}")
         if isinstance(n_layer, int) and self.pp > n_layer:
             raise LayoutError(f"{prefix}pp{sep}{self.pp} is larger than model.n_layer = {n_layer} "
                               f"(every pipeline stage needs at least one layer)")

@@ -44,6 +44,9 @@ class Partition:
            never cuts a block, so with tp > units each block is held whole by tp/units consecutive tp ranks
            (Megatron's replicated query groups) and their gradients are summed over those ranks
            (finalize.py); with tp <= units it is an ordinary split (units % tp == 0: config.validate).
+    tp_partial: replicated (dim None) but each tp rank computes only its part of the gradient (a norm shared by
+           every attention head, each rank holding other heads: a per-head q/k norm): summed over tp
+           (finalize.py), as sequence parallelism sums every replicated parameter.
     """
     global_shape: tuple
     dim: Optional[int] = None
@@ -53,6 +56,7 @@ class Partition:
     tied: bool = False
     decay: bool = True
     units: int = 0
+    tp_partial: bool = False
 
     def to_json(self) -> dict:  # `units` only where set: every GPT-2 manifest reads as it always did
         return {"dim": self.dim, "tied_to": self.tied_to, "placement": self.placement,

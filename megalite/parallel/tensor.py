@@ -215,8 +215,8 @@ class ColumnParallelLinear(nn.Module):
         split = len(lead)
         self.weight = _param(Partition(lead + (out_features, in_features), split, placement=placement, init=init,
                                        units=units), tp)
-        self.bias = _param(Partition(lead + (out_features,), split, placement=placement, init="zeros", decay=False),
-                           tp) if bias else None
+        self.bias = _param(Partition(lead + (out_features,), split, placement=placement, init="zeros", decay=False,
+                                     units=units), tp) if bias else None
         self.in_features = in_features
 
     def forward(self, x):  # (..., in) -> (..., stack * out / tp)

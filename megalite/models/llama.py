@@ -1,0 +1,186 @@
+"""Llama (transformers' LlamaForCausalLM): RMSNorm, rotary positions (rope_theta; rope_scaling none, llama3 or
+yarn), q, k, v apart with fewer kv heads (GQA), SwiGLU, no biases, an untied head by default.
+
+`LlamaHF` is the transformers table of every Llama-shaped family (Qwen2, Qwen3 and Mistral subclass it with their
+own config keys): megalite's global names map one to one onto transformers' (docs/families.md), no reshapes,
+because megalite stores q and k in transformers' rotate-half layout.
+"""
+from __future__ import annotations
+
+from ..base.errors import ConvertError
+from . import hf as H
+from .spec import FamilySpec, Features, meta_ffn
+
+LLAMA_KEYS = ("n_kv_head", "intermediate_size", "rope_theta", "rope_scaling", "head_size")
+ROPE_KEYS = {"llama3": ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings"),
+             "yarn": ("factor", "original_max_position_embeddings")}
+YARN_OPTIONAL = ("attention_factor", "beta_fast", "beta_slow", "mscale", "mscale_all_dim", "truncate")
+
+
+class LlamaHF:
+    model_type, config_class = "llama", "LlamaConfig"
+    architectures = ("LlamaForCausalLM", "LlamaModel")
+    vocab_rows = ("wte.weight", "lm_head.weight")
+    TOP = {"wte.weight": "model.embed_tokens.weight", "ln_f.weight": "model.norm.weight",
+           "lm_head.weight": "lm_head.weight"}
+    BLOCK = {"ln_1.weight": "input_layernorm.weight", "attn.q.weight": "self_attn.q_proj.weight",
+             "attn.k.weight": "self_attn.k_proj.weight", "attn.v.weight": "self_attn.v_proj.weight",
+             "attn.proj.weight": "self_attn.o_proj.weight", "ln_2.weight": "post_attention_layernorm.weight",
+             "mlp.gate.weight": "mlp.gate_proj.weight", "mlp.up.weight": "mlp.up_proj.weight",
+             "mlp.proj.weight": "mlp.down_proj.weight",
+             # Qwen2's q/k/v biases and Qwen3's per-head norms: names of every Llama-shaped family
+             "attn.q.bias": "self_attn.q_proj.bias", "attn.k.bias": "self_attn.k_proj.bias",
+             "attn.v.bias": "self_attn.v_proj.bias", "attn.q_norm.weight": "self_attn.q_norm.weight",
+             "attn.k_norm.weight": "self_attn.k_norm.weight"}
+    HONOURED = {"vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads",
+                "intermediate_size", "max_position_embeddings", "rms_norm_eps", "tie_word_embeddings",
+                "rope_theta", "rope_scaling", "rope_parameters", "head_dim", "hidden_act"}
+    ONLY_AT = {"attention_bias": (False,), "mlp_bias": (False,), "model_type": ("llama",),
+               "sliding_window": (None,), "use_sliding_window": (False,)}
+    HARMLESS = ()
+    STORED = (("num_hidden_layers", "layers model.layers.0, 1, ... of", "layers", r"model\.layers\.([0-9]{1,9})\."),
+              ("vocab_size", "rows of model.embed_tokens.weight in", 0, ("model.embed_tokens.weight",)),
+              ("hidden_size", "columns of model.embed_tokens.weight in", -1, ("model.embed_tokens.weight",)))
+    tie_default = False  # the config class's tie_word_embeddings default
+    head_dim_default = None  # None: hidden_size / num_attention_heads (LlamaConfig); Qwen3Config: 128
+    name = "llama"
+
+    @property
+    def architecture(self) -> str:
+        return self.architectures[0]
+
+    def to_hf(self, name, t):
+        if name in self.TOP:
+            return [(self.TOP[name], t)]
+        _, i, rest = name.split(".", 2)
+        return [(f"model.layers.{i}.{self.BLOCK.get(rest, rest)}", t)]
+
+    def from_hf(self, name, t, tied=True):
+        if name == "lm_head.weight" and tied:
+            return None  # a tied head is embed_tokens (some exports still store the copy)
+        top = {v: k for k, v in self.TOP.items()}
+        if name in top:
+            return top[name], t
+        if name.startswith("model.layers.") and name.count(".") >= 3:
+            _, _, i, rest = name.split(".", 3)
+            back = {v: k for k, v in self.BLOCK.items()}
+            return f"blocks.{i}.{back.get(rest, rest)}", t
+        return name, t  # not a tensor of this family: the caller names it
+
+    def hf_config(self, m: dict, eot_id=None) -> dict:
+        """The config class as transformers 4.x writes it (rope_theta + rope_scaling), which 5.x reads too; `m` a
+        complete [model] dict."""
+        D = m["head_size"] or m["n_embd"] // m["n_head"]
+        out = {"architectures": [self.architecture], "model_type": self.model_type, "vocab_size": m["vocab_size"],
+               "hidden_size": m["n_embd"], "intermediate_size": m["intermediate_size"] or meta_ffn(m),
+               "num_hidden_layers": m["n_layer"], "num_attention_heads": m["n_head"],
+               "num_key_value_heads": m["n_kv_head"] or m["n_head"], "head_dim": D, "hidden_act": "silu",
+               "max_position_embeddings": m["block_size"], "rms_norm_eps": m["layer_norm_eps"],
+               "rope_theta": m["rope_theta"], "rope_scaling": dict(m["rope_scaling"]) or None,
+               "attention_dropout": 0.0, "tie_word_embeddings": m["tie_embeddings"], "bos_token_id": eot_id,
+               "eos_token_id": eot_id, "pad_token_id": None, "initializer_range": 0.02, "torch_dtype": "float32",
+               "use_cache": True}
+        return {**out, **self.own_config(m)}
+
+    def own_config(self, m: dict) -> dict:
+        """The config keys this family's class adds (LlamaConfig: its biases off, pretraining_tp 1)."""
+        return {"attention_bias": False, "mlp_bias": False, "pretraining_tp": 1}
+
+    def model_from_hf(self, hf: dict, where: str) -> tuple[dict, list]:
+        """(the [model] keys config.json sets, with the config class's defaults for what it leaves out; the
+        harmless keys)."""
+        harmless = self.check_keys(hf, where)
+        sizes = {k: H.positive_int(hf, k, where) for k in ("vocab_size", "hidden_size", "num_hidden_layers",
+                                                           "num_attention_heads", "intermediate_size")}
+        C, Hn = sizes["hidden_size"], sizes["num_attention_heads"]
+        kv = H.positive_int(hf, "num_key_value_heads", where, Hn) if hf.get("num_key_value_heads") is not None \
+            else Hn
+        if Hn % kv:
+            raise ConvertError(f"{where}: num_key_value_heads = {kv} does not divide num_attention_heads = {Hn}")
+        if hf.get("hidden_act", "silu") != "silu":
+            raise ConvertError(f"{where}: hidden_act = {H._show(hf['hidden_act'])} is not supported (megalite "
+                               f"reproduces only \"silu\", SwiGLU)")
+        D = self._head_dim(hf, C, Hn, where)
+        H.architectures(hf, where, self.architectures)
+        theta, scaling = rope_from_hf(hf, where)
+        m = dict(arch=self.name, n_layer=sizes["num_hidden_layers"], n_head=Hn, n_embd=C, n_kv_head=kv,
+                 vocab_size=sizes["vocab_size"], intermediate_size=sizes["intermediate_size"],
+                 block_size=H.positive_int(hf, "max_position_embeddings", where, 2048),
+                 layer_norm_eps=H.positive_float(hf, "rms_norm_eps", where, 1e-6),
+                 tie_embeddings=H.boolean(hf, "tie_word_embeddings", where, self.tie_default),
+                 rope_theta=theta, rope_scaling=scaling, dropout=0.0, **self.own_model(hf, where))
+        if D != C // Hn:
+            m["head_size"] = D
+        return m, harmless
+
+    def check_keys(self, hf: dict, where: str) -> list:
+        """The harmless keys of config.json `hf`; every key whose value changes the forward refused in one line
+        (models/hf.py's rule, the one reading of a config.json: import, split, generate and convert --config)."""
+        return H.classify(hf, self.HONOURED | set(self.own_keys()), {**self.ONLY_AT, "model_type":
+                          (self.model_type,)}, self.HARMLESS, where, self.config_class)
+
+    def own_keys(self) -> tuple:
+        return ()
+
+    def own_model(self, hf: dict, where: str) -> dict:
+        return {}
+
+    def _head_dim(self, hf: dict, C: int, Hn: int, where: str) -> int:
+        given = hf.get("head_dim", self.head_dim_default)
+        if given is None:
+            if C % Hn:
+                raise ConvertError(f"{where}: hidden_size = {C} is not a multiple of num_attention_heads = {Hn}")
+            return C // Hn
+        D = H.positive_int({"head_dim": given}, "head_dim", where)
+        if D != C // Hn and not self.decoupled_head_dim:
+            raise ConvertError(f"{where}: head_dim = {D} is not supported for {self.config_class} (megalite's head "
+                               f"width is hidden_size / num_attention_heads = {C // Hn} there)")
+        return D
+
+    decoupled_head_dim = True  # transformers' Llama, Mistral, Qwen2 and Qwen3 all take a head_dim of their own
+
+
+def rope_from_hf(hf: dict, where: str) -> tuple[float, dict]:
+    """(rope_theta, rope_scaling) from 4.x's `rope_theta` + `rope_scaling` or 5.x's `rope_parameters`; both
+    given and disagreeing is refused (transformers would read one of them)."""
+    params, old = hf.get("rope_parameters"), hf.get("rope_scaling")
+    for key, v in (("rope_parameters", params), ("rope_scaling", old)):
+        if v is not None and not isinstance(v, dict):
+            raise ConvertError(f"{where}: {key} = {H._show(v)}, expected an object or null")
+    if params is not None and old is not None:
+        a = {k: v for k, v in params.items() if k != "rope_theta"}
+        b = {("rope_type" if k == "type" else k): v for k, v in old.items()}
+        if {**a, "rope_type": a.get("rope_type", "default")} != {**b, "rope_type": b.get("rope_type", "default")}:
+            raise ConvertError(f"{where}: rope_parameters = {H._show(params)} and rope_scaling = {H._show(old)} "
+                               f"disagree (expected one of them, or the same scaling in both)")
+    field = "rope_parameters" if params is not None else "rope_scaling"
+    scaling = dict(params if params is not None else old or {})
+    if params is not None and "rope_theta" in params and "rope_theta" in hf and \
+            params["rope_theta"] != hf["rope_theta"]:
+        raise ConvertError(f"{where}: rope_theta = {H._show(hf['rope_theta'])} and rope_parameters.rope_theta = "
+                           f"{H._show(params['rope_theta'])} disagree (expected one value)")
+    theta = H.positive_float({"rope_theta": scaling.pop("rope_theta", hf.get("rope_theta", 10000.0))},
+                             "rope_theta", where, 10000.0)
+    kind = scaling.pop("rope_type", scaling.pop("type", "default"))
+    if kind == "default":
+        if scaling:
+            raise ConvertError(f"{where}: {field}.{sorted(scaling)[0]} is not supported with rope_type 'default' "
+                               f"(megalite reproduces plain RoPE there)")
+        return theta, {}
+    if kind not in ROPE_KEYS:
+        raise ConvertError(f"{where}: {field}.rope_type = {H._show(kind)} is not supported (megalite models "
+                           f"rope_type 'default', {', '.join(repr(k) for k in ROPE_KEYS)})")
+    need, optional = ROPE_KEYS[kind], YARN_OPTIONAL if kind == "yarn" else ()
+    extra = sorted(set(scaling) - set(need) - set(optional))
+    if extra:
+        raise ConvertError(f"{where}: {field}.{extra[0]} is not a field of rope_type '{kind}' megalite knows")
+    missing = [k for k in need if scaling.get(k) is None]
+    if missing:
+        raise ConvertError(f"{where}: {field}.{missing[0]} is missing (rope_type '{kind}' needs {', '.join(need)})")
+    return theta, {"rope_type": kind, **{k: scaling[k] for k in need + optional if scaling.get(k) is not None}}
+
+
+SPEC = FamilySpec(
+    name="llama", about="Llama: RMSNorm, rotary (llama3/yarn scaling), grouped-query attention, SwiGLU",
+    features=Features(head_size=True), keys=LLAMA_KEYS,
+    defaults={"tie_embeddings": False}, ffn_size=meta_ffn, hf=LlamaHF(), readers=("megatron", "torchtitan"))

@@ -1,0 +1,33 @@
+"""Qwen3 (transformers' Qwen3ForCausalLM): a Llama with an RMSNorm over each head's q and k before rotary
+(q_norm, k_norm: one weight of a head's width, shared by every head; replicated on every tp rank, its gradient
+summed over tp since each rank holds other heads), a head width of its own (head_dim, 128 in every published
+size), no q/k/v biases."""
+from __future__ import annotations
+
+from .llama import LLAMA_KEYS, LlamaHF
+from .qwen2 import _full_attention_only
+from .spec import FamilySpec, Features, meta_ffn
+
+
+class Qwen3HF(LlamaHF):
+    model_type, config_class, name = "qwen3", "Qwen3Config", "qwen3"
+    architectures = ("Qwen3ForCausalLM", "Qwen3Model")
+    ONLY_AT = {"use_sliding_window": (False,), "attention_bias": (False,)}
+    HARMLESS = ("sliding_window", "max_window_layers")
+    head_dim_default = 128  # Qwen3Config's
+
+    def own_keys(self):
+        return ("layer_types",)
+
+    def own_model(self, hf, where):
+        return _full_attention_only(hf, where)
+
+    def own_config(self, m):
+        return {"attention_bias": False, "use_sliding_window": False, "sliding_window": None,
+                "max_window_layers": m["n_layer"]}
+
+
+SPEC = FamilySpec(
+    name="qwen3", about="Qwen3: a Llama with per-head q/k RMSNorm before rotary and its own head width",
+    features=Features(qk_norm=True, head_size=True), keys=LLAMA_KEYS, defaults={"tie_embeddings": False},
+    ffn_size=meta_ffn, hf=Qwen3HF())
