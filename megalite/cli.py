@@ -15,7 +15,7 @@ import os
 import sys
 import traceback
 
-from . import __version__
+from . import __version__, models
 from .base.errors import USER_ERRORS, is_shared, one_line
 
 EPILOGS = {
@@ -421,9 +421,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--dp-shard", type=int, default=0, help="plan --memory: hybrid sharding group (0: all dp)")
     p.add_argument("--micro-batch", type=int, default=1, help="plan --memory: sequences per micro-batch")
     p.add_argument("--microbatches", type=int, default=0, help="plan --memory: micro-batches per step (4 x pp)")
-    p.add_argument("--arch", choices=["gpt2", "llama"], default="gpt2", help="plan --memory: the model family")
-    p.add_argument("--n-kv-head", type=int, default=0, help="plan --memory, llama: key/value heads")
-    p.add_argument("--intermediate-size", type=int, default=0, help="plan --memory, llama: SwiGLU width")
+    p.add_argument("--arch", choices=sorted(models.FAMILIES), default=models.DEFAULT,
+                   help="plan --memory: the model family")
+    p.add_argument("--n-kv-head", type=int, default=0, help="plan --memory: key/value heads (0: n_head)")
+    p.add_argument("--intermediate-size", type=int, default=0, help="plan --memory: gated MLP width (0: the "
+                                                                       "family's default)")
     p.add_argument("--reshard-to", default=None, metavar="TP,PP,DP[,CP]",
                    help="plan: what each rank of this layout reads to resume the last layout's checkpoint")
     p.add_argument("--rounds", type=int, default=None,

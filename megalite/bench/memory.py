@@ -9,7 +9,7 @@ parameter count formula: what a rank holds between steps (fp32, 4 bytes an eleme
     optimizer    AdamW's two moments: of the valid elements (0), of ZeRO-1's flat range (1), of chunk r (2, 3)
     gathered     zero 3: the largest unit (a block, or the rest of the stage) gathered whole in a step
     activations  saved for backward per micro-batch and layer by Korthikanti et al.'s count as
-                 docs/parallelism.md tables it for GPT-2 (Llama: the same count, an approximation), times the
+                 docs/parallelism.md tables it for GPT-2 (other families: the same count, an approximation), times the
                  layers of the stage and the micro-batches 1F1B keeps in flight there, min(pp - stage, m)
 
 and the bytes its collectives carry per training step (each collective counted by the tensor it receives:
@@ -132,9 +132,11 @@ def bench_memory_cli(args, log=print) -> list:
     vocab = args.vocab_size or 50304
     dps = _ints(args.dp, "--dp")
     check_shape(n_layer, n_embd, args.n_head, vocab, block, args.tp, args.pp, args.vpp, cp=args.cp)
+    from .. import models
     model = {"n_layer": n_layer, "n_embd": n_embd, "n_head": args.n_head, "vocab_size": vocab,
              "block_size": block, "arch": args.arch, "n_kv_head": args.n_kv_head,
-             "intermediate_size": args.intermediate_size, "tie_embeddings": args.arch != "llama"}
+             "intermediate_size": args.intermediate_size}
+    model.update({k: v for k, v in models.spec(args.arch).defaults.items() if k not in model})  # the family's
     rows = []
     for dp in dps:
         layout = Layout(args.tp, args.pp, dp, getattr(args, "cp", 1))
