@@ -205,24 +205,9 @@ def test_zero_3_equals_pytorch_fsdp2_on_gloo(tmp_path):
 TABLE = [(1, 4, 1), (1, 2, 2), (1, 1, 4), (2, 2, 1), (2, 1, 2)]  # (tp, pp, dp) on 4 ranks
 
 
-def held_bytes(tr) -> dict:
-    """Bytes of the distinct tensor storages a Trainer holds between steps: weights (zero 3: the chunks),
-    gradient buffers or chunks, AdamW moments."""
-    def total(tensors):
-        seen = {}
-        for t in tensors:
-            st = t.untyped_storage()
-            seen[st.data_ptr()] = st.nbytes()
-        return sum(seen.values())
-    weights = [p.data for _, p in tr.params] + list(getattr(tr.grads, "weights", {}).values())
-    grads = getattr(tr.grads, "buffers", None) or list(tr.grads.grads.values())
-    moments = list(tr.optimizer.exp_avg.values()) + list(tr.optimizer.exp_avg_sq.values())
-    return {"params": total(weights), "grads": total(grads), "optimizer": total(moments)}
-
-
 def _memory_table(rank, world_size, tmp_dir, tokens):
     from datetime import timedelta
-    from megalite.bench.memory import predict
+    from megalite.bench.memory import held_bytes, predict
     from megalite.config import num_microbatches
     from megalite.parallel.grid import Layout, ParallelGrid
     from megalite.run.train import build, train_step

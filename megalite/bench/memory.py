@@ -28,7 +28,11 @@ zero 0..3 x tp 1/2 and compares them with these counts (within 1%).
 """
 from __future__ import annotations
 
+import json
 import math
+import os
+import statistics
+import time
 from collections import defaultdict
 
 from ..parallel.data import dp_pieces, flat_spaces
@@ -148,3 +152,78 @@ def bench_memory_cli(args, log=print) -> list:
         f"per step, sp on when tp > 1; sent/step = bytes its dp x cp collectives carry per step")
     log(table(HEADERS, rows))
     return rows
+
+
+# ---------------------------------------------------------------- measured: `bench train`'s ZeRO table
+def held_bytes(tr) -> dict:
+    """Bytes of the distinct tensor storages a Trainer holds between steps: weights (zero 3: the chunks),
+    gradient buffers (or chunks) and AdamW moments: what `predict` counts (tensor bytes, not RSS)."""
+    def total(tensors):
+        seen = {}
+        for t in tensors:
+            st = t.untyped_storage()
+            seen[st.data_ptr()] = st.nbytes()
+        return sum(seen.values())
+    weights = [p.data for _, p in tr.params] + list(getattr(tr.grads, "weights", {}).values())
+    grads = getattr(tr.grads, "buffers", None) or list(tr.grads.grads.values())
+    moments = list(tr.optimizer.exp_avg.values()) + list(tr.optimizer.exp_avg_sq.values())
+    return {"params": total(weights), "grads": total(grads), "optimizer": total(moments)}
+
+
+def sent_bytes(tr) -> int:
+    """Bytes handed to the gradient and optimizer collectives so far (GradBuffer/ShardedState/ShardedAdamW)."""
+    return sum(tr.grads.sent.values()) + sum(tr.optimizer.sent.values())
+
+
+def _zero_worker(rank: int, world: int, tmp: str, o: dict) -> None:
+    import torch
+    from ..config import Config, num_microbatches
+    from ..parallel.grid import Layout, ParallelGrid
+    from ..run.train import build, train_step
+    grid = ParallelGrid.create(Layout(1, 1, world))
+    rows = []
+    for zero in range(4):
+        cfg = Config.from_dict({"model": o["model"], "parallel": {"dp": world, "zero": zero},
+                                "train": {"global_batch_size": o["batch"], "micro_batch_size": o["micro"],
+                                          "steps": 1000, "warmup_steps": 10, "eval_batches": 1,
+                                          "out_dir": o["work"]}, "data": {"path": o["data"]}})
+        tr = build(cfg, grid, torch.device("cpu"))
+        train_step(tr)  # warm-up
+        sent0, times = sent_bytes(tr), []
+        for _ in range(o["steps"]):
+            t0 = time.perf_counter()
+            train_step(tr)
+            times.append(time.perf_counter() - t0)
+        plan = predict(o["model"], grid.layout, grid.coord, zero, num_microbatches(cfg))
+        rows.append({"zero": zero, "times": times, "held": sum(held_bytes(tr).values()),
+                     "plan": plan["params"] + plan["grads"] + plan["optimizer"],
+                     "sent": (sent_bytes(tr) - sent0) / o["steps"], "plan_sent": sum(plan["comm"].values())})
+    with open(os.path.join(tmp, f"zero-{world}-{rank}.json"), "w") as f:
+        json.dump(rows, f)
+
+
+def bench_zero(o: dict, nproc: int, log=print) -> list:
+    """Table 11 of `bench train`: step time and rank 0's bytes at zero 0..3 x dp 2 and nproc (pure dp),
+    measured beside `predict`'s count."""
+    from ..testing import run_parallel
+    from . import StreamTable
+    dps = sorted({2, nproc})
+    log(f"\n11. ZeRO levels at dp {' and '.join(map(str, dps))} (tp = pp = 1): ms/step (median over steps of the "
+        f"slowest rank); "
+        f"rank 0's weights + grads + AdamW bytes held between steps and bytes its collectives carry per step, "
+        f"measured (tensor storages; counted at each collective) beside `bench plan --memory`'s count")
+    t = StreamTable(["dp", "zero", "ms/step", "held KiB", "plan KiB", "sent KiB/step", "plan KiB/step"],
+                    [2, 4, 7, 8, 8, 13, 13], log=log)
+    out = []
+    for dp in dps:
+        run_parallel(_zero_worker, dp, tmp_dir=o["work"], args=(o,))
+        ranks = []
+        for r in range(dp):
+            with open(os.path.join(o["work"], f"zero-{dp}-{r}.json")) as f:
+                ranks.append(json.load(f))
+        for i, row in enumerate(ranks[0]):
+            step = statistics.median(max(rk[i]["times"][k] for rk in ranks) for k in range(len(row["times"])))
+            out.append({"dp": dp, **{k: v for k, v in row.items() if k != "times"}, "ms_per_step": step * 1000})
+            t.row([dp, row["zero"], f"{step * 1000:.1f}", f"{row['held'] / 1024:.1f}", f"{row['plan'] / 1024:.1f}",
+                   f"{row['sent'] / 1024:.1f}", f"{row['plan_sent'] / 1024:.1f}"])
+    return out
