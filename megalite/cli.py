@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import functools
+import math
 import os
 import sys
 import traceback
@@ -165,7 +166,7 @@ def _cmd_convert(args, rest) -> int:
 def _cmd_split(args, rest) -> int:
     from .convert import split
     out = split(args.model, args.out, args.tp, args.pp, args.dp, zero1=args.zero1 == "on", step=args.step,
-                force=args.force, quiet=args.quiet, cp=args.cp)
+                force=args.force, quiet=args.quiet, cp=args.cp, check=args.check)
     if not args.quiet:
         print(f"split: wrote {out}")
     return 0
@@ -218,7 +219,7 @@ def _cmd_bench(args, rest) -> int:
             from .bench.dcp import TOOLS, bench_dcp
             run = lambda mb: bench_dcp(size_mb=mb, repeats=args.repeats, dir=args.dir)  # noqa: E731
             pairs, fit, default = [TOOLS], [TOOLS[0]], 300
-        sizes = _sizes(args.sizes) if args.sizes else [args.size_mb or default]
+        sizes = _sizes(args.sizes) if args.sizes else [default if args.size_mb is None else args.size_mb]
         runs = {mb: run(mb) for mb in sizes}
         if len(sizes) > 1:
             print("\n" + "\n".join(scaling_lines(runs, pairs, fit)), flush=True)
@@ -227,18 +228,24 @@ def _cmd_bench(args, rest) -> int:
         bench_memory_cli(args)
     elif args.what == "plan":
         from .bench.plan import bench_plan_cli
-        args.vocab_size = args.vocab_size or 50304
+        args.vocab_size = 50304 if args.vocab_size is None else args.vocab_size
         bench_plan_cli(args)
     elif args.what == "prepare":
         from .bench.prepare import bench_prepare
-        bench_prepare(size_mb=args.size_mb or 32, vocab_size=args.vocab_size or 4096, tokenizer=args.tokenizer,
-                      rounds=args.rounds or 3, dir=args.dir)
+        bench_prepare(size_mb=_given(args.size_mb, 32), vocab_size=_given(args.vocab_size, 4096),
+                      tokenizer=args.tokenizer, rounds=_given(args.rounds, 3), dir=args.dir)
     else:
         from .bench.train import bench_train
-        bench_train(steps=args.steps, nproc=args.nproc, n_embd=args.n_embd or 128, n_layer=args.n_layer or 4,
-                    block_size=args.block_size or 128, rounds=args.rounds or 2, wait_ms=args.bubble_wait_ms,
-                    cp_seq=args.cp_seq, pairs=args.pairs, llama_only=args.llama_only)
+        bench_train(steps=args.steps, nproc=args.nproc, n_embd=_given(args.n_embd, 128),
+                    n_layer=_given(args.n_layer, 4), block_size=_given(args.block_size, 128),
+                    rounds=_given(args.rounds, 2), wait_ms=args.bubble_wait_ms,
+                    cp_seq=args.cp_seq, pairs=args.pairs, llama_only=args.llama_only,
+                    families=args.families)
     return 0
+
+
+def _given(v, default):
+    return default if v is None else v
 
 
 def _config_fields() -> str:
@@ -354,12 +361,16 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--force", action="store_true", help="replace --out if it exists")
     p.add_argument("--quiet", action="store_true")
 
-    p = add("split", "cut one model file (megalite or HF GPT-2 folder) into a checkpoint at a layout "
-                     "(fresh optimizer state)", _cmd_split)
+    p = add("split", "cut one model (a megalite file, a transformers folder of any family, a Megatron-LM "
+                     "checkpoint) into a checkpoint at a layout (fresh optimizer state)", _cmd_split)
     p.add_argument("model")
     _layout_flags(p)
     p.add_argument("--zero1", choices=["on", "off"], default="off")
     p.add_argument("--step", type=int, default=0, help="the step the checkpoint says it is at")
+    p.add_argument("--check", action=argparse.BooleanOptionalAction, default=None,
+                   help="from another trainer or transformers: megalite's model on the source's tensors against "
+                        "the source's own forward on fixed prompts, before anything is written (default: on "
+                        "where transformers is installed)")
 
     p = add("reshard", "move a full training checkpoint (model, optimizer, step, data position) to a new "
                        "layout", _cmd_reshard)
@@ -390,29 +401,30 @@ def build_parser() -> argparse.ArgumentParser:
                      "megalite convert vs dcp_to_torch_save), `bench prepare` (prepare vs the tokenizers "
                      "library's encode_batch)", _cmd_bench)
     p.add_argument("what", choices=["ckpt", "train", "plan", "dcp", "prepare"])
-    p.add_argument("--size-mb", type=float, default=None,
+    p.add_argument("--size-mb", type=_positive(float), default=None,
                    help="ckpt: model + optimizer bytes over all ranks (1024); dcp: the DCP checkpoint's size "
                         "(300); prepare: corpus size (32)")
     p.add_argument("--sizes", default=None,
                    help="ckpt, dcp: several sizes in MiB (e.g. 128,512,1024), one whole run each, then a scaling "
                         "table: s/GiB per operation and size, megalite / peer, a fixed + per-GiB fit")
-    p.add_argument("--world", type=int, default=4, help="ckpt: gloo processes")
-    p.add_argument("--repeats", type=int, default=3, help="ckpt: repetitions of each measurement")
+    p.add_argument("--world", type=_positive(int), default=4, help="ckpt: gloo processes")
+    p.add_argument("--repeats", type=_positive(int), default=3, help="ckpt: repetitions of each measurement")
     p.add_argument("--dir", default=None, help="ckpt: folder to write in (default: the temp folder)")
-    p.add_argument("--steps", type=int, default=10, help="train: timed steps per measurement")
-    p.add_argument("--nproc", type=int, default=4, help="train: processes for the layout table")
-    p.add_argument("--n-embd", type=int, default=None, help="model width (train: 128, plan: 12288)")
-    p.add_argument("--n-layer", type=int, default=None, help="model depth (train: 4, plan: 96)")
-    p.add_argument("--block-size", type=int, default=None, help="sequence length (train: 128, plan: 2048)")
-    p.add_argument("--n-head", type=int, default=96, help="plan: attention heads")
-    p.add_argument("--vocab-size", type=int, default=None, help="plan: vocabulary (50304); prepare: the BPE "
+    p.add_argument("--steps", type=_positive(int), default=10, help="train: timed steps per measurement")
+    p.add_argument("--nproc", type=_positive(int), default=4, help="train: processes for the layout table")
+    p.add_argument("--n-embd", type=_positive(int), default=None, help="model width (train: 128, plan: 12288)")
+    p.add_argument("--n-layer", type=_positive(int), default=None, help="model depth (train: 4, plan: 96)")
+    p.add_argument("--block-size", type=_positive(int), default=None, help="sequence length (train: 128, plan: 2048)")
+    p.add_argument("--n-head", type=_positive(int), default=96, help="plan: attention heads")
+    p.add_argument("--vocab-size", type=_positive(int), default=None, help="plan: vocabulary (50304); prepare: the BPE "
                                                                  "trained for it (4096)")
     p.add_argument("--tokenizer", default=None, help="prepare: a tokenizer to use instead of training one")
-    p.add_argument("--tp", type=int, default=8, help="plan: tensor-parallel size")
-    p.add_argument("--pp", type=int, default=16, help="plan: pipeline stages")
+    p.add_argument("--tp", type=_positive(int), default=8, help="plan: tensor-parallel size")
+    p.add_argument("--pp", type=_positive(int), default=16, help="plan: pipeline stages")
     p.add_argument("--dp", default="8,32,128", help="plan: data-parallel sizes, comma-separated (one line each)")
-    p.add_argument("--cp", type=int, default=1, help="plan: context-parallel size (ranks = tp x cp x pp x dp)")
-    p.add_argument("--vpp", type=int, default=1, help="plan: virtual (interleaved) stages per pipeline rank")
+    p.add_argument("--cp", type=_positive(int), default=1,
+                   help="plan: context-parallel size (ranks = tp x cp x pp x dp)")
+    p.add_argument("--vpp", type=_positive(int), default=1, help="plan: virtual (interleaved) stages per pipeline rank")
     p.add_argument("--zero1", action="store_true", help="plan: ZeRO-1 optimizer-state shards")
     p.add_argument("--memory", action="store_true",
                    help="plan: each rank's bytes of weights, gradients, AdamW moments, the largest gathered block, "
@@ -428,21 +440,40 @@ def build_parser() -> argparse.ArgumentParser:
                                                                        "family's default)")
     p.add_argument("--reshard-to", default=None, metavar="TP,PP,DP[,CP]",
                    help="plan: what each rank of this layout reads to resume the last layout's checkpoint")
-    p.add_argument("--rounds", type=int, default=None,
+    p.add_argument("--rounds", type=_positive(int), default=None,
                    help="train: alternating runs of each feature table's settings (2); prepare: of each (3)")
-    p.add_argument("--pairs", type=int, default=5, help="train: table 1's megalite/plain pairs of fresh processes")
-    p.add_argument("--cp-seq", type=int, default=None,
+    p.add_argument("--pairs", type=_positive(int), default=5,
+                   help="train: table 1's megalite/plain pairs of fresh processes")
+    p.add_argument("--cp-seq", type=_positive(int), default=None,
                    help="train: sequence length of the context-parallel table (default: 8 x --block-size)")
     p.add_argument("--llama-only", action="store_true",
                    help="train: only the Llama tables (9: vs transformers' LlamaForCausalLM, 10: a block's "
                         "saved bytes per rank)")
-    p.add_argument("--bubble-wait-ms", type=float, default=None,
+    p.add_argument("--families", action="store_true",
+                   help="train: table 9 also for every other SwiGLU family (qwen2, qwen3, mistral) against its "
+                        "own transformers class")
+    p.add_argument("--bubble-wait-ms", type=_positive(float), default=None,
                    help="train: t_f of the bubble table's wait rows (default: the model's, at least 40 ms)")
 
     p = add("verify", "check every file's size and checksum, every coordinate, and that slices tile each "
                       "tensor; one line per problem, exit 1 if any", _cmd_verify)
     p.add_argument("ckpt", help="a step folder, or a checkpoint root (the step `latest` names)")
     return ap
+
+
+def _positive(kind):
+    """argparse's type for a number that must be > 0 (0 is a value, refused like -1; never read as "not given")."""
+    def parse(text: str):
+        try:
+            v = kind(text)
+        except ValueError:
+            v = None
+        if v is None or not math.isfinite(v) or v <= 0:
+            raise argparse.ArgumentTypeError(f"expected a positive {'integer' if kind is int else 'number'}, "
+                                             f"got {text!r}")
+        return v
+    parse.__name__ = f"positive {kind.__name__}"
+    return parse
 
 
 def _layout_flags(p) -> None:

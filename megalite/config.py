@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from .base.errors import ConfigError, LayoutError
-from .base.limits import MAX_COUNT, MAX_SIZE  # noqa: F401 (re-exported: config.MAX_COUNT is read elsewhere)
+from .base.limits import MAX_COUNT, MAX_INT, MAX_SIZE, describe, finite  # noqa: F401 (MAX_COUNT: read elsewhere)
 from .base.fs import path_kind
 from . import models
 from .parallel.grid import Layout
@@ -247,10 +247,13 @@ def _coerce(value, typ, dotted: str, source: str, from_text: bool = False):
             return want(text)
         except ValueError:
             raise ConfigError(f"{source}: {dotted} = {value!r} is not a valid {typ}") from None
+    if want in (int, float) and type(value) is int and abs(value) > MAX_INT:  # 10**400 is no float, no int64
+        raise ConfigError(f"{source}: {dotted} = {describe(value)}, expected {'an int' if want is int else 'a float'} "
+                          f"of at most {MAX_INT:.3g} in size")
     if want is float and isinstance(value, int) and not isinstance(value, bool):
         return float(value)
     if type(value) is not want:
-        raise ConfigError(f"{source}: {dotted} = {value!r} has type {type(value).__name__}, expected {typ}")
+        raise ConfigError(f"{source}: {dotted} = {describe(value)} has type {type(value).__name__}, expected {typ}")
     return value
 
 
@@ -362,10 +365,9 @@ def check_rope_scaling(rs: dict, where: str = "") -> None:
         v = rs.get(key)
         if key not in need and (v is None or key == "truncate"):
             if key == "truncate" and v is not None and not isinstance(v, bool):
-                raise ConfigError(f"{where}model.rope_scaling.truncate = {v!r}: expected true or false")
+                raise ConfigError(f"{where}model.rope_scaling.truncate = {describe(v)}: expected true or false")
             continue
-        if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or v <= 0:
-            raise ConfigError(f"{where}model.rope_scaling.{key} = {v!r}: expected a positive number")
+        finite(v, f"{where}model.rope_scaling.{key}", ConfigError, positive=True)
     if kind == "llama3" and not rs["high_freq_factor"] > rs["low_freq_factor"]:
         raise ConfigError(f"{where}model.rope_scaling.high_freq_factor = {rs['high_freq_factor']}: must be larger "
                           f"than low_freq_factor = {rs['low_freq_factor']}")

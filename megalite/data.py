@@ -608,10 +608,6 @@ class BatchSampler:
         self.dp_rank, self.dp_size, self.seed = dp_rank, dp_size, seed
         self.batch_index = 0
 
-    @property
-    def local_batch_size(self) -> int:
-        return self.global_batch_size // self.dp_size
-
     def batch_at(self, k: int) -> tuple[torch.Tensor, torch.Tensor]:
         """This rank's rows of batch ``k``, without moving the counter."""
         rng = np.random.Generator(np.random.PCG64([self.seed, k]))

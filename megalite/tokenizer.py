@@ -162,10 +162,6 @@ def byte_tokenizer() -> Tokenizer:
     return Tokenizer(build_byte_tokenizer(), BYTE)
 
 
-def sha256_text(text: str) -> str:
-    return hashlib.sha256(text.encode("utf-8")).hexdigest()
-
-
 # ---------------------------------------------------------------- loading
 def check_ids(ids, where: str) -> int:
     """The largest of a vocabulary's `ids`, which must lie within limits.HOLES x their count (+ SLACK): per-id

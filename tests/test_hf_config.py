@@ -161,3 +161,26 @@ def test_convert_config_flag_reads_config_json_as_the_import_does(tmp_path):
         p.write_text(json.dumps({**base, **bad}))
         with pytest.raises(ConvertError, match=pattern):
             hn.merge_config(hn.Hints(), p)
+
+
+def test_split_of_a_transformers_folder_runs_the_self_check(tmp_path, saved, monkeypatch, capsys):
+    """split checks megalite's model on the folder's tensors against transformers' own forward before writing,
+    as convert does; a planted misreading (gate and up swapped) is refused and nothing is written."""
+    from megalite.models.llama import LlamaHF
+    folder, _ = saved
+    split(folder, tmp_path / "ok", 2, 1, 1)
+    assert "check: megalite's model on the source's tensors" in capsys.readouterr().err
+    real = LlamaHF.from_hf
+
+    def swapped(self, name, t, tied=True):
+        swap = {"mlp.gate_proj.weight": "mlp.up_proj.weight", "mlp.up_proj.weight": "mlp.gate_proj.weight"}
+        for a, b in swap.items():
+            if name.endswith(a):
+                return real(self, name[:-len(a)] + b, t, tied)
+        return real(self, name, t, tied)
+    monkeypatch.setattr(LlamaHF, "from_hf", swapped)
+    with pytest.raises(ConvertError, match=r"--check: megalite's model on the source's tensors: the result's "
+                                           r"logits differ"):
+        split(folder, tmp_path / "bad", 2, 1, 1)
+    assert not (tmp_path / "bad").exists()
+    split(folder, tmp_path / "unchecked", 2, 1, 1, check=False, quiet=True)  # --no-check: written as read

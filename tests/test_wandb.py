@@ -3,6 +3,7 @@ LevelDB-style log of W&B's protobuf records, read here with wandb's own protobuf
 numbers at their steps; a missing package or a missing login is one line, before anything is written."""
 import glob
 import json
+import os
 import struct
 import sys
 
@@ -42,11 +43,24 @@ def wandb_history(run_file: str) -> list:
 
 
 def test_wandb_offline_run_holds_metrics_jsonl(tiny_config, tmp_path, monkeypatch):
+    """... and writes nothing outside the run's folder: with a fresh HOME and no XDG folders, HOME stays empty;
+    the debug logs wandb-core and its monitor write (~/.cache/wandb/logs/core-debug-*.log before) are in
+    <out_dir>/wandb/cache, and the process's environment is as it was after."""
     pytest.importorskip("wandb")
+    home = tmp_path / "home"
+    home.mkdir()
+    for var in ("XDG_CACHE_HOME", "XDG_DATA_HOME", "XDG_CONFIG_HOME", "WANDB_CACHE_DIR", "WANDB_DATA_DIR",
+                "WANDB_ARTIFACT_DIR", "WANDB_DIR", "WANDB_CONFIG_DIR"):
+        monkeypatch.delenv(var, raising=False)
+    monkeypatch.setenv("HOME", str(home))
     monkeypatch.setenv("WANDB_MODE", "offline")
     monkeypatch.setenv("WANDB_SILENT", "true")
+    monkeypatch.chdir(tmp_path)  # W&B's ./artifacts default, were it used
     cfg = tiny_config(**{"train.wandb": True, "train.steps": 4, "train.eval_interval": 2, "checkpoint.dir": ""})
     H.train_in_process(cfg)
+    assert sorted(str(p.relative_to(home)) for p in home.rglob("*")) == [], "W&B wrote outside the run's folder"
+    assert list((tmp_path / "run" / "wandb" / "cache").rglob("core-debug-*.log")), "W&B's debug log is elsewhere"
+    assert "WANDB_CACHE_DIR" not in os.environ
     (run_file,) = glob.glob(str(tmp_path / "run" / "wandb" / "offline-run-*" / "run-*.wandb"))
     history = wandb_history(run_file)
     rows = metrics.read(tmp_path / "run")

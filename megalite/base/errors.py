@@ -9,6 +9,7 @@
       MetricsError                 a metrics.jsonl file
       NonFiniteError               a NaN/inf loss or gradient norm (train.on_nonfinite = "stop"; always shared)
       StartupError                 another rank's start-up error, raised here too (or ranks that disagree)
+      PeerLostError                another rank died while this one talked to it (a collective on a closed socket)
       UnsafeFileError              a file megalite manages is a symlink, a special file or shared by hard links
                                    (also an OSError: code that handles a failed open handles this too)
 
@@ -72,6 +73,11 @@ class NonFiniteError(MegaliteError, RuntimeError):
 class StartupError(MegaliteError, RuntimeError):
     """Another rank's start-up error, raised here too so that every rank stops alike."""
     shared_by_default = True
+
+
+class PeerLostError(MegaliteError, RuntimeError):
+    """Another rank of the job died (killed, crashed) while this one talked to it: this rank's collective failed
+    on a closed connection. One line; the dead rank's own line, or the launcher's summary, names the cause."""
 
 
 class UnsafeFileError(MegaliteError, OSError):

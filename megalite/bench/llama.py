@@ -29,25 +29,32 @@ from . import SavedBytes, StreamTable
 LLAMA = models.llama.SPEC.name
 
 
-def llama_model(o: dict) -> dict:
-    """The bench's GPT dims as a Llama: half as many kv heads as heads (GQA), SwiGLU at Llama's own rule."""
-    return {**o["model"], "arch": LLAMA, "n_kv_head": max(1, o["model"]["n_head"] // 2), "tie_embeddings": False}
+def llama_model(o: dict, arch: str = LLAMA) -> dict:
+    """The bench's GPT dims as a Llama-shaped family: half as many kv heads as heads (GQA), SwiGLU at Llama's own
+    rule; a family with a sliding window sees half the block."""
+    m = {**o["model"], "arch": arch, "n_kv_head": max(1, o["model"]["n_head"] // 2), "tie_embeddings": False}
+    if models.spec(arch).features.sliding_window:
+        m["sliding_window"] = o["model"]["block_size"] // 2
+    return m
 
 
 def _transformers_step(cfg):
-    """A training step of transformers' LlamaForCausalLM with the config's dims and recipe (torch AdamW, clipping,
-    megalite's batches and schedule)."""
+    """A training step of the family's transformers class (LlamaForCausalLM, Qwen2ForCausalLM, ...) with the
+    config's dims and recipe (torch AdamW, clipping, megalite's batches and schedule)."""
+    import dataclasses
     import transformers
     from ..config import num_microbatches
+    from ..convert.family import family_of
     from ..data import BatchSampler, TokenDataset
     from ..run.schedule import lr_at
     m, t, n_micro = cfg.model, cfg.train, num_microbatches(cfg)
     torch.manual_seed(t.seed)
-    model = transformers.LlamaForCausalLM(transformers.LlamaConfig(
-        vocab_size=m.vocab_size, hidden_size=m.n_embd, intermediate_size=m.ffn_size, num_hidden_layers=m.n_layer,
-        num_attention_heads=m.n_head, num_key_value_heads=m.kv_heads, max_position_embeddings=m.block_size,
-        rms_norm_eps=m.layer_norm_eps, rope_theta=m.rope_theta, tie_word_embeddings=m.tie_embeddings,
-        attn_implementation="sdpa", bos_token_id=None, eos_token_id=None, pad_token_id=None)).train()
+    hf = family_of(dataclasses.asdict(m)).hf_config(dataclasses.asdict(m))
+    hf.pop("architectures"), hf.pop("torch_dtype")
+    hf.update(bos_token_id=None, eos_token_id=None, pad_token_id=None)
+    config = transformers.AutoConfig.for_model(**hf)
+    config._attn_implementation = "sdpa"
+    model = transformers.AutoModelForCausalLM.from_config(config).train()
     groups = [{"params": [p for p in model.parameters() if p.dim() >= 2], "weight_decay": t.weight_decay},
               {"params": [p for p in model.parameters() if p.dim() < 2], "weight_decay": 0.0}]
     opt = torch.optim.AdamW(groups, lr=t.lr, betas=(t.beta1, t.beta2), eps=1e-8)
@@ -69,14 +76,16 @@ def _transformers_step(cfg):
     return step
 
 
-def vs_transformers(o: dict, pairs: int, run_single, log=print) -> list:
-    """Table 9 (see the module docstring); run_single(kind, raw, steps) runs one in a fresh interpreter."""
+def vs_transformers(o: dict, pairs: int, run_single, log=print, arch: str = LLAMA) -> list:
+    """Table 9 (see the module docstring), for family `arch`; run_single(kind, raw, steps) runs one in a fresh
+    interpreter."""
     tokens = o["batch"] * o["model"]["block_size"]
-    raw = {"model": llama_model(o), "parallel": {"tp": 1, "pp": 1, "dp": 1},  # as table 1's (1,1,1) runs
+    cls = models.spec(arch).hf.architecture
+    raw = {"model": llama_model(o, arch), "parallel": {"tp": 1, "pp": 1, "dp": 1},  # as table 1's (1,1,1) runs
            "train": {"global_batch_size": o["batch"], "micro_batch_size": o["micro"], "steps": 1000,
                      "warmup_steps": 10, "eval_batches": 1, "out_dir": o["work"]}, "data": {"path": o["data"]}}
-    log(f"\n9. Llama (model.arch = llama, {raw['model']['n_kv_head']} kv heads of {o['model']['n_head']}): megalite "
-        f"(1,1,1) vs transformers' LlamaForCausalLM (same dims and batch, eager, SDPA, torch.optim.AdamW), {pairs} "
+    log(f"\n9. {cls} (model.arch = {arch}, {raw['model']['n_kv_head']} kv heads of {o['model']['n_head']}): "
+        f"megalite (1,1,1) vs transformers' {cls} (same dims and batch, eager, SDPA, torch.optim.AdamW), {pairs} "
         f"pairs of fresh processes, the order alternating; ratio = megalite / transformers tokens/s within a pair")
     runs = {"transformers": [], "megalite": []}
     t = StreamTable(["pair", "transformers ms/step", "megalite ms/step", "ratio"], [4, 20, 16, 5], log=log)
@@ -90,11 +99,11 @@ def vs_transformers(o: dict, pairs: int, run_single, log=print) -> list:
     rows = []
     for kind in runs:
         med = statistics.median(x for r in runs[kind] for x in r["times"])
-        rows.append({"model": f"llama-{kind}", "tokens_per_s": tokens / med, "ms_per_step": med * 1000,
+        rows.append({"model": f"{arch}-{kind}", "tokens_per_s": tokens / med, "ms_per_step": med * 1000,
                      "peak_rss_mib": max(r["maxrss_mib"] for r in runs[kind])})
     rows[1].update(vs_transformers=statistics.median(ratios), vs_transformers_range=(min(ratios), max(ratios)),
                    pairs=ratios)
-    log(f"megalite / transformers tokens/s (Llama): {statistics.median(ratios):.3f} (median of {pairs} pairs; range "
+    log(f"megalite / transformers tokens/s ({arch.capitalize()}): {statistics.median(ratios):.3f} (median of {pairs} pairs; range "
         f"{min(ratios):.3f}-{max(ratios):.3f})")
     return rows
 
@@ -170,4 +179,7 @@ def block_activations(o: dict, world: int, seq: int, log=print) -> list:
 
 def bench_llama(o: dict, nproc: int, pairs: int, run_single, seq: int, log=print) -> dict:
     return {LLAMA: vs_transformers(o, pairs, run_single, log),
+            "families": [r for arch in models.FAMILIES if o.get("families") and arch != LLAMA and
+                         models.spec(arch).features.mlp == "swiglu" for r in vs_transformers(o, pairs, run_single, log,
+                                                                                              arch)],
             "llama_block": block_activations(o, nproc, seq, log)}

@@ -234,7 +234,7 @@ def bench_train(steps: int = 10, nproc: int = 4, n_embd: int = 128, n_layer: int
                 block_size: int = 128, batch: int = 16, micro: int = 4, ms=(2, 4, 8), rounds: int = 2,
                 pairs: int = 5,
                 wait_ms: Optional[float] = None, workdir: Optional[str] = None, log=print,
-                cp_seq: Optional[int] = None, llama_only: bool = False) -> dict:
+                cp_seq: Optional[int] = None, llama_only: bool = False, families: bool = False) -> dict:
     """Run the benchmarks; print each table (via `log`) row by row as it is measured; return them as lists
     of dicts. wait_ms: t_f of the bubble table's wait rows (default: calibrated to the model); cp_seq: the
     sequence length of the context-parallel table (default 8 x block_size); pairs: table 1's
@@ -252,7 +252,7 @@ def bench_train(steps: int = 10, nproc: int = 4, n_embd: int = 128, n_layer: int
         data = os.path.join(work, "tok.bin")
         prepare(default_corpus_files(max_bytes=300_000), data, log=lambda *a: None)
         o = {"model": model, "data": data, "work": work, "steps": steps, "micro": micro, "batch": batch,
-             "ms": list(ms), "bubble": True, "layouts": [], "wait_ms": wait_ms}
+             "ms": list(ms), "bubble": True, "layouts": [], "wait_ms": wait_ms, "families": families}
         if llama_only:
             return bench_llama(o, nproc, pairs, _run_single, cp_seq or 8 * block_size, log=log)
         out["single"] = vs_plain(o, pairs, log)

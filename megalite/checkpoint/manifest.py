@@ -214,10 +214,6 @@ class Manifest(StepMeta):
         yield from self.model.values()
         yield from self.optimizer_state.values()
 
-    def slices_of(self, rel: str) -> list:
-        """(entry, slice) for every slice stored in file `rel`."""
-        return [(e, s) for e in self.tensors() for s in e.slices if s.file == rel]
-
     # -------------------------------------------------------- JSON
     def to_json(self) -> dict:
         body = {**{k: v for k, v in self.info.items() if v is not None},

@@ -25,10 +25,23 @@ from crc32c import crc32c as _crc32c
 from ..base.jsonio import loads
 from ..base.fs import no_follow, open_read
 
+# The one dtype table of every reader and writer (checkpoints, the converter's sources and sinks): torch's
+# dtypes megalite reads and writes, by safetensors' names; a name or a dtype outside it is refused, never
+# taken for float32 (dtype_of).
 ST_DTYPES = {torch.float32: "F32", torch.bfloat16: "BF16", torch.float16: "F16", torch.float64: "F64",
              torch.int64: "I64", torch.int32: "I32", torch.int16: "I16", torch.int8: "I8", torch.uint8: "U8",
              torch.bool: "BOOL"}  # safetensors' names
 _FROM_ST = {v: k for k, v in ST_DTYPES.items()}
+
+
+def dtype_of(name, where: str, error: type) -> torch.dtype:
+    """The torch dtype a stored tensor has: `name` is safetensors' (`"BF16"`) or a torch dtype (a DCP index's);
+    one outside ST_DTYPES is `error` naming `where`."""
+    dtype = name if isinstance(name, torch.dtype) else _FROM_ST.get(name) if isinstance(name, str) else None
+    if dtype not in ST_DTYPES:
+        raise error(f"{where}: dtype {name if isinstance(name, torch.dtype) else repr(name)[:40]}, expected one "
+                    f"of {', '.join(_FROM_ST)} (the dtypes megalite reads)")
+    return dtype
 WRITABLE = ST_DTYPES  # what a StreamingWriter can write (convert/foreign.py): every dtype a checkpoint reads back
 
 

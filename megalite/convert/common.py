@@ -19,6 +19,7 @@ Each output (sink.py: one file, DCP, transformers; resharding.py: a megalite lay
 """
 from __future__ import annotations
 
+import functools
 import json
 import os
 import re
@@ -33,7 +34,7 @@ from typing import Callable, Iterable, Iterator, Optional
 import torch
 from safetensors import safe_open
 
-from ..base.fs import kind_of, output_refusal, read_all, what_is
+from ..base.fs import kind_of, open_regular, output_refusal, read_all, what_is
 from ..base.lock import held
 from ..checkpoint.manifest import FORMAT as MANIFEST_FORMAT, Manifest, entry_for
 from ..checkpoint.stream import read_metadata
@@ -118,7 +119,7 @@ class Source:
                 pieces = nxt.result()
                 nxt = pool.submit(fetch, i + 1) if i + 1 < len(names) else None
                 if dtype is not None and self.specs[name].dtype.is_floating_point:
-                    pieces = [p.to(dtype) for p in pieces]
+                    pieces = [cast(p, dtype, name) for p in pieces]
                 yield name, pieces
                 progress.step(sum(p.numel() * p.element_size() for p in pieces))
 
@@ -130,6 +131,17 @@ class Source:
         if tok is not None:  # the run's tokenizer travels with the model (generate and split read it)
             meta[TOKENIZER] = tok.json
         return meta
+
+
+def cast(t: torch.Tensor, dtype: torch.dtype, name: str) -> torch.Tensor:
+    """`t` as `dtype`; a finite value the dtype cannot hold (1e6 in fp16, whose largest is 65504) is refused
+    naming the tensor, never written as inf."""
+    out = t.to(dtype)
+    if out.is_floating_point() and out.dtype != t.dtype and int(torch.isinf(out).sum()) > int(torch.isinf(t).sum()):
+        big = t[torch.isinf(out) & torch.isfinite(t)].abs().max().item()
+        raise ConvertError(f"--dtype: tensor '{name}' holds {big:.6g}, beyond {dtype}'s largest finite value "
+                           f"{torch.finfo(dtype).max:.6g}; convert to bf16 or fp32")
+    return out
 
 
 class ForeignModel(Source):
@@ -146,8 +158,9 @@ class ForeignModel(Source):
     def model(self):
         return self.m
 
-    @property
+    @functools.cached_property
     def specs(self):
+        """Built once, on first use (asked once per tensor by a convert: rebuilt each time it was quadratic)."""
         return {n: Spec(tuple(s), self.ck.tensors[self.stored(n)].dtype) for n, s in self.shapes.items()}
 
     def read(self, name, region=None):
@@ -322,9 +335,16 @@ def parse_json(text: str, source: str):
     return loads(text, source, ConvertError, kind="json")
 
 
-def open_safetensors(path: Path):
-    """safetensors' own reader (memory-mapped) on `path`; a ConvertError if it is not a readable file."""
+def open_safetensors(path: Path, follow: bool = False):
+    """safetensors' own reader (memory-mapped) on `path`, opened the safe way first (base/fs.open_regular: a FIFO
+    or device refused at open, never waited on; a symlink refused unless `follow`, for the path the user named)
+    and read through that descriptor, so what is checked is what is read; a ConvertError if it is not a
+    readable safetensors file."""
+    fd = open_regular(path, os.O_RDONLY, follow=follow)
+    proc = f"/proc/self/fd/{fd}"
     try:
-        return safe_open(str(path), framework="pt")
+        return safe_open(proc if os.path.exists(proc) else str(path), framework="pt")
     except Exception as e:  # noqa: BLE001 - safetensors raises its own error types for a damaged file
         raise ConvertError(f"{path}: not a readable safetensors file ({e})") from None
+    finally:
+        os.close(fd)  # safe_open holds its own descriptor and map

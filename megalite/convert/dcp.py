@@ -30,6 +30,7 @@ import torch
 from ..base.fs import path_kind
 from ..base.errors import ConvertError
 from ..base import limits
+from ..checkpoint.stream import dtype_of
 from . import unpickle
 from .common import DCP_OUT, HF_FILE, HF_INDEX, Source, Spec
 
@@ -114,7 +115,7 @@ def _dtype(props, where: str) -> torch.dtype:
     dtype = state[0] if isinstance(state, tuple) and state else r.fields().get("dtype")
     if not isinstance(dtype, torch.dtype):
         raise ConvertError(f"{where}.dtype = {limits.describe(dtype)}, expected a torch dtype")
-    return dtype
+    return dtype_of(dtype, where, ConvertError)
 
 
 def read_index(folder: Path) -> tuple[dict[str, TensorInfo], list[str]]:

@@ -12,12 +12,12 @@ import torch
 from einops import EinopsError
 
 from ..base import limits
-from ..base.fs import write_new
-from ..checkpoint.stream import StreamingWriter
+from ..base.fs import read_all, write_new
+from ..checkpoint.stream import StreamingWriter, dtype_of
 from ..config import model_from
 from ..tokenizer import byte_tokenizer, carried_by, write_hf_folder
-from .common import HF_KIND, KIND, ConvertError, Progress, Source, Spec, model_partitions, open_safetensors, \
-    parse_json
+from .common import HF_KIND, KIND, ConvertError, Progress, Source, Spec, cast, model_partitions, \
+    open_safetensors, parse_json
 from .family import BY_MODEL_TYPE, Family, family_of
 
 ST_FILE, ST_INDEX = "model.safetensors", "model.safetensors.index.json"
@@ -77,16 +77,18 @@ class HFFolder(Source):
         index = p / ST_INDEX
         if not index.is_file():
             raise ConvertError(f"{p}: has neither {ST_FILE} nor {ST_INDEX} (expected the weights as safetensors)")
-        d = parse_json(index.read_bytes().decode("utf-8", errors="replace"), str(index))
+        raw = read_all(index, limits.FILE_BYTES["json"] + 1)  # a file the folder names: never through a link
+        limits.within(len(raw), "json", str(index), ConvertError)
+        d = parse_json(raw.decode("utf-8", errors="replace"), str(index))
         wm = d.get("weight_map") if isinstance(d, dict) else None
         if not isinstance(wm, dict) or not wm:
             raise ConvertError(f"{index}: field 'weight_map' is missing or empty (expected tensor name -> file)")
-        files = sorted(set(wm.values()))
-        for f in files:
+        for f in wm.values():  # every value typed before it is hashed, sorted or joined to a path
             pp = PurePosixPath(f) if isinstance(f, str) else None
             if pp is None or pp.is_absolute() or len(pp.parts) != 1 or f in ("", ".", ".."):
-                raise ConvertError(f"{index}: weight_map names file {f!r}, expected a file name inside the folder")
-        return files
+                raise ConvertError(f"{index}: weight_map names file {limits.describe(f)}, expected a file name "
+                                   f"inside the folder")
+        return sorted(set(wm.values()))
 
     def _table(self, where: Path) -> None:
         """megalite name -> transformers name, and each megalite tensor's shape, checked against the model."""
@@ -102,7 +104,7 @@ class HFFolder(Source):
                                    f"{fam.architecture} layout") from None
             if r is not None:
                 self.table[r[0]] = k
-                self.specs[r[0]] = Spec(tuple(r[1].shape), _ST.get(st, torch.float32))
+                self.specs[r[0]] = Spec(tuple(r[1].shape), dtype_of(st, f"{where}: tensor '{k}'", ConvertError))
         parts = model_partitions(m)
         extra = sorted(k for name, k in self.table.items() if name not in parts)
         if extra:
@@ -147,9 +149,6 @@ def _sizes_stored(fam: Family, hf: dict, shapes: dict, cfg_file: Path, weights: 
             got = "no such tensors" if have is None else f"{have}"
             raise ConvertError(f"{cfg_file}: {key} = {limits.describe(hf[key])}, but {weights.name} holds {got} "
                                f"({what} it); expected the sizes of the stored tensors")
-
-
-_ST = {"F32": torch.float32, "BF16": torch.bfloat16, "F16": torch.float16, "F64": torch.float64}
 
 
 def transformers_runner(folder: Path):
@@ -212,7 +211,7 @@ def write_hf(tmp: Path, src: Source, dtype: torch.dtype, progress: Progress, max
             for hf_name, ht in fam.to_hf(name, trim(name, t)):
                 w = where[hf_name]
                 assert w.specs[w.next][0] == hf_name
-                w.write(hf_name, ht.to(dtype))
+                w.write(hf_name, cast(ht, dtype, hf_name))
         for w in writers:
             w.close()
     except BaseException:

@@ -44,6 +44,9 @@ class Hints:
     block_size: Optional[int] = None
     config: Optional[str] = None  # the file the values came from, for error lines
 
+    def __post_init__(self):
+        check_choice(self)  # a flag is typed and in range before anything reads it
+
     def given(self) -> bool:
         return any(v is not None for v in (self.num_heads, self.num_kv_heads, self.rope_theta, self.norm, self.mlp,
                                            self.norm_eps, self.config))
@@ -92,18 +95,24 @@ def merge_config(h: Hints, path: Path) -> Hints:
     if out.mlp not in MLPS:
         raise ConvertError(f"--config {path}: activation {act!r}: megalite models SiLU-gated (SwiGLU) Llama MLPs "
                            f"and GeLU GPT-2 MLPs")
+    check_choice(out, f"--config {path}")
     return out
 
 
-def check_choice(h: Hints) -> None:
+def check_choice(h: Hints, where: Optional[str] = None) -> None:
+    """Every value typed and in range (0 is a value, refused like -1, never read as "not given"): a flag is named
+    as the flag, a value of a --config file as `--config FILE: field` (`where`)."""
+    name_of = (lambda k: _flag(k)) if where is None else (lambda k: f"{where}: {k}")
     for name, allowed in (("norm", NORMS), ("mlp", MLPS)):
         v = getattr(h, name)
         if v is not None and v not in allowed:
-            raise ConvertError(f"{_flag(name)} '{v}': expected one of {', '.join(allowed)}")
-    for name in ("num_heads", "num_kv_heads"):
-        v = getattr(h, name)
-        if v is not None and (isinstance(v, bool) or not isinstance(v, int) or v < 1):
-            raise ConvertError(f"{_flag(name)} {v!r}: expected a positive integer")
+            raise ConvertError(f"{name_of(name)} {limits.describe(v)}: expected one of {', '.join(allowed)}")
+    for name in ("num_heads", "num_kv_heads", "vocab_size", "block_size"):
+        if getattr(h, name) is not None:
+            limits.number(getattr(h, name), name_of(name), ConvertError, lo=1, hi=limits.MAX_SIZE)
+    for name in ("rope_theta", "norm_eps"):
+        if getattr(h, name) is not None:
+            limits.finite(getattr(h, name), name_of(name), ConvertError, positive=True)
 
 
 def heads(h: Hints, hidden: int, q_rows: int, kv_rows: int, where: str, q_name: str, kv_name: str) -> tuple:
@@ -128,10 +137,11 @@ def heads(h: Hints, hidden: int, q_rows: int, kv_rows: int, where: str, q_name: 
     return H, KV, hd
 
 
-def check_told(h: Hints, name: str, told, read, tensor: str, what: str) -> None:
-    """A flag that says something else than the tensors: one line naming both."""
-    if told is not None and told != read:
-        raise ConvertError(f"{_flag(name)} {told} contradicts tensor '{tensor}', which {what}")
+def even_head_width(H: int, hd: int) -> None:
+    """A Llama's rotary embedding turns pairs of dims (i, i + hd/2): its head width must be even."""
+    if hd % 2:
+        raise ConvertError(f"--num-heads {H} gives a head width of {hd}, expected an even width (rotary "
+                           f"embeddings turn pairs of dims)")
 
 
 # ---------------------------------------------------------------- the Llama family under megalite's names
@@ -155,7 +165,11 @@ def rope_scaling(s: Optional[dict]) -> dict:
     out = {"rope_type": "llama3"}
     for k in ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings"):
         out[k] = limits.finite(s.get(k), f"rope_scaling {k}", ConvertError, positive=True)
-    out["original_max_position_embeddings"] = int(out["original_max_position_embeddings"])
+    ctx = out["original_max_position_embeddings"]
+    if float(ctx) != int(ctx):  # a count of positions: 8192.0 is 8192, 8192.5 is no context length
+        raise ConvertError(f"rope_scaling original_max_position_embeddings = {ctx!r}: expected a whole number of "
+                           f"positions")
+    out["original_max_position_embeddings"] = int(ctx)
     return out
 
 

@@ -53,7 +53,9 @@ def iteration_folder(path: Path) -> Path:
         return path
     latest = path / LATEST
     if latest.is_file():
-        text = read_all(latest, limits.FILE_BYTES["line"], follow=True).decode("utf-8", errors="replace").strip()
+        raw = read_all(latest, limits.FILE_BYTES["line"] + 1, follow=True)  # one byte past: a longer file is refused
+        limits.within(len(raw), "line", str(latest), ConvertError)
+        text = raw.decode("utf-8", errors="replace").strip()
         digits = limits.MAX_ITERATION_DIGITS  # ASCII digits only: str.isdigit() also takes '²', which int() refuses
         name = "release" if text == "release" else f"iter_{int(text):07d}" \
             if re.fullmatch(f"[0-9]{{1,{digits}}}", text) else None
@@ -137,7 +139,12 @@ def model_from_args(a: dict, where: str) -> dict:
 
     pos = get("position_embedding_type", "learned_absolute")
     if megatron_llama.is_llama_args(a):
-        return megatron_llama.llama_from_args(a, where)
+        m = megatron_llama.llama_from_args(a, where)
+        reader = {k: m.pop(k) for k in [k for k in m if k.startswith("_")]}  # the reader's flags, not fields
+        try:  # every field as a config checks it (rope_theta above 1): what is written out can be read back
+            return {**model_from(m, where), **reader}
+        except ConfigError as e:
+            raise ConvertError(str(e)) from None
     if pos != "learned_absolute":
         what = {"rope": "rotary position embeddings (RoPE)", "yarn": "rotary position embeddings (YaRN RoPE)",
                 "mrope": "multimodal rotary position embeddings (MRoPE)", "none": "a model without position "
@@ -251,7 +258,7 @@ class MegatronGPT(ForeignModel):
             m = model_from_args(args, f"{where} (with the flags given)")
         else:
             m = model_from_args(args, f"{self.step / COMMON}: args")
-        vocab_size = vocab_size or hints.vocab_size
+        vocab_size = hints.vocab_size if vocab_size is None else vocab_size
         _check_layers(self.ck, m, where)
         word = self.ck.tensors.get("embedding.word_embeddings.weight")
         if word is None or len(word.shape) != 2 or word.shape[1] != m["n_embd"]:
@@ -262,7 +269,7 @@ class MegatronGPT(ForeignModel):
         if vocab_size is not None and not 1 <= vocab_size <= padded:
             raise ConvertError(f"--vocab-size {vocab_size}: expected 1 to the checkpoint's padded vocabulary "
                                f"{padded}")
-        m["vocab_size"] = vocab_size or padded
+        m["vocab_size"] = padded if vocab_size is None else vocab_size
         self.interleaved = m.pop("_interleaved", False)
         self.qkv_bias = m.pop("_qkv_bias", False)
         self.m = m

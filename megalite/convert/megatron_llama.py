@@ -120,21 +120,23 @@ def args_from_tensors(tensors: dict, h: hn.Hints, where: str) -> dict:
         raise ConvertError(f"--norm rms contradicts tensor '{LAYERS}self_attention.linear_qkv.layer_norm_bias' "
                            f"(a norm with a bias: LayerNorm)")
     norm = h.norm or norm
+    eps = 1e-5 if h.norm_eps is None else h.norm_eps
     a = dict(num_layers=L, hidden_size=C, num_attention_heads=H, kv_channels=hd, ffn_hidden_size=F,
              group_query_attention=KV != H, num_query_groups=KV,
              untie_embeddings_and_output_weights="output_layer.weight" in tensors,
              add_bias_linear=LAYERS + "self_attention.linear_proj.bias" in tensors,
              add_qkv_bias=LAYERS + "self_attention.linear_qkv.bias" in tensors,
              normalization="RMSNorm" if norm == "rms" else "LayerNorm", swiglu=mlp == "swiglu",
-             layernorm_epsilon=h.norm_eps or 1e-5, norm_epsilon=h.norm_eps or 1e-5,
-             bias_gelu_fusion=(h.mlp == "gelu_tanh"), rotary_base=h.rope_theta or 10000.0, rotary_percent=1.0)
+             layernorm_epsilon=eps, norm_epsilon=eps, bias_gelu_fusion=(h.mlp == "gelu_tanh"),
+             rotary_base=10000.0 if h.rope_theta is None else h.rope_theta, rotary_percent=1.0)
     if wpe is not None:
         a.update(position_embedding_type="learned_absolute", max_position_embeddings=wpe[0])
         if h.rope_theta is not None:
             raise ConvertError(f"--rope-theta {h.rope_theta} contradicts tensor 'embedding.position_embeddings."
                                f"weight' (learned positions, no RoPE)")
     else:
-        a.update(position_embedding_type="rope", max_position_embeddings=h.block_size or 4096)
+        a.update(position_embedding_type="rope", max_position_embeddings=4096 if h.block_size is None else h.block_size)
+        hn.even_head_width(H, hd)
         if h.rope_scaling:
             s = hn.rope_scaling(h.rope_scaling)
             if (s["low_freq_factor"], s["high_freq_factor"], s["original_max_position_embeddings"]) != (1.0, 4.0, 8192):

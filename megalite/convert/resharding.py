@@ -8,6 +8,8 @@ import copy
 from pathlib import Path
 from typing import Callable, Optional
 
+import torch
+
 from ..checkpoint import manifest as mf
 from ..checkpoint.validate import read_tokenizer
 from ..checkpoint.commit import commit_step, write_rank
@@ -21,7 +23,8 @@ from ..parallel.grid import Layout
 from ..parallel.pipeline import stage_of
 from ..parallel.partition import Partition
 from .common import ConvertError, Progress, check_layout, check_manifest_tensors, check_out, model_partitions
-from .sources import open_source
+from . import check as checking
+from .sources import FileSource, StepSource, open_source
 
 
 def write_offline(out: Path, layout: Layout, tensors: dict[str, Partition], n_layer: int, read: Callable,
@@ -69,9 +72,11 @@ def write_offline(out: Path, layout: Layout, tensors: dict[str, Partition], n_la
 
 
 def split(model, out, tp: int, pp: int, dp: int, zero1: bool = False, step: int = 0, force: bool = False,
-          quiet: bool = False, cp: int = 1) -> Path:
+          quiet: bool = False, cp: int = 1, check: Optional[bool] = None) -> Path:
     """Any source that names a model (a megalite file or checkpoint, a transformers folder, a Megatron
-    checkpoint) -> a committed checkpoint at (tp, pp, dp, cp), fresh optimizer."""
+    checkpoint) -> a committed checkpoint at (tp, pp, dp, cp), fresh optimizer. check: the self-check `convert`
+    runs on an import (None: on for a source from elsewhere where transformers is installed): megalite's model
+    on the source's tensors against the source's own forward, before anything is written."""
     if isinstance(step, bool) or not isinstance(step, int) or not 0 <= step <= MAX_COUNT:
         raise ConvertError(f"--step {step}: expected an integer >= 0 and <= {MAX_COUNT} (the step the checkpoint "
                            f"says it is at)")
@@ -86,6 +91,11 @@ def split(model, out, tp: int, pp: int, dp: int, zero1: bool = False, step: int 
     missing = sorted(set(parts) - set(src.specs))
     if missing:
         raise ConvertError(f"{model}: tensor '{missing[0]}' is missing ({len(missing)} of {len(parts)} missing)")
+    if check is None:
+        check = not isinstance(src, (StepSource, FileSource)) and checking.available()
+    if check:
+        checking.check(src, lambda: checking.megalite_runner(src), torch.float32,
+                       "megalite's model on the source's tensors", quiet)
     cache: dict = {}
 
     def read(it):

@@ -52,6 +52,9 @@ def convert(ckpt, out, dtype: Optional[str] = None, fmt: str = "megalite", force
     elif check and (src.model is None or fmt == "dcp"):
         raise ConvertError(f"--check: {src.where} -> --format {fmt} has no model forward to compare "
                            f"(a plain DCP source, or a DCP output)")
+    elif check and not checking.available():  # asked for: its reference forward is transformers'
+        raise ConvertError("--check needs the `transformers` package, which is not importable: `pip install "
+                           "transformers` (or megalite[hf]), or --no-check; nothing was written")
     progress = Progress("convert", len(src.specs), sum(s.nbytes for s in src.specs.values()), quiet)
     proof = _proof(src, fmt, torch_dtype or torch.float32, quiet) if check else None
     done = write(src, out, fmt, torch_dtype, progress, proof, max_shard_size)

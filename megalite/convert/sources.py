@@ -11,6 +11,7 @@ import torch
 from .. import models
 from ..checkpoint import manifest as mf
 from ..checkpoint.read import SliceReader
+from ..checkpoint.stream import dtype_of
 from ..checkpoint.tree import LATEST, MANIFEST, resolve
 from ..base.fs import path_kind
 from ..config import model_from
@@ -58,7 +59,7 @@ class FileSource(Source):
     def __init__(self, path):
         p = Path(path)
         self.where, self.guards = str(p), [p]
-        self.f = open_safetensors(p)
+        self.f = open_safetensors(p, follow=True)  # the file the user named
         self.meta = self.f.metadata() or {}
         if MODEL_CONFIG not in self.meta:
             raise ConvertError(f"{p}: safetensors metadata has no '{MODEL_CONFIG}' (expected a file written by "
@@ -68,7 +69,7 @@ class FileSource(Source):
         self.specs = {}
         for k in sorted(self.f.keys()):
             s = self.f.get_slice(k)
-            self.specs[k] = Spec(tuple(s.get_shape()), _dtype_of(s.get_dtype()))
+            self.specs[k] = Spec(tuple(s.get_shape()), dtype_of(s.get_dtype(), f"{p}: tensor '{k}'", ConvertError))
 
     def read(self, name, region=None):
         if region is None:
@@ -77,15 +78,6 @@ class FileSource(Source):
 
     def tokenizer(self):
         return carried_by(self.where)
-
-
-_ST = {"F32": torch.float32, "BF16": torch.bfloat16, "F16": torch.float16, "F64": torch.float64,
-       "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8,
-       "BOOL": torch.bool}
-
-
-def _dtype_of(st: str) -> torch.dtype:
-    return _ST.get(st, torch.float32)
 
 
 def is_megatron(path: Path) -> bool:

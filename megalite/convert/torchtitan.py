@@ -92,8 +92,11 @@ class TorchtitanLlama(ForeignModel):
         if h.vocab_size is not None and h.vocab_size != V:
             raise ConvertError(f"--config {h.config}: vocab_size = {h.vocab_size} contradicts tensor "
                                f"'{self.src['wte.weight']}' of {V} rows")
-        self.m = hn.llama_model(len(layers), H, KV, C, w1[0], V, tied, h.rope_theta or 10000.0, h.rope_scaling,
-                                h.norm_eps or 1e-5, h.block_size or 2048)
+        hn.even_head_width(H, hd)
+        self.m = hn.llama_model(len(layers), H, KV, C, w1[0], V, tied,
+                                10000.0 if h.rope_theta is None else h.rope_theta, h.rope_scaling,
+                                1e-5 if h.norm_eps is None else h.norm_eps,
+                                2048 if h.block_size is None else h.block_size)
         self.shapes = hn.llama_shapes(self.m)
         self.names = list(self.shapes)
         self.parts = model_partitions(self.m)

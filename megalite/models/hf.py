@@ -91,7 +91,12 @@ def positive_int(hf: dict, key: str, where: str, default=None) -> int:
 
 def positive_float(hf: dict, key: str, where: str, default: float) -> float:
     v = hf.get(key, default)
-    if isinstance(v, bool) or not isinstance(v, (int, float)) or not (math.isfinite(float(v)) and v > 0):
+    ok = not isinstance(v, bool) and isinstance(v, (int, float))
+    try:
+        ok = ok and math.isfinite(float(v)) and v > 0
+    except OverflowError:  # a JSON integer no float holds (10**400): refused like inf, not a traceback
+        ok = False
+    if not ok:
         raise ConvertError(f"{where}: {key} = {_show(v)}, expected a positive number")
     return float(v)
 

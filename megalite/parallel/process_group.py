@@ -23,6 +23,7 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
+from ..base.errors import PeerLostError
 
 
 def world_size_from_env() -> int:
@@ -96,8 +97,28 @@ def joined(timeout_s: float = 1800):
         if world_size_from_env() > 1:
             signal.signal(signal.SIGTERM, signal.SIG_IGN)
         leave_distributed(error=e)
+        lost = peer_lost(e)
+        if lost:  # the survivor of a dead rank: one line, not gloo's traceback (the dead rank says why)
+            raise PeerLostError(f"another rank of the job is gone ({lost}); this rank stops too (the launcher's "
+                                f"summary names the rank that ended first)") from None
         raise
     leave_distributed()
+
+
+# what gloo's TCP transport says when the other end of a pair is gone (pair.cc: a read or write on a closed socket)
+PEER_GONE = ("Connection reset by peer", "Connection closed by peer", "Broken pipe")
+
+
+def peer_lost(e: BaseException) -> Optional[str]:
+    """Gloo's words for a dead peer in a failed collective's error (`RuntimeError` from
+    gloo/transport/tcp, torch's DistNetworkError), or None for any other error (a bug keeps its traceback)."""
+    if not isinstance(e, RuntimeError):
+        return None
+    text = str(e)
+    said = next((w for w in PEER_GONE if w in text), None)
+    if said is None or ("gloo" not in text and not isinstance(e, getattr(dist, "DistNetworkError", ()))):
+        return None
+    return f"gloo: {said}"
 
 
 def _job_store(rank: int, world: int, timeout_s: float):

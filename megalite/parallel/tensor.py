@@ -91,19 +91,6 @@ class _GatherFromTP(torch.autograd.Function):
         return _split_last(g, ctx.axis), None
 
 
-class _ScatterToTP(torch.autograd.Function):
-    """forward: keep this rank's chunk of the last dim; backward: all-gather."""
-
-    @staticmethod
-    def forward(ctx, x, axis):
-        ctx.axis = axis
-        return _split_last(x, axis)
-
-    @staticmethod
-    def backward(ctx, g):
-        return _gather_last(g, ctx.axis), None
-
-
 class _GatherFromSP(torch.autograd.Function):
     """Sequence parallelism, entering a tp region. forward: all-gather the sequence dim over tp;
     backward: reduce-scatter the sequence dim (each rank's input gradient is a partial sum)."""
@@ -172,10 +159,6 @@ def reduce_from_tp(x, axis: Axis):
 
 def gather_from_tp(x, axis: Axis):
     return _GatherFromTP.apply(x, axis) if axis.active else x
-
-
-def scatter_to_tp(x, axis: Axis):
-    return _ScatterToTP.apply(x, axis) if axis.active else x
 
 
 def gather_from_sp(x, axis: Axis):
