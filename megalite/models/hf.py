@@ -16,6 +16,7 @@ from __future__ import annotations
 import json
 import math
 
+from ..base import limits
 from ..base.errors import ConvertError
 
 # keys of transformers' PretrainedConfig (4.x and 5.x) and of the hub's model cards that change neither the
@@ -73,6 +74,8 @@ def _same(a, b) -> bool:
 
 
 def _show(v) -> str:
+    if isinstance(v, int) and not isinstance(v, bool) and v.bit_length() > 128:
+        return limits.describe(v)  # its size in bits, not 400 digits
     try:
         s = json.dumps(v)
     except (TypeError, ValueError):
