@@ -16,7 +16,7 @@ import os
 import sys
 import traceback
 
-from . import __version__
+from . import __version__, models
 from .base.errors import USER_ERRORS, is_shared, one_line
 
 EPILOGS = {
@@ -243,6 +243,9 @@ def _cmd_bench(args, rest) -> int:
         runs = {mb: run(mb) for mb in sizes}
         if len(sizes) > 1:
             print("\n" + "\n".join(scaling_lines(runs, pairs, fit)), flush=True)
+    elif args.what == "plan" and args.memory:  # each rank's bytes instead of the write plan
+        from .bench.memory import bench_memory_cli
+        bench_memory_cli(args)
     elif args.what == "plan":
         from .bench.plan import bench_plan_cli
         args.vocab_size = 50304 if args.vocab_size is None else args.vocab_size
@@ -474,6 +477,18 @@ def build_parser() -> argparse.ArgumentParser:
                    help="plan: context-parallel size (ranks = tp x cp x pp x dp)")
     p.add_argument("--vpp", type=_positive(int), default=1, help="plan: virtual (interleaved) stages per pipeline rank")
     p.add_argument("--zero1", action="store_true", help="plan: ZeRO-1 optimizer-state shards")
+    p.add_argument("--memory", action="store_true",
+                   help="plan: each rank's bytes of weights, gradients, AdamW moments, the largest gathered block, "
+                        "activations and what its collectives send per step, instead of the write plan")
+    p.add_argument("--zero", type=int, choices=[0, 1, 2, 3], default=0, help="plan --memory: the ZeRO level")
+    p.add_argument("--dp-shard", type=int, default=0, help="plan --memory: hybrid sharding group (0: all dp)")
+    p.add_argument("--micro-batch", type=int, default=1, help="plan --memory: sequences per micro-batch")
+    p.add_argument("--microbatches", type=int, default=0, help="plan --memory: micro-batches per step (4 x pp)")
+    p.add_argument("--arch", choices=sorted(models.FAMILIES), default=models.DEFAULT,
+                   help="plan --memory: the model family")
+    p.add_argument("--n-kv-head", type=int, default=0, help="plan --memory: key/value heads (0: n_head)")
+    p.add_argument("--intermediate-size", type=int, default=0, help="plan --memory: gated MLP width (0: the "
+                                                                       "family's default)")
     p.add_argument("--reshard-to", default=None, metavar="TP,PP,DP[,CP]",
                    help="plan: what each rank of this layout reads to resume the last layout's checkpoint")
     p.add_argument("--rounds", type=_positive(int), default=None,

@@ -93,7 +93,10 @@ class ParallelConfig:
     dp: int = 0  # 0: inferred as world_size / (tp * cp * pp), as Megatron and torchtitan do
     cp: int = 1  # context parallelism: every sequence split over cp ranks (ring attention)
     schedule: str = "1f1b"  # "1f1b" | "afab"
-    zero1: bool = False
+    zero1: bool = False  # the older spelling of zero = 1 (with another zero level: refused); read `zero_level`
+    zero: int = 0  # 0 replicated | 1 AdamW moments | 2 + gradients | 3 + parameters, sharded over dp x cp
+    reshard_after_forward: bool = True  # zero 3: free a block's gathered parameters after its forward
+    dp_shard: int = 0  # zero 2/3 hybrid sharding: cut within groups of this many dp x cp ranks (0: all of them)
     bucket_mb: float = 25.0  # size of a data-parallel gradient all-reduce bucket
     sp: bool = False  # sequence parallelism: LayerNorm/dropout regions hold seq/tp of the sequence
     vpp: int = 1  # virtual pipeline stages per rank (interleaved 1F1B when > 1)
@@ -104,6 +107,11 @@ class ParallelConfig:
     def layout(self) -> Layout:
         """The grid's sizes (dp as resolved: 0 until `resolve` fills it in). Built here only."""
         return Layout(self.tp, self.pp, self.dp, self.cp)
+
+    @property
+    def zero_level(self) -> int:
+        """What is cut over dp x cp: parallel.zero, or 1 for the older `zero1 = true` (validate refuses both)."""
+        return self.zero or int(self.zero1)
 
 
 @dataclass
@@ -472,6 +480,18 @@ def validate(cfg: Config, world_size: int | None = None) -> Config:
     if not 0.0 <= cfg.data.val_fraction < 1.0:
         raise ConfigError(f"data.val_fraction = {cfg.data.val_fraction}: expected 0 (the token file's own split) "
                           f"or a value in (0, 1)")
+    if par.zero not in (0, 1, 2, 3):
+        raise ConfigError(f"parallel.zero = {par.zero}: expected 0, 1, 2 or 3")
+    if par.zero1 and par.zero not in (0, 1):
+        raise ConfigError(f"parallel.zero1 = true contradicts parallel.zero = {par.zero}: zero1 = true means zero = 1; "
+                          f"drop parallel.zero1 to use zero = {par.zero}")
+    if par.zero_level == 3 and t.compile:  # measured: inductor's graph sees a block's freed (empty) weight
+        raise ConfigError("parallel.zero = 3 with train.compile = true: a compiled block does not see the weights "
+                          "ZeRO-3 gathers in its hooks; use zero 2, or train.compile = false")
+    if par.dp_shard and (par.dp_shard < 2 or par.zero_level < 2 or (par.dp * par.cp) % par.dp_shard):
+        raise ConfigError(f"parallel.dp_shard = {par.dp_shard}: expected 0 (cut over all dp x cp ranks) or a divisor "
+                          f">= 2 of parallel.dp * parallel.cp = {par.dp * par.cp}, with parallel.zero 2 or 3 "
+                          f"(zero = {par.zero_level})")
     if par.schedule not in ("1f1b", "afab"):
         raise ConfigError(f"parallel.schedule = '{par.schedule}': expected '1f1b' or 'afab'")
     if cfg.checkpoint.on_error not in ("stop", "continue"):
@@ -617,7 +637,12 @@ DOCS = {
     "parallel.dp": "data-parallel replicas; 0 = world_size / (tp * cp * pp)",
     "parallel.cp": "context-parallel size: each sequence cut into 2*cp chunks over cp ranks (ring attention)",
     "parallel.schedule": "pipeline schedule: 1f1b | afab",
-    "parallel.zero1": "shard the AdamW moments across dp (x cp) (ZeRO-1)",
+    "parallel.zero1": "shard the AdamW moments across dp (x cp) (ZeRO-1); the same as parallel.zero = 1",
+    "parallel.zero": "ZeRO level over dp (x cp): 0 none, 1 AdamW moments, 2 + gradients, 3 + parameters",
+    "parallel.reshard_after_forward": "zero 3: free each block's gathered parameters after its forward (gathered "
+                                      "again for its backward)",
+    "parallel.dp_shard": "zero 2/3 hybrid sharding: cut within groups of N dp x cp ranks, all-reduce across groups; "
+                         "0 = all",
     "parallel.bucket_mb": "size of one data-parallel gradient all-reduce bucket, MiB",
     "parallel.sp": "sequence parallelism: LayerNorm/dropout regions hold seq/tp of the tokens (needs tp > 1)",
     "parallel.vpp": "virtual pipeline stages per rank (> 1: the interleaved 1F1B schedule)",

@@ -116,6 +116,8 @@ def doc_commands(root: Path = ROOT) -> list[tuple[str, str, str]]:
                 if was_cont or not s:
                     continue
                 prompted = s.startswith("$ ")
+                if lang == "console" and not prompted:
+                    continue  # a console block's other lines are what the commands print
                 word = (s[2:] if prompted else s).split()[0]
                 if "=" in word and not prompted:
                     continue

@@ -60,15 +60,16 @@ def global_named(model) -> list:
     return model_state(model)[0]
 
 
-def check_model_state(named) -> None:
-    """Every entry of the state a checkpoint can hold: a tensor of a stored dtype with at least one element."""
+def check_model_state(named, chunked: frozenset = frozenset()) -> None:
+    """Every entry of the state a checkpoint can hold: a tensor of a stored dtype with at least one element
+    (but those in `chunked`: a ZeRO-3 rank's parameters, empty between steps, whose chunks its optimizer holds)."""
     for name, t in named:
         if not torch.is_tensor(t):
             raise CheckpointError(f"model state '{name}' is a {type(t).__name__}, not a tensor (a module's "
                                   f"get_extra_state() is not checkpointed: keep such state in client_state)")
         if t.dtype not in DTYPES.values():
             raise CheckpointError(f"model state '{name}' is {t.dtype} (expected one of {', '.join(DTYPES)})")
-        if t.numel() == 0:
+        if t.numel() == 0 and name not in chunked:
             raise CheckpointError(f"model state '{name}' has shape {list(t.shape)}: a tensor with no elements "
                                   f"cannot be checkpointed")
 
@@ -102,8 +103,9 @@ def save_checkpoint(root, step: int, model, optimizer, grid, *, scheduler=None, 
     data_state = data_state or {"batch_index": step}
     named, buffers = model_state(model)
     problem, sched = None, None
+    opt = optimizer_state(optimizer)
     try:  # everything a save could refuse, on every rank, before any rank writes
-        check_model_state(named)
+        check_model_state(named, opt.chunked())
         sched = encode_scheduler(scheduler)
         for field, value in (("client_state", client_state), ("data_state", data_state), ("config", config)):
             if value is not None and not isinstance(value, dict):
@@ -118,7 +120,6 @@ def save_checkpoint(root, step: int, model, optimizer, grid, *, scheduler=None, 
         problem = str(e)
     agreed(problem, grid, f"checkpoint step {step} was not saved")
     commit_groups(grid)  # the commit's own groups, made now by every rank in this (the main) thread
-    opt = optimizer_state(optimizer)
     section = opt.section(named, grid)  # with torch.optim, a collective that checks every rank's state
     pay = collect(named, opt, grid, StepState.capture(step, tokens_seen, data_state, sched), buffers=buffers)
     meta = dataclasses.replace(meta, zero1=opt.zero1, optimizer=section)

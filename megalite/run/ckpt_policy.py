@@ -218,7 +218,8 @@ class CheckpointManager:
                 self.log(f"WARNING: resume=auto: falling back to {path}")
         else:
             path = Path(want)
-        info = load_checkpoint(path, tr.model, tr.optimizer, self.grid, model_config=self.cfg.to_dict()["model"])
+        with tr.grads.whole():  # zero 3: the weights gathered, loaded, cut again
+            info = load_checkpoint(path, tr.model, tr.optimizer, self.grid, model_config=self.cfg.to_dict()["model"])
         self._check_tokenizer(info, tr)
         tr.origin = read_origin(info.path, info.manifest)  # carried on into this run's checkpoints
         tr.step, tr.tokens_seen = info.step, info.tokens_seen

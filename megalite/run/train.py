@@ -40,6 +40,7 @@ from .schedule import clip_scale, lr_at
 from ..parallel.context import local_positions, split_sequence
 from ..parallel.data import GradBuffer, ShardedAdamW, use_fused
 from ..parallel.finalize import finalize_grads
+from ..parallel.zero import ShardedState
 from ..parallel.grid import ParallelGrid
 from ..parallel.pipeline import P2P, get_schedule
 from ..parallel.agree import agree, agree_settings
@@ -93,9 +94,14 @@ def build(cfg: Config, grid: ParallelGrid, device: torch.device) -> Trainer:
     if t.compile:
         compile_blocks(model)
     params = sorted(model.global_parameters(), key=lambda np_: np_[0])
-    # cp ranks hold the same weights as dp replicas do: gradients are averaged, and ZeRO-1 cuts, over dp x cp
-    grads = GradBuffer([p for _, p in params], grid.dp_cp, par.bucket_mb, overlap=par.overlap_grad_reduce)
-    opt = ShardedAdamW(params, grid.tp, grid.dp_cp, par.zero1, betas=(t.beta1, t.beta2),
+    # cp ranks hold the same weights as dp replicas do: gradients are averaged, and ZeRO cuts, over dp x cp
+    if par.zero_level >= 2 and grid.dp_cp.active:  # each block one unit (gathered, reduced together): parallel/zero.py
+        shard, replicate = grid.hybrid(par.dp_shard)  # dp_shard: cut within groups, all-reduced across them
+        grads = ShardedState(params, list(model.blocks.values()), model, grid.tp, shard, par.zero_level,
+                             par.reshard_after_forward, par.overlap_grad_reduce, replicate)
+    else:
+        grads = GradBuffer([p for _, p in params], grid.dp_cp, par.bucket_mb, overlap=par.overlap_grad_reduce)
+    opt = ShardedAdamW(params, grid.tp, grads.dp, zero=par.zero_level, betas=(t.beta1, t.beta2), shards=grads,
                        weight_decay=t.weight_decay, bucket_mb=par.bucket_mb, fused=use_fused(t.fused_adamw, device))
     dp_rank, dp = grid.coord.dp, grid.layout.dp
     sampler = BatchSampler(train_ds, seq_len(cfg), t.global_batch_size, dp_rank, dp, t.seed)
