@@ -67,9 +67,15 @@ def load(tr, path: str) -> Optional[Origin]:
         if spec is None or list(spec.shape) != want:
             got = "no such tensor" if spec is None else f"shape {list(spec.shape)}"
             raise ConfigError(f"train.init_from: {path} has {got} for '{name}', the model needs {want}")
+    chunks = getattr(tr.grads, "weights", None) or {}  # ZeRO-3 (parallel/zero.py): a chunk of each, held there
     with torch.no_grad():
         for name, p in tr.params:
             part = partition_of(p)
             box = tp_box(part, c.tp, L.tp)
-            valid_view(p.data, part, c.tp, L.tp).copy_(src.read(name, tuple(box)).reshape(box.shape))
+            region = src.read(name, tuple(box)).reshape(box.shape)
+            if name in chunks:  # elements range[name] of the valid local tensor, flattened
+                a, b = tr.grads.range[name]
+                chunks[name].copy_(region.reshape(-1)[a:b])
+            else:
+                valid_view(p.data, part, c.tp, L.tp).copy_(region)
     return src.origin()
