@@ -17,6 +17,7 @@ import json
 import math
 
 from ..base.errors import ConvertError
+from ..base.limits import describe
 
 # keys of transformers' PretrainedConfig (4.x and 5.x) and of the hub's model cards that change neither the
 # weights nor the logits
@@ -75,8 +76,8 @@ def _same(a, b) -> bool:
 def _show(v) -> str:
     try:
         s = json.dumps(v)
-    except (TypeError, ValueError):
-        s = repr(v)
+    except (TypeError, ValueError):  # not JSON, or an int of more than 4,300 digits
+        s = describe(v)
     return s if len(s) <= 80 else s[:77] + "..."
 
 
@@ -91,7 +92,8 @@ def positive_int(hf: dict, key: str, where: str, default=None) -> int:
 
 def positive_float(hf: dict, key: str, where: str, default: float) -> float:
     v = hf.get(key, default)
-    if isinstance(v, bool) or not isinstance(v, (int, float)) or not (math.isfinite(float(v)) and v > 0):
+    if isinstance(v, bool) or not isinstance(v, (int, float)) or (isinstance(v, int) and v.bit_length() > 1024) \
+            or not (math.isfinite(float(v)) and v > 0):  # 10**400 is no float: refused, not an OverflowError
         raise ConvertError(f"{where}: {key} = {_show(v)}, expected a positive number")
     return float(v)
 
