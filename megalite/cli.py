@@ -48,13 +48,16 @@ EPILOGS = {
              "  megalite bench train --steps 10 --nproc 4\n"
              "  megalite bench plan --tp 8 --pp 16 --dp 8,32,128 --reshard-to 8,8,256   (GPT-3 175B shape)\n"
              "  megalite bench dcp --size-mb 300\n"
-             "  megalite bench prepare --size-mb 64 --rounds 3",
+             "  megalite bench prepare --size-mb 64 --rounds 3\n"
+             "  megalite bench generate --new-tokens 64 --rounds 3   (a 135M-class Llama on this CPU)",
     "torchrun": "example:\n  megalite torchrun --standalone --nproc-per-node 8 -m megalite train --config configs/tiny-cpu.toml "
                 "--parallel.tp=2 --parallel.pp=2 --parallel.dp=2",
     "generate": "examples:\n"
                 "  megalite generate --model runs/demo/model.safetensors --prompt 'def ' --max-new-tokens 60\n"
                 "  megalite generate --model runs/demo/checkpoints --prompt 'def ' --temperature 0   # greedy\n"
-                "  megalite generate --model runs/demo/hf/ --prompt 'The ' --ignore-eot",
+                "  megalite generate --model runs/demo/hf/ --prompt 'The ' --ignore-eot\n"
+                "  megalite generate --model SmolLM2-135M-Instruct/ --chat --system 'Be brief.' --prompt 'Hi!' "
+                "--top-p 0.9",
 }
 
 def _report(command: str, e: BaseException) -> None:
@@ -185,14 +188,21 @@ def _cmd_reshard(args, rest) -> int:
 def _cmd_generate(args, rest) -> int:
     from .config import ConfigError
     from .generate import check_sampling, sample_text
-    check_sampling(args.max_new_tokens, args.temperature, args.top_k, args.seed)  # before the model is read
-    try:
-        args.prompt.encode("utf-8")
-    except UnicodeEncodeError:
-        raise ConfigError("--prompt: not valid UTF-8 text (every tokenizer here reads UTF-8 bytes)") from None
+    # before the model is read
+    check_sampling(args.max_new_tokens, args.temperature, args.top_k, args.seed, args.top_p)
+    if args.system is not None and not args.chat:
+        raise ConfigError("--system: only with --chat (the system turn of the model's chat template)")
+    for flag, text in (("--prompt", args.prompt), ("--system", args.system), *(("--stop", t) for t in args.stop)):
+        try:
+            (text or "").encode("utf-8")
+        except UnicodeEncodeError:
+            raise ConfigError(f"{flag}: not valid UTF-8 text (every tokenizer here reads UTF-8 bytes)") from None
+    if "" in args.stop:
+        raise ConfigError("--stop '': expected a non-empty text (it would end the sample at once)")
     sample_text(args.model, args.prompt, max_new_tokens=args.max_new_tokens, temperature=args.temperature,
-                top_k=args.top_k, seed=args.seed, as_ids=args.ids, stream=sys.stdout,  # token by token
-                stop_at_eot=not args.ignore_eot)
+                top_k=args.top_k, top_p=args.top_p, seed=args.seed, as_ids=args.ids, stream=sys.stdout,
+                stop_at_eot=not args.ignore_eot, stops=args.stop, chat=args.chat, system=args.system,
+                check=args.check)
     print()
     return 0
 
@@ -227,6 +237,10 @@ def _cmd_bench(args, rest) -> int:
         from .bench.plan import bench_plan_cli
         args.vocab_size = 50304 if args.vocab_size is None else args.vocab_size
         bench_plan_cli(args)
+    elif args.what == "generate":
+        from .bench.generate import bench_generate
+        bench_generate(n_layer=args.n_layer or 30, n_embd=args.n_embd or 576, vocab_size=args.vocab_size or 49152,
+                       new_tokens=args.new_tokens, rounds=args.rounds or 3, dir=args.dir)
     elif args.what == "prepare":
         from .bench.prepare import bench_prepare
         bench_prepare(size_mb=_given(args.size_mb, 32), vocab_size=_given(args.vocab_size, 4096),
@@ -377,8 +391,10 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = add("generate", "sample text from a model in one plain process, with the tokenizer the model carries",
             _cmd_generate)
-    p.add_argument("--model", required=True, help="a checkpoint (root or step folder), a `megalite convert` file "
-                                                  "or an HF GPT-2 folder")
+    p.add_argument("--model", required=True, help="a megalite checkpoint (root or step folder), a megalite model "
+                                                  "file (`megalite convert`), or a transformers folder (GPT-2, "
+                                                  "Llama, Qwen2, Qwen3, Mistral: config.json, safetensors "
+                                                  "weights, its tokenizer)")
     p.add_argument("--prompt", default="\n", help="the text to continue (default: a newline)")
     p.add_argument("--max-new-tokens", type=int, default=None,
                    help="tokens to sample (default: 200, or fewer so that prompt + sample fit the model's "
@@ -387,17 +403,33 @@ def build_parser() -> argparse.ArgumentParser:
                    help="softmax temperature; 0: greedy, the likeliest token each time (default: %(default)s)")
     p.add_argument("--top-k", type=int, default=0,
                    help="sample among the k likeliest tokens only; 0: all of them (default: %(default)s)")
+    p.add_argument("--top-p", type=float, default=1.0,
+                   help="nucleus sampling: among the fewest likeliest tokens whose probabilities sum to at least p "
+                        "(after --top-k, as transformers orders them); 1: all of them (default: %(default)s)")
     p.add_argument("--seed", type=int, default=0, help="seed of the sampling (default: %(default)s)")
+    p.add_argument("--stop", action="append", default=[], metavar="TEXT",
+                   help="end the sample where TEXT appears (the text ends before it); repeatable")
+    p.add_argument("--chat", action="store_true",
+                   help="the prompt is a user's turn in the model's chat template (chat_template.jinja or "
+                        "tokenizer_config.json's chat_template); prints the reply")
+    p.add_argument("--system", default=None, metavar="TEXT", help="with --chat: a system turn before the prompt")
+    p.add_argument("--check", action=argparse.BooleanOptionalAction, default=None,
+                   help="a transformers folder or another trainer's checkpoint: megalite's model on its tensors "
+                        "against its own forward first, as convert does (default: on where transformers is "
+                        "installed)")
     p.add_argument("--ids", action="store_true", help="print the token ids (prompt + new), not the text")
     p.add_argument("--ignore-eot", action="store_true",
-                   help="sample on past the end-of-text token (by default it ends the text, as in transformers)")
+                   help="sample on past the model's end ids (generation_config.json's eos_token_id, a list or "
+                        "one; config.json's; the tokenizer's eos and <|endoftext|>), which by default end the "
+                        "text, as in transformers")
 
     p = add("bench", "benchmarks: `bench ckpt` (saves/loads vs DCP, torch.save and the disk), `bench train` "
                      "(vs plain PyTorch, pipeline bubbles, layouts), `bench plan` (checkpoint write plan and "
                      "manifest at thousands of ranks, no tensors), `bench dcp` (a DCP checkpoint to one file: "
                      "megalite convert vs dcp_to_torch_save), `bench prepare` (prepare vs the tokenizers "
-                     "library's encode_batch)", _cmd_bench)
-    p.add_argument("what", choices=["ckpt", "train", "plan", "dcp", "prepare"])
+                     "library's encode_batch), `bench generate` (tokens/s vs transformers' generate with its KV "
+                     "cache)", _cmd_bench)
+    p.add_argument("what", choices=["ckpt", "train", "plan", "dcp", "prepare", "generate"])
     p.add_argument("--size-mb", type=_positive(float), default=None,
                    help="ckpt: model + optimizer bytes over all ranks (1024); dcp: the DCP checkpoint's size "
                         "(300); prepare: corpus size (32)")
@@ -406,15 +438,20 @@ def build_parser() -> argparse.ArgumentParser:
                         "table: s/GiB per operation and size, megalite / peer, a fixed + per-GiB fit")
     p.add_argument("--world", type=_positive(int), default=4, help="ckpt: gloo processes")
     p.add_argument("--repeats", type=_positive(int), default=3, help="ckpt: repetitions of each measurement")
-    p.add_argument("--dir", default=None, help="ckpt: folder to write in (default: the temp folder)")
+    p.add_argument("--dir", default=None, help="ckpt, prepare, generate: folder to write in (default: the temp "
+                                                         "folder)")
     p.add_argument("--steps", type=_positive(int), default=10, help="train: timed steps per measurement")
+    p.add_argument("--new-tokens", type=_positive(int), default=64,
+                   help="generate: tokens each run draws (default: 64)")
     p.add_argument("--nproc", type=_positive(int), default=4, help="train: processes for the layout table")
-    p.add_argument("--n-embd", type=_positive(int), default=None, help="model width (train: 128, plan: 12288)")
-    p.add_argument("--n-layer", type=_positive(int), default=None, help="model depth (train: 4, plan: 96)")
+    p.add_argument("--n-embd", type=_positive(int), default=None,
+                   help="model width (train: 128, plan: 12288, generate: 576)")
+    p.add_argument("--n-layer", type=_positive(int), default=None,
+                   help="model depth (train: 4, plan: 96, generate: 30)")
     p.add_argument("--block-size", type=_positive(int), default=None, help="sequence length (train: 128, plan: 2048)")
     p.add_argument("--n-head", type=_positive(int), default=96, help="plan: attention heads")
     p.add_argument("--vocab-size", type=_positive(int), default=None, help="plan: vocabulary (50304); prepare: the BPE "
-                                                                 "trained for it (4096)")
+                                                                 "trained for it (4096); generate: 49152")
     p.add_argument("--tokenizer", default=None, help="prepare: a tokenizer to use instead of training one")
     p.add_argument("--tp", type=_positive(int), default=8, help="plan: tensor-parallel size")
     p.add_argument("--pp", type=_positive(int), default=16, help="plan: pipeline stages")
@@ -426,7 +463,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--reshard-to", default=None, metavar="TP,PP,DP[,CP]",
                    help="plan: what each rank of this layout reads to resume the last layout's checkpoint")
     p.add_argument("--rounds", type=_positive(int), default=None,
-                   help="train: alternating runs of each feature table's settings (2); prepare: of each (3)")
+                   help="train: alternating runs of each feature table's settings (2); prepare, generate: of "
+                        "each (3)")
     p.add_argument("--pairs", type=_positive(int), default=5,
                    help="train: table 1's megalite/plain pairs of fresh processes")
     p.add_argument("--cp-seq", type=_positive(int), default=None,

@@ -191,14 +191,18 @@ class SeqDropout(nn.Module):
         return x * keep / (1.0 - self.p)
 
 
-def _attention_core(q, k, v, dropout_p: float, window: int = 0):  # (B, H, T, D), (B, H/g, T, D) x2 -> (B, H, T, D)
-    T = q.shape[2]
+def _attention_core(q, k, v, dropout_p: float, window: int = 0):  # (B, H, T, D), (B, H/g, S, D) x2 -> (B, H, T, D)
+    """Causal attention of T queries over S >= T keys, the queries being the last T of the S positions (S > T:
+    keys held in a KV cache); with `window`, query i sees keys i - window < j <= i (transformers'
+    sliding_window_overlay). One query over all keys needs no mask."""
+    T, S = q.shape[2], k.shape[2]
     mask = None
-    if window and window < T:  # query i sees keys i - window < j <= i (transformers' sliding_window_overlay)
-        i = torch.arange(T, device=q.device)
-        mask = (i[None, :] <= i[:, None]) & (i[:, None] - i[None, :] < window)  # (T, T)
-    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None, dropout_p=dropout_p,
-                                          enable_gqa=k.shape[1] != q.shape[1])
+    if (window and window < S) or 1 < T < S:
+        i = torch.arange(S - T, S, device=q.device)[:, None]  # the queries' positions
+        j = torch.arange(S, device=q.device)[None, :]
+        mask = (j <= i) & (i - j < window) if window else j <= i  # (T, S)
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None and T > 1,
+                                          dropout_p=dropout_p, enable_gqa=k.shape[1] != q.shape[1])
 
 
 def _ring_core(q, k, v, groups: int, **kw):
@@ -246,8 +250,9 @@ class CausalSelfAttention(nn.Module):
         self.dropout = cfg.dropout
         self.selective = recompute == "selective"
 
-    def heads(self, x):
-        """x (B, T, C) (sp: (B, T/tp, C)) -> q (B, H/tp, T, D), k and v (B, kv heads here, T, D)."""
+    def heads(self, x, cache=None):
+        """x (B, T, C) (sp: (B, T/tp, C)) -> q (B, H/tp, T, D), k and v (B, kv heads here, T, D); with a KV cache
+        the tokens come after those it holds."""
         if self.features.fused_qkv:
             qkv = self.qkv(x)  # (B, T, 3 * C/tp)
             q, k, v = rearrange(qkv, "b t (three h d) -> three b h t d", three=3, d=self.head_dim)
@@ -262,15 +267,24 @@ class CausalSelfAttention(nn.Module):
         if self.features.positions != "rope":
             return q, k, v
         T = q.shape[2]  # this rank's tokens; with cp at their global positions (two chunks, context.py)
+        start = cache.length if cache is not None else 0
         if self.cp.active:
             pos = local_positions(T * self.cp.size, self.cp).to(q.device)
         else:
-            pos = torch.arange(T, device=q.device)
-        cos, sin = rope_cos_sin(self.inv_freq, pos, q.dtype, self.rope_scale)
+            pos = torch.arange(start, start + T, device=q.device)
+        if cache is not None:  # every block turns the step's tokens by the same angles: computed once a step
+            cos, sin = cache.memo(("rope", start, T, q.dtype),
+                                  lambda: rope_cos_sin(self.inv_freq, pos, q.dtype, self.rope_scale))
+        else:
+            cos, sin = rope_cos_sin(self.inv_freq, pos, q.dtype, self.rope_scale)
         return rotate(q, cos, sin), rotate(k, cos, sin), v
 
-    def forward(self, x):  # (B, T, C) -> (B, T, C); with sp (B, T/tp, C) -> (B, T/tp, C)
-        q, k, v = self.heads(x)
+    def forward(self, x, cache=None):  # (B, T, C) -> (B, T, C); with sp (B, T/tp, C) -> (B, T/tp, C)
+        """`cache` (generate.cache.LayerCache; one process, no cp): the keys and values of the tokens before x,
+        to which this call's are appended; x's tokens attend to all of them."""
+        q, k, v = self.heads(x, cache)
+        if cache is not None:
+            k, v = cache.append(k, v)  # (B, kv heads, S, D): every token so far
         p = self.dropout if self.training else 0.0
         if self.cp.active or p > 0.0:  # ring attention (cp = 1: one block) with the counter-based dropout mask
             core = functools.partial(_ring_core, groups=self.groups, cp=self.cp, dropout_p=p,
@@ -324,8 +338,8 @@ class Block(nn.Module):
         self.ln_2, self.mlp = norm(cfg, place), MLP(cfg, tp, sp, place)
         self.drop = SeqDropout(cfg.dropout, tp, sp, cp)
 
-    def forward(self, x):
-        x = x + self.drop(self.attn(self.ln_1(x)))
+    def forward(self, x, cache=None):
+        x = x + self.drop(self.attn(self.ln_1(x), cache))
         return x + self.drop(self.mlp(self.ln_2(x)))
 
 
@@ -375,35 +389,38 @@ class GPTStage(nn.Module):
                 p.copy_(init_local(name, partition_of(p), "normal" if kind == "scaled" else kind, seed, scale,
                                    self.tp.rank, self.tp.size))
 
-    def run_block(self, i: int, x):
+    def run_block(self, i: int, x, cache=None):
         """Block i (global id) on x; with full recomputation only x is kept, and the block is rerun (RNG
         replayed) in backward."""
         block = self.blocks[str(i)]
         if self.full_recompute and torch.is_grad_enabled():
             return checkpoint(block, x, use_reentrant=False)
-        return block(x)
+        return block(x, cache)
 
-    def positions(self, T: int):
-        """Learned: the wpe rows of the T tokens this rank holds (sp: its share; cp: their global positions).
-        Rotary: nothing here (inside attention)."""
+    def positions(self, T: int, start: int = 0):
+        """Learned: the wpe rows of the T tokens this rank holds (sp: its share; cp: their global positions;
+        start: after the tokens a KV cache holds). Rotary: nothing here (inside attention)."""
         if self.cfg.spec.features.positions != "learned":
             return 0.0
         if self.cp.active:
             return self.wpe[local_positions(T * self.cp.size, self.cp, self.tp, self.sp).to(self.wpe.device)]
-        return self.wpe[slice(*seq_chunk(T, self.tp))] if self.sp else self.wpe[:T]
+        return self.wpe[slice(*seq_chunk(T, self.tp))] if self.sp else self.wpe[start:start + T]
 
-    def forward(self, x, targets=None, chunk: int = 0):
+    def forward(self, x, targets=None, chunk: int = 0, cache=None, logits_to_keep: int = 0):
         """Chunk 0 of the first stage: x is ids (B, T); others: hidden (B, T, C) ((B, T/tp, C) with sp).
         With cp, T is this rank's T/cp tokens (its two chunks, context.split_sequence) at their global positions.
         The last chunk of the last stage returns the mean loss over its tokens (or local logits (B, T, V/tp) when
-        targets is None); others return hidden."""
+        targets is None); others return hidden. `cache` (generate.cache.KVCache; tp = pp = cp = 1): x's tokens
+        come after those the cache holds, and their keys and values are added to it. `logits_to_keep` n > 0
+        (transformers' argument): the logits of the last n tokens only (sampling reads the last)."""
         if self.first and chunk == 0:
-            x = self.drop(self.wte(x) + self.positions(x.shape[1]))  # (B, T, C); with sp (B, T/tp, C)
+            start = cache.length if cache is not None else 0
+            x = self.drop(self.wte(x) + self.positions(x.shape[1], start))  # (B, T, C); with sp (B, T/tp, C)
         for i in self.chunks[chunk]:
-            x = self.run_block(i, x)
+            x = self.run_block(i, x, cache.layer(i) if cache is not None else None)
         if not (self.last and chunk == len(self.chunks) - 1):
             return x
-        x = self.ln_f(x)
+        x = self.ln_f(x[:, -logits_to_keep:] if logits_to_keep else x)
         if not self.cfg.tie_embeddings:
             head = self.lm_head.weight
         else:

@@ -29,7 +29,7 @@ class FixedLogits(torch.nn.Module):
         self.logits, self.real_vocab = logits, logits.numel()
         self.cfg = ModelConfig(n_layer=1, n_head=1, n_embd=8, block_size=8, vocab_size=logits.numel())
 
-    def forward(self, x):  # (1, T) -> (1, T, V)
+    def forward(self, x, **cache):  # (1, T) -> (1, T, V); a KV cache (generate's) is given and left empty
         return self.logits.expand(x.shape[0], x.shape[1], -1).clone()
 
 
@@ -52,7 +52,7 @@ class Recorder(FixedLogits):
         super().__init__(logits)
         self.seen = []
 
-    def forward(self, x):
+    def forward(self, x, **cache):
         self.seen.append(x[0].tolist())
         return super().forward(x)
 

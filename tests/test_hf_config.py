@@ -184,3 +184,20 @@ def test_split_of_a_transformers_folder_runs_the_self_check(tmp_path, saved, mon
         split(folder, tmp_path / "bad", 2, 1, 1)
     assert not (tmp_path / "bad").exists()
     split(folder, tmp_path / "unchecked", 2, 1, 1, check=False, quiet=True)  # --no-check: written as read
+
+
+def test_generate_of_a_transformers_folder_runs_the_self_check(tmp_path, saved, monkeypatch):
+    """megalite generate on a transformers folder checks megalite's model against transformers' forward first;
+    a planted misreading is refused in one line (exit 2) instead of sampling from a wrong model."""
+    from helpers import cli_in_process as cli
+    from megalite.models.llama import LlamaHF
+    folder, _ = saved
+    rc, out, err = cli("generate", "--model", folder, "--prompt", "AB", "--max-new-tokens", 3, "--temperature", 0)
+    assert rc == 0, err
+    real = LlamaHF.from_hf
+    monkeypatch.setattr(LlamaHF, "from_hf", lambda self, name, t, tied=True: real(
+        self, name, t.flip(0) if name.endswith("down_proj.weight") else t, tied))
+    rc, out, err = cli("generate", "--model", folder, "--prompt", "AB", "--max-new-tokens", 3)
+    assert rc == 2 and len(err.strip().splitlines()) == 1 and "--check: megalite's model on the source's" in err, err
+    rc, out, err = cli("generate", "--model", folder, "--prompt", "AB", "--max-new-tokens", 3, "--no-check")
+    assert rc == 0, err

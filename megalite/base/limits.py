@@ -74,11 +74,13 @@ def number(v, where: str, error: type, lo: int = 0, hi: int = MAX_INT) -> int:
 def finite(v, where: str, error: type, positive: bool = False) -> float:
     """`v` as a float if it is a finite number (and > 0 with `positive`), else `error` naming `where`."""
     ok = not isinstance(v, bool) and isinstance(v, (int, float))
-    if isinstance(v, int) and ok:
-        ok = v.bit_length() <= 1024  # float() of a larger int overflows
-    if not ok or not math.isfinite(float(v)) or (positive and not float(v) > 0):
+    try:
+        x = float(v) if ok else math.nan
+    except OverflowError:  # an int from 2**1024 - 2**970 up (float() rounds it to 2**1024): not a float at all
+        x = math.inf
+    if not ok or not math.isfinite(x) or (positive and not x > 0):
         raise error(f"{where} = {describe(v)}, expected a finite{' positive' if positive else ''} number")
-    return float(v)
+    return x
 
 
 def describe(v, width: int = 60) -> str:
@@ -181,6 +183,9 @@ def _scan(data: bytes, where: str, error: type, limit: int) -> None:
                     raise error(f"{where} holds an integer of {len(raw):,} digits at byte {pos}, "
                                 f"expected integers of at most {MAX_INT_BYTES} bytes")
                 arg = int(raw) if raw not in (b"00", b"01") else 0
+                if act == _INT and (arg if arg >= 0 else ~arg).bit_length() > 8 * MAX_INT_BYTES - 1:  # as LONG1's bytes
+                    raise error(f"{where} holds an integer of more than {MAX_INT_BYTES} bytes at byte {pos}, "
+                                f"expected integers of at most {MAX_INT_BYTES} bytes")
         elif n < -1:
             width, signed = _LENGTH[n]
             size = frombytes(data[i:i + width], "little", signed=signed)

@@ -165,7 +165,11 @@ def rope_scaling(s: Optional[dict]) -> dict:
     out = {"rope_type": "llama3"}
     for k in ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings"):
         out[k] = limits.finite(s.get(k), f"rope_scaling {k}", ConvertError, positive=True)
-    out["original_max_position_embeddings"] = int(out["original_max_position_embeddings"])
+    ctx = out["original_max_position_embeddings"]
+    if float(ctx) != int(ctx):  # a count of positions: 8192.0 is 8192, 8192.5 is no context length
+        raise ConvertError(f"rope_scaling original_max_position_embeddings = {ctx!r}: expected a whole number of "
+                           f"positions")
+    out["original_max_position_embeddings"] = int(ctx)
     return out
 
 

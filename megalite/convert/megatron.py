@@ -53,7 +53,9 @@ def iteration_folder(path: Path) -> Path:
         return path
     latest = path / LATEST
     if latest.is_file():
-        text = read_all(latest, limits.FILE_BYTES["line"], follow=True).decode("utf-8", errors="replace").strip()
+        raw = read_all(latest, limits.FILE_BYTES["line"] + 1, follow=True)  # one byte past: a longer file is refused
+        limits.within(len(raw), "line", str(latest), ConvertError)
+        text = raw.decode("utf-8", errors="replace").strip()
         digits = limits.MAX_ITERATION_DIGITS  # ASCII digits only: str.isdigit() also takes '²', which int() refuses
         name = "release" if text == "release" else f"iter_{int(text):07d}" \
             if re.fullmatch(f"[0-9]{{1,{digits}}}", text) else None
@@ -137,7 +139,12 @@ def model_from_args(a: dict, where: str) -> dict:
 
     pos = get("position_embedding_type", "learned_absolute")
     if megatron_llama.is_llama_args(a):
-        return megatron_llama.llama_from_args(a, where)
+        m = megatron_llama.llama_from_args(a, where)
+        reader = {k: m.pop(k) for k in [k for k in m if k.startswith("_")]}  # the reader's flags, not fields
+        try:  # every field as a config checks it (rope_theta above 1): what is written out can be read back
+            return {**model_from(m, where), **reader}
+        except ConfigError as e:
+            raise ConvertError(str(e)) from None
     if pos != "learned_absolute":
         what = {"rope": "rotary position embeddings (RoPE)", "yarn": "rotary position embeddings (YaRN RoPE)",
                 "mrope": "multimodal rotary position embeddings (MRoPE)", "none": "a model without position "

@@ -37,9 +37,6 @@ def convert(ckpt, out, dtype: Optional[str] = None, fmt: str = "megalite", force
     if isinstance(max_shard_size, bool) or not isinstance(max_shard_size, int) or max_shard_size < 1:
         raise ConvertError(f"--max-shard-size {max_shard_size!r}: expected a positive number of bytes")
     src = open_source(Path(ckpt), source, vocab_size, arch, hints)
-    if getattr(src, "harmless", None) and not quiet:  # one informational line, models/hf.py's rule
-        print(f"convert: {src.where}/config.json: {len(src.harmless)} harmless fields ignored (they change neither "
-              f"the weights nor the logits): {', '.join(src.harmless)}", file=sys.stderr, flush=True)
     if src.model is not None and fmt != "hf-gpt2":
         src.partitions()  # a model megalite's cannot hold (q/k/v biases) is refused before anything is written
     out = Path(out)
@@ -58,6 +55,9 @@ def convert(ckpt, out, dtype: Optional[str] = None, fmt: str = "megalite", force
     progress = Progress("convert", len(src.specs), sum(s.nbytes for s in src.specs.values()), quiet)
     proof = _proof(src, fmt, torch_dtype or torch.float32, quiet) if check else None
     done = write(src, out, fmt, torch_dtype, progress, proof, max_shard_size)
+    if getattr(src, "harmless", None) and not quiet:  # one informational line (models/hf.py's rule), after
+        print(f"convert: {src.where}/config.json: {len(src.harmless)} harmless fields ignored (they change "  # the work
+              f"neither the weights nor the logits): {', '.join(src.harmless)}", file=sys.stderr, flush=True)
     if src.skipped and not quiet:  # after the work: a failed convert prints its one error line only
         n = len(src.skipped)
         shown = ", ".join(src.skipped[:8]) + (f", ... ({n} in all)" if n > 8 else "")

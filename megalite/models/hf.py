@@ -16,8 +16,8 @@ from __future__ import annotations
 import json
 import math
 
+from ..base import limits
 from ..base.errors import ConvertError
-from ..base.limits import describe
 
 # keys of transformers' PretrainedConfig (4.x and 5.x) and of the hub's model cards that change neither the
 # weights nor the logits
@@ -74,10 +74,12 @@ def _same(a, b) -> bool:
 
 
 def _show(v) -> str:
+    if isinstance(v, int) and not isinstance(v, bool) and v.bit_length() > 128:
+        return limits.describe(v)  # its size in bits, not 400 digits
     try:
         s = json.dumps(v)
-    except (TypeError, ValueError):  # not JSON, or an int of more than 4,300 digits
-        s = describe(v)
+    except (TypeError, ValueError):
+        s = repr(v)
     return s if len(s) <= 80 else s[:77] + "..."
 
 
@@ -92,8 +94,12 @@ def positive_int(hf: dict, key: str, where: str, default=None) -> int:
 
 def positive_float(hf: dict, key: str, where: str, default: float) -> float:
     v = hf.get(key, default)
-    if isinstance(v, bool) or not isinstance(v, (int, float)) or (isinstance(v, int) and v.bit_length() > 1024) \
-            or not (math.isfinite(float(v)) and v > 0):  # 10**400 is no float: refused, not an OverflowError
+    ok = not isinstance(v, bool) and isinstance(v, (int, float))
+    try:
+        ok = ok and math.isfinite(float(v)) and v > 0
+    except OverflowError:  # a JSON integer no float holds (10**400): refused like inf, not a traceback
+        ok = False
+    if not ok:
         raise ConvertError(f"{where}: {key} = {_show(v)}, expected a positive number")
     return float(v)
 
