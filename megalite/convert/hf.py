@@ -15,7 +15,8 @@ from ..base import limits
 from ..base.fs import read_all, write_new
 from ..checkpoint.stream import StreamingWriter, dtype_of
 from ..config import model_from
-from ..tokenizer import byte_tokenizer, carried_by, write_hf_folder
+from ..checkpoint.validate import carried_by
+from ..tokenizer import byte_tokenizer, write_hf_folder
 from .common import HF_KIND, KIND, ConvertError, Progress, Source, Spec, cast, model_partitions, \
     open_safetensors, parse_json
 from .family import BY_MODEL_TYPE, Family, family_of

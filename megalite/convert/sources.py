@@ -16,7 +16,7 @@ from ..checkpoint.tree import LATEST, MANIFEST, resolve
 from ..base.fs import path_kind
 from ..config import model_from
 from ..parallel.partition import Box
-from ..tokenizer import carried_by
+from ..checkpoint.validate import carried_by
 from .common import MODEL_CONFIG, ConvertError, Source, Spec, check_manifest_tensors, \
     open_safetensors, parse_json
 from .dcp import METADATA, DcpFolder
