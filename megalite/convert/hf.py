@@ -48,7 +48,9 @@ class HFFolder(Source):
         m, self.harmless = self.family.read_config(hf, str(cfg_file))
         self.files = {}  # transformers name -> the open safetensors file that holds it
         for fname in self._weight_files():
-            f = open_safetensors(p / fname)
+            # a link to a regular file is followed: the Hugging Face cache's snapshot folders are links into its
+            # blobs; a FIFO or device, linked or not, is still refused at open (base/fs.open_regular)
+            f = open_safetensors(p / fname, follow=True)
             for k in f.keys():
                 self.files[k] = f
         weights = p / (ST_FILE if (p / ST_FILE).is_file() else ST_INDEX)
