@@ -16,7 +16,8 @@ from ..base.fs import read_all, write_new
 from ..base.origin import GENERATION, TOKENIZER_JSON, Origin
 from ..checkpoint.stream import StreamingWriter, dtype_of
 from ..config import model_from
-from ..tokenizer import byte_tokenizer, carried_by, write_hf_folder
+from ..checkpoint.validate import carried_by
+from ..tokenizer import byte_tokenizer, write_hf_folder
 from .common import HF_KIND, KIND, ConvertError, Progress, Source, Spec, cast, model_partitions, \
     open_safetensors, parse_json
 from .family import BY_MODEL_TYPE, Family, family_of
@@ -49,7 +50,9 @@ class HFFolder(Source):
         self.hf = hf
         self.files = {}  # transformers name -> the open safetensors file that holds it
         for fname in self._weight_files():
-            f = open_safetensors(p / fname)
+            # a link to a regular file is followed: the Hugging Face cache's snapshot folders are links into its
+            # blobs; a FIFO or device, linked or not, is still refused at open (base/fs.open_regular)
+            f = open_safetensors(p / fname, follow=True)
             for k in f.keys():
                 self.files[k] = f
         weights = p / (ST_FILE if (p / ST_FILE).is_file() else ST_INDEX)

@@ -13,12 +13,11 @@ from ..checkpoint import manifest as mf
 from ..base.origin import Origin
 from ..checkpoint.read import SliceReader
 from ..checkpoint.stream import dtype_of
-from ..checkpoint.validate import read_origin
 from ..checkpoint.tree import LATEST, MANIFEST, resolve
 from ..base.fs import path_kind
 from ..config import model_from, model_toml
 from ..parallel.partition import Box
-from ..tokenizer import carried_by
+from ..checkpoint.validate import carried_by, read_origin
 from .common import MODEL_CONFIG, ORIGIN, ConvertError, Source, Spec, check_manifest_tensors, \
     open_safetensors, parse_json
 from .dcp import METADATA, DcpFolder

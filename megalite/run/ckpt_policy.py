@@ -23,7 +23,8 @@ from ..checkpoint.tree import LATEST, LOCK, committed_steps, parse_step_dir, rea
 from ..base.errors import CheckpointError
 from ..config import checkpoint_dir
 from .schedule import lr_at
-from ..tokenizer import carried_by, check_same
+from ..checkpoint.validate import carried_by
+from ..tokenizer import check_same
 
 
 DEFAULT_SHUTDOWN_TIMEOUT_S = 120  # what launch/*.sh export as TORCH_ELASTIC_SHUTDOWN_TIMEOUT (unless set)
