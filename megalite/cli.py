@@ -16,7 +16,7 @@ import os
 import sys
 import traceback
 
-from . import __version__
+from . import __version__, models
 from .base.errors import USER_ERRORS, is_shared, one_line
 
 EPILOGS = {
@@ -31,7 +31,8 @@ EPILOGS = {
                "  megalite prepare dump.jsonl --text-field content --out data/dump.bin   # one document per line",
     "tokenizer": "examples:\n  megalite tokenizer train ~/books/ notes.txt --vocab-size 8192 --out data/bpe-8k\n"
                  "  megalite tokenizer train --vocab-size 4096 --out data/bpe-4k   # on the default corpus",
-    "inspect": "examples:\n  megalite inspect runs/demo/checkpoints\n  megalite inspect runs/demo/checkpoints --tree",
+    "inspect": "examples:\n  megalite inspect runs/demo/checkpoints\n  megalite inspect runs/demo/checkpoints --tree\n"
+               "  megalite inspect my-llama/ > my.toml   # a transformers folder's [model] section, to paste",
     "plot": "example:\n  megalite plot runs/demo runs/resumed --out loss.png",
     "verify": "examples:\n  megalite verify runs/demo/checkpoints                  # the step `latest` names\n"
               "  megalite verify runs/demo/checkpoints/step_00000150",
@@ -96,8 +97,11 @@ def _cmd_train(args, rest) -> int:
 
 def _cmd_config(args, rest) -> int:
     from .config import load_config, resolve, to_toml, validate
+    from .run.init_from import adopt
     world = int(os.environ.get("WORLD_SIZE", "0")) or None
-    cfg = validate(resolve(load_config(args.config, rest), world), world)
+    cfg = load_config(args.config, rest)
+    adopt(cfg)  # train.init_from: the model's [model] section, as train would take it
+    cfg = validate(resolve(cfg, world), world)
     print(to_toml(cfg), end="")
     return 0
 
@@ -135,7 +139,13 @@ def _cmd_tokenizer(args, rest) -> int:
 
 def _cmd_inspect(args, rest) -> int:
     from .checkpoint.verify import inspect, tree
-    print(tree(args.ckpt) if args.tree else inspect(args.ckpt))
+    from pathlib import Path
+    from .convert.sources import detect, model_section
+    p = Path(args.ckpt)  # a model file or a transformers folder: its [model]; anything else is read as a checkpoint
+    if args.model or not args.tree and (p.is_file() and p.suffix == ".safetensors" or detect(p) == "hf"):
+        print(model_section(args.ckpt), end="")
+    else:
+        print(tree(args.ckpt) if args.tree else inspect(args.ckpt))
     return 0
 
 
@@ -241,6 +251,9 @@ def _cmd_bench(args, rest) -> int:
         runs = {mb: run(mb) for mb in sizes}
         if len(sizes) > 1:
             print("\n" + "\n".join(scaling_lines(runs, pairs, fit)), flush=True)
+    elif args.what == "plan" and args.memory:  # each rank's bytes instead of the write plan
+        from .bench.memory import bench_memory_cli
+        bench_memory_cli(args)
     elif args.what == "plan":
         from .bench.plan import bench_plan_cli
         args.vocab_size = 50304 if args.vocab_size is None else args.vocab_size
@@ -347,8 +360,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--force", action="store_true", help="replace --out if it exists")
     p.add_argument("--quiet", action="store_true")
 
-    p = add("inspect", "describe a checkpoint: step, layout, tensors and bytes per coordinate", _cmd_inspect)
-    p.add_argument("ckpt", help="a step folder, or a checkpoint root (the step `latest` names)")
+    p = add("inspect", "describe a checkpoint (step, layout, tensors and bytes per coordinate) or a model (a model "
+                       "file, a transformers folder: its [model] section as TOML)", _cmd_inspect)
+    p.add_argument("ckpt", help="a step folder, a checkpoint root (the step `latest` names), a megalite model "
+                                "file or a transformers folder")
+    p.add_argument("--model", action="store_true", help="print only the [model] section, as TOML to paste into a "
+                                                        "config (the default for a model file or folder)")
     p.add_argument("--tree", action="store_true", help="draw the rank-coded tree as the (tp, cp, pp, dp) grid")
 
     p = add("plot", "train/val loss curves of one or more runs on one chart (needs matplotlib)", _cmd_plot)
@@ -362,7 +379,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("ckpt", help="a step folder, or a checkpoint root (the step `latest` names); a `megalite "
                                 "convert` file; a transformers, Megatron-LM or DCP checkpoint folder")
     p.add_argument("--out", required=True)
-    p.add_argument("--dtype", default=None, help="fp32 | bf16 | fp16 (default fp32; from DCP: as stored)")
+    p.add_argument("--dtype", default=None, help="fp32 | bf16 | fp16 (default: the dtype the source recorded, a transformers folder's carried through checkpoints and files; else fp32; from DCP: as stored)")
     p.add_argument("--format", default="megalite", help="megalite (one .safetensors) | hf (the family's "
                    "transformers folder; hf-gpt2: GPT-2's) | dcp (a DCP folder, Hugging Face storage format)")
     p.add_argument("--from", dest="source", default=None, metavar="KIND",
@@ -476,6 +493,18 @@ def build_parser() -> argparse.ArgumentParser:
                    help="plan: context-parallel size (ranks = tp x cp x pp x dp)")
     p.add_argument("--vpp", type=_positive(int), default=1, help="plan: virtual (interleaved) stages per pipeline rank")
     p.add_argument("--zero1", action="store_true", help="plan: ZeRO-1 optimizer-state shards")
+    p.add_argument("--memory", action="store_true",
+                   help="plan: each rank's bytes of weights, gradients, AdamW moments, the largest gathered block, "
+                        "activations and what its collectives send per step, instead of the write plan")
+    p.add_argument("--zero", type=int, choices=[0, 1, 2, 3], default=0, help="plan --memory: the ZeRO level")
+    p.add_argument("--dp-shard", type=int, default=0, help="plan --memory: hybrid sharding group (0: all dp)")
+    p.add_argument("--micro-batch", type=int, default=1, help="plan --memory: sequences per micro-batch")
+    p.add_argument("--microbatches", type=int, default=0, help="plan --memory: micro-batches per step (4 x pp)")
+    p.add_argument("--arch", choices=sorted(models.FAMILIES), default=models.DEFAULT,
+                   help="plan --memory: the model family")
+    p.add_argument("--n-kv-head", type=int, default=0, help="plan --memory: key/value heads (0: n_head)")
+    p.add_argument("--intermediate-size", type=int, default=0, help="plan --memory: gated MLP width (0: the "
+                                                                       "family's default)")
     p.add_argument("--reshard-to", default=None, metavar="TP,PP,DP[,CP]",
                    help="plan: what each rank of this layout reads to resume the last layout's checkpoint")
     p.add_argument("--rounds", type=_positive(int), default=None,

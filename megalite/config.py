@@ -94,7 +94,10 @@ class ParallelConfig:
     dp: int = 0  # 0: inferred as world_size / (tp * cp * pp), as Megatron and torchtitan do
     cp: int = 1  # context parallelism: every sequence split over cp ranks (ring attention)
     schedule: str = "1f1b"  # "1f1b" | "afab"
-    zero1: bool = False
+    zero1: bool = False  # the older spelling of zero = 1 (with another zero level: refused); read `zero_level`
+    zero: int = 0  # 0 replicated | 1 AdamW moments | 2 + gradients | 3 + parameters, sharded over dp x cp
+    reshard_after_forward: bool = True  # zero 3: free a block's gathered parameters after its forward
+    dp_shard: int = 0  # zero 2/3 hybrid sharding: cut within groups of this many dp x cp ranks (0: all of them)
     bucket_mb: float = 25.0  # size of a data-parallel gradient all-reduce bucket
     sp: bool = False  # sequence parallelism: LayerNorm/dropout regions hold seq/tp of the sequence
     vpp: int = 1  # virtual pipeline stages per rank (interleaved 1F1B when > 1)
@@ -105,6 +108,11 @@ class ParallelConfig:
     def layout(self) -> Layout:
         """The grid's sizes (dp as resolved: 0 until `resolve` fills it in). Built here only."""
         return Layout(self.tp, self.pp, self.dp, self.cp)
+
+    @property
+    def zero_level(self) -> int:
+        """What is cut over dp x cp: parallel.zero, or 1 for the older `zero1 = true` (validate refuses both)."""
+        return self.zero or int(self.zero1)
 
 
 @dataclass
@@ -134,6 +142,9 @@ class TrainConfig:
     tensorboard: bool = False  # also write TensorBoard event files to <out_dir>/tensorboard (needs `tensorboard`)
     wandb: bool = False  # also log to a Weights & Biases run, files in <out_dir>/wandb (needs `wandb`)
     wandb_project: str = "megalite"
+    # A fresh run's weights, [model] section and tokenizer from a model: a transformers folder, a megalite model
+    # file, or a checkpoint's weights (not its run state); "" = initialise from train.seed (run/init_from.py)
+    init_from: str = ""
 
 
 DEFAULT_DATA_PATH = "data/stdlib.bin"  # the only path `auto_prepare` may build (from the stdlib sources)
@@ -175,6 +186,7 @@ class Config:
     train: TrainConfig = field(default_factory=TrainConfig)
     data: DataConfig = field(default_factory=DataConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    named = frozenset()  # the `section.key`s its file and command line set (load_config); not a field
 
     def to_dict(self) -> dict:
         return {s.name: {_key(f.name): getattr(getattr(self, s.name), f.name)
@@ -290,6 +302,7 @@ def load_config(path: str | Path | None = None, overrides: typing.Sequence[str] 
         _set(cfg, key, value, "command line", from_text=True)
         named.add(key)
     apply_family_defaults(cfg, named)
+    cfg.named = frozenset(named)
     return cfg
 
 
@@ -481,6 +494,18 @@ def validate(cfg: Config, world_size: int | None = None) -> Config:
     check_mixture(cfg.data.mixture)
     check_packing(cfg)
     check_evals(cfg.data.eval)
+    if par.zero not in (0, 1, 2, 3):
+        raise ConfigError(f"parallel.zero = {par.zero}: expected 0, 1, 2 or 3")
+    if par.zero1 and par.zero not in (0, 1):
+        raise ConfigError(f"parallel.zero1 = true contradicts parallel.zero = {par.zero}: zero1 = true means zero = 1; "
+                          f"drop parallel.zero1 to use zero = {par.zero}")
+    if par.zero_level == 3 and t.compile:  # measured: inductor's graph sees a block's freed (empty) weight
+        raise ConfigError("parallel.zero = 3 with train.compile = true: a compiled block does not see the weights "
+                          "ZeRO-3 gathers in its hooks; use zero 2, or train.compile = false")
+    if par.dp_shard and (par.dp_shard < 2 or par.zero_level < 2 or (par.dp * par.cp) % par.dp_shard):
+        raise ConfigError(f"parallel.dp_shard = {par.dp_shard}: expected 0 (cut over all dp x cp ranks) or a divisor "
+                          f">= 2 of parallel.dp * parallel.cp = {par.dp * par.cp}, with parallel.zero 2 or 3 "
+                          f"(zero = {par.zero_level})")
     if par.schedule not in ("1f1b", "afab"):
         raise ConfigError(f"parallel.schedule = '{par.schedule}': expected '1f1b' or 'afab'")
     if cfg.checkpoint.on_error not in ("stop", "continue"):
@@ -505,6 +530,9 @@ def validate(cfg: Config, world_size: int | None = None) -> Config:
                           f"train.micro_batch_size * parallel.dp = {t.micro_batch_size}*{par.dp}")
     if t.min_lr > t.lr:
         raise ConfigError(f"train.min_lr = {t.min_lr} is larger than train.lr = {t.lr}")
+    if t.init_from and cfg.checkpoint.resume not in ("auto", "none", ""):
+        raise ConfigError(f"train.init_from = '{t.init_from}' and checkpoint.resume = '{cfg.checkpoint.resume}': "
+                          f"choose one (init_from starts a fresh run from a model's weights; resume continues a run)")
     return cfg
 
 
@@ -589,6 +617,8 @@ def settings(cfg: Config) -> dict:
         paths.append(("checkpoint.resume", cfg.checkpoint.resume))
     paths += [(f"data.mixture[{i}].path", e["path"]) for i, e in enumerate(cfg.data.mixture)
               if isinstance(e, dict) and isinstance(e.get("path"), str)]
+    if cfg.train.init_from:
+        paths.append(("train.init_from", cfg.train.init_from))
     for name, value in paths:
         if value:
             out[f"{name} (resolved)"] = os.path.realpath(value)
@@ -693,7 +723,12 @@ DOCS = {
     "parallel.dp": "data-parallel replicas; 0 = world_size / (tp * cp * pp)",
     "parallel.cp": "context-parallel size: each sequence cut into 2*cp chunks over cp ranks (ring attention)",
     "parallel.schedule": "pipeline schedule: 1f1b | afab",
-    "parallel.zero1": "shard the AdamW moments across dp (x cp) (ZeRO-1)",
+    "parallel.zero1": "shard the AdamW moments across dp (x cp) (ZeRO-1); the same as parallel.zero = 1",
+    "parallel.zero": "ZeRO level over dp (x cp): 0 none, 1 AdamW moments, 2 + gradients, 3 + parameters",
+    "parallel.reshard_after_forward": "zero 3: free each block's gathered parameters after its forward (gathered "
+                                      "again for its backward)",
+    "parallel.dp_shard": "zero 2/3 hybrid sharding: cut within groups of N dp x cp ranks, all-reduce across groups; "
+                         "0 = all",
     "parallel.bucket_mb": "size of one data-parallel gradient all-reduce bucket, MiB",
     "parallel.sp": "sequence parallelism: LayerNorm/dropout regions hold seq/tp of the tokens (needs tp > 1)",
     "parallel.vpp": "virtual pipeline stages per rank (> 1: the interleaved 1F1B schedule)",
@@ -719,6 +754,8 @@ DOCS = {
     "train.wandb": "also log the same scalars to a Weights & Biases run, its files in <out_dir>/wandb (pip install "
                    "wandb; WANDB_MODE=offline works without a login)",
     "train.wandb_project": "the W&B project of train.wandb's runs",
+    "train.init_from": "a fresh run from a model: a transformers folder, a megalite model file or a checkpoint; its "
+                       "weights, [model] section and tokenizer (docs/converting.md); '' = from train.seed",
     "train.seed": "seed of the initial weights, the data order and dropout",
     "train.log_interval": "print a log line every N steps",
     "train.eval_interval": "validation loss every N steps (and at the end)",
@@ -788,6 +825,12 @@ def _toml_value(v) -> str:
     if isinstance(v, list):  # an inline array (of inline tables: data.mixture)
         return "[" + ", ".join(_toml_value(x) for x in v) + "]"
     return repr(v)
+
+
+def model_toml(model: dict) -> str:
+    """A [model] section as TOML a user can paste into a config (`inspect` of a model prints it)."""
+    full = {**dataclasses.asdict(ModelConfig()), **model}
+    return "[model]\n" + "".join(f"{k} = {_toml_value(v)}\n" for k, v in full.items())
 
 
 def to_toml(cfg: Config) -> str:

@@ -8,8 +8,8 @@ a run carries them in: a `tokenizer.json` of the `tokenizers` library.
     train_bpe(...)     `megalite tokenizer train`: a GPT-2-style byte-level BPE over some files
     write_hf_folder    tokenizer.json + tokenizer_config.json (+ special_tokens_map.json) that
                        transformers' AutoTokenizer loads as is
-    carried_by(path)   which tokenizer an artifact carries (a checkpoint, a converted model file, an HF
-                       folder), of_token_file(...) which one made a token file: the one owner of that question
+    of_token_file(...) which tokenizer made a token file (which one an artifact carries: checkpoint/validate.py's
+                       carried_by, the side that opens checkpoints and model files; this floor opens none)
 
 The byte tokenizer is token id = byte value (0..255), built with `tokenizers` as a BPE with no merges over
 GPT-2's byte-to-character alphabet and the ByteLevel pre-tokenizer without its regex split or a prefix
@@ -37,10 +37,6 @@ from .base.corpus import RECORD_SUFFIXES, records
 from .base.errors import CheckpointError, DataError
 from .base.fs import folder_locked, identity, output_refusal, path_kind, remove_tree, replace_output, what_is
 from .base.jsonio import loads
-from .checkpoint.validate import read_tokenizer
-from .checkpoint.manifest import read as read_manifest
-from .checkpoint.stream import read_metadata
-from .checkpoint.tree import LATEST, MANIFEST, resolve, tokenizer_rel
 
 EOT = "<|endoftext|>"  # GPT-2's end-of-text token
 TOKENIZER_KEY = "megalite.tokenizer"  # safetensors metadata of a converted model file: the run's tokenizer.json
@@ -241,7 +237,7 @@ def load(spec, what: str = "--tokenizer") -> Tokenizer:
     p = Path(spec)
     if p.is_dir():
         if (p / TOKENIZER_JSON).exists():
-            return from_json(_read_text(p / TOKENIZER_JSON, what), str(p / TOKENIZER_JSON))
+            return _with_folder_eos(from_json(_read_text(p / TOKENIZER_JSON, what), str(p / TOKENIZER_JSON)), p)
         if (p / "vocab.json").exists():
             p = p / "vocab.json"
         else:
@@ -257,6 +253,20 @@ def load(spec, what: str = "--tokenizer") -> Tokenizer:
                             f"in one folder)")
         return gpt2_from_files(p, merges)
     return from_json(_read_text(p, what), str(p))
+
+
+def _with_folder_eos(tok: Tokenizer, folder: Path) -> Tokenizer:
+    """A tokenizer without GPT-2's end-of-text token (Llama 3's has <|end_of_text|>) takes its folder's own: the
+    eos_token its tokenizer_config.json names, where the vocabulary has it (never a default: issue 38)."""
+    cfg_path = folder / "tokenizer_config.json"
+    if tok.eot_id is not None or tok.is_byte or not cfg_path.is_file():
+        return tok
+    limits.within(cfg_path.stat().st_size, "json", str(cfg_path), DataError)
+    cfg = loads(cfg_path.read_bytes(), str(cfg_path), DataError)
+    eos = cfg.get("eos_token") if isinstance(cfg, dict) else None
+    eos = eos.get("content") if isinstance(eos, dict) else eos
+    tok.eot_id = tok.backend.token_to_id(eos) if isinstance(eos, str) else None
+    return tok
 
 
 # ---------------------------------------------------------------- an HF tokenizer folder
@@ -490,29 +500,7 @@ def _clear_of(text: str, at: int, specials: tuple) -> int:
     return at
 
 
-# ---------------------------------------------------------------- which tokenizer an artifact carries
-def carried_by(path) -> Optional[Tokenizer]:
-    """The tokenizer a model artifact carries, or None where it carries none: a checkpoint (root or step
-    folder: its tokenizer.json, checked against the manifest), a converted model file (its safetensors metadata
-    TOKENIZER_KEY), an HF folder (its tokenizer.json, else GPT-2's vocab.json + merges.txt)."""
-    p = Path(path)
-    if p.is_dir() and ((p / MANIFEST).exists() or (p / LATEST).exists()):  # a checkpoint, not an HF folder
-        step = resolve(p)
-        man = read_manifest(step)
-        text, where = read_tokenizer(step, man), f"{step / tokenizer_rel(man.layout.cp)}"
-    elif p.is_dir():
-        return load(p, "model folder") if (p / TOKENIZER_JSON).exists() or (p / "vocab.json").exists() else None
-    else:
-        try:
-            text = read_metadata(p).get(TOKENIZER_KEY)
-        except (OSError, ValueError) as e:
-            raise DataError(f"{p}: cannot read its safetensors metadata ({e})") from None
-        where = f"{p}: metadata '{TOKENIZER_KEY}'"
-    if text is None:
-        return None
-    return from_json(text if isinstance(text, str) else text.decode("utf-8", errors="replace"), where)
-
-
+# ---------------------------------------------------------------- which tokenizer made a token file
 def of_token_file(path: Path, meta: dict, vocab_size: int) -> Tokenizer:
     """The tokenizer that made a token file (its .json `meta` at `path`): the `tokenizer_file` it names (its bytes
     checked against the recorded `tokenizer_sha256`), or the byte tokenizer for a file that names none and
@@ -539,6 +527,9 @@ def of_token_file(path: Path, meta: dict, vocab_size: int) -> Tokenizer:
                         f"not the tokenizer_sha256 {str(sha)[:16]}... recorded in '{mpath.name}' (the tokenizer was "
                         f"changed after `megalite prepare`; prepare the data again)")
     tok = from_json(raw.decode("utf-8", errors="replace"), f"data.path: tokenizer_file '{tpath}'")
+    eot = meta.get("eot_id")
+    if tok.eot_id is None and isinstance(eot, int) and not isinstance(eot, bool) and 0 <= eot < tok.vocab_size:
+        tok.eot_id = eot  # the end of text prepare separated documents with (the folder's eos: _with_folder_eos)
     if vocab_size > tok.vocab_size:
         raise DataError(f"data.path: '{mpath}' records vocab_size {vocab_size} but its tokenizer "
                         f"'{tpath}' has {tok.vocab_size} ids")

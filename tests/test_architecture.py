@@ -33,9 +33,8 @@ FLOORS = {
     "base": 1,                                  # torch-free: errors, jsonio, faults, fs
     "parallel": 2,                              # the grid, the process group, the parallel layers
     "models": 2,                                # the family specs: data plus a few functions (no family above)
-    "config": 3,
-    "model": 4, "checkpoint": 4,                # checkpoint/: the format's engine
-    "tokenizer": 5,                             # which tokenizer an artifact carries: it reads checkpoints
+    "config": 3, "tokenizer": 3,                # tokenizer: reads tokenizers, opens no checkpoint
+    "model": 4, "checkpoint": 4,                # checkpoint/: the format's engine (and which tokenizer it carries)
     "data": 6, "convert": 6,
     "run": 7, "generate": 7,                    # the training run and its policies
     "testing": 8,

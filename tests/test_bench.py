@@ -116,6 +116,10 @@ def test_bench_train_prints_its_tables(tmp_path):
     # issue 32's tables: the Llama pairs against transformers, and a Llama block's saved bytes = its formula at
     # tp 1, 2 (kv heads split) and cp 2
     assert re.search(r"megalite / transformers tokens/s \(Llama\): [\d.]+ \(median of 2 pairs; range", out), out
+    # issue 41's table: zero 0..3 at dp 2, the bytes each rank holds and sends equal `bench plan --memory`'s
+    zero = re.findall(r"\n2 +([0-3]) +[\d.]+ +([\d.]+) +([\d.]+) +([\d.]+) +([\d.]+)(?=\n)", out)
+    assert [z[0] for z in zero] == ["0", "1", "2", "3"], out
+    assert all(z[1] == z[2] and z[3] == z[4] for z in zero), zero
     llama = {m[1]: m for m in re.finditer(r"\n(\d,\d,\d,\d)" + r" +([\d.]+)" * 5 + r"(?=\n)", out)}
     assert set(llama) == {"1,1,2,1", "2,1,1,1", "1,1,1,2"}, llama.keys()
     for m in llama.values():

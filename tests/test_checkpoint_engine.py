@@ -144,7 +144,9 @@ def _load_error(step, net, opt, grid) -> str:
 
 # ---------------------------------------------------------------- the package imports nothing of the loop
 PACKAGE = Path(__file__).resolve().parent.parent / "megalite"
-ALLOWED = ("megalite.checkpoint", "megalite.base", "megalite.parallel", "megalite.config")
+# megalite.tokenizer: the tokenizer floor sits below checkpoint/ (it opens no checkpoint); checkpoint/validate.py
+# reads the tokenizer a checkpoint carries with it (carried_by, issue 42)
+ALLOWED = ("megalite.checkpoint", "megalite.base", "megalite.parallel", "megalite.config", "megalite.tokenizer")
 
 
 def _imports(path: Path) -> set:
@@ -164,8 +166,8 @@ def _imports(path: Path) -> set:
 def test_the_checkpoint_package_imports_nothing_of_the_training_loop():
     """checkpoint/ is the engine; its policy (megalite/run/ckpt_policy.py), the loop, the model and the tools sit
     above it. What it may import from outside itself: base/ (errors, faults' hooks, fs, jsonio), parallel/ (the
-    grid, the partition tag, ZeRO-1's pieces), config (model_architecture: which [model] keys a load compares)
-    and the version."""
+    grid, the partition tag, ZeRO-1's pieces), config (model_architecture: which [model] keys a load compares),
+    the tokenizer (the one a checkpoint carries) and the version."""
     outside = {}
     for path in sorted((PACKAGE / "checkpoint").glob("*.py")):
         bad = sorted(m for m in _imports(path) if m != "megalite.__version__" and not m.startswith(ALLOWED))

@@ -177,12 +177,17 @@ def test_hf_export_matches_megalite_logits_and_round_trips(tmp_path, run111, mod
     # megalite reads the HF folder too
     with torch.no_grad():
         assert torch.equal(load_model(hf_dir)(ids), mine)
-    # HF folder -> split -> convert: the original megalite file, bit for bit
+    # HF folder -> split -> convert: the original megalite file's tensors and metadata, bit for bit, plus the
+    # folder's origin (its tokenizer and generation files, dtype, ids: base/origin.py), which the file did not have
     for tp, pp, dp in [(2, 2, 1), (1, 1, 1)]:
         step = split(hf_dir, tmp_path / f"ck{tp}{pp}{dp}", tp, pp, dp, quiet=True)
         assert verify(step)[1] == []
         back = convert(step, tmp_path / f"back{tp}{pp}{dp}.safetensors", quiet=True)
-        assert back.read_bytes() == model_file.read_bytes()
+        with safe_open(back, "pt") as b, safe_open(model_file, "pt") as a:
+            meta = b.metadata()
+            assert json.loads(meta.pop("megalite.origin"))["dtype"] == "float32" and meta == a.metadata()
+            assert list(b.keys()) == list(a.keys()) and all(torch.equal(b.get_tensor(k), a.get_tensor(k))
+                                                            for k in a.keys())
 
 
 def test_hf_export_from_a_parallel_layout_is_identical(tmp_path, run111):

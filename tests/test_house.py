@@ -95,9 +95,10 @@ def test_the_scan_finds_a_planted_orphan(tmp_path):
 
 
 # ---------------------------------------------------------------- the tools the documents name
-# what a user has after README's install (and a shell): megalite itself, Python, pip, torchrun, the launch scripts
+# what a user has after README's install (and a shell): megalite itself, Python, pip, torchrun, the launch
+# scripts, and the CLIs of the extras (tensorboard, wandb, transformers)
 USER_TOOLS = {"megalite", "python", "python3", "pip", "torchrun", "bash", "sh", "sbatch", "srun", "export", "cd",
-              "ls", "cat", "cmp", "cp", "diff", "git", "tensorboard", "wandb", "head", "tail", "du", "echo", "kill", "env"}
+              "ls", "cat", "cmp", "cp", "diff", "git", "tensorboard", "wandb", "transformers", "head", "tail", "du", "echo", "kill", "env"}
 
 
 def doc_commands(root: Path = ROOT) -> list[tuple[str, str, str]]:
@@ -116,6 +117,8 @@ def doc_commands(root: Path = ROOT) -> list[tuple[str, str, str]]:
                 if was_cont or not s:
                     continue
                 prompted = s.startswith("$ ")
+                if lang == "console" and not prompted:
+                    continue  # a console block's other lines are what the commands print
                 word = (s[2:] if prompted else s).split()[0]
                 if "=" in word and not prompted:
                     continue

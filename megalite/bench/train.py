@@ -38,6 +38,7 @@ from .bubble import _Stamped, idle_of
 from .context import bench_context
 from .features import bench_features
 from .llama import bench_llama
+from .memory import bench_zero
 
 
 # ---------------------------------------------------------------- the plain PyTorch reference
@@ -291,6 +292,7 @@ def bench_train(steps: int = 10, nproc: int = 4, n_embd: int = 128, n_layer: int
         out.update(bench_features({**o, "bucket_mb": 0.5, "rounds": rounds}, worlds, _run_single, log=log))
         out["context"] = bench_context(o, nproc, cp_seq or 8 * block_size, log=log)
         out.update(bench_llama(o, nproc, pairs, _run_single, cp_seq or 8 * block_size, log=log))
+        out["zero"] = bench_zero(o, nproc, log=log)
     finally:
         shutil.rmtree(work, ignore_errors=True)
     return out

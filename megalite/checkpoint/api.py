@@ -41,7 +41,7 @@ from .manifest import DTYPES, check_meta, step_meta
 from .optimizer import optimizer_state
 from .plan import collect
 from .state import StepState
-from .tree import TOKENIZER_FILE
+from .tree import ORIGIN_FILE, TOKENIZER_FILE
 
 
 def model_state(model) -> tuple[list, frozenset]:
@@ -60,15 +60,16 @@ def global_named(model) -> list:
     return model_state(model)[0]
 
 
-def check_model_state(named) -> None:
-    """Every entry of the state a checkpoint can hold: a tensor of a stored dtype with at least one element."""
+def check_model_state(named, chunked: frozenset = frozenset()) -> None:
+    """Every entry of the state a checkpoint can hold: a tensor of a stored dtype with at least one element
+    (but those in `chunked`: a ZeRO-3 rank's parameters, empty between steps, whose chunks its optimizer holds)."""
     for name, t in named:
         if not torch.is_tensor(t):
             raise CheckpointError(f"model state '{name}' is a {type(t).__name__}, not a tensor (a module's "
                                   f"get_extra_state() is not checkpointed: keep such state in client_state)")
         if t.dtype not in DTYPES.values():
             raise CheckpointError(f"model state '{name}' is {t.dtype} (expected one of {', '.join(DTYPES)})")
-        if t.numel() == 0:
+        if t.numel() == 0 and name not in chunked:
             raise CheckpointError(f"model state '{name}' has shape {list(t.shape)}: a tensor with no elements "
                                   f"cannot be checkpointed")
 
@@ -86,13 +87,15 @@ def encode_scheduler(scheduler) -> Optional[dict]:
 def save_checkpoint(root, step: int, model, optimizer, grid, *, scheduler=None, client_state: Optional[dict] = None,
                     config: Optional[dict] = None, tokens_seen: int = 0, data_state: Optional[dict] = None,
                     keep_last: int = 0, saver: Optional[AsyncSaver] = None, keep=(),
-                    tokenizer: Optional[bytes] = None, direct: bool = False) -> Optional[Path]:
+                    tokenizer: Optional[bytes] = None, origin: Optional[bytes] = None,
+                    direct: bool = False) -> Optional[Path]:
     """Save this rank's slice under root/step_NNNNNNNN (all ranks call it). Returns the committed folder,
     or None when `saver` is given (async: the commit happens in the background; call saver.wait()). With
     megalite's optimizer the async snapshot is the live host tensors themselves (no copy): let only
     `optimizer.step` change them until saver.wait() (load_checkpoint with that optimizer waits by itself).
     keep_last prunes older steps (never the one `latest` names, one newer than `step`, or one in `keep`).
-    `tokenizer`: the run's tokenizer.json, which rank 0 writes into its folder (tp00-pp00-dp00).
+    `tokenizer`: the run's tokenizer.json, which rank 0 writes into its folder (tp00-pp00-dp00); `origin`: the
+    model's origin.json beside it (base/origin.py: its source's tokenizer files, dtype and ids).
     `direct`: the safetensors files are written around the page cache (O_DIRECT; the same bytes), which spares
     a loop that waits on GPUs the page-cache writeback of a large save (`checkpoint.direct_io`)."""
     if config is None and hasattr(model, "cfg"):  # enough for `megalite train` and the converter to use it
@@ -100,8 +103,9 @@ def save_checkpoint(root, step: int, model, optimizer, grid, *, scheduler=None, 
     data_state = data_state or {"batch_index": step}
     named, buffers = model_state(model)
     problem, sched = None, None
+    opt = optimizer_state(optimizer)
     try:  # everything a save could refuse, on every rank, before any rank writes
-        check_model_state(named)
+        check_model_state(named, opt.chunked())
         sched = encode_scheduler(scheduler)
         for field, value in (("client_state", client_state), ("data_state", data_state), ("config", config)):
             if value is not None and not isinstance(value, dict):
@@ -116,12 +120,13 @@ def save_checkpoint(root, step: int, model, optimizer, grid, *, scheduler=None, 
         problem = str(e)
     agreed(problem, grid, f"checkpoint step {step} was not saved")
     commit_groups(grid)  # the commit's own groups, made now by every rank in this (the main) thread
-    opt = optimizer_state(optimizer)
     section = opt.section(named, grid)  # with torch.optim, a collective that checks every rank's state
     pay = collect(named, opt, grid, StepState.capture(step, tokens_seen, data_state, sched), buffers=buffers)
     meta = dataclasses.replace(meta, zero1=opt.zero1, optimizer=section)
     if tokenizer is not None and grid.rank == 0:
         pay.step_files[TOKENIZER_FILE] = bytes(tokenizer)
+    if origin is not None and grid.rank == 0:
+        pay.step_files[ORIGIN_FILE] = bytes(origin)
     if saver is not None:
         saver.submit(Path(root), step, pay, grid, meta, keep_last, keep, optimizer, direct)
         return None

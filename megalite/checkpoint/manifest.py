@@ -57,7 +57,8 @@ from ..parallel.partition import Box, Partition
 from ..base.fs import kind_of, linked, open_read, read_all, write_new
 from .stream import crc32c
 from .tiling import tiling_problems
-from .tree import COORD_PATTERN, MANIFEST, MODEL_FILE, OPTIM_FILE, STATE_FILE, TOKENIZER_FILE, coord_dir
+from .tree import COORD_PATTERN, MANIFEST, MODEL_FILE, OPTIM_FILE, ORIGIN_FILE, STATE_FILE, TOKENIZER_FILE, \
+    coord_dir
 
 FORMAT = "megalite-checkpoint"
 FORMAT_VERSION = 2
@@ -77,7 +78,7 @@ SCALAR_DTYPES = {"float64": torch.float64, "float32": torch.float32, "bfloat16":
                  "float16": torch.float16, "int64": torch.int64, "int32": torch.int32}
 _CLASS = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z_][A-Za-z0-9_]*){0,15}$")
 _FILE_RE = re.compile(r"^(" + COORD_PATTERN + r")/(" + "|".join(
-    re.escape(n) for n in (MODEL_FILE, OPTIM_FILE, STATE_FILE, TOKENIZER_FILE)) + r")$")
+    re.escape(n) for n in (MODEL_FILE, OPTIM_FILE, STATE_FILE, TOKENIZER_FILE, ORIGIN_FILE)) + r")$")
 _HEX8 = re.compile(r"^[0-9a-f]{8}$")
 _PLACEMENT = re.compile(r"^(first|last|layer\.(\d+))$")
 
@@ -432,7 +433,7 @@ class _Parser:
         for rel, rec in d.items():
             m = _FILE_RE.match(rel) if isinstance(rel, str) else None
             if m is None:
-                names = "|".join((MODEL_FILE, OPTIM_FILE, STATE_FILE, TOKENIZER_FILE))
+                names = "|".join((MODEL_FILE, OPTIM_FILE, STATE_FILE, TOKENIZER_FILE, ORIGIN_FILE))
                 raise CheckpointError(f"{self.where}: file name {short(rel)} in 'files' is not "
                                       f"'tpNN-ppNN-dpNN/<{names}>' (tpNN-cpNN-ppNN-dpNN with cp > 1; a plain "
                                       f"name inside the step folder)")

@@ -63,6 +63,8 @@ class OptimizerState:
     """No optimizer: the weights only (the interface every kind implements)."""
     optimizer = None
     zero1 = False
+    per_tensor = False  # a ZeRO-2 or 3 optimizer: its pieces are cut tensor by tensor (plan_writes' per_tensor)
+    shard = 0  # over how many dp x cp ranks it cuts (0: all; hybrid sharding: parallel.dp_shard)
     fresh = ""  # the end of the warning when a checkpoint holds no state for this kind
 
     def section(self, named, grid) -> Optional[dict]:
@@ -72,6 +74,15 @@ class OptimizerState:
         """[(WriteItem, partition, tensor)]: this rank's state beside each planned model slice (partition,
         WriteItem), cut as it is (`WriteItem.state(kind)`)."""
         return []
+
+    def chunked(self) -> frozenset:
+        """The parameters whose weights this optimizer holds in chunks (ZeRO-3: empty between steps)."""
+        return frozenset()
+
+    def weight(self, it):
+        """The planned model slice `it` from the optimizer's own copy of the weights (a ZeRO-3 rank's chunk: its
+        parameter is not whole between steps), or None: read it from the parameter."""
+        return None
 
     def settle(self) -> None:
         """Wait for an async save still writing from the optimizer's tensors."""
@@ -92,6 +103,8 @@ class AdamWState(OptimizerState):
 
     def __init__(self, optimizer):
         self.optimizer, self.zero1 = optimizer, bool(optimizer.zero1)
+        self.per_tensor = bool(getattr(optimizer, "per_tensor", False))
+        self.shard = optimizer.dp.size if self.per_tensor else 0
 
     def section(self, named, grid) -> dict:
         o = self.optimizer
@@ -107,6 +120,18 @@ class AdamWState(OptimizerState):
                 t = store[it.name][a - start:b - start]
                 out.append((it.state(kind), part, t if it.flat else t.view(it.box.shape)))
         return out
+
+    def chunked(self) -> frozenset:
+        return frozenset(self.optimizer.exp_avg) if self.optimizer.level >= 3 else frozenset()
+
+    def weight(self, it):
+        o = self.optimizer
+        if o.level < 3:
+            return None
+        start = o.piece_of(it.name)[0]  # the plan cuts as the chunk is held (per tensor, same ranks)
+        a, b = it.flat or (0, it.box.numel)
+        t = o.shards.weight(it.name)[a - start:b - start]
+        return t if it.flat else t.view(it.box.shape)
 
     def settle(self) -> None:
         self.optimizer.settle()

@@ -49,7 +49,8 @@ def replicated_writer(tensors: Iterable[tuple[str, Partition]], tp: int) -> dict
 
 
 def plan_writes(tensors: Iterable[tuple[str, Partition]], coord: Coord, layout: Layout,
-                optimizer: bool = True, buffers: frozenset = frozenset()) -> list[WriteItem]:
+                optimizer: bool = True, buffers: frozenset = frozenset(), per_tensor: bool = False,
+                shard: int = 0) -> list[WriteItem]:
     """Everything the coordinate `coord` writes, given the (name, partition) of the tensors its pipeline
     stage holds (with `optimizer`, the AdamW moments of each model slice too).
 
@@ -62,12 +63,18 @@ def plan_writes(tensors: Iterable[tuple[str, Partition]], coord: Coord, layout: 
     as it holds them.
     A tensor several tp ranks hold alike is written by one of them (`replicated_writer`); tied copies are never written
     (they load from their source). The names in `buffers` (a module's buffers: no optimizer state) are cut
-    in a flat space of their own, so the parameters' cut stays the ZeRO-1 optimizer's.
+    in a flat space of their own, so the parameters' cut stays the ZeRO-1 optimizer's. `per_tensor` (a ZeRO-2 or
+    3 run's live save): each tensor is cut on its own (`dp_pieces(per_tensor=True)`), as those ranks hold their
+    gradients, moments and (3) weights; a reader takes any cut, since every slice says its box and piece. `shard`
+    (hybrid sharding, parallel.dp_shard = N): the cut is over N ranks, and the first group of N writes it.
     """
     tensors = sorted(tensors)
     boxes = {n: tp_box(p, coord.tp, layout.tp) for n, p in tensors}
+    cut = shard or layout.replicas
+    if layout.replica(coord) >= cut:  # hybrid: another shard group holds (and writes) the same chunks
+        return []
     pieces = dp_pieces([(n, boxes[n].numel, SPACE_BUFFER if n in buffers else bool(p.tied_to))
-                        for n, p in tensors], layout.replica(coord), layout.replicas)
+                        for n, p in tensors], layout.replica(coord), cut, per_tensor)
     writer = replicated_writer(tensors, layout.tp)
     items = []
     for name, part in tensors:
@@ -104,13 +111,16 @@ def collect(params, optimizer, grid, state=None, buffers: frozenset = frozenset(
     optimizer.OptimizerState of one). `params` may hold buffers too (the names in `buffers`). Tensors are
     views (an async save holds them or copies them to host buffers, see async_save.py)."""
     c, L = grid.coord, grid.layout
-    live = dict(params)
+    live, owner = dict(params), optimizer_state(optimizer)
     pay = Payload(files={MODEL_FILE: {}, OPTIM_FILE: {}}, state=state)
-    for it in plan_writes([(n, partition_of(p)) for n, p in params], c, L, optimizer=False, buffers=buffers):
-        part = partition_of(live[it.name])
-        t = valid_view(live[it.name].detach(), part, c.tp, L.tp).reshape(-1)
-        add(pay, it, part, t[it.flat[0]:it.flat[1]] if it.flat else t.view(it.box.shape))
-    for it, part, t in optimizer_state(optimizer).slices(params, pay.model_slices(), grid):
+    for it in plan_writes([(n, partition_of(p)) for n, p in params], c, L, optimizer=False, buffers=buffers,
+                          per_tensor=owner.per_tensor, shard=owner.shard):
+        part, t = partition_of(live[it.name]), owner.weight(it)  # ZeRO-3: the rank's chunk, as held
+        if t is None:
+            t = valid_view(live[it.name].detach(), part, c.tp, L.tp).reshape(-1)
+            t = t[it.flat[0]:it.flat[1]] if it.flat else t.view(it.box.shape)
+        add(pay, it, part, t)
+    for it, part, t in owner.slices(params, pay.model_slices(), grid):
         add(pay, it, part, t)
     return pay
 

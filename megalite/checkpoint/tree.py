@@ -9,6 +9,7 @@
           optimizer.safetensors     its share of the optimizer state (the same share of its AdamW moments)
           state.json                RNG states, sampler position, step
           tokenizer.json            the run's tokenizer (coordinate 0's folder only: rank 0 writes it)
+          origin.json               its source's tokenizer files, dtype and ids, if any (beside it)
       .tmp-step_00000200/           a save in progress (renamed into place on commit)
 
 Every name or path function here has its inverse next to it, and both are unit-tested; `publish` (`latest`,
@@ -32,6 +33,7 @@ MODEL_FILE = "model.safetensors"
 OPTIM_FILE = "optimizer.safetensors"
 STATE_FILE = "state.json"
 TOKENIZER_FILE = "tokenizer.json"  # in coordinate 0's folder only (see tokenizer_rel)
+ORIGIN_FILE = "origin.json"  # beside it: what the model's source said that its tensors do not (base/origin.py)
 LATEST = "latest"
 LATEST_TMP = ".latest.tmp"
 LOCK = "lock"
@@ -53,6 +55,11 @@ def coord_dir(c: Coord, cp: int = 1) -> str:
 def tokenizer_rel(cp: int = 1) -> str:
     """Where a step keeps the run's tokenizer: coordinate 0's folder (rank 0 writes it; every layout has it)."""
     return f"{coord_dir(Coord(0, 0, 0), cp)}/{TOKENIZER_FILE}"
+
+
+def origin_rel(cp: int = 1) -> str:
+    """Where a step keeps its model's origin (base/origin.py): beside the tokenizer, in coordinate 0's folder."""
+    return f"{coord_dir(Coord(0, 0, 0), cp)}/{ORIGIN_FILE}"
 
 
 def parse_coord_dir(name: str) -> Coord:

@@ -3,7 +3,7 @@ the loader (load.py, read.py) and `verify` (verify.py, which runs them all witho
 asks it before moving an interrupted re-save in).
 
     read_checked(step, man, rel)   a small file read whole, checked against its size and CRC32C (state.json,
-                                   tokenizer.json); read_state, read_tokenizer
+                                   tokenizer.json, origin.json); read_state, read_tokenizer, read_origin
     check_file(step, rel, man)     a safetensors file as the loader opens it: inside the step folder (no link),
                                    the manifest's size, a well-formed header whose CRC32C matches
     check_key(step, header, ...)   a slice's key in its file, with the manifest's dtype and stored shape
@@ -14,12 +14,14 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Optional
 
-from ..base.errors import CheckpointError
+from ..base.errors import CheckpointError, DataError
 from ..base.fs import linked, read_all
-from .manifest import Manifest, SliceRef, TensorEntry
+from ..base.origin import Origin
+from .manifest import Manifest, SliceRef, TensorEntry, read as read_manifest
 from .state import StepState
-from .stream import check_header, crc32c, read_header, st_dtype
-from .tree import STATE_FILE, coord_dir, tokenizer_rel
+from .stream import check_header, crc32c, read_header, read_metadata, st_dtype
+from .tree import LATEST, MANIFEST, STATE_FILE, coord_dir, origin_rel, resolve, tokenizer_rel
+from ..tokenizer import TOKENIZER_JSON, TOKENIZER_KEY, Tokenizer, from_json, load
 
 
 def read_checked(step: Path, man: Manifest, rel: str) -> bytes:
@@ -50,6 +52,37 @@ def read_tokenizer(step: Path, man: Manifest) -> Optional[bytes]:
     saved by the API without `tokenizer`)."""
     rel = tokenizer_rel(man.layout.cp)
     return read_checked(step, man, rel) if rel in man.files else None
+
+
+def read_origin(step: Path, man: Manifest) -> Optional[Origin]:
+    """The model's origin.json (base/origin.py), checked (read_checked) and parsed; None where the step has none."""
+    rel = origin_rel(man.layout.cp)
+    if rel not in man.files:
+        return None
+    return Origin.from_json(read_checked(step, man, rel), f"{step.name}: {rel}")
+
+
+def carried_by(path) -> Optional[Tokenizer]:
+    """The tokenizer a model artifact carries, or None where it carries none: a checkpoint (root or step
+    folder: its tokenizer.json, checked against the manifest), a converted model file (its safetensors metadata
+    TOKENIZER_KEY), an HF folder (its tokenizer.json, else GPT-2's vocab.json + merges.txt). The checkpoint side
+    of that question: tokenizer.py reads tokenizers and opens no checkpoint."""
+    p = Path(path)
+    if p.is_dir() and ((p / MANIFEST).exists() or (p / LATEST).exists()):  # a checkpoint, not an HF folder
+        step = resolve(p)
+        man = read_manifest(step)
+        text, where = read_tokenizer(step, man), f"{step / tokenizer_rel(man.layout.cp)}"
+    elif p.is_dir():
+        return load(p, "model folder") if (p / TOKENIZER_JSON).exists() or (p / "vocab.json").exists() else None
+    else:
+        try:
+            text = read_metadata(p).get(TOKENIZER_KEY)
+        except (OSError, ValueError) as e:
+            raise DataError(f"{p}: cannot read its safetensors metadata ({e})") from None
+        where = f"{p}: metadata '{TOKENIZER_KEY}'"
+    if text is None:
+        return None
+    return from_json(text if isinstance(text, str) else text.decode("utf-8", errors="replace"), where)
 
 
 def check_file(step: Path, rel: str, man: Manifest) -> tuple[dict, int]:

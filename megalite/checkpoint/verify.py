@@ -16,7 +16,7 @@ from pathlib import Path
 from ..base.errors import CheckpointError
 from ..parallel.grid import Coord
 from ..parallel.pipeline import stage_of
-from .validate import check_key, read_state, read_tokenizer
+from .validate import check_key, read_origin, read_state, read_tokenizer
 from .manifest import FORMAT_VERSION, read
 from .read import SliceReader
 from .tree import MANIFEST, MODEL_FILE, OPTIM_FILE, coord_dir, parse_coord_dir, resolve
@@ -142,6 +142,7 @@ def verify(path) -> tuple[Path, list[str]]:
             problems.append(str(e))
     try:
         read_tokenizer(step, man)
+        read_origin(step, man)
     except CheckpointError as e:
         problems.append(str(e))
     reader = SliceReader(step, man)

@@ -11,6 +11,8 @@ folder, a Megatron folder) is a `Source` answering the same questions:
     src.read(name, region=None)   one tensor, or a region of it ((start, stop) per dim), in its stored dtype
     src.pieces(name)  the tensor as consecutive row pieces (a DCP folder yields its Shard(0) chunks unassembled)
     src.tokenizer()   the Tokenizer it carries, or None
+    src.origin()      what its source said that the tensors do not (base/origin.py: the tokenizer's and
+                      generation's files byte for byte, the stored dtype, the special ids), or None
     src.reference()   a forward of the source's own for `convert --check` (token ids (B, T) -> logits (B, T, V)),
                       or None: check.py then runs megalite's model on the source's tensors
     src.guards        the paths an --out must stay clear of; src.skipped: entries not converted
@@ -36,6 +38,7 @@ from safetensors import safe_open
 
 from ..base.fs import kind_of, open_regular, output_refusal, read_all, what_is
 from ..base.lock import held
+from ..base.origin import Origin
 from ..checkpoint.manifest import FORMAT as MANIFEST_FORMAT, Manifest, entry_for
 from ..checkpoint.stream import read_metadata
 from ..checkpoint.tree import LATEST, LATEST_TMP, LOCK, MANIFEST, TMP_PREFIX, parse_step_dir
@@ -54,6 +57,7 @@ KIND = "megalite.kind"  # what the file is: MODEL_KIND, "dcp" (a plain DCP sourc
 MODEL_CONFIG = "megalite.model_config"  # the [model] dict, JSON
 PARTITIONS = "megalite.partitions"  # {name: partition tag}, JSON
 TOKENIZER = TOKENIZER_KEY  # the run's tokenizer.json text (tokenizer.py owns "which tokenizer an artifact carries")
+ORIGIN = "megalite.origin"  # base/origin.py's JSON: the source's tokenizer files, dtype and ids
 SKIPPED = "megalite.skipped"  # a DCP source's non-tensor entries, JSON list
 DCP_OUT = "megalite.output"  # the file of a `convert --format dcp` folder: "dcp"
 
@@ -93,6 +97,9 @@ class Source:
     def tokenizer(self):
         return None
 
+    def origin(self) -> Optional[Origin]:
+        return None
+
     def partitions(self) -> dict:
         """The partition tag of every tensor (asked of the model: a source's own layout is not megalite's)."""
         if self.model is None:
@@ -130,6 +137,9 @@ class Source:
         tok = self.tokenizer()
         if tok is not None:  # the run's tokenizer travels with the model (generate and split read it)
             meta[TOKENIZER] = tok.json
+        origin = self.origin()
+        if origin is not None:
+            meta[ORIGIN] = origin.to_json()
         return meta
 
 
@@ -197,9 +207,9 @@ class Progress:
 # What each kind of output is, and the marker by which megalite recognises one it wrote (what --force may replace).
 MODEL_KIND = "model"  # KIND of a `megalite convert` model file
 FILE_KINDS = (MODEL_KIND, "dcp")  # ... of any single file convert writes (a plain DCP source's file says "dcp")
-HF_KIND = "hf-gpt2"  # ... of the safetensors files of a `convert --format hf` folder (the name GPT-2 first had)
+HF_KIND = "hf-"  # ... of the safetensors files of a `convert --format hf` folder: "hf-" + the family ("hf-llama")
 HF_FILES = {"config.json", "generation_config.json", "model.safetensors", "model.safetensors.index.json",
-            "tokenizer.json", "tokenizer_config.json"}  # what that folder holds (and model-NNNNN-of-NNNNN shards)
+            "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja"}  # what that folder holds (and model-NNNNN-of-NNNNN shards)
 HF_FILE, HF_INDEX = "model-00001-of-00001.safetensors", "model.safetensors.index.json"  # that folder's two files
 OUT_KINDS = {"megalite": "a model file written by `megalite convert`",
              "hf": "an HF GPT-2 folder (or a Llama one) written by `megalite convert --format hf`",
@@ -251,7 +261,8 @@ def not_ours(out: Path, kind: str) -> str:
         other = sorted(n for n in names - allowed if not (kind == "hf" and SHARD_NAME.fullmatch(n)))
         if other:
             return f"it holds '{other[0]}'" + (f" and {len(other) - 1} more" if len(other) > 1 else "")
-        return "" if _st_kind(out / main, marker) == want else f"its {main} has no megalite marker"
+        got = _st_kind(out / main, marker)
+        return "" if got == want or kind == "hf" and got.startswith(want) else f"its {main} has no megalite marker"
     for name in sorted(names):  # a checkpoint root: `latest`, its lock, step folders with manifests, temp names
         p = out / name
         if name in (LATEST, LOCK, LATEST_TMP) and not p.is_dir():

@@ -13,9 +13,11 @@ from einops import EinopsError
 
 from ..base import limits
 from ..base.fs import read_all, write_new
+from ..base.origin import GENERATION, TOKENIZER_JSON, Origin
 from ..checkpoint.stream import StreamingWriter, dtype_of
 from ..config import model_from
-from ..tokenizer import byte_tokenizer, carried_by, write_hf_folder
+from ..checkpoint.validate import carried_by
+from ..tokenizer import byte_tokenizer, write_hf_folder
 from .common import HF_KIND, KIND, ConvertError, Progress, Source, Spec, cast, model_partitions, \
     open_safetensors, parse_json
 from .family import BY_MODEL_TYPE, Family, family_of
@@ -45,9 +47,12 @@ class HFFolder(Source):
             raise ConvertError(f"{cfg_file}: model_type is {limits.describe(got)}, expected one of "
                                f"{', '.join(repr(k) for k in BY_MODEL_TYPE)} (the families megalite models)")
         m, self.harmless = self.family.read_config(hf, str(cfg_file))
+        self.hf = hf
         self.files = {}  # transformers name -> the open safetensors file that holds it
         for fname in self._weight_files():
-            f = open_safetensors(p / fname)
+            # a link to a regular file is followed: the Hugging Face cache's snapshot folders are links into its
+            # blobs; a FIFO or device, linked or not, is still refused at open (base/fs.open_regular)
+            f = open_safetensors(p / fname, follow=True)
             for k in f.keys():
                 self.files[k] = f
         weights = p / (ST_FILE if (p / ST_FILE).is_file() else ST_INDEX)
@@ -129,6 +134,13 @@ class HFFolder(Source):
     def tokenizer(self):
         return carried_by(self.folder)
 
+    def origin(self):
+        """Its tokenizer's and generation's files as they are, its weights' stored dtype and config.json's special
+        ids (base/origin.py)."""
+        tok = self.tokenizer()
+        stored = next((TORCH_DTYPE.get(s.dtype) for s in self.specs.values() if s.dtype.is_floating_point), None)
+        return Origin.of_folder(self.folder, self.hf, tok and tok.json, tok and tok.sha256, stored, ConvertError)
+
     def reference(self):
         """transformers' own model on the folder, fp32 (None where transformers is not installed)."""
         return transformers_runner(self.folder)
@@ -202,7 +214,7 @@ def write_hf(tmp: Path, src: Source, dtype: torch.dtype, progress: Progress, max
     names = ([ST_FILE] if len(shards) == 1 else
              [f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors" for i in range(len(shards))])
     tmp.mkdir(parents=True)
-    writers = [StreamingWriter(tmp / n, sh, {"format": "pt", KIND: HF_KIND}, checksum=False, direct=True)
+    writers = [StreamingWriter(tmp / n, sh, {"format": "pt", KIND: HF_KIND + fam.name}, checksum=False, direct=True)
                for n, sh in zip(names, shards)]
     where = {s[0]: w for w, sh in zip(writers, shards) for s in sh}
     try:
@@ -224,10 +236,20 @@ def write_hf(tmp: Path, src: Source, dtype: torch.dtype, progress: Progress, max
                  "weight_map": {s[0]: n for n, sh in zip(names, shards) for s in sh}}
         write_new(tmp / ST_INDEX, (json.dumps(index, indent=2) + "\n").encode())
     eot = tok.eot_id if tok is not None and tok.eot_id is not None and tok.eot_id < rows else None
+    tok = tok or byte_tokenizer()
+    origin = (src.origin() or Origin()).beside(tok.sha256)  # the source's own files and ids, where they apply
+    carried = dict(origin.files)
     cfg = fam.hf_config({**m, "vocab_size": rows}, eot)
+    cfg.update(origin.ids)  # the source's bos/eos/pad (one small step after the family's table: issue 38)
     cfg["torch_dtype"] = TORCH_DTYPE[dtype]
     write_new(tmp / "config.json", (json.dumps(cfg, indent=2) + "\n").encode())
-    gen = {"_from_model_config": True, "bos_token_id": eot, "eos_token_id": eot}
-    write_new(tmp / "generation_config.json", (json.dumps(gen, indent=2) + "\n").encode())
-    # so AutoTokenizer / pipeline work on the folder as is
-    write_hf_folder(tok or byte_tokenizer(), tmp, m["block_size"])
+    if GENERATION not in carried:
+        gen = {"_from_model_config": True, "bos_token_id": cfg.get("bos_token_id", eot),
+               "eos_token_id": cfg.get("eos_token_id", eot), **({"pad_token_id": cfg["pad_token_id"]}
+                                                                 if cfg.get("pad_token_id") is not None else {})}
+        write_new(tmp / GENERATION, (json.dumps(gen, indent=2) + "\n").encode())
+    if "tokenizer_config.json" in carried:  # the source's tokenizer, whole: its files as they came
+        write_new(tmp / TOKENIZER_JSON, carried.pop(TOKENIZER_JSON, tok.json.encode("utf-8")))
+    else:  # so AutoTokenizer / pipeline work on the folder as is
+        write_hf_folder(tok, tmp, m["block_size"])
+    origin.write(tmp, carried)

@@ -11,13 +11,13 @@ from typing import Callable, Optional
 import torch
 
 from ..checkpoint import manifest as mf
-from ..checkpoint.validate import read_tokenizer
+from ..checkpoint.validate import read_origin, read_tokenizer
 from ..checkpoint.commit import commit_step, write_rank
 from ..base.fs import remove_tree, replace_output
 from ..checkpoint.plan import Payload, add, plan_writes
 from ..checkpoint.read import SliceReader
 from ..checkpoint.state import StepState
-from ..checkpoint.tree import TOKENIZER_FILE, coord_dir, resolve, step_dir, tmp_dir
+from ..checkpoint.tree import ORIGIN_FILE, TOKENIZER_FILE, coord_dir, resolve, step_dir, tmp_dir
 from ..config import MAX_COUNT, Config
 from ..parallel.grid import Layout
 from ..parallel.pipeline import stage_of
@@ -29,13 +29,14 @@ from .sources import FileSource, StepSource, open_source
 
 def write_offline(out: Path, layout: Layout, tensors: dict[str, Partition], n_layer: int, read: Callable,
                   meta: mf.StepMeta, with_optimizer: bool, what: str, quiet: bool, itemsize: Callable,
-                  tokenizer: Optional[bytes] = None) -> Path:
+                  step_files: Optional[dict] = None) -> Path:
     """Write every coordinate of `layout` in this one process into a temporary root next to `out`, commit it
     as a live save does (commit_step), then move it into place; on any failure nothing is left behind.
     Every coordinate's state.json is the step's, without RNG states (no coordinate has a stream of its own).
 
     read(item) -> the tensor of one planned slice (checked by the reader); itemsize(item) -> its bytes per
-    element (progress only); tokenizer: the tokenizer.json the checkpoint carries (written with coordinate 0)."""
+    element (progress only); step_files: {name: bytes} the checkpoint carries beside coordinate 0's shards (its
+    tokenizer.json, origin.json)."""
     step = meta.step
     root = out.with_name(out.name + ".tmp-megalite")
     remove_tree(root)
@@ -56,8 +57,8 @@ def write_offline(out: Path, layout: Layout, tensors: dict[str, Partition], n_la
         reports = []
         for c, plan in plans:
             pay = Payload(files={}, state=state)
-            if tokenizer is not None and not reports:
-                pay.step_files[TOKENIZER_FILE] = tokenizer
+            if not reports:
+                pay.step_files.update({k: v for k, v in (step_files or {}).items() if v is not None})
             for it in plan:
                 add(pay, it, tensors[it.name], read(it))
                 progress.step(nbytes(it))
@@ -111,9 +112,10 @@ def split(model, out, tp: int, pp: int, dp: int, zero1: bool = False, step: int 
 
     cfg = Config.from_dict({"model": m, "parallel": {"tp": tp, "pp": pp, "dp": dp, "cp": cp, "zero1": zero1}}).to_dict()
     meta = mf.step_meta(step, layout, cfg, data={"batch_index": step}, zero1=zero1)
-    tok = src.tokenizer()  # an HF folder's own (GPT-2's vocab.json + merges.txt too), or a file's
+    tok, origin = src.tokenizer(), src.origin()  # an HF folder's own (GPT-2's vocab.json + merges.txt too)...
     return write_offline(out, layout, parts, m["n_layer"], read, meta, False, "split", quiet, lambda it: 4,
-                         None if tok is None else tok.json.encode())
+                         {TOKENIZER_FILE: None if tok is None else tok.json.encode(),
+                          ORIGIN_FILE: None if origin is None else origin.to_json().encode()})
 
 
 def reshard(ckpt, out, tp: int, pp: int, dp: int, zero1: Optional[bool] = None, force: bool = False,
@@ -156,5 +158,7 @@ def reshard(ckpt, out, tp: int, pp: int, dp: int, zero1: Optional[bool] = None, 
                         optimizer=man.optimizer, client_state=man.client_state, scheduler=man.scheduler,
                         info={**man.info, "resharded_from": source})
     parts = {n: e.partition for n, e in man.model.items()}
+    origin = read_origin(src, man)
     return write_offline(out, layout, parts, m["n_layer"], read, meta, with_opt, "reshard", quiet,
-                         lambda it: entry(it).itemsize, read_tokenizer(src, man))
+                         lambda it: entry(it).itemsize, {TOKENIZER_FILE: read_tokenizer(src, man),
+                                                         ORIGIN_FILE: origin and origin.to_json().encode()})

@@ -17,7 +17,7 @@ import torch
 
 from . import check as checking
 from .common import DTYPES, ConvertError, Progress, check_out
-from .hf import MAX_SHARD, transformers_runner
+from .hf import MAX_SHARD, TORCH_DTYPE, transformers_runner
 from .sink import FORMATS, write
 from .sources import FileSource, StepSource, open_source
 
@@ -26,7 +26,8 @@ def convert(ckpt, out, dtype: Optional[str] = None, fmt: str = "megalite", force
             quiet: bool = False, source: Optional[str] = None, vocab_size: Optional[int] = None,
             check: Optional[bool] = None, max_shard_size: int = MAX_SHARD, arch: Optional[str] = None,
             hints=None) -> Path:
-    """Any source as one safetensors file, a transformers folder or a DCP folder. dtype: fp32 unless given (a
+    """Any source as one safetensors file, a transformers folder or a DCP folder. dtype: unless given, the
+    dtype its origin records (a transformers folder's, carried through checkpoints and files), else fp32 (a
     plain DCP source: as stored). check: None = on where transformers is installed, for every export to
     transformers and every import from another trainer. arch, hints: what another trainer's checkpoint cannot
     tell (--arch, --num-heads, --config, ...: hints.py)."""
@@ -41,7 +42,7 @@ def convert(ckpt, out, dtype: Optional[str] = None, fmt: str = "megalite", force
         src.partitions()  # a model megalite's cannot hold (q/k/v biases) is refused before anything is written
     out = Path(out)
     check_out(out, force, src.guards, "hf" if fmt.startswith("hf") else fmt)
-    torch_dtype = DTYPES[dtype] if dtype else (None if src.model is None else torch.float32)
+    torch_dtype = DTYPES[dtype] if dtype else (None if src.model is None else default_dtype(src))
     foreign = not isinstance(src, (StepSource, FileSource))
     if check is None:
         check = src.model is not None and (fmt.startswith("hf") or foreign) and fmt != "dcp" \
@@ -67,6 +68,12 @@ def convert(ckpt, out, dtype: Optional[str] = None, fmt: str = "megalite", force
     return done
 
 
+def default_dtype(src) -> torch.dtype:
+    """What an output is written in unless --dtype says: the source's recorded dtype (base/origin.py), else fp32."""
+    origin = src.origin()
+    return NAMED_DTYPES.get(origin.dtype if origin is not None else None, torch.float32)
+
+
 def _proof(src, fmt: str, dtype: torch.dtype, quiet: bool) -> Callable[[Path], None]:
     """The check step of the sink: the written output at `tmp` against the source."""
     def run(tmp: Path) -> None:
@@ -86,6 +93,7 @@ def _proof(src, fmt: str, dtype: torch.dtype, quiet: bool) -> Callable[[Path], N
     return run
 
 
+NAMED_DTYPES = {v: k for k, v in TORCH_DTYPE.items()}  # "bfloat16" -> torch.bfloat16
 UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "KIB": 2**10, "MIB": 2**20, "GIB": 2**30}
 
 

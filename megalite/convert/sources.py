@@ -10,14 +10,15 @@ import torch
 
 from .. import models
 from ..checkpoint import manifest as mf
+from ..base.origin import Origin
 from ..checkpoint.read import SliceReader
 from ..checkpoint.stream import dtype_of
 from ..checkpoint.tree import LATEST, MANIFEST, resolve
 from ..base.fs import path_kind
-from ..config import model_from
+from ..config import model_from, model_toml
 from ..parallel.partition import Box
-from ..tokenizer import carried_by
-from .common import MODEL_CONFIG, ConvertError, Source, Spec, check_manifest_tensors, \
+from ..checkpoint.validate import carried_by, read_origin
+from .common import MODEL_CONFIG, ORIGIN, ConvertError, Source, Spec, check_manifest_tensors, \
     open_safetensors, parse_json
 from .dcp import METADATA, DcpFolder
 from .hf import HFFolder
@@ -42,8 +43,7 @@ class StepSource(Source):
 
     def read(self, name, region=None):
         e = self.man.model[name]
-        box = Box.whole(e.shape) if region is None else Box(tuple(a for a, _ in region),
-                                                           tuple(b - a for a, b in region))
+        box = Box.whole(e.shape) if region is None else Box(region)
         return self._reader.read(e, box).view(box.shape)
 
     def partitions(self):
@@ -51,6 +51,9 @@ class StepSource(Source):
 
     def tokenizer(self):
         return carried_by(self.step)
+
+    def origin(self):
+        return read_origin(self.step, self.man)
 
 
 class FileSource(Source):
@@ -78,6 +81,10 @@ class FileSource(Source):
 
     def tokenizer(self):
         return carried_by(self.where)
+
+    def origin(self):
+        text = self.meta.get(ORIGIN)
+        return None if text is None else Origin.from_json(text, f"{self.where}: metadata '{ORIGIN}'", ConvertError)
 
 
 def is_megatron(path: Path) -> bool:
@@ -152,3 +159,18 @@ def open_source(path, forced: Optional[str] = None, vocab_size: Optional[int] = 
     if not p.is_file():
         raise ConvertError(f"model '{p}' is {path_kind(p)}, expected a safetensors file or a transformers folder")
     return FileSource(p)
+
+
+def model_section(path) -> str:
+    """`megalite inspect PATH --model` (and `inspect` of a model file or a transformers folder): the model's
+    [model] section as TOML a user can paste into a config, after one comment line saying what holds it."""
+    src = open_source(path)
+    if src.model is None:
+        raise ConvertError(f"{src.where}: a plain DCP folder names no model (it has no [model] section)")
+    origin, tok = src.origin(), src.tokenizer()
+    dtypes = sorted({str(s.dtype).replace("torch.", "") for s in src.specs.values() if s.dtype.is_floating_point})
+    said = (f"tokenizer {tok.kind}, {tok.vocab_size:,} ids" if tok is not None else "no tokenizer") + (
+        ", with a chat template" if origin is not None and origin.chat_template() else "")
+    recorded = f", recorded dtype {origin.dtype}" if origin is not None and origin.dtype else ""
+    return (f"# {src.where}: {src.model.get('arch', 'gpt2')}, {len(src.specs)} tensors stored as "
+            f"{'/'.join(dtypes) or 'nothing'}{recorded}; {said}\n" + model_toml(src.model))

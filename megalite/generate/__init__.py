@@ -19,7 +19,7 @@ from ..convert.sources import FileSource, StepSource
 from ..model import GPTStage
 from ..tokenizer import Tokenizer, byte_tokenizer
 from .cache import KVCache
-from .prompt import chat_prompt, folder_files, read_model_text
+from .prompt import chat_prompt, folder_files, origin_files, read_model_text
 from .sampling import check_sampling, draw
 
 
@@ -181,7 +181,7 @@ def sample_text(path: str | Path, prompt: str, as_ids: bool = False, stream=None
     comes before the prompt, never inside the text."""
     model = load_model(path, check)
     tok = getattr(model, "tokenizer", None) or byte_tokenizer()
-    text_of = read_model_text(str(path), tok, folder_files(path))
+    text_of = read_model_text(str(path), tok, folder_files(path) or origin_files(path, tok))
     if chat:  # the template writes the special tokens itself: none added by the tokenizer (apply_chat_template)
         ids = tok.backend.encode(chat_prompt(text_of, prompt, system), add_special_tokens=False).ids
         hidden = len(ids)  # the reply alone is text

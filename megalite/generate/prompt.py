@@ -8,8 +8,8 @@
                   sandbox, trim_blocks and lstrip_blocks, loop controls, raise_exception, strftime_now, a tojson
                   that keeps non-ASCII, the tokenizer's special tokens as variables), add_generation_prompt=True
 
-The files (name -> bytes) are a transformers folder's (folder_files). A megalite checkpoint or model file
-carries only its tokenizer.json today: its end is `<|endoftext|>` and it has no chat template.
+The files (name -> bytes) are a transformers folder's (folder_files), or those a megalite checkpoint or model
+file carries in its origin (origin_files); one without an origin ends at `<|endoftext|>` and has no chat template.
 """
 from __future__ import annotations
 
@@ -77,6 +77,20 @@ def folder_files(path) -> dict:
             within(f.stat().st_size, "json", str(f), ConvertError)
             out[name] = f.read_bytes()
     return out
+
+
+def origin_files(path, tok: Tokenizer) -> dict:
+    """The same FILES for a megalite checkpoint or model file: those its origin carries (base/origin.py: the
+    transformers folder it came from, where they belong to `tok`), with config.json's ids as a config.json."""
+    from ..convert.sources import open_source
+    origin = open_source(path).origin()
+    if origin is None:
+        return {}
+    origin = origin.beside(tok.sha256)
+    files = {k: v for k, v in origin.files.items() if k in FILES}
+    if origin.ids:
+        files[CONFIG] = json.dumps(origin.ids).encode()
+    return files
 
 
 def _ids(v, where: str) -> list[int]:

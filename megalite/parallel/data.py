@@ -17,6 +17,7 @@ space its ranges are cut in, so a reduce-scatter of a bucket would not hand each
 from __future__ import annotations
 
 import bisect
+import contextlib
 import itertools
 import math
 from dataclasses import dataclass
@@ -32,7 +33,7 @@ from .partition import partition_of, shard_range, tp_box
 SPACE_OWN, SPACE_TIED, SPACE_BUFFER = 0, 1, 2  # (False and True are SPACE_OWN and SPACE_TIED)
 
 
-def flat_spaces(tensors: Iterable[tuple[str, int, int]]) -> list[list[tuple[str, int]]]:
+def flat_spaces(tensors: Iterable[tuple[str, int, int]], per_tensor: bool = False) -> list[list[tuple[str, int]]]:
     """The flat spaces a pipeline stage's tp slice is cut in over dp: [(name, numel)] in order.
 
     `tensors` are (global name, valid elements of this tp rank's slice, space): SPACE_OWN (or False) for the
@@ -40,15 +41,22 @@ def flat_spaces(tensors: Iterable[tuple[str, int, int]]) -> list[list[tuple[str,
     stage's own tensors, sorted by global name, form one concatenated space; a tied copy (the last stage's
     LM head tied to wte) is never written and is cut on its own, so the written tensors' cut is the same
     whether or not a stage holds a copy (an offline `split` sees no copies); buffers (a checkpoint writes
-    them, no optimizer holds them) form one space of their own, after the parameters'."""
+    them, no optimizer holds them) form one space of their own, after the parameters'.
+
+    `per_tensor` (ZeRO-2 and 3): every tensor is a space of its own, in name order, so each dp rank holds
+    chunk r of every tensor (FSDP's per-parameter cut): a block's gradients reduce-scatter, and its
+    parameters all-gather, in one equal-sized collective, whichever ranks' ranges the block would fall in."""
     tensors = list(tensors)
+    if per_tensor:
+        return [[(n, k)] for n, k, _ in sorted(tensors)]
     own = sorted((n, k) for n, k, space in tensors if space == SPACE_OWN)
     buffers = sorted((n, k) for n, k, space in tensors if space == SPACE_BUFFER)
     return [own] + ([buffers] if buffers else []) + [[(n, k)] for n, k, space in sorted(tensors)
                                                       if space == SPACE_TIED]
 
 
-def dp_pieces(tensors: Iterable[tuple[str, int, int]], dp_rank: int, dp_size: int) -> dict[str, tuple[int, int]]:
+def dp_pieces(tensors: Iterable[tuple[str, int, int]], dp_rank: int, dp_size: int,
+              per_tensor: bool = False) -> dict[str, tuple[int, int]]:
     """{name: [start, end) of the tensor's flattened valid elements that dp rank `dp_rank` owns}.
 
     Each flat space (`flat_spaces`) is cut into dp ceil-sized contiguous ranges; rank r owns range r, so it
@@ -56,7 +64,7 @@ def dp_pieces(tensors: Iterable[tuple[str, int, int]], dp_rank: int, dp_size: in
     optimizer (which moments a rank keeps) and the checkpoint write plan (which bytes a rank writes) both
     ask this one function: slices then grow by about dp per stage and tp rank, not dp per tensor."""
     out = {}
-    for space in flat_spaces(tensors):
+    for space in flat_spaces(tensors, per_tensor):
         lo, hi = shard_range(sum(k for _, k in space), dp_rank, dp_size)
         off = 0
         for name, k in space:
@@ -97,6 +105,7 @@ class GradBuffer:
     Autograd accumulates micro-batch gradients into the views in place; `finish()` then averages each
     whole bucket over dp with one collective (started during backward with overlap).
     """
+    chunks_over = None  # every rank holds whole gradients (parallel.zero.ShardedState: chunks, over an axis)
 
     def __init__(self, params: list, dp: Axis, bucket_mb: float = 25.0, overlap: bool = False):
         self.dp = dp
@@ -111,6 +120,7 @@ class GradBuffer:
             self.buffers.append(flat)
             self.buckets.append(bucket)
         self.overlap = overlap and dp.active
+        self.sent = {"all_reduce": 0}  # bytes handed to collectives (bench.memory's count is tested against it)
         self.works: list = [None] * len(self.buffers)
         self.expected = 0  # accumulations per parameter in this step (its micro-batches); 0: not armed
         if self.overlap:
@@ -120,6 +130,14 @@ class GradBuffer:
     def zero(self) -> None:
         for b in self.buffers:
             b.zero_()
+
+    def grad(self, name: str, p) -> torch.Tensor:
+        """The gradient finalize and the optimizer read: the whole one (zero 2 and 3 hand out a chunk)."""
+        return p.grad
+
+    def whole(self):
+        """The parameters are whole already (zero 3 gathers them for a checkpoint: parallel.zero)."""
+        return contextlib.nullcontext()
 
     def arm(self, num_micro: int) -> None:
         """Overlap: this step runs num_micro backwards per parameter; a bucket is reduced after the last."""
@@ -143,6 +161,7 @@ class GradBuffer:
         fewer gradients than expected, in bucket order on every rank), or do them all now without overlap."""
         if not self.overlap:
             return self.all_reduce_mean()
+        self.sent["all_reduce"] += sum(b.numel() * b.element_size() for b in self.buffers)
         for i, b in enumerate(self.buffers):
             if self.works[i] is None:
                 self.works[i] = dist.all_reduce(b, group=self.dp.group, async_op=True)
@@ -155,6 +174,7 @@ class GradBuffer:
     def all_reduce_mean(self) -> None:
         if not self.dp.active:
             return
+        self.sent["all_reduce"] += sum(b.numel() * b.element_size() for b in self.buffers)
         works = [dist.all_reduce(b, group=self.dp.group, async_op=True) for b in self.buffers]
         for w, b in zip(works, self.buffers):
             w.wait()
@@ -195,16 +215,22 @@ class ShardedAdamW:
     there (one extra copy of the held state, in the step; bitwise the same update as without the hold).
     """
 
-    def __init__(self, named_params: list, tp: Axis, dp: Axis, zero1: bool, betas=(0.9, 0.95), eps: float = 1e-8,
-                 weight_decay: float = 0.0, bucket_mb: float = 25.0, fused: bool = False):
-        self.tp, self.dp, self.zero1, self.fused = tp, dp, zero1 and dp.active, fused
+    def __init__(self, named_params: list, tp: Axis, dp: Axis, zero1: bool = False, betas=(0.9, 0.95),
+                 eps: float = 1e-8, weight_decay: float = 0.0, bucket_mb: float = 25.0, fused: bool = False,
+                 zero: int = 0, shards=None):
+        level = max(int(zero), int(bool(zero1))) if dp.active else 0
+        # zero1: the moments are cut over dp (any level >= 1; the checkpoint's word for it); per_tensor (zero
+        # >= 2): cut tensor by tensor, as `shards` (parallel.zero.ShardedState) cuts gradients and weights
+        self.tp, self.dp, self.zero1, self.fused = tp, dp, level >= 1, fused
+        self.level, self.per_tensor, self.shards = level, level >= 2, shards if level >= 2 else None
         self.betas, self.eps, self.weight_decay = betas, eps, weight_decay
         self.step_count = 0
         self.entries: list[_Entry] = []
         self.exp_avg: dict[str, torch.Tensor] = {}
         self.exp_avg_sq: dict[str, torch.Tensor] = {}
         sizes = [(name, self.valid_numel(p), bool(partition_of(p).tied_to)) for name, p in named_params]
-        pieces = dp_pieces(sizes, dp.rank, dp.size) if self.zero1 else {n: (0, k) for n, k, _ in sizes}
+        pieces = dp_pieces(sizes, dp.rank, dp.size, self.per_tensor) if self.zero1 else \
+            {n: (0, k) for n, k, _ in sizes}
         for name, p in named_params:
             a, b = pieces[name]
             # The layer that made the parameter decided (its tag): no decay on biases and LayerNorms.
@@ -212,15 +238,24 @@ class ShardedAdamW:
             self.exp_avg[name] = torch.zeros(b - a, dtype=torch.float32, device=p.device)
             self.exp_avg_sq[name] = torch.zeros(b - a, dtype=torch.float32, device=p.device)
         self._by_name = {e.name: e for e in self.entries}
-        self._spaces = []  # zero1: per flat space, its parameters and their start offsets (for the all-gather)
-        if self.zero1:
-            for space in flat_spaces(sizes):
+        self._spaces = []  # zero 1 and 2: per flat space, its parameters and their start offsets (all-gather)
+        if self.zero1 and level < 3:  # zero 3 keeps the weights cut: no all-gather after the step
+            for space in flat_spaces(sizes, self.per_tensor):
                 starts = list(itertools.accumulate([k for _, k in space], initial=0))
                 self._spaces.append(([self._by_name[n].param for n, _ in space], starts))
         self._gather_elems = max(1, int(bucket_mb * 2**20 / 4 / dp.size))  # per rank per all-gather
+        self.sent = {"all_gather": 0}  # bytes handed to collectives (as GradBuffer.sent)
         self._spare: dict[tuple[str, int], torch.Tensor] = {}  # zero-copy snapshots: see `hold`
         self.held: set[tuple[str, int]] = set()
         self._writer_wait, self._index = None, None
+
+    def _grad(self, e: _Entry) -> torch.Tensor:
+        """The gradient of the elements [start, end) this rank updates (zero >= 2: its shard, already them)."""
+        return self.shards.grad(e.name) if self.shards else e.param.grad.view(-1)[e.start:e.end]
+
+    def _weight(self, e: _Entry, w: torch.Tensor) -> torch.Tensor:
+        """Elements [start, end) of the weight tensor `w` (zero 3: `w` is the shard, already them)."""
+        return w if self.level >= 3 else w.view(-1)[e.start:e.end]
 
     def valid_numel(self, p) -> int:
         """Elements of the local tensor that belong to the global one: vocab padding rows sit at the end
@@ -238,7 +273,7 @@ class ShardedAdamW:
                 old = self._live(*key)
                 self._spare_swap(*key).copy_(old)
             self._fused_step(lr, grad_scale)
-            if self.zero1:
+            if self._spaces:
                 self._all_gather()
             return
         for e in self.entries:
@@ -247,8 +282,8 @@ class ShardedAdamW:
                                    for i, x in enumerate((w, m, v)))
             if e.end == e.start:
                 continue  # zero1: this rank owns none of it
-            w, out = w.view(-1)[e.start:e.end], w_new.view(-1)[e.start:e.end]
-            g = e.param.grad.view(-1)[e.start:e.end]
+            w, out = self._weight(e, w), self._weight(e, w_new)
+            g = self._grad(e)
             if grad_scale != 1.0:
                 g = g * grad_scale
             # The same elementwise kernels in place (out is the input) or out of place (after a hold).
@@ -258,7 +293,7 @@ class ShardedAdamW:
             torch.mul(v, b2, out=v_new).addcmul_(g, g, value=1 - b2)
             denom = (v_new.sqrt() / math.sqrt(bc2)).add_(self.eps)
             torch.addcdiv(w, m_new, denom, value=-lr / bc1, out=out)
-        if self.zero1:
+        if self._spaces:
             self._all_gather()
 
     def _fused_step(self, lr: float, grad_scale: float) -> None:
@@ -275,8 +310,7 @@ class ShardedAdamW:
             es = [e for e in mine if e.decay == decay]
             if not es:
                 continue
-            torch._fused_adamw_([e.param.data.view(-1)[e.start:e.end] for e in es],
-                                [e.param.grad.view(-1)[e.start:e.end] for e in es],
+            torch._fused_adamw_([self._weight(e, self._live(e.name, 0)) for e in es], [self._grad(e) for e in es],
                                 [self.exp_avg[e.name] for e in es], [self.exp_avg_sq[e.name] for e in es], [],
                                 [step] * len(es), lr=lr, beta1=self.betas[0], beta2=self.betas[1],
                                 weight_decay=self.weight_decay if decay else 0.0, eps=self.eps, amsgrad=False,
@@ -285,7 +319,8 @@ class ShardedAdamW:
     # ------------------------------------------------------------ zero-copy snapshots (async checkpoints)
     # A tensor is (name, i): i = 0 the parameter, 1 its exp_avg, 2 its exp_avg_sq.
     def _live(self, name: str, i: int) -> torch.Tensor:
-        return (self._by_name[name].param.data, self.exp_avg[name], self.exp_avg_sq[name])[i]
+        weight = self.shards.weight(name) if self.level >= 3 else self._by_name[name].param.data
+        return (weight, self.exp_avg[name], self.exp_avg_sq[name])[i]
 
     def _spare_swap(self, name: str, i: int) -> torch.Tensor:
         """Make tensor (name, i)'s spare buffer the live one and keep the old one as the spare; return the
@@ -294,7 +329,9 @@ class ShardedAdamW:
         if new is None:  # not reserved at start-up
             new = torch.empty_like(old)
         self._spare[name, i], self._index = old, None
-        if i == 0:
+        if i == 0 and self.level >= 3:
+            self.shards.weights[name] = new
+        elif i == 0:
             self._by_name[name].param.data = new
         else:
             (self.exp_avg, self.exp_avg_sq)[i - 1][name] = new
@@ -365,6 +402,7 @@ class ShardedAdamW:
                     mine[at:at + view.numel()] = view
                 gathered = [torch.empty_like(mine) for _ in range(n)]
                 dist.all_gather(gathered, mine, group=self.dp.group)
+                self.sent["all_gather"] += n * mine.numel() * mine.element_size()
                 for r, (lo, hi) in enumerate(spans):
                     for view, at in self._views(space, lo, hi):
                         view.copy_(gathered[r][at:at + view.numel()])

@@ -28,7 +28,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Callable
+from typing import Callable, Optional
 
 import torch
 import torch.distributed as dist
@@ -61,12 +61,16 @@ def finalize_grads(params: list, buffer: GradBuffer, grid: ParallelGrid, sp: boo
 
     `params` are (global name, parameter) in a fixed order (the same on every rank of an axis).
     Collectives: all-reduce over dp x cp (buckets), over embed and tp (one each, when active), over mp (the norm).
+    With zero 2 and 3 (`buffer` a parallel.zero.ShardedState) step 1 is its reduce-scatters and step 2 sums
+    each rank's chunks (a tied copy and its source, or a tensor's tp replicas, are cut alike, so the sum of the
+    chunks is the chunk of the sum); the norm adds the chunks' squares over dp x cp as well.
     """
     buffer.finish()
+    grads = [(name, p, buffer.grad(name, p)) for name, p in params]
     for r in reductions(grid, sp):
-        all_reduce_grads([p for _, p in params if r.selects(partition_of(p))], r.axis)
+        all_reduce_grads([g for _, p, g in grads if r.selects(partition_of(p))], r.axis)
     shared_reduce([p for _, p in params if is_shared(partition_of(p), grid.tp.size)], grid.tp)
-    return grad_norm(params, grid)
+    return grad_norm(grads, grid, chunks_over=buffer.chunks_over)
 
 
 def is_shared(part: Partition, tp_size: int) -> bool:
@@ -94,9 +98,9 @@ def shared_reduce(params: list, axis: Axis) -> None:
         offset += n
 
 
-def all_reduce_grads(params: list, axis: Axis) -> None:
-    """Sum these parameters' gradients over `axis` in one collective (flattened into one buffer)."""
-    grads = [p.grad for p in params if p.grad is not None]
+def all_reduce_grads(grads: list, axis: Axis) -> None:
+    """Sum these gradients over `axis` in one collective (flattened into one buffer)."""
+    grads = [g for g in grads if g is not None]
     if not axis.active or not grads:
         return
     flat = torch.cat([g.reshape(-1) for g in grads])
@@ -107,20 +111,25 @@ def all_reduce_grads(params: list, axis: Axis) -> None:
         offset += g.numel()
 
 
-def grad_norm(named_params, grid: ParallelGrid) -> float:
+def grad_norm(named_grads, grid: ParallelGrid, chunks_over: Optional[Axis] = None) -> float:
     """L2 norm of the whole model's gradient, as a single process would compute it.
 
     tp-replicated parameters (LayerNorms, row-parallel biases, wpe) are counted on tp rank 0 only (a kv head
     shared by several tp ranks on the first of them: `tp_replica`) and
     the tied LM-head copy is skipped; the partial sums are then added over the model-parallel group
-    (all tp and pp ranks of one dp x cp replica). Gradients are identical across dp and cp after the all-reduce.
+    (all tp and pp ranks of one dp x cp replica). Gradients are identical across dp and cp after the all-reduce;
+    `chunks_over` (zero 2 and 3): the ranks that each hold a chunk of them (dp x cp, or a hybrid shard group);
+    the sums are added over it too.
+    `named_grads`: (global name, parameter, its gradient).
     """
-    sq = torch.zeros((), dtype=torch.float64, device=named_params[0][1].device)
-    for _, p in named_params:
+    sq = torch.zeros((), dtype=torch.float64, device=named_grads[0][1].device)
+    for _, p, g in named_grads:
         part = partition_of(p)
         if part.tied_to or tp_replica(part, grid.tp.rank, grid.tp.size) != 0:
             continue
-        sq += p.grad.detach().double().pow(2).sum()
+        sq += g.detach().double().pow(2).sum()
     if grid.mp.active:
         dist.all_reduce(sq, group=grid.mp.group)
+    if chunks_over is not None and chunks_over.active:
+        dist.all_reduce(sq, group=chunks_over.group)
     return math.sqrt(sq.item())

@@ -119,6 +119,17 @@ class Layout(tuple):
         the model, in rank order (index `replica`): gradients are averaged and ZeRO-1 cuts over it."""
         return sorted(self.rank_of(c._replace(dp=d, cp=k)) for d in range(self.dp) for k in range(self.cp))
 
+    def shard_ranks(self, c: Coord, shard: int) -> list[int]:
+        """Hybrid sharding (parallel.dp_shard = shard): c's group of `shard` consecutive members of its dp x cp
+        group (by `replica`), inside which ZeRO-2 and 3 cut every tensor."""
+        members, r = self.dp_cp_ranks(c), self.replica(c)
+        return members[r - r % shard:r - r % shard + shard]
+
+    def replicate_ranks(self, c: Coord, shard: int) -> list[int]:
+        """Hybrid sharding: the members of c's dp x cp group at c's place in every shard group (they hold the
+        same chunks: their reduced chunks are all-reduced)."""
+        return self.dp_cp_ranks(c)[self.replica(c) % shard::shard]
+
     def pp_ranks(self, c: Coord) -> list[int]:
         return [self.rank_of(c._replace(pp=p)) for p in range(self.pp)]
 
@@ -220,6 +231,24 @@ class ParallelGrid:
         axes.setdefault("embed", Axis(1, 0))  # middle pipeline stages hold no embedding copy
         cpu = dist.new_group(backend="gloo", timeout=timeout)
         return cls(layout, rank, world=dist.group.WORLD, cpu=cpu, timeout=timeout, **axes)
+
+    def hybrid(self, shard: int) -> tuple[Axis, Axis]:
+        """(shard, replicate) axes for ZeRO-2 and 3 with parallel.dp_shard = `shard` (0: the whole dp x cp
+        group, no replication). Makes groups: every rank calls it, with the same `shard`."""
+        if shard in (0, self.dp_cp.size):
+            return self.dp_cp, Axis(1, 0)
+        axes = {}
+        for name, members_of in (("shard", self.layout.shard_ranks), ("replicate", self.layout.replicate_ranks)):
+            seen = []
+            for c in self.layout.coords():
+                members = members_of(c, shard)
+                if members in seen:
+                    continue
+                seen.append(members)
+                group = dist.new_group(members, timeout=self.timeout) if len(members) > 1 else None
+                if self.rank in members:
+                    axes[name] = Axis(len(members), members.index(self.rank), group)
+        return axes["shard"], axes["replicate"]
 
     # Pipeline neighbours, as global ranks for point-to-point sends.
     @property

@@ -11,6 +11,7 @@ import torch
 import torch.distributed as dist
 
 from ..checkpoint import AsyncSaver, load_checkpoint, save_checkpoint
+from ..checkpoint.validate import read_origin
 from ..checkpoint.verify import verify
 from ..checkpoint.commit import recover
 from ..base.fs import move_aside, unlink_quietly, write_new
@@ -22,7 +23,8 @@ from ..checkpoint.tree import LATEST, LOCK, committed_steps, parse_step_dir, rea
 from ..base.errors import CheckpointError
 from ..config import checkpoint_dir
 from .schedule import lr_at
-from ..tokenizer import carried_by, check_same
+from ..checkpoint.validate import carried_by
+from ..tokenizer import check_same
 
 
 DEFAULT_SHUTDOWN_TIMEOUT_S = 120  # what launch/*.sh export as TORCH_ELASTIC_SHUTDOWN_TIMEOUT (unless set)
@@ -217,8 +219,10 @@ class CheckpointManager:
                 self.log(f"WARNING: resume=auto: falling back to {path}")
         else:
             path = Path(want)
-        info = load_checkpoint(path, tr.model, tr.optimizer, self.grid, model_config=self.cfg.to_dict()["model"])
+        with tr.grads.whole():  # zero 3: the weights gathered, loaded, cut again
+            info = load_checkpoint(path, tr.model, tr.optimizer, self.grid, model_config=self.cfg.to_dict()["model"])
         self._check_tokenizer(info, tr)
+        tr.origin = read_origin(info.path, info.manifest)  # carried on into this run's checkpoints
         tr.step, tr.tokens_seen = info.step, info.tokens_seen
         tr.sampler.load_state_dict(info.data)
         self.last_saved = self.resumed_from = info.step
@@ -240,9 +244,10 @@ class CheckpointManager:
 
     def _schedule_note(self, saved: dict, step: int) -> None:
         """The LR schedule is a function of (step, train.steps, warmup, lr, min_lr): changing train.steps on
-        resume re-shapes it from here on. That is deliberate (the new total is the run's length); say so."""
+        resume re-shapes it from here on. That is deliberate (the new total is the run's length); say so. Not at
+        step 0 (a weights-only checkpoint from `split`: no run's schedule ever gave an LR)."""
         t = self.cfg.train
-        if not isinstance(saved.get("steps"), int) or saved["steps"] == t.steps or step >= t.steps:
+        if step == 0 or not isinstance(saved.get("steps"), int) or saved["steps"] == t.steps or step >= t.steps:
             return
         import dataclasses
         try:
@@ -326,6 +331,7 @@ class CheckpointManager:
                                    config=self.cfg.to_dict(), tokens_seen=tr.tokens_seen,
                                    data_state=tr.sampler.state_dict(), keep_last=self.c.keep_last, saver=self.saver,
                                    keep=self.keep, tokenizer=tr.tokenizer.json.encode() if tr.tokenizer else None,
+                                   origin=tr.origin.to_json().encode() if tr.origin else None,
                                    direct=self.direct)
         except CheckpointError as e:
             self._failed(e)

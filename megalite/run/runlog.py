@@ -44,7 +44,12 @@ def start_line(cfg: Config, layout, device_type: str, precision: str) -> str:
     par = cfg.parallel
     return (f"megalite: {layout} on {layout.world_size} {device_type} process(es), "
             f"{num_microbatches(cfg)} micro-batches/step, schedule {par.schedule}, "
-            f"zero1 {'on' if par.zero1 else 'off'}, precision {precision}{_features(cfg)}")
+            f"{_zero(par)}, precision {precision}{_features(cfg)}")
+
+
+def _zero(par) -> str:
+    """`zero1 on|off` as every start line said it before ZeRO-2 and 3; `zero 2` or `zero 3` at those levels."""
+    return f"zero {par.zero}" if par.zero >= 2 else f"zero1 {'on' if par.zero_level else 'off'}"
 
 
 def _features(cfg: Config) -> str:

@@ -28,18 +28,21 @@ from ..base import faults
 from . import metrics, tensorboard_log, wandb_log
 from ..parallel.rng import seed_everything
 from .ckpt_policy import CheckpointManager
+from . import init_from
 from .compile import compile_blocks
 from ..config import DEFAULT_DATA_PATH, Config, ParallelConfig, num_microbatches, resolve, seq_len, settings, validate
 from ..data import HASH_BITS, BatchSampler, ensure_data, identity as data_identity, token_hash
 from ..data import mixture
 from .inputs import open_data, open_evals
 from ..base.errors import ConfigError, DataError, NonFiniteError
+from ..base.origin import Origin
 from ..model import GPTStage
 from .schedule import clip_scale, lr_at
 from ..parallel.context import local_positions, split_sequence
 from ..parallel.tensor import vocab_parallel_cross_entropy
 from ..parallel.data import GradBuffer, ShardedAdamW, use_fused
 from ..parallel.finalize import finalize_grads
+from ..parallel.zero import ShardedState
 from ..parallel.grid import ParallelGrid
 from ..parallel.pipeline import P2P, get_schedule
 from ..parallel.agree import agree, agree_settings
@@ -66,6 +69,7 @@ class Trainer:
     history: list = field(default_factory=list)
     stopped_by: Optional[str] = None
     tokenizer: Optional[Tokenizer] = None  # the token file's, copied into every checkpoint
+    origin: Optional[Origin] = None  # the model's source's tokenizer files, dtype, ids (base/origin.py): carried on
     val_tokens_per_byte: Optional[float] = None  # of the validation targets: val loss -> bits per byte
     evals: list = field(default_factory=list)  # data.eval: (name, fixed batches, tokens per byte) of each set
 
@@ -91,9 +95,14 @@ def build(cfg: Config, grid: ParallelGrid, device: torch.device) -> Trainer:
     if t.compile:
         compile_blocks(model)
     params = sorted(model.global_parameters(), key=lambda np_: np_[0])
-    # cp ranks hold the same weights as dp replicas do: gradients are averaged, and ZeRO-1 cuts, over dp x cp
-    grads = GradBuffer([p for _, p in params], grid.dp_cp, par.bucket_mb, overlap=par.overlap_grad_reduce)
-    opt = ShardedAdamW(params, grid.tp, grid.dp_cp, par.zero1, betas=(t.beta1, t.beta2),
+    # cp ranks hold the same weights as dp replicas do: gradients are averaged, and ZeRO cuts, over dp x cp
+    if par.zero_level >= 2 and grid.dp_cp.active:  # each block one unit (gathered, reduced together): parallel/zero.py
+        shard, replicate = grid.hybrid(par.dp_shard)  # dp_shard: cut within groups, all-reduced across them
+        grads = ShardedState(params, list(model.blocks.values()), model, grid.tp, shard, par.zero_level,
+                             par.reshard_after_forward, par.overlap_grad_reduce, replicate)
+    else:
+        grads = GradBuffer([p for _, p in params], grid.dp_cp, par.bucket_mb, overlap=par.overlap_grad_reduce)
+    opt = ShardedAdamW(params, grid.tp, grads.dp, zero=par.zero_level, betas=(t.beta1, t.beta2), shards=grads,
                        weight_decay=t.weight_decay, bucket_mb=par.bucket_mb, fused=use_fused(t.fused_adamw, device))
     seed_everything(t.seed, grid)
     return Trainer(cfg, grid, device, model, params, grads, opt, sampler, val, tokenizer=tok,
@@ -212,6 +221,7 @@ def train(cfg: Config, log=print, force: bool = False) -> Trainer:
     world = world_size_from_env()
     problem = None
     try:
+        init_from.adopt(cfg)  # train.init_from: the source's [model] section, before anything checks it
         validate(resolve(cfg, world), world)
     except ConfigError as e:
         if world == 1:
@@ -386,6 +396,12 @@ def _start(cfg: Config, grid: ParallelGrid, device, log, force: bool = False) ->
     try:
         if not explicit:
             agree(lambda: ckpt.resume(tr), grid)  # resume=auto may finish an interrupted save: under the lock
+        if cfg.train.init_from and ckpt.resumed_path is None:  # this run's own checkpoints take precedence
+            progress(f"reading the weights of train.init_from={cfg.train.init_from}...")
+            tr.origin = agree(lambda: init_from.load(tr, cfg.train.init_from), grid)
+            if grid.rank == 0:
+                log(f"initialised from {cfg.train.init_from} (its weights; a fresh optimizer and LR schedule "
+                    f"from step 1)")
         agree(lambda: ckpt.reserve(tr), grid)
         metrics_file = agree(lambda: metrics.open_for_run(out_dir, tr.step, ckpt.resumed_event, log)
                              if grid.rank == 0 else None, grid)
