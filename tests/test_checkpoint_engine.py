@@ -272,7 +272,7 @@ def test_checkpoint_direct_io_is_on_for_gpu_hosts_by_default_and_reaches_every_s
     got = []
     monkeypatch.setattr(policy, "save_checkpoint", lambda *a, **k: got.append(k["direct"]))
     manager = policy.CheckpointManager(cfg, ParallelGrid.single())
-    tr = SimpleNamespace(step=3, model=None, optimizer=None, tokens_seen=0, tokenizer=None,
+    tr = SimpleNamespace(step=3, model=None, optimizer=None, tokens_seen=0, tokenizer=None, origin=None,
                          sampler=SimpleNamespace(state_dict=lambda: {}))
     manager.save(tr)
     assert got == [True]

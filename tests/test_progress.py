@@ -49,8 +49,8 @@ def test_generate_streams_each_token_before_drawing_the_next(tmp_path, monkeypat
     forwards = [0]
     real = gen.load_model
 
-    def counted(p):
-        m = real(p)
+    def counted(p, *check):
+        m = real(p, *check)
         m.register_forward_hook(lambda *a: forwards.__setitem__(0, forwards[0] + 1))
         return m
 

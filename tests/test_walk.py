@@ -27,4 +27,6 @@ def test_the_loops_save_reads_nothing_back(tiny_toml, tmp_path):
     walk = walk_save(["--config", str(tiny_toml), "--train.steps=2", "--checkpoint.interval=2",
                       f"--checkpoint.dir={tmp_path / 'ck'}"])
     assert (tmp_path / "ck" / "latest").is_file()
-    assert not READING & set(walk.files) and len(walk.files) <= 19, walk.report("save")
+    # 19 before the families became specs; models/__init__.py and models/spec.py are the family's spec, asked by
+    # ModelConfig (ffn_size, the family's keys) where it was a branch on the name (issue 39)
+    assert not READING & set(walk.files) and len(walk.files) <= 21, walk.report("save")

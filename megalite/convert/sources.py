@@ -172,5 +172,5 @@ def model_section(path) -> str:
     said = (f"tokenizer {tok.kind}, {tok.vocab_size:,} ids" if tok is not None else "no tokenizer") + (
         ", with a chat template" if origin is not None and origin.chat_template() else "")
     recorded = f", recorded dtype {origin.dtype}" if origin is not None and origin.dtype else ""
-    return (f"# {src.where}: {src.model.get('arch', 'gpt2')}, {len(src.specs)} tensors stored as "
+    return (f"# {src.where}: {models.spec_of(src.model).name}, {len(src.specs)} tensors stored as "
             f"{'/'.join(dtypes) or 'nothing'}{recorded}; {said}\n" + model_toml(src.model))
