@@ -40,7 +40,7 @@ class ModelConfig:
     activation: str = "gelu_new"  # GPT-2's MLP: "gelu_new" (tanh approximation) | "gelu" (exact, erf) | "relu"
     # The family (megalite/models/: one spec file each). The keys below apply to the families whose spec takes
     # them; each has a default, so `--model.arch=llama` (or qwen2, qwen3, mistral) trains any config as is.
-    arch: str = models.DEFAULT  # a name of models.FAMILIES: "gpt2" | "llama" | "qwen2" | "qwen3" | "mistral"
+    arch: str = models.DEFAULT  # a name of models.FAMILIES (megalite/models/: one spec file per family)
     n_kv_head: int = 0  # key/value heads, dividing n_head (GQA; 1: MQA); 0: n_head (MHA)
     intermediate_size: int = 0  # SwiGLU's hidden width; 0: Llama's rule from the width (`ffn_size`)
     rope_theta: float = 10000.0  # rotary base (transformers' LlamaConfig default; Llama 3: 500000; Qwen: 1e6)

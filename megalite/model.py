@@ -53,8 +53,9 @@ from .parallel.tensor import (ColumnParallelLinear, RowParallelLinear, VocabPara
 ACTIVATION_FNS = {"gelu_new": lambda x: F.gelu(x, approximate="tanh"), "gelu": F.gelu, "relu": F.relu}
 
 
-def _replicated(shape: tuple, placement: str, init: str, decay: bool = True) -> nn.Parameter:
-    return tag(nn.Parameter(torch.zeros(shape)), Partition(shape, None, placement=placement, init=init, decay=decay))
+def _replicated(shape: tuple, placement: str, init: str, decay: bool = True, tp_partial: bool = False) -> nn.Parameter:
+    return tag(nn.Parameter(torch.zeros(shape)), Partition(shape, None, placement=placement, init=init, decay=decay,
+                                                           tp_partial=tp_partial))
 
 
 class LayerNorm(nn.Module):
@@ -73,27 +74,23 @@ class LayerNorm(nn.Module):
 class RMSNorm(nn.Module):
     """Llama's norm: x / rms(x) * weight (no mean, no bias); replicated on every tp rank like LayerNorm."""
 
-    def __init__(self, dim: int, eps: float, placement: str):
+    def __init__(self, dim: int, eps: float, placement: str, tp_partial: bool = False):
         super().__init__()
         self.eps = eps
-        self.weight = _replicated((dim,), placement, "ones", decay=False)
+        self.weight = _replicated((dim,), placement, "ones", decay=False, tp_partial=tp_partial)
 
     def forward(self, x):
         return F.rms_norm(x, self.weight.shape, self.weight, self.eps)
 
 
-def norm(cfg: ModelConfig, placement: str, dim: int = 0) -> nn.Module:
-    return (RMSNorm if cfg.spec.features.norm == "rms" else LayerNorm)(dim or cfg.n_embd, cfg.layer_norm_eps,
-                                                                      placement)
+def norm(cfg: ModelConfig, placement: str) -> nn.Module:
+    return (RMSNorm if cfg.spec.features.norm == "rms" else LayerNorm)(cfg.n_embd, cfg.layer_norm_eps, placement)
 
 
 def head_norm(cfg: ModelConfig, placement: str) -> nn.Module:
     """Qwen3's RMSNorm over each head's width, one weight shared by every head: replicated on every tp rank, which
     applies it to its own heads only, so its gradient is summed over tp (the tag's tp_partial, finalize.py)."""
-    n = RMSNorm(cfg.head_dim, cfg.layer_norm_eps, placement)
-    n.weight = tag(nn.Parameter(torch.zeros(cfg.head_dim)), Partition((cfg.head_dim,), None, placement=placement,
-                                                                      init="ones", decay=False, tp_partial=True))
-    return n
+    return RMSNorm(cfg.head_dim, cfg.layer_norm_eps, placement, tp_partial=True)
 
 
 # ---------------------------------------------------------------- rotary position embeddings (Llama)

@@ -217,6 +217,16 @@ def table(headers: list[str], rows: list[list]) -> str:
     return "\n".join([line(cells[0]), sep] + [line(r) for r in cells[1:]])
 
 
+def pair_verdict(ratios: list, ratio: str, goal: float, same: bool, same_what: str, log=print) -> float:
+    """The two closing lines of a bench that alternates megalite with an outside tool: the median ratio over
+    the pairs with its range and whether it meets `goal`, then whether both produced the same ids."""
+    med = statistics.median(ratios)
+    log(f"\n{ratio}: {med:.2f}x (median of {len(ratios)} alternated pairs; range {min(ratios):.2f}-"
+        f"{max(ratios):.2f}); goal >= {goal}x: {'met' if med >= goal else 'NOT met'}")
+    log(f"same ids: {'yes' if same else 'NO'} ({same_what})")
+    return med
+
+
 class StreamTable:
     """A table printed row by row as each row is measured (long benches are not silent until the end).
 

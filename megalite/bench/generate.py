@@ -17,14 +17,13 @@ from __future__ import annotations
 
 import os
 import shutil
-import statistics
 import sys
 import tempfile
 import time
 from pathlib import Path
 from typing import Optional
 
-from . import StreamTable
+from . import StreamTable, pair_verdict
 
 PROMPT = "def fibonacci(n):\n    \"\"\"The n-th Fibonacci number.\"\"\"\n"
 
@@ -95,11 +94,9 @@ def bench_generate(n_layer: int = 30, n_embd: int = 576, vocab_size: int = 49152
                 rates[kind].append(new_tokens / dt)
                 t.row([f"{kind} generate", r + 1, f"{dt:.2f}", f"{new_tokens / dt:.2f}"])
         ratios = [a / b for a, b in zip(rates["megalite"], rates["transformers"])]  # round by round
-        med = statistics.median(ratios)
         same = outs["megalite"] == outs["transformers"]
-        log(f"\nmegalite / transformers tokens/s: {med:.2f}x (median of {len(ratios)} alternated pairs; range "
-            f"{min(ratios):.2f}-{max(ratios):.2f}); goal >= 1.0x: {'met' if med >= 1.0 else 'NOT met'}")
-        log(f"same ids: {'yes' if same else 'NO'} ({len(outs['megalite']) - len(ids)} new tokens)")
+        pair_verdict(ratios, "megalite / transformers tokens/s", 1.0, same,
+                     f"{len(outs['megalite']) - len(ids)} new tokens", log)
         if not same:
             print(f"bench generate: megalite and transformers disagree: {outs}", file=sys.stderr)
         return {"ratios": ratios, "same_ids": same, "rates": rates}

@@ -1,4 +1,4 @@
-"""`megalite bench train`, tables 9 and 10: the Llama family (model.arch = "llama", docs/families.md).
+"""`megalite bench train`, tables 9 and 10: the Llama family (its spec: megalite/models/llama.py; docs/families.md).
 
 9. megalite (1,1,1) beside transformers' LlamaForCausalLM of the same dims (RMSNorm, rotary, SwiGLU, GQA with
    n_head / 2 kv heads, untied head), the same batch and micro-batches, both eager (no torch.compile; both

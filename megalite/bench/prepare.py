@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import os
 import shutil
-import statistics
 import sys
 import tempfile
 import time
@@ -29,7 +28,7 @@ from typing import Optional
 
 import numpy as np
 
-from . import StreamTable, sample_rss
+from . import StreamTable, pair_verdict, sample_rss
 
 REF_BATCH_BYTES = 8 << 20
 
@@ -125,10 +124,8 @@ def bench_prepare(size_mb: float = 32, vocab_size: int = 4096, tokenizer: Option
                 shutil.rmtree(round_dir)
         ratios = [a / b for a, b in zip(rates["prepare"], rates["tokenizers"])]
         same = counts["prepare"] == counts["tokenizers"]
-        med = statistics.median(ratios)
-        log(f"\nprepare / encode_batch throughput: {med:.2f}x (median of {len(ratios)} alternated pairs; range "
-            f"{min(ratios):.2f}-{max(ratios):.2f}); goal >= 0.8x: {'met' if med >= 0.8 else 'NOT met'}")
-        log(f"same ids: {'yes' if same else 'NO'} ({counts['prepare'][0]:,} ids of text in both)")
+        pair_verdict(ratios, "prepare / encode_batch throughput", 0.8, same,
+                     f"{counts['prepare'][0]:,} ids of text in both", log)
         if not same:
             print(f"bench prepare: prepare and encode_batch disagree: {counts}", file=sys.stderr)
         return {"ratios": ratios, "same_ids": same, "rates": rates}
