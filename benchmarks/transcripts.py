@@ -92,7 +92,7 @@ SMALL_ONLY = [
     ("ft", r"^megalite: train\.steps 100 -> 6: the cosine LR schedule now spans"),
 ]
 FREE = re.compile(r"^megalite generate\b|\.generate\(")  # sampled text: any non-empty output will do
-VALUES = ("yes", "NO", "on", "off", "-", "cpu", "cuda", "ok")
+VALUES = ("NOT met", "met", "yes", "NO", "on", "off", "-", "cpu", "cuda", "ok")  # a paired bench's goal verdict is a value
 NOTES_TEXT_CHARS = 60_000  # the fine-tune session's my-notes.txt: the start of the stdlib's argparse.py
 
 
