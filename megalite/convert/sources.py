@@ -147,9 +147,9 @@ def open_source(path, forced: Optional[str] = None, vocab_size: Optional[int] = 
             return DcpFolder(p)
         if arch not in readers["torchtitan"]:
             raise ConvertError(f"--arch '{arch}': a DCP folder is read as a model only for --arch {tt} (torchtitan's "
-                               f"Llama 3)")
-        from .torchtitan import TorchtitanLlama
-        return TorchtitanLlama(p, hints or Hints())
+                               f"{', '.join(models.spec(n).torchtitan.what for n in readers['torchtitan'])})")
+        from .torchtitan import TorchtitanModel
+        return TorchtitanModel(p, hints or Hints(), arch=arch)
     if kind == "hf":
         return HFFolder(p)
     if is_checkpoint(p) or p.is_dir():
