@@ -4,10 +4,12 @@ torchtitan 0.3.0 (tests/torchtitan_ref.py, the `ttref` fixture) builds a Qwen3Mo
 dense size (fused wqkv, q/k RMSNorm of the head width before CosSinRoPE, eps 1e-6, tied embeddings) with a head
 width of its own (4 heads of 32 over a width of 64), runs its forward and saves its state with DCP;
 `megalite convert --from dcp --arch qwen3` must give torchtitan's logits (1e-5 relative) in megalite's own model
-and in transformers' Qwen3ForCausalLM after `--format hf`. Planted reader bugs (k and v swapped in the name
-table, Qwen3's rotate-half read as Llama 3's interleaved pairs, q_norm dropped) each fail that comparison; the
-one inside the converter (q_norm dropped) also fails `--check`, which runs the stored tensors in their own
-layout through the same name table (so a wrong table entry is caught by this test, not by --check).
+and in transformers' Qwen3ForCausalLM after `--format hf`. megatron-core 0.16 (tests/megatron_ref.py, `mref`)
+builds a GPTModel with qk_layernorm and kv_channels 32 at TP=2, saved with and without Megatron-LM's args: read
+as a Qwen3, the same bound against megatron-core's forward. Planted reader bugs (k and v swapped, rotate-half read
+as interleaved pairs, q and k norms swapped, q_norm dropped) each fail that comparison; those inside the converter
+(q_norm dropped) also fail `--check`, which runs the stored tensors in their own layout through the same name
+table (so a wrong table entry is caught by this test, not by --check).
 """
 from __future__ import annotations
 
@@ -84,34 +86,6 @@ def _table(**swap):
     return t
 
 
-def _q_norm_dropped(get):
-    return lambda self, name: torch.ones_like(get(self, name)) if name.endswith("q_norm.weight") else get(self, name)
-
-
-PLANTED = {  # bug -> (plant it, does --check see it)
-    "k and v swapped in the table": (lambda mp: mp.setattr(type(models.qwen3.SPEC.torchtitan), "PER_LAYER",
-                                                           _table(**{"attn.k.weight": "attn.v.weight"})), False),
-    "rotate-half read as interleaved pairs": (lambda mp: mp.setattr(type(models.qwen3.SPEC.torchtitan),
-                                                                    "interleaved", True), False),
-    "q_norm dropped": (lambda mp: mp.setattr(TorchtitanModel, "get", _q_norm_dropped(TorchtitanModel.get)), True),
-}
-
-
-@needs_torchtitan
-@pytest.mark.parametrize("bug", list(PLANTED))
-def test_planted_torchtitan_qwen3_bugs_fail(ttref, tmp_path, monkeypatch, bug):
-    ref = torch.load(ttref / "qwen3.pt")
-    plant, check_sees = PLANTED[bug]
-    plant(monkeypatch)
-    src = TorchtitanModel(ttref / "qwen3-step-10", hn.Hints(num_heads=4), arch=QWEN3)
-    with pytest.raises(AssertionError):
-        _close(ref["logits"], megalite_runner(src)(ref["ids"]))
-    rc, _, err = cli("convert", ttref / "qwen3-step-10", "--from", "dcp", "--arch", QWEN3, "--num-heads", 4,
-                     "--out", tmp_path / "o.safetensors")
-    print(f"planted {bug}: convert --check: rc {rc} {err.strip().splitlines()[-1][:140]}")
-    assert (rc == 2 and "--check: " in err) == check_sees
-
-
 @needs_torchtitan
 def test_a_torchtitan_qwen3_folder_read_as_another_family_is_one_line(ttref, tmp_path):
     ref = torch.load(ttref / "qwen3.pt")
@@ -144,3 +118,88 @@ def test_a_tied_config_over_two_different_tensors_is_refused(ttref, tmp_path):
                                            r"and 'lm_head\.weight' differ"):
         TorchtitanModel(tmp_path / "untied", h, arch=QWEN3).get("wte.weight")
     shutil.rmtree(tmp_path / "untied")
+
+
+# ---------------------------------------------------------------- megatron-core
+needs_megatron = pytest.mark.skipif(importlib.util.find_spec("megatron") is None
+                                    or importlib.util.find_spec("megatron.core") is None,
+                                    reason="megatron-core is not installed (pip install -e '.[test]')")
+VOCAB = 256  # the real vocabulary (megatron's tensors hold 320 rows)
+
+
+@needs_megatron
+def test_megatron_qwen3_equals_megatron_cores_forward(mref, tmp_path):
+    """megatron-core's GPTModel with qk_layernorm and kv_channels 32 (over 64 / 4 heads) at TP=2, saved as
+    Megatron-LM does and by dist_checkpointing.save alone (then --num-heads, --rope-theta): a Qwen3, megalite's
+    logits = megatron-core's; --format hf -> Qwen3ForCausalLM = the same."""
+    from megalite.convert.megatron import MegatronGPT
+    ref = torch.load(mref / "qwen3_tp2.pt")
+    want = ref["logits"][..., :VOCAB]
+    ds = []
+    for folder, h in (("qwen3_tp2", hn.Hints()), ("qwen3_tp2_noargs", hn.Hints(num_heads=4, rope_theta=1e6))):
+        src = MegatronGPT(mref / folder, VOCAB, h)
+        assert (src.m["arch"], src.m["head_size"], src.m["n_kv_head"]) == (QWEN3, 32, 2), src.m
+        ds.append(_close(want, megalite_runner(src)(ref["ids"])))
+    rc, _, err = cli("convert", mref / "qwen3_tp2", "--vocab-size", VOCAB, "--arch", QWEN3, "--format", "hf",
+                     "--out", tmp_path / "hf")
+    assert rc == 0 and "check:" in err, err
+    hf = transformers.AutoModelForCausalLM.from_pretrained(str(tmp_path / "hf")).eval()
+    with torch.no_grad():
+        d = _close(want, hf(ref["ids"]).logits)
+    print(f"megatron Qwen3 tp2 -> megalite: with args {ds[0]:.2e}, without (flags) {ds[1]:.2e}; --format hf -> "
+          f"{type(hf).__name__} {d:.2e} (logits up to {want.abs().max():.1f})")
+    assert type(hf).__name__ == "Qwen3ForCausalLM"
+    rc, _, err = cli("convert", mref / "qwen3_tp2", "--vocab-size", VOCAB, "--arch", models.llama.SPEC.name,
+                     "--out", tmp_path / "bad.safetensors")
+    assert rc == 2 and "--arch llama contradicts" in err and "make a qwen3" in err, err
+
+
+def _megatron():
+    from megalite.convert import megatron
+    return megatron
+
+
+def _q_norm_dropped(get):
+    return lambda self, name: torch.ones_like(get(self, name)) if name.endswith("q_norm.weight") else get(self, name)
+
+
+PLANTED = {  # bug -> (the trainer, plant it, does --check see it)
+    "torchtitan: k and v swapped in the table": ("torchtitan", lambda mp: mp.setattr(
+        type(models.qwen3.SPEC.torchtitan), "PER_LAYER", _table(**{"attn.k.weight": "attn.v.weight"})), False),
+    "torchtitan: rotate-half read as interleaved pairs": ("torchtitan", lambda mp: mp.setattr(
+        type(models.qwen3.SPEC.torchtitan), "interleaved", True), False),
+    "torchtitan: q_norm dropped": ("torchtitan", lambda mp: mp.setattr(
+        TorchtitanModel, "get", _q_norm_dropped(TorchtitanModel.get)), True),
+    "megatron: q/k layernorm names swapped": ("megatron", lambda mp: mp.setattr(
+        type(models.qwen3.SPEC.megatron), "PER_LAYER", {"attn.q_norm.weight": "self_attention.k_layernorm.weight",
+                                                        "attn.k_norm.weight": "self_attention.q_layernorm.weight"}),
+        False),
+    "megatron: q_layernorm dropped": ("megatron", lambda mp: mp.setattr(
+        _megatron().MegatronGPT, "get", _q_norm_dropped(_megatron().MegatronGPT.get)), True),
+}
+
+
+@pytest.mark.parametrize("bug", list(PLANTED))
+def test_planted_qwen3_reader_bugs_fail(request, tmp_path, monkeypatch, bug):
+    """Each fails the comparison with the trainer's forward; those inside the converter also fail --check (which
+    reads through the same name table, so a wrong table entry is this test's to catch)."""
+    kind, plant, check_sees = PLANTED[bug]
+    mark = needs_torchtitan if kind == "torchtitan" else needs_megatron
+    mark.args[0] and pytest.skip(mark.kwargs["reason"])
+    if kind == "torchtitan":
+        d = request.getfixturevalue("ttref")
+        ref = torch.load(d / "qwen3.pt")
+        read = lambda: TorchtitanModel(d / "qwen3-step-10", hn.Hints(num_heads=4), arch=QWEN3)  # noqa: E731
+        args = [d / "qwen3-step-10", "--from", "dcp", "--arch", QWEN3, "--num-heads", 4]
+    else:
+        d = request.getfixturevalue("mref")
+        ref = torch.load(d / "qwen3_tp2.pt")
+        read = lambda: _megatron().MegatronGPT(d / "qwen3_tp2", VOCAB)  # noqa: E731
+        args = [d / "qwen3_tp2", "--vocab-size", VOCAB]
+    want = ref["logits"][..., :VOCAB]
+    plant(monkeypatch)
+    with pytest.raises(AssertionError):
+        _close(want, megalite_runner(read())(ref["ids"]))
+    rc, _, err = cli("convert", *args, "--out", tmp_path / "o.safetensors")
+    print(f"planted {bug}: convert --check: rc {rc} {err.strip().splitlines()[-1][:140]}")
+    assert (rc == 2 and "--check: " in err) == check_sees

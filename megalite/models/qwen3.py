@@ -38,7 +38,16 @@ class Qwen3Titan(LlamaTitan):
     rope_theta, norm_eps = 1e6, 1e-6  # every dense config of torchtitan's qwen3 registry; its _EPS
 
 
+class Qwen3Megatron:
+    """Megatron core's names beyond a Llama's (megatron/core/transformer/attention.py: `q_layernorm` and
+    `k_layernorm` of `hidden_size_per_attention_head`, applied to each head before RoPE when `qk_layernorm`;
+    Megatron-Bridge maps them to self_attn.q_norm / k_norm), per layer, megalite -> megatron."""
+    PER_LAYER = {"attn.q_norm.weight": "self_attention.q_layernorm.weight",
+                 "attn.k_norm.weight": "self_attention.k_layernorm.weight"}
+
+
 SPEC = FamilySpec(
     name="qwen3", about="Qwen3: a Llama with per-head q/k RMSNorm before rotary and its own head width",
     features=Features(qk_norm=True, head_size=True), keys=LLAMA_KEYS, defaults={"tie_embeddings": False},
-    ffn_size=meta_ffn, hf=Qwen3HF(), torchtitan=Qwen3Titan(), readers=("torchtitan",))
+    ffn_size=meta_ffn, hf=Qwen3HF(), megatron=Qwen3Megatron(),
+    torchtitan=Qwen3Titan(), readers=("megatron", "torchtitan"))
