@@ -14,6 +14,7 @@ table (so a wrong table entry is caught by this test, not by --check).
 from __future__ import annotations
 
 import importlib.util
+import json
 from pathlib import Path
 
 import pytest
@@ -41,7 +42,7 @@ def _close(want: torch.Tensor, got: torch.Tensor) -> float:
 
 def qwen3_config(ref: dict, folder: Path, **kw) -> Path:
     """transformers' own config.json of the reference's Qwen3 (Qwen3Config.save_pretrained)."""
-    c = ref["config"]
+    c = ref["config"] if "config" in ref else MEGATRON_QWEN3
     keys = dict(vocab_size=c["vocab_size"], hidden_size=c["dim"], intermediate_size=c["ffn_hidden"],
                 num_hidden_layers=c["n_layers"], num_attention_heads=c["n_heads"], num_key_value_heads=c["n_kv_heads"],
                 head_dim=c["head_dim"], rms_norm_eps=c["eps"], rope_theta=c["rope_theta"],
@@ -64,8 +65,10 @@ def test_torchtitan_qwen3_equals_torchtitans_forward(ttref, tmp_path):
     assert (model.cfg.arch, model.cfg.tie_embeddings, model.cfg.head_dim) == (QWEN3, True, 32)
     with torch.no_grad():
         d = _close(ref["logits"], model(ref["ids"]))
-    flags = TorchtitanModel(folder, hn.Hints(num_heads=4), arch=QWEN3)  # theta 1e6, eps 1e-6: torchtitan's
-    assert (flags.m["rope_theta"], flags.m["layer_norm_eps"], flags.m["tie_embeddings"]) == (1e6, 1e-6, False)
+    flags = TorchtitanModel(folder, hn.Hints(num_heads=4), arch=QWEN3)  # torchtitan's own theta and eps
+    from torchtitan.models.qwen3 import _0_6b, _EPS
+    theta = _0_6b("flex").layers[0].attention.rope.theta  # its registry's (1e6 in every dense size)
+    assert (flags.m["rope_theta"], flags.m["layer_norm_eps"], flags.m["tie_embeddings"]) == (theta, _EPS, False)
     d2 = _close(ref["logits"], megalite_runner(flags)(ref["ids"]))
     rc, _, err = cli("convert", folder, "--from", "dcp", "--arch", QWEN3, "--config", cfg, "--format", "hf",
                      "--out", tmp_path / "hf")
@@ -125,6 +128,9 @@ needs_megatron = pytest.mark.skipif(importlib.util.find_spec("megatron") is None
                                     or importlib.util.find_spec("megatron.core") is None,
                                     reason="megatron-core is not installed (pip install -e '.[test]')")
 VOCAB = 256  # the real vocabulary (megatron's tensors hold 320 rows)
+# tests/megatron_ref.py's qwen3_tp2 as a transformers config would say it (untied, as megatron's GPTModel there)
+MEGATRON_QWEN3 = dict(vocab_size=VOCAB, dim=64, ffn_hidden=96, n_layers=4, n_heads=4, n_kv_heads=2, head_dim=32,
+                      eps=1e-5, rope_theta=1e6)
 
 
 @needs_megatron
@@ -136,7 +142,9 @@ def test_megatron_qwen3_equals_megatron_cores_forward(mref, tmp_path):
     ref = torch.load(mref / "qwen3_tp2.pt")
     want = ref["logits"][..., :VOCAB]
     ds = []
-    for folder, h in (("qwen3_tp2", hn.Hints()), ("qwen3_tp2_noargs", hn.Hints(num_heads=4, rope_theta=1e6))):
+    cfg = hn.merge_config(hn.Hints(), qwen3_config({}, tmp_path / "cfg", tie_word_embeddings=False))
+    for folder, h in (("qwen3_tp2", hn.Hints()), ("qwen3_tp2_noargs", hn.Hints(num_heads=4, rope_theta=1e6)),
+                      ("qwen3_tp2_noargs", cfg)):
         src = MegatronGPT(mref / folder, VOCAB, h)
         assert (src.m["arch"], src.m["head_size"], src.m["n_kv_head"]) == (QWEN3, 32, 2), src.m
         ds.append(_close(want, megalite_runner(src)(ref["ids"])))
@@ -146,12 +154,18 @@ def test_megatron_qwen3_equals_megatron_cores_forward(mref, tmp_path):
     hf = transformers.AutoModelForCausalLM.from_pretrained(str(tmp_path / "hf")).eval()
     with torch.no_grad():
         d = _close(want, hf(ref["ids"]).logits)
-    print(f"megatron Qwen3 tp2 -> megalite: with args {ds[0]:.2e}, without (flags) {ds[1]:.2e}; --format hf -> "
+    print(f"megatron Qwen3 tp2 -> megalite: with args {ds[0]:.2e}, without (flags / --config) {ds[1]:.2e} / "
+          f"{ds[2]:.2e}; --format hf -> "
           f"{type(hf).__name__} {d:.2e} (logits up to {want.abs().max():.1f})")
     assert type(hf).__name__ == "Qwen3ForCausalLM"
     rc, _, err = cli("convert", mref / "qwen3_tp2", "--vocab-size", VOCAB, "--arch", models.llama.SPEC.name,
                      "--out", tmp_path / "bad.safetensors")
     assert rc == 2 and "--arch llama contradicts" in err and "make a qwen3" in err, err
+    llama_cfg = tmp_path / "llama.json"
+    llama_cfg.write_text(json.dumps({"model_type": "llama", "num_attention_heads": 4, "num_key_value_heads": 2}))
+    rc, _, err = cli("convert", mref / "qwen3_tp2_noargs", "--config", llama_cfg, "--vocab-size", VOCAB,
+                     "--out", tmp_path / "bad.safetensors")
+    assert rc == 2 and "its model_type is a llama, but the arguments and tensors" in err and "make a qwen3" in err, err
 
 
 def _megatron():

@@ -79,7 +79,7 @@ def merge_config(h: Hints, path: Path) -> Hints:
     gpt2 = family.features.positions == "learned"  # GPT2Config's key names
     theta, scaling = (None, None) if gpt2 else llama_rope(c, where)
     told = "rope_theta" in c or "rope_theta" in (c.get("rope_parameters") or {})
-    act = c.get("activation_function" if gpt2 else "hidden_act")
+    act = c.get("activation_function" if gpt2 else "hidden_act", "gelu_new" if gpt2 else "silu")  # classes' defaults
     got = dict(num_heads=c.get("n_head" if gpt2 else "num_attention_heads"),
                num_kv_heads=None if gpt2 else c.get("num_key_value_heads"),
                rope_theta=theta if told else None,

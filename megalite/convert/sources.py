@@ -138,6 +138,9 @@ def open_source(path, forced: Optional[str] = None, vocab_size: Optional[int] = 
         made = models.spec_of(g.m).name
         if arch is not None and made != arch:
             raise ConvertError(f"--arch {arch} contradicts {p}: its arguments and tensors make a {made}")
+        if hints is not None and hints.family is not None and hints.family != made:
+            raise ConvertError(f"--config {hints.config}: its model_type is a {hints.family}, but the arguments and "
+                               f"tensors of {p} make a {made}")
         return g
     if kind == "dcp":
         tt = " or ".join(readers["torchtitan"])
