@@ -163,6 +163,9 @@ def test_a_weight_map_naming_a_fifo_or_a_symlink_is_refused_at_once(tmp_path):
     assert not (tmp_path / "o.st").exists()
     (folder / shard).unlink()
     (folder / shard).symlink_to(real)  # a link to a regular file: the Hugging Face cache's snapshot layout
+    for name in ("config.json", "model.safetensors.index.json"):  # the cache links these to blobs as well
+        (folder / name).rename(tmp_path / f"blob-{name}")
+        (folder / name).symlink_to(tmp_path / f"blob-{name}")
     rc, _, err = cli_in_process("convert", folder, "--no-check", "--out", tmp_path / "o.st")
     assert rc == 0, err
 
