@@ -280,7 +280,8 @@ def test_a_dcp_folder_that_does_not_fit_the_named_sizes_is_one_line(ttref, tmp_p
     for h, pattern in cases:
         with pytest.raises(ConvertError, match=pattern):
             TorchtitanModel(ttref / "step-10", h)
-    with pytest.raises(ConvertError, match=r"rope_scaling rope_type = 'yarn': megalite models only Llama 3's"):
+    with pytest.raises(ConvertError, match=r"rope_scaling rope_type 'yarn': megalite reads a torchtitan Llama 3 "
+                                           r"with 'llama3' rope scaling or none"):
         cfg = llama_config(tmp_path, num_attention_heads=4, rope_parameters={  # a whole yarn table: refused later
             "rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 16})
         TorchtitanModel(ttref / "step-10", hn.merge_config(hn.Hints(), cfg))

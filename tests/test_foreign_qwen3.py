@@ -99,7 +99,10 @@ def test_a_torchtitan_qwen3_folder_read_as_another_family_is_one_line(ttref, tmp
               "its model_type is a qwen3, contradicting --arch llama"),
              (["--arch", QWEN3, "--config", qwen3_config(ref, tmp_path / "b", head_dim=16)],
               "head_dim = 16 contradicts tensor 'layers.0.attention.qkv_linear.wq.weight'"),
-             (["--arch", models.mistral.SPEC.name, "--num-heads", 4], "a DCP folder is read as a model only for")]
+             (["--arch", models.mistral.SPEC.name, "--num-heads", 4], "a DCP folder is read as a model only for"),
+             (["--arch", QWEN3, "--config", qwen3_config(ref, tmp_path / "c", rope_scaling={
+                 "rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 16})],
+              "rope_scaling rope_type 'yarn': megalite reads a torchtitan Qwen3 with no rope scaling")]
     for args, pattern in cases:
         rc, _, err = cli("convert", folder, "--from", "dcp", *args, "--out", tmp_path / "bad.safetensors")
         assert rc == 2 and len(err.strip().splitlines()) == 1 and pattern in err, (args, err)

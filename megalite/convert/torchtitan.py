@@ -93,6 +93,11 @@ class TorchtitanModel(ForeignModel):
             raise ConvertError(f"--config {h.config}: vocab_size = {h.vocab_size} contradicts tensor "
                                f"'{self.src['wte.weight']}' of {V} rows")
         hn.even_head_width(H, hd)
+        kind = (h.rope_scaling or {}).get("rope_type")
+        if kind is not None and kind not in names_of.rope_scalings:
+            allowed = " or ".join(repr(k) for k in names_of.rope_scalings)
+            raise ConvertError(f"--config {h.config}: rope_scaling rope_type '{kind}': megalite reads a {what} with "
+                               f"{f'{allowed} rope scaling or none' if allowed else 'no rope scaling'}")
         self.m = hn.llama_model(len(layers), H, KV, C, w1[0], V, tied,
                                 names_of.rope_theta if h.rope_theta is None else h.rope_theta, h.rope_scaling,
                                 names_of.norm_eps if h.norm_eps is None else h.norm_eps,

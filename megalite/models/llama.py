@@ -164,6 +164,7 @@ class LlamaTitan:
     # what a DCP folder cannot tell, where no flag or --config does: ComplexRoPE.Config's theta, RMSNorm.Config's
     # eps (tests/test_defaults_reached.py reads both from torchtitan)
     rope_theta, norm_eps = 10000.0, 1e-5
+    rope_scalings = ("llama3",)  # ComplexRoPE's "llama" scaling, transformers' llama3 (its yarn: hints refuse it)
 
 
 def rope_from_hf(hf: dict, where: str) -> tuple[float, dict]:

@@ -36,6 +36,9 @@ class Qwen3Titan(LlamaTitan):
                  "attn.k_norm.weight": ("attention.k_norm.weight",) * 2}
     interleaved = False
     rope_theta, norm_eps = 1e6, 1e-6  # every dense config of torchtitan's qwen3 registry; its _EPS
+    # CosSinRoPE refuses llama scaling, and its yarn leaves the attention factor to the model, which Qwen3's
+    # GQAttention never applies (head_dim ** -0.5): not transformers' yarn, so no scaling is read
+    rope_scalings = ()
 
 
 class Qwen3Megatron:
