@@ -66,6 +66,43 @@ def make_token_file(folder: Path, text: str) -> Path:
     return folder / "tokens.bin"
 
 
+def document_corpora(folder: Path, parts: int = 1, words: int = 40000, vocab: int = 300) -> tuple[list, int]:
+    """`parts` BPE token files of documents (jsonl records of 1 to 8 words, ~5-40 tokens each, cut in turn from
+    synthetic text) made by one 300-id BPE with an end-of-text token: ([paths], the tokenizer's vocab size)."""
+    import numpy as np
+    from megalite.data import prepare
+    from megalite.tokenizer import train_bpe
+    text = synthetic_text(words).split()
+    rng = np.random.default_rng(0)
+    lines, at, k = [[] for _ in range(parts)], 0, 0
+    while at < len(text) - 40:  # document k goes to file k mod parts
+        n = int(rng.integers(1, 9))
+        lines[k % parts].append(json.dumps({"text": " ".join(text[at:at + n])}))
+        at, k = at + n, k + 1
+    tok = train_bpe([" ".join(text)], vocab)
+    paths = []
+    for k, part in enumerate(lines):
+        (folder / f"docs{k}.jsonl").write_text("\n".join(part) + "\n")
+        prepare([folder / f"docs{k}.jsonl"], folder / f"docs{k}.bin", tokenizer=tok, log=lambda *a: None)
+        paths.append(folder / f"docs{k}.bin")
+    return paths, tok.vocab_size
+
+
+def document_reference_loss(hf, batch) -> float:
+    """The mean over a packed batch's counted targets of each document's own loss: transformers' model `hf` on
+    the document's tokens of the row alone, from position 0."""
+    import torch.nn.functional as F
+    total = 0.0
+    for r in range(batch.x.shape[0]):
+        for d in sorted(set(batch.docs[r].tolist()) - {-1}):
+            at = batch.docs[r] == d
+            with torch.no_grad():
+                logits = hf(input_ids=batch.x[r][at][None]).logits[0].float()
+            ce = F.cross_entropy(logits, batch.y[r][at], reduction="none")
+            total += float((ce * batch.mask[r][at]).sum())
+    return total / batch.counted
+
+
 def batch_hashes_by_hand(token_file: Path, seed: int, steps: int, global_batch: int, seq: int,
                          val_fraction: float = 0.1) -> dict:
     """{step: batch_hash} written out from the token file alone, in plain Python integers: batch k is drawn by
