@@ -590,14 +590,12 @@ def check_evals(entries: list) -> None:
 
 
 def check_packing(cfg: Config) -> None:
-    """data.packing and data.document_mask, and what document packing does not compose with yet (one line)."""
+    """data.packing and data.document_mask (one line each)."""
     d = cfg.data
     if d.packing not in PACKINGS:
         raise ConfigError(f"data.packing = '{d.packing}': expected one of {', '.join(PACKINGS)}")
     if d.document_mask and d.packing != "documents":
         raise ConfigError("data.document_mask = true needs data.packing = 'documents' (windows cross documents)")
-    if d.packing == "documents" and d.mixture:
-        raise ConfigError("data.packing = 'documents' with data.mixture: not built yet; pack one data.path")
 
 
 def settings(cfg: Config) -> dict:

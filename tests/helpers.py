@@ -103,6 +103,32 @@ def document_reference_loss(hf, batch) -> float:
     return total / batch.counted
 
 
+def _resume_worker(rank, world_size, tmp_dir, first, second):
+    from megalite.run.train import train as train_fn
+    for cfg, name in ((first, "first"), (second, "second")):
+        tr = train_fn(cfg, log=lambda *a: None)
+        if rank == 0:
+            (Path(tmp_dir) / f"{name}.json").write_text(json.dumps([r["batch_hash"] for r in tr.history]))
+
+
+def resumed_across_layouts(tokens, tmp_path: Path, base: dict) -> tuple[list, object, list]:
+    """The tiny run of `base` (4 steps, checkpoint.dir set) trained in three launches: 2 ranks at dp = 2
+    (micro-batch 4) stop at step 2, resume at cp = 2 (micro-batch 8) to step 3, and one process (micro-batch 1)
+    finishes: (every step's batch_hash, the last launch's Trainer, its log lines)."""
+    from megalite.testing import run_parallel
+    first = TINY.config(tokens, tmp_path / "b", **base, **{"train.stop_at_step": 2, "parallel.dp": 2,
+                                                           "train.micro_batch_size": 4})
+    second = TINY.config(tokens, tmp_path / "b", **base, **{"train.stop_at_step": 3, "parallel.dp": 1,
+                                                            "parallel.cp": 2, "train.micro_batch_size": 8})
+    run_parallel(_resume_worker, 2, tmp_path, args=(first, second))
+    lines = []
+    last = train_in_process(TINY.config(tokens, tmp_path / "b", **base, **{"train.micro_batch_size": 1}),
+                            log=lines.append)
+    got = json.loads((tmp_path / "first.json").read_text()) + json.loads((tmp_path / "second.json").read_text()) \
+        + [r["batch_hash"] for r in last.history]
+    return got, last, lines
+
+
 def batch_hashes_by_hand(token_file: Path, seed: int, steps: int, global_batch: int, seq: int,
                          val_fraction: float = 0.1) -> dict:
     """{step: batch_hash} written out from the token file alone, in plain Python integers: batch k is drawn by

@@ -25,11 +25,11 @@ def test_a_packed_batch_keeps_documents_whole_and_counts_no_boundary(bpe_docs):
     s = D.DocumentSampler(ds, 16, 8, 0, 1, seed=3)
     b = s.next_batch()
     lengths = np.diff(starts)
-    order, packed = s._epoch(0)
+    order, packed = s.packed._epoch(0)
     for row in packed[:8]:  # whole documents, or a row-long piece of one longer than a row
         assert sum(n for _, _, n in row) <= 17
         assert all(n == lengths[order[d]] or lengths[order[d]] > 17 for d, _, n in row)
-    ids, doc_ids = s.rows(0, 8)
+    ids, doc_ids, _ = s.rows(0, 8)
     for r, row in enumerate(packed[:8]):
         for j, (d, off, n) in enumerate(row):
             a = starts[order[d]] + off

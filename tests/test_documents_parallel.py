@@ -114,6 +114,20 @@ def test_document_masked_loss_at_tp_cp_pp_and_2_2_2(bpe_docs, tmp_path):
         assert got[layout] == pytest.approx(want, rel=1e-5) and got[layout] == pytest.approx(single, rel=1e-5), layout
 
 
+def test_a_block_whose_chunks_share_no_document_is_skipped():
+    """cp = 2, rank 0 holds chunks 0 and 3 (of 4 chunks of 4 tokens): with a document in chunk 3 that began in
+    chunk 2 the block (3, 0) is skipped unless some row's chunk 3 holds a document of chunk 0."""
+    from megalite.parallel.context import _Blocks
+    from megalite.parallel.grid import Axis
+    q = torch.zeros(2, 1, 8, 4)
+    docs = torch.tensor([[0, 0, 0, 1, 1, 1, 2, 2, 2, 2, 2, 2, 2, 3, 3, 3]] * 2)
+    mine = lambda d, src: [(a, b) for _, _, a, b in _Blocks(q, Axis(2, 0), 0.0, 0, 0, docs=d).blocks(src)]  # noqa
+    assert mine(docs, 0) == [(0, 0), (3, 3)] and mine(None, 0) == [(0, 0), (3, 0), (3, 3)]
+    assert mine(docs, 1) == [(3, 1), (3, 2)]
+    docs[1] = torch.tensor([0] * 16)  # one row whose document spans the whole sequence: the block is computed
+    assert mine(docs, 0) == [(0, 0), (3, 0), (3, 3)]
+
+
 # ---------------------------------------------------------------- attention dropout with documents
 def test_ring_core_with_documents_is_sdpa_with_the_mask_and_its_dropout_the_dense_one():
     """The path dropout takes (ring attention, cp = 1) with `docs`: at p = 0 torch's SDPA with the block-causal
