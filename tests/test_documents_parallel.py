@@ -11,6 +11,7 @@ With dropout, a document's loss has an exactly zero gradient with respect to eve
 """
 from __future__ import annotations
 
+import copy
 import shutil
 
 import pytest
@@ -23,6 +24,7 @@ from megalite.testing import run_parallel
 LAYOUTS_4 = [(1, 4, 1, 1, False), (1, 2, 1, 1, False), (2, 2, 1, 1, True), (1, 2, 2, 1, False),
              (1, 1, 2, 2, False)]
 LAYOUTS_8 = [(2, 2, 2, 1, False), (2, 1, 2, 1, False)]
+DROPOUT = 0.1
 
 
 def _config(path, vocab, tmp, arch):
@@ -60,12 +62,18 @@ def _worker(rank, world_size, tmp_dir, cfg, layouts, plant):
             context._Blocks.doc = lambda self, k: carried(self, k if k in self.mine else self.mine[0])
             out["ids not carried"] = run_pipeline(tr, b.x, b.y, False, b.mask, b.counted, b.docs)
             context._Blocks.doc = carried
+    if plant:  # training with attention dropout at tp 2 x cp 2 (dp = pp = 1: one RNG stream, as the single process)
+        p = cfg.parallel
+        p.tp, p.cp, p.pp, p.vpp, p.sp, p.dp = 2, 2, 1, 1, False, 1
+        cfg.model.dropout, cfg.checkpoint.dir, cfg.train.out_dir = DROPOUT, "", f"{tmp_dir}/dropout"
+        out["dropout"] = [r["loss"] for r in train(cfg, log=lambda *a: None).history]
     if rank == 0:
         torch.save(out, f"{tmp_dir}/losses.pt")
 
 
 def _reference(bpe_docs, tmp_path, arch):
-    """The single process's loss of batch 7 and transformers' per-document reference, after 2 steps saved."""
+    """(config, the single process's loss of batch 7, transformers' per-document reference, the 2 steps' losses
+    of the single process, which saved its checkpoint)."""
     transformers = pytest.importorskip("transformers")
     from megalite.convert import convert
     from megalite.run.train import run_pipeline
@@ -77,7 +85,8 @@ def _reference(bpe_docs, tmp_path, arch):
     b = tr.sampler.batch_at(7)
     chunk = 64 // 8  # cp = 4: 8 chunks of 8 tokens; some document runs across a chunk's end
     assert any(int(r[k * chunk - 1]) == int(r[k * chunk]) >= 0 for r in b.docs for k in range(1, 8))
-    return cfg, run_pipeline(tr, b.x, b.y, False, b.mask, b.counted, b.docs), H.document_reference_loss(hf, b)
+    return (cfg, run_pipeline(tr, b.x, b.y, False, b.mask, b.counted, b.docs), H.document_reference_loss(hf, b),
+            [r["loss"] for r in tr.history])
 
 
 def _launch(cfg, tmp_path, world, layouts, plant):
@@ -90,12 +99,18 @@ def _launch(cfg, tmp_path, world, layouts, plant):
 @pytest.mark.parametrize("arch", ["gpt2", "qwen3"])
 def test_document_masked_loss_at_cp_2_and_4_is_each_documents_own_loss(bpe_docs, tmp_path, arch):
     """cp = 4 (8 chunks of 8 tokens), cp = 2 with dp = 2, tp x cp with sp, cp x pp, pp with vpp (4 ranks): the
-    single process's loss and transformers' per-document one; gpt2's learned positions and qwen3's rotary ones
+    single process's loss and transformers' per-document one; training with attention dropout 0.1 at tp 2 x
+    cp 2 the single process's losses; gpt2's learned positions and qwen3's rotary ones
     (its qk-norm makes a young model's attention scores large enough for positions to show: llama's move a
     planted positions bug's loss only ~10x the layouts' rounding after 2 steps, qwen3's ~5,000x)."""
-    cfg, single, want = _reference(bpe_docs, tmp_path, arch)
+    cfg, single, want, plain = _reference(bpe_docs, tmp_path, arch)
+    drop = copy.deepcopy(cfg)
+    drop.model.dropout, drop.checkpoint.dir, drop.train.out_dir = DROPOUT, "", str(tmp_path / "dropout")
+    dropped = [r["loss"] for r in H.train_in_process(drop).history]
+    assert dropped[0] != pytest.approx(plain[0], rel=1e-4)  # dropout acted
     got = _launch(cfg, tmp_path, 4, LAYOUTS_4, plant=True)
-    print({k: f"{v - want:.2e}" for k, v in got.items()}, f"single {single - want:.2e}")
+    assert got["dropout"] == pytest.approx(dropped, rel=1e-5)  # the same attention weights dropped at tp2 x cp2
+    print({k: f"{v - want:.2e}" for k, v in got.items() if k != "dropout"}, f"single {single - want:.2e}")
     for layout in LAYOUTS_4:
         assert got[layout] == pytest.approx(want, rel=1e-5) and got[layout] == pytest.approx(single, rel=1e-5), layout
     # each plant far outside the layouts' distance; rotary attention sees only i - j, so qwen3's positions not
@@ -108,7 +123,7 @@ def test_document_masked_loss_at_cp_2_and_4_is_each_documents_own_loss(bpe_docs,
 @pytest.mark.slow
 def test_document_masked_loss_at_tp_cp_pp_and_2_2_2(bpe_docs, tmp_path):
     """tp = cp = pp = 2 and tp = pp = dp = 2 (8 ranks), qwen3 (rotary, qk-norm): transformers' loss."""
-    cfg, single, want = _reference(bpe_docs, tmp_path, "qwen3")
+    cfg, single, want, _ = _reference(bpe_docs, tmp_path, "qwen3")
     got = _launch(cfg, tmp_path, 8, LAYOUTS_8, plant=False)
     for layout in LAYOUTS_8:
         assert got[layout] == pytest.approx(want, rel=1e-5) and got[layout] == pytest.approx(single, rel=1e-5), layout
