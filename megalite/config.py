@@ -19,6 +19,7 @@ from .base.errors import ConfigError, LayoutError
 from .base.limits import MAX_COUNT, MAX_INT, MAX_SIZE, describe, finite  # noqa: F401 (MAX_COUNT: read elsewhere)
 from .base.fs import path_kind, read_all
 from . import models
+from .attention import check_backend
 from .parallel.grid import Layout
 
 if sys.version_info >= (3, 11):
@@ -137,6 +138,9 @@ class TrainConfig:
     out_dir: str = "runs/tiny"
     precision: str = "auto"  # "auto" (bf16 autocast on GPU, fp32 on CPU) | "fp32" | "bf16"
     recompute: str = "none"  # activation recomputation: "none" | "selective" (attention core) | "full" (blocks)
+    # the masked attention core (megalite/attention.py): "auto" (flex on CUDA when a document mask or a sliding
+    # window needs one, sdpa otherwise) | "sdpa" (a boolean mask per layer) | "flex" (one BlockMask per micro-batch)
+    attn_backend: str = "auto"
     compile: bool = False  # torch.compile each transformer block of this rank's pipeline stage (megalite/run/compile.py)
     fused_adamw: str = "auto"  # torch's fused AdamW kernel: "auto" (on CUDA) | "on" (any device that has it) | "off"
     tensorboard: bool = False  # also write TensorBoard event files to <out_dir>/tensorboard (needs `tensorboard`)
@@ -493,6 +497,7 @@ def validate(cfg: Config, world_size: int | None = None) -> Config:
                           f"or a value in (0, 1)")
     check_mixture(cfg.data.mixture)
     check_packing(cfg)
+    check_backend(t.attn_backend, m.dropout, par.cp)
     check_evals(cfg.data.eval)
     if par.zero not in (0, 1, 2, 3):
         raise ConfigError(f"parallel.zero = {par.zero}: expected 0, 1, 2 or 3")
@@ -739,6 +744,7 @@ DOCS = {
     "train.beta2": "AdamW beta2, in [0, 1)",
     "train.grad_clip": "clip the global gradient norm to this (0: no clipping)",
     "train.on_nonfinite": "a NaN/inf loss or grad-norm: stop (one-line error) | skip (drop that update)",
+    "train.attn_backend": "masked attention: auto (flex on CUDA for document masks and windows) | sdpa | flex",
     "train.recompute": "activation recomputation: none | selective (attention core) | full (each block)",
     "train.compile": "torch.compile each transformer block (the first step pays the compilation)",
     "train.fused_adamw": "torch's fused AdamW kernel: auto (on CUDA) | on (wherever torch has it) | off",

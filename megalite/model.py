@@ -41,6 +41,7 @@ import functools
 from einops import rearrange
 from torch.utils.checkpoint import checkpoint
 
+from .attention import FlexMask, flex_core, uses_flex
 from .config import ModelConfig
 from .parallel.context import draw_seed, local_positions, ring_attention, split_sequence
 from .parallel.grid import Axis, ParallelGrid
@@ -292,16 +293,19 @@ class CausalSelfAttention(nn.Module):
             cos, sin = rope_cos_sin(self.inv_freq, pos, q.dtype, self.rope_scale)
         return rotate(q, cos, sin), rotate(k, cos, sin), v
 
-    def forward(self, x, cache=None, docs=None, pos=None):  # (B, T, C) -> (B, T, C); sp (B, T/tp, C) -> (B, T/tp, C)
+    def forward(self, x, cache=None, docs=None, pos=None, flex=None):  # (B, T, C) -> (B, T, C); sp: (B, T/tp, C)
         """`cache` (generate.cache.LayerCache; one process, no cp): the keys and values of the tokens before x,
         to which this call's are appended; x's tokens attend to all of them. `docs` (B, T·cp) (data.document_mask):
         the document ids of the whole rows (global order; with cp the ring reads each chunk's), `pos` (B, T):
-        the position in its document of each token this rank holds."""
+        the position in its document of each token this rank holds. `flex` (attention.FlexMask): run the core
+        with flex_attention and this micro-batch's BlockMask (train.attn_backend)."""
         q, k, v = self.heads(x, cache, pos)
         if cache is not None:
             k, v = cache.append(k, v)  # (B, kv heads, S, D): every token so far
         p = self.dropout if self.training else 0.0
-        if self.cp.active or p > 0.0:  # ring attention (cp = 1: one block) with the counter-based dropout mask
+        if flex is not None and cache is None:  # GPTStage chose flex: no cp, no dropout (attention.uses_flex)
+            core = functools.partial(flex_core, mask=flex)
+        elif self.cp.active or p > 0.0:  # ring attention (cp = 1: one block) with the counter-based dropout mask
             core = functools.partial(_ring_core, groups=self.groups, cp=self.cp, dropout_p=p,
                                      seed=draw_seed() if p else 0, head0=self.tp.rank * q.shape[1],
                                      window=self.window, docs=docs)
@@ -353,15 +357,17 @@ class Block(nn.Module):
         self.ln_2, self.mlp = norm(cfg, place), MLP(cfg, tp, sp, place)
         self.drop = SeqDropout(cfg.dropout, tp, sp, cp)
 
-    def forward(self, x, cache=None, docs=None, pos=None):
-        x = x + self.drop(self.attn(self.ln_1(x), cache, docs, pos))
+    def forward(self, x, cache=None, docs=None, pos=None, flex=None):
+        x = x + self.drop(self.attn(self.ln_1(x), cache, docs, pos, flex))
         return x + self.drop(self.mlp(self.ln_2(x)))
 
 
 class GPTStage(nn.Module):
     def __init__(self, cfg: ModelConfig, grid: ParallelGrid, layers: Optional[range] = None, vpp: int = 1,
-                 sp: bool = False, recompute: str = "none", real_vocab: Optional[int] = None):
+                 sp: bool = False, recompute: str = "none", real_vocab: Optional[int] = None,
+                 attn_backend: str = "auto"):
         super().__init__()
+        self.attn_backend, self._flex = attn_backend, None  # train.attn_backend; the last FlexMask built
         self.cfg, self.tp, self.cp = cfg, grid.tp, grid.cp
         # ids from real_vocab (the tokenizer's size) up to vocab_size are padding: never in the loss
         self.real_vocab = min(cfg.vocab_size, real_vocab or cfg.vocab_size)
@@ -404,13 +410,13 @@ class GPTStage(nn.Module):
                 p.copy_(init_local(name, partition_of(p), "normal" if kind == "scaled" else kind, seed, scale,
                                    self.tp.rank, self.tp.size))
 
-    def run_block(self, i: int, x, cache=None, docs=None, pos=None):
+    def run_block(self, i: int, x, cache=None, docs=None, pos=None, flex=None):
         """Block i (global id) on x; with full recomputation only x is kept, and the block is rerun (RNG
         replayed) in backward."""
         block = self.blocks[str(i)]
         if self.full_recompute and torch.is_grad_enabled():
-            return checkpoint(block, x, None, docs, pos, use_reentrant=False)
-        return block(x, cache, docs, pos)
+            return checkpoint(block, x, None, docs, pos, flex, use_reentrant=False)
+        return block(x, cache, docs, pos, flex)
 
     def positions(self, T: int, start: int = 0, pos=None):
         """Learned: the wpe rows of the T tokens this rank holds (sp: its share; cp: their global positions;
@@ -424,6 +430,17 @@ class GPTStage(nn.Module):
             return self.wpe[local_positions(T * self.cp.size, self.cp, self.tp, self.sp).to(self.wpe.device)]
         return self.wpe[slice(*seq_chunk(T, self.tp))] if self.sp else self.wpe[start:start + T]
 
+    def flex_mask(self, device: torch.device, docs=None) -> Optional[FlexMask]:
+        """The FlexMask this forward's layers share when it runs flex (attention.uses_flex), else None: one per
+        micro-batch, kept for the next chunk (vpp) of the same micro-batch (the same `docs` tensor)."""
+        window = self.cfg.sliding_window if self.cfg.spec.features.sliding_window else 0
+        if not uses_flex(self.attn_backend, device, docs is not None or window > 0,
+                         self.cfg.dropout if self.training else 0.0, self.cp.size):
+            return None
+        if self._flex is None or self._flex.docs is not docs:
+            self._flex = FlexMask(docs, window)
+        return self._flex
+
     def forward(self, x, targets=None, chunk: int = 0, cache=None, logits_to_keep: int = 0, docs=None):
         """Chunk 0 of the first stage: x is ids (B, T); others: hidden (B, T, C) ((B, T/tp, C) with sp).
         With cp, T is this rank's T/cp tokens (its two chunks, context.split_sequence) at their global positions.
@@ -435,11 +452,12 @@ class GPTStage(nn.Module):
         stays inside it and positions restart at its first token, counted along the global row and then split
         as the tokens are (context.split_sequence), so a document that crosses chunks keeps counting."""
         pos = None if docs is None else split_sequence(document_positions(docs), self.cp)
+        flex = self.flex_mask(x.device, docs) if cache is None else None
         if self.first and chunk == 0:
             start = cache.length if cache is not None else 0
             x = self.drop(self.wte(x) + self.positions(x.shape[1], start, pos))  # (B, T, C); with sp (B, T/tp, C)
         for i in self.chunks[chunk]:
-            x = self.run_block(i, x, cache.layer(i) if cache is not None else None, docs, pos)
+            x = self.run_block(i, x, cache.layer(i) if cache is not None else None, docs, pos, flex)
         if not (self.last and chunk == len(self.chunks) - 1):
             return x
         x = self.ln_f(x[:, -logits_to_keep:] if logits_to_keep else x)
