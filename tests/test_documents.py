@@ -74,7 +74,8 @@ def test_the_packed_loss_is_each_documents_own_loss_by_transformers(bpe_docs, tm
     # planted leaks: each fails that comparison, by over 10 times the distance megalite's loss has from transformers'
     attn = tr.model.blocks["0"].attn
     leak = attn.forward
-    monkeypatch.setattr(attn, "forward", lambda x, cache=None, docs=None, pos=None: leak(x, cache, None, pos))
+    monkeypatch.setattr(attn, "forward",
+                        lambda x, cache=None, docs=None, pos=None, flex=None: leak(x, cache, None, pos))
     leaked = run_pipeline(tr, b.x, b.y, False, b.mask, b.counted, b.docs)
     monkeypatch.undo()
     import megalite.model
