@@ -62,21 +62,17 @@ def mask_mod(docs: Optional[torch.Tensor], window: int):
     return allowed
 
 
-class FlexMask:
-    """One micro-batch's BlockMask, built on first use (its length is the attention's, known only inside a layer
-    under sp) and then shared by every layer that asks: the T x T rule is evaluated once per micro-batch, not
-    per layer."""
+def block_mask(docs: Optional[torch.Tensor], window: int, B: int, T: int, device: torch.device):
+    """One micro-batch's BlockMask (`mask_mod`'s rule, in 128 x 128 blocks), built once and handed to every layer
+    (model.GPTStage.flex_mask). On CUDA create_block_mask is compiled (as torchtitan does), so the rule is
+    evaluated block by block and no T x T tensor is made; eager (the CPU) evaluates it densely, once."""
+    return _builder(device.type)(mask_mod(docs, window), B if docs is not None else None, None, T, T, device=device)
 
-    def __init__(self, docs: Optional[torch.Tensor], window: int):
-        self.docs, self.window, self._built = docs, window, None
 
-    def block_mask(self, B: int, T: int, device: torch.device):
-        if self._built is None or self._built[0] != (B, T):
-            from torch.nn.attention.flex_attention import create_block_mask
-            bm = create_block_mask(mask_mod(self.docs, self.window), B if self.docs is not None else None, None,
-                                   T, T, device=device)
-            self._built = ((B, T), bm)
-        return self._built[1]
+@functools.cache
+def _builder(device_type: str):
+    from torch.nn.attention.flex_attention import create_block_mask
+    return torch.compile(create_block_mask) if device_type == "cuda" else create_block_mask
 
 
 @functools.cache
@@ -86,8 +82,6 @@ def _kernel(device_type: str):
     return torch.compile(flex_attention, dynamic=False) if device_type == "cuda" else flex_attention
 
 
-def flex_core(q, k, v, mask: FlexMask):  # (B, H, T, D), (B, H/g, T, D) x2 -> (B, H, T, D)
-    """Attention of each query over the keys `mask` allows; kv heads shared by H/g query heads (GQA)."""
-    B, T = q.shape[0], q.shape[2]
-    return _kernel(q.device.type)(q, k, v, block_mask=mask.block_mask(B, T, q.device),
-                                  enable_gqa=k.shape[1] != q.shape[1])
+def flex_core(q, k, v, mask):  # (B, H, T, D), (B, H/g, T, D) x2 -> (B, H, T, D)
+    """Attention of each query over the keys the BlockMask `mask` allows; kv heads shared by H/g query heads."""
+    return _kernel(q.device.type)(q, k, v, block_mask=mask, enable_gqa=k.shape[1] != q.shape[1])

@@ -41,7 +41,7 @@ import functools
 from einops import rearrange
 from torch.utils.checkpoint import checkpoint
 
-from .attention import FlexMask, flex_core, uses_flex
+from .attention import block_mask, flex_core, uses_flex
 from .config import ModelConfig
 from .parallel.context import draw_seed, local_positions, ring_attention, split_sequence
 from .parallel.grid import Axis, ParallelGrid
@@ -297,8 +297,8 @@ class CausalSelfAttention(nn.Module):
         """`cache` (generate.cache.LayerCache; one process, no cp): the keys and values of the tokens before x,
         to which this call's are appended; x's tokens attend to all of them. `docs` (B, T·cp) (data.document_mask):
         the document ids of the whole rows (global order; with cp the ring reads each chunk's), `pos` (B, T):
-        the position in its document of each token this rank holds. `flex` (attention.FlexMask): run the core
-        with flex_attention and this micro-batch's BlockMask (train.attn_backend)."""
+        the position in its document of each token this rank holds. `flex` (a BlockMask, attention.block_mask):
+        run the core with flex_attention under this micro-batch's mask (train.attn_backend)."""
         q, k, v = self.heads(x, cache, pos)
         if cache is not None:
             k, v = cache.append(k, v)  # (B, kv heads, S, D): every token so far
@@ -367,7 +367,7 @@ class GPTStage(nn.Module):
                  sp: bool = False, recompute: str = "none", real_vocab: Optional[int] = None,
                  attn_backend: str = "auto"):
         super().__init__()
-        self.attn_backend, self._flex = attn_backend, None  # train.attn_backend; the last FlexMask built
+        self.attn_backend, self._flex = attn_backend, None  # train.attn_backend; (docs, (B, T), the last BlockMask)
         self.cfg, self.tp, self.cp = cfg, grid.tp, grid.cp
         # ids from real_vocab (the tokenizer's size) up to vocab_size are padding: never in the loss
         self.real_vocab = min(cfg.vocab_size, real_vocab or cfg.vocab_size)
@@ -430,16 +430,19 @@ class GPTStage(nn.Module):
             return self.wpe[local_positions(T * self.cp.size, self.cp, self.tp, self.sp).to(self.wpe.device)]
         return self.wpe[slice(*seq_chunk(T, self.tp))] if self.sp else self.wpe[start:start + T]
 
-    def flex_mask(self, device: torch.device, docs=None) -> Optional[FlexMask]:
-        """The FlexMask this forward's layers share when it runs flex (attention.uses_flex), else None: one per
-        micro-batch, kept for the next chunk (vpp) of the same micro-batch (the same `docs` tensor)."""
+    def flex_mask(self, x, docs=None):
+        """The BlockMask this forward's layers share when it runs flex (attention.uses_flex), else None: built
+        once per micro-batch outside the blocks (a compiled block takes it as an input), and kept for the next
+        chunk (vpp) of the same micro-batch (the same `docs` tensor). x: this chunk's input (ids, or hidden
+        (B, T/tp, C) under sp)."""
         window = self.cfg.sliding_window if self.cfg.spec.features.sliding_window else 0
-        if not uses_flex(self.attn_backend, device, docs is not None or window > 0,
+        if not uses_flex(self.attn_backend, x.device, docs is not None or window > 0,
                          self.cfg.dropout if self.training else 0.0, self.cp.size):
             return None
-        if self._flex is None or self._flex.docs is not docs:
-            self._flex = FlexMask(docs, window)
-        return self._flex
+        B, T = x.shape[0], x.shape[1] * (self.tp.size if self.sp and x.dim() == 3 else 1)
+        if self._flex is None or self._flex[0] is not docs or self._flex[1] != (B, T):
+            self._flex = (docs, (B, T), block_mask(docs, window, B, T, x.device))
+        return self._flex[2]
 
     def forward(self, x, targets=None, chunk: int = 0, cache=None, logits_to_keep: int = 0, docs=None):
         """Chunk 0 of the first stage: x is ids (B, T); others: hidden (B, T, C) ((B, T/tp, C) with sp).
@@ -452,7 +455,7 @@ class GPTStage(nn.Module):
         stays inside it and positions restart at its first token, counted along the global row and then split
         as the tokens are (context.split_sequence), so a document that crosses chunks keeps counting."""
         pos = None if docs is None else split_sequence(document_positions(docs), self.cp)
-        flex = self.flex_mask(x.device, docs) if cache is None else None
+        flex = self.flex_mask(x, docs) if cache is None else None
         if self.first and chunk == 0:
             start = cache.length if cache is not None else 0
             x = self.drop(self.wte(x) + self.positions(x.shape[1], start, pos))  # (B, T, C); with sp (B, T/tp, C)

@@ -8,7 +8,7 @@ import warnings
 import pytest
 import torch
 
-from megalite.attention import FlexMask, mask_mod
+from megalite.attention import block_mask, mask_mod
 from megalite.config import ConfigError, ModelConfig, load_config, resolve, validate
 from megalite.model import GPTStage
 from megalite.parallel.grid import ParallelGrid
@@ -30,8 +30,19 @@ def test_the_mask_mod_is_the_rule_and_the_block_mask_covers_it(docs, window):
     dense = create_mask(mask_mod(docs, window), 2 if docs is not None else None, None, T, T, device="cpu")
     assert torch.equal(dense[:, 0], by_hand(docs, window)) if docs is not None else \
         torch.equal(dense[0, 0], by_hand(None, window)[0])
-    block = FlexMask(docs, window).block_mask(2, T, torch.device("cpu"))
-    assert block.to_dense().shape[-1] >= 1  # built for the batch (one block row at this T: 128-token blocks)
+    block = block_mask(docs, window, 2, T, torch.device("cpu"))
+    assert block.shape == ((2 if docs is not None else 1), 1, T, T)  # per row when documents differ per row
+
+
+def test_one_block_mask_per_micro_batch_shared_by_layers_and_chunks():
+    """GPTStage builds the BlockMask once for a micro-batch's `docs` (every layer, every vpp chunk reads it)
+    and again only for another micro-batch."""
+    cfg = ModelConfig(n_layer=2, n_head=4, n_embd=32, block_size=64, vocab_size=97, arch="llama")
+    model = GPTStage(cfg, ParallelGrid.single(), attn_backend="flex")
+    ids, other = torch.zeros(2, T, dtype=torch.long), DOCS.clone()
+    first = model.flex_mask(ids, DOCS)
+    assert model.flex_mask(ids, DOCS) is first and model.flex_mask(ids, other) is not first
+    assert GPTStage(cfg, ParallelGrid.single(), attn_backend="sdpa").flex_mask(ids, DOCS) is None
 
 
 CASES = [("gpt2", DOCS, 0), ("llama", DOCS, 0), ("qwen3", DOCS, 0), ("mistral", None, 9), ("mistral", DOCS, 9)]
@@ -90,6 +101,8 @@ def _tp_worker(rank, world_size, tmp_dir, cfg, ids, docs):
     with torch.no_grad(), warnings.catch_warnings():
         warnings.simplefilter("ignore")
         loss = model(ids[:, :-1], ids[:, 1:], docs=docs[:, :-1])
+    hidden = torch.zeros(2, T // 2, 32)  # a later pp stage's input under sp: T/tp tokens, the mask for all T
+    assert model.flex_mask(hidden, docs[:, 1:]).shape == (2, 1, T, T)
     if rank == 0:
         torch.save(loss, f"{tmp_dir}/tp.pt")
 
