@@ -21,6 +21,8 @@ from test_features_parallel import BF16_LOSS_RTOL, _compare
 
 STEPS = {"train.steps": 4}  # a checkpoint at step 2; resumed runs train steps 3 and 4
 LLAMA = {"model.arch": "llama", "model.n_kv_head": 2, "model.rope_theta": 500000.0}  # 4 heads, 2 kv heads
+LLAMA_KV1 = {**LLAMA, "model.n_kv_head": 1}  # tp 2 > one kv head: both tp ranks hold the k/v rows alike
+QWEN2_KV1 = {"model.arch": "qwen2", "model.n_kv_head": 1, "model.tie_embeddings": True}  # k/v biases shared too
 QWEN3 = {"model.arch": "qwen3", "model.n_kv_head": 2, "model.head_size": 16, "model.rope_theta": 1e6}
 M4 = {"train.micro_batch_size": 4}  # m = 2 micro-batches per dp rank at dp 2, 1 at dp 4
 # (2,2,2) + sp + vpp 2: two chunks per stage, interleaved 1F1B over m = 2 micro-batches
@@ -33,6 +35,12 @@ RUNS = [
     ("z3-A-llama", {**A, **LLAMA, "parallel.zero": 3}),
     # Qwen3: per-head q/k norms (their gradients summed over tp, as chunks) and a decoupled head size
     ("z3-A-qwen3", {**A, **QWEN3, "parallel.zero": 3}),
+    # tp 2 > n_kv_head 1: the k/v chunks (weights and Qwen2's biases) summed over the tp ranks sharing the head
+    ("z2-kv1-llama", {"parallel.tp": 2, "parallel.dp": 4, "train.micro_batch_size": 2, **LLAMA_KV1,
+                      "parallel.zero": 2}),
+    ("z3-kv1-llama", {**A, **LLAMA_KV1, "parallel.zero": 3}),
+    ("z3-kv1-qwen2", {"parallel.tp": 2, "parallel.dp": 4, "train.micro_batch_size": 2, **QWEN2_KV1,
+                      "parallel.zero": 3, "parallel.overlap_grad_reduce": True}),
     ("z2-dp4-llama", {"parallel.pp": 2, "parallel.dp": 4, "train.micro_batch_size": 2, **LLAMA,
                       "parallel.zero": 2}),
     # dp 4, full recomputation (a recomputed block is gathered before its recomputation), one all-gather per
@@ -82,12 +90,16 @@ def test_zero_2_and_3_match_one_process_and_resume_at_other_levels(tmp_path, tok
     ref, ref_llama = _single(token_file, tmp_path, "ref"), _single(token_file, tmp_path, "ref-llama", **LLAMA)
     ref16 = _single(token_file, tmp_path, "ref16", **{"train.precision": "bf16"})
     ref_qwen3 = _single(token_file, tmp_path, "ref-qwen3", **QWEN3)
+    refs = {"kv1-llama": _single(token_file, tmp_path, "ref-kv1-llama", **LLAMA_KV1),
+            "kv1-qwen2": _single(token_file, tmp_path, "ref-kv1-qwen2", **QWEN2_KV1),
+            "llama": ref_llama, "qwen3": ref_qwen3}
     failures = []
     for name, overrides in RUNS:
         run = torch.load(tmp_path / f"{name}.pt")
         resumed = "checkpoint.resume" in overrides
         bf16 = "bf16" in name  # test_features_parallel's bf16 tolerance (2^-8 / 4), against bf16 at (1,1,1)
-        _compare(name, run, ref16 if bf16 else ref_llama if "llama" in name else ref_qwen3 if "qwen3" in name else ref,
+        family = next((k for k in refs if name.endswith(k)), None)
+        _compare(name, run, ref16 if bf16 else refs[family] if family else ref,
                  BF16_LOSS_RTOL if bf16 else 1e-5, None if bf16 else 1e-4, failures, first_step=3 if resumed else 1)
         level = overrides.get("parallel.zero", 0)
         if level >= 2:

@@ -39,13 +39,12 @@ import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
 
-from ..base.errors import ConfigError
 
 # torch >= 2.12 names them *_single (the *_tensor spellings warn); older torch has only those
 _reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 _all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 from .grid import Axis
-from .partition import partition_of, shard_range, tp_box, tp_replicas
+from .partition import partition_of, shard_range, tp_box
 
 
 class Unit:
@@ -72,11 +71,6 @@ class ShardedState:
         self.tp, self.dp, self.replicate, self.level = tp, dp, replicate, level
         self.chunks_over = dp  # the gradient norm adds the chunks' squares over it (finalize.grad_norm)
         self.reshard, self.overlap = reshard_after_forward, overlap
-        shared = [(n, tp_replicas(partition_of(p), tp.size)) for n, p in named_params
-                  if partition_of(p).dim is not None and tp_replicas(partition_of(p), tp.size) > 1]
-        if shared:  # finalize's shared_reduce sums whole k/v gradients over tp: not written for chunks
-            raise ConfigError(f"parallel.zero = {level}: {shared[0][0]} is held alike by {shared[0][1]} tp ranks "
-                              f"(parallel.tp larger than its heads); zero >= 2 expects parallel.tp <= the kv heads")
         self.named = list(named_params)
         self.valid = {n: tp_box(partition_of(p), tp.rank, tp.size).numel for n, p in self.named}
         self.range = {n: shard_range(k, dp.rank, dp.size) for n, k in self.valid.items()}
