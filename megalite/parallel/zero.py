@@ -47,6 +47,13 @@ from .grid import Axis
 from .partition import partition_of, shard_range, tp_box
 
 
+def eager(hook):
+    """A hook dynamo never traces (train.compile compiles each block's call, hooks included): it runs between
+    the compiled graphs, so they see the weights it gathered as their inputs, as torch's FSDP2 hooks are
+    skipped by dynamo (`torch._dynamo.config.skip_fsdp_hooks`) when a fully_shard block is compiled."""
+    return torch._dynamo.disable(hook, recursive=True)
+
+
 class Unit:
     """Parameters gathered and reduced together: [(global name, parameter)] in name order."""
 
@@ -100,10 +107,10 @@ class ShardedState:
                 self._free(u)
             self._modules = list(units)
             for i, m in enumerate(units):
-                m.register_forward_pre_hook(lambda mod, args, i=i: self._before_forward(i))
-                m.register_forward_hook(lambda mod, args, out, i=i: self._after_forward(i, out))
-            root.register_forward_pre_hook(lambda mod, args: self.gather(self.root))
-            root.register_forward_hook(lambda mod, args, out: self._after_root(out))
+                m.register_forward_pre_hook(eager(lambda mod, args, i=i: self._before_forward(i)))
+                m.register_forward_hook(eager(lambda mod, args, out, i=i: self._after_forward(i, out)))
+            root.register_forward_pre_hook(eager(lambda mod, args: self.gather(self.root)))
+            root.register_forward_hook(eager(lambda mod, args, out: self._after_root(out)))
 
     # ------------------------------------------------------------ the GradBuffer interface
     def zero(self) -> None:
