@@ -132,6 +132,7 @@ def test_kill_at_each_boundary_of_a_zero3_save(tmp_path, token_file, monkeypatch
     other rank, as torchrun would. `latest` names the last whole step, it verifies, and it resumes, here in
     one process at zero 0, continuing the single process's curve (1e-5 relative: the dp 2 steps before it
     round their reductions otherwise)."""
+    from megalite.parallel.process_group import GLOO_GONE
     from megalite.testing import RankFailed
     ref = _exact(train_in_process(_config(token_file, tmp_path / "ref", **{"model.dropout": 0.0})).history)
     for point, nth, latest_after in FRESH:
@@ -141,7 +142,8 @@ def test_kill_at_each_boundary_of_a_zero3_save(tmp_path, token_file, monkeypatch
             monkeypatch.setenv(k, v)
         with pytest.raises(RankFailed) as died:
             run_parallel(_zero3_worker, 2, d, args=(token_file,))
-        assert "Connection closed by peer" in str(died.value) or "killed by a signal" in str(died.value), died.value
+        said = str(died.value)  # the other rank's collective found its peer gone (gloo's words), or the kill itself
+        assert any(w in said for w in (*GLOO_GONE, "killed by a signal")), said[-400:]
         monkeypatch.delenv("MEGALITE_KILL_POINT")
         assert _latest_verifies(d / "ck") == f"step_{latest_after:08d}", point
         logs = []

@@ -73,7 +73,7 @@ def _worker(rank, world_size, rdzv, tokens, out, runs):
     for name, overrides in runs:
         overrides = {k: v.format(tmp=out) if isinstance(v, str) else v for k, v in overrides.items()}
         tr = train(H.TINY.config(tokens, f"{out}/run-{name}", **{**STEPS, **overrides}), log=lambda *a: None)
-        held = sum(p.numel() for _, p in tr.params)  # zero 3: nothing gathered between steps
+        held = sum(p.untyped_storage().nbytes() for _, p in tr.params)  # zero 3: nothing gathered between steps
         with tr.grads.whole():
             params = gather_full_model(tr.params, tr.grid)
         units = [u for u in getattr(tr.grads, "units", []) if u.named]
@@ -201,10 +201,17 @@ def _against_fsdp2(rank, world_size, tmp_dir):
     x = torch.randint(0, 256, (world_size, 4, 16), generator=gen)[rank]  # this rank's rows, every step: the
     y = torch.randint(0, 256, (world_size, 4, 16), generator=gen)[rank]  # loss falls as they are learnt
     out = []
+    def blocks():  # the storages of the block weights now (gathered ones among them)
+        return {p.untyped_storage()._cdata for b in ours.blocks.values() for p in b.parameters()}
+
     for step in range(5):
         shards.zero()
         shards.arm(1)
-        loss = ours(x, y)
+        saved = []  # what autograd keeps for backward that views a block's gathered weight (a Linear's weight.t())
+        with torch.autograd.graph.saved_tensors_hooks(
+                lambda t: (saved.append(t) if t.untyped_storage()._cdata in blocks() else None, t)[1], lambda t: t):
+            loss = ours(x, y)
+        assert saved and sum(t.untyped_storage().nbytes() for t in saved) == 0, "forward left weights gathered"
         loss.backward()
         shards.finish()
         opt.step(3e-3)

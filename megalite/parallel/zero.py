@@ -103,6 +103,7 @@ class ShardedState:
                 for n, p in self.named:
                     a, b = self.range[n]
                     self.weights[n] = p.detach().reshape(-1)[a:b].clone()
+                    self._own_storage(n, p)
             for u in self.units:
                 self._free(u)
             self._modules = list(units)
@@ -201,16 +202,21 @@ class ShardedState:
         off = 0
         with torch.no_grad():
             for name, p in u.named:
-                c = self.chunk[name]
-                whole = torch.zeros(self.shapes[name], dtype=rows.dtype, device=rows.device)
-                whole.view(-1)[:self.valid[name]] = rows[:, off:off + c].reshape(-1)[:self.valid[name]]
-                p.data = whole
+                c, k = self.chunk[name], self.valid[name]
+                p.untyped_storage().resize_(p.numel() * p.element_size())
+                whole = p.data.view(-1)  # .data: the write leaves p's version counter (autograd's check) alone
+                whole[:k] = rows[:, off:off + c].reshape(-1)[:k]
+                whole[k:] = 0
                 off += c
         u.gathered = True
 
     def _free(self, u: Unit) -> None:
+        """Resize each weight's storage to nothing (FSDP2's free): the tensors autograd saved for backward that
+        view a weight (a Linear saves weight.t()) share that storage, so they release it too, and see the
+        weight again when the gather before backward refills the same storage in place. Replacing p.data
+        instead would leave those views holding the whole weight from forward to backward."""
         for _, p in u.named:
-            p.data = torch.empty(0, dtype=p.dtype, device=p.device)
+            p.untyped_storage().resize_(0)
         u.gathered = False
 
     def _before_forward(self, i: int) -> None:
@@ -257,6 +263,11 @@ class ShardedState:
                 for n, p in self.named:
                     a, b = self.range[n]
                     self.weights[n].copy_(p.detach().reshape(-1)[a:b])
+                    self._own_storage(n, p)  # a reader that viewed it through numpy left it unresizable
             for u in self.units:
                 self._free(u)
+
+    def _own_storage(self, name: str, p) -> None:
+        """Give p a storage of its own that _free can resize (outside forward and backward: nothing views it)."""
+        p.data = torch.zeros(self.shapes[name], dtype=p.dtype, device=p.device)
 
