@@ -131,6 +131,12 @@ def test_zero_2_and_3_match_one_process_and_resume_at_other_levels(tmp_path, tok
     assert files[2].read_bytes() == files[3].read_bytes()
     one, three = load_file(files[1]), load_file(files[3])
     assert one.keys() == three.keys() and max(H.rel_err(one[k], three[k]) for k in one) < 1e-4
+    # the ZeRO-3 (2,2,2) checkpoint resumed at ZeRO-1 in one process (1,1,1) continues as the uninterrupted run
+    failures = []
+    _compare("z3-to-111", _single(token_file, tmp_path, "z3-to-111", **{
+        "parallel.zero1": True, "checkpoint.resume": str(tmp_path / "ckpt-z3" / "step_00000002")}),
+        torch.load(tmp_path / "z3-A.pt"), 1e-5, 1e-4, failures, first_step=3)
+    assert not failures, "\n".join(failures)
 
 
 @pytest.mark.slow  # every row at 30 steps (a checkpoint every 2): ~200 s here, against ~45 s for the default
