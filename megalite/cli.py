@@ -59,6 +59,10 @@ EPILOGS = {
                 "  megalite generate --model runs/demo/hf/ --prompt 'The ' --ignore-eot\n"
                 "  megalite generate --model SmolLM2-135M-Instruct/ --chat --system 'Be brief.' --prompt 'Hi!' "
                 "--top-p 0.9",
+    "eval": "examples:\n  megalite eval --model runs/demo/model.safetensors --data held-out.jsonl\n"
+            "  megalite eval --model gpt2/ --data wiki.txt --per-document --out per-doc.jsonl\n"
+            "  megalite torchrun --nproc-per-node 2 -m megalite eval --model runs/demo/checkpoints --data val.bin "
+            "--split val --parallel.tp=2",
 }
 
 def _report(command: str, e: BaseException) -> None:
@@ -222,6 +226,23 @@ def _cmd_generate(args, rest) -> int:
                 stop_at_eot=not args.ignore_eot, stops=args.stop, chat=args.chat, system=args.system,
                 check=args.check)
     print()
+    return 0
+
+
+def _cmd_eval(args, rest) -> int:
+    from .config import ConfigError, load_config
+    from .run.evaluate import evaluate
+    bad = [r for r in rest if not r.startswith("--parallel.")]
+    if bad:
+        raise ConfigError(f"eval: {bad[0]}: only --parallel.* overrides apply (the model brings its [model] section)")
+    if args.out is not None and not args.per_document:
+        raise ConfigError("eval: --out holds the per-document lines: pass --per-document with it")
+    scores = evaluate(args.model, args.data, load_config(None, rest), split=args.split, text_field=args.text_field,
+                      batch_rows=args.batch_rows, out=args.out if args.per_document else None, force=args.force)
+    if int(os.environ.get("RANK", "0")) == 0:
+        if args.per_document and args.out is None:
+            print("\n".join(scores.lines()))
+        print(scores.summary() + (f"; per document: {args.out}" if args.per_document and args.out else ""))
     return 0
 
 
@@ -454,6 +475,28 @@ def build_parser() -> argparse.ArgumentParser:
                    help="sample on past the model's end ids (generation_config.json's eos_token_id, a list or "
                         "one; config.json's; the tokenizer's eos and <|endoftext|>), which by default end the "
                         "text, as in transformers")
+
+    p = add("eval", "a model's loss, perplexity and bits per byte over a corpus or token file, each document "
+                    "scored alone from position 0 (packed with document masks), in one process or under torchrun "
+                    "at any layout (--parallel.tp=2 ...)", _cmd_eval)
+    p.add_argument("--model", required=True, help="a transformers folder, a megalite model file or a megalite "
+                                                  "checkpoint (root or step folder)")
+    p.add_argument("--data", required=True,
+                   help="text files or a folder (each file a document), a .jsonl/.parquet corpus (each record a "
+                        "document), encoded with the model's tokenizer; or a token file `megalite prepare "
+                        "--tokenizer MODEL` wrote (documents cut at its end-of-text ids)")
+    p.add_argument("--per-document", action="store_true",
+                   help="one JSON line per document: its summed log-likelihood, scored tokens, mean loss")
+    p.add_argument("--out", default=None, help="with --per-document: write the lines to this file (jsonl) "
+                                               "instead of stdout")
+    p.add_argument("--force", action="store_true", help="replace --out if it exists")
+    p.add_argument("--split", choices=["all", "train", "val"], default="all",
+                   help="a token file: which of its splits to score (default: %(default)s)")
+    p.add_argument("--text-field", default="text", help="the text field of a .jsonl record or .parquet column "
+                                                        "(default: %(default)s)")
+    p.add_argument("--batch-rows", type=_positive(int), default=8,
+                   help="rows of block_size + 1 tokens per forward batch, over all dp ranks (default: %(default)s)")
+    p.set_defaults(allow_rest=True)
 
     p = add("bench", "benchmarks: `bench ckpt` (saves/loads vs DCP, torch.save and the disk), `bench train` "
                      "(vs plain PyTorch, pipeline bubbles, layouts), `bench plan` (checkpoint write plan and "
