@@ -50,6 +50,7 @@ EPILOGS = {
              "  megalite bench plan --tp 8 --pp 16 --dp 8,32,128 --reshard-to 8,8,256   (GPT-3 175B shape)\n"
              "  megalite bench dcp --size-mb 300\n"
              "  megalite bench prepare --size-mb 64 --rounds 3\n  megalite bench blend --block-size 1024\n"
+             "  megalite bench documents --steps 5 --rounds 3   (document masks vs windows, same tokens a step)\n"
              "  megalite bench generate --new-tokens 64 --rounds 3   (a 135M-class Llama on this CPU)",
     "torchrun": "example:\n  megalite torchrun --standalone --nproc-per-node 8 -m megalite train --config configs/tiny-cpu.toml "
                 "--parallel.tp=2 --parallel.pp=2 --parallel.dp=2",
@@ -286,6 +287,11 @@ def _cmd_bench(args, rest) -> int:
         from .bench.generate import bench_generate
         bench_generate(n_layer=args.n_layer or 30, n_embd=args.n_embd or 576, vocab_size=args.vocab_size or 49152,
                        new_tokens=args.new_tokens, rounds=args.rounds or 3, dir=args.dir)
+    elif args.what == "documents":
+        from .bench.documents import bench_documents
+        bench_documents(size_mb=_given(args.size_mb, 2.0), vocab_size=_given(args.vocab_size, 4096),
+                        n_layer=args.n_layer or 4, n_embd=args.n_embd or 128, block_size=_given(args.block_size, 512),
+                        steps=args.steps, rounds=_given(args.rounds, 3), dir=args.dir)
     elif args.what == "prepare":
         from .bench.prepare import bench_prepare
         bench_prepare(size_mb=_given(args.size_mb, 32), vocab_size=_given(args.vocab_size, 4096),
@@ -503,31 +509,32 @@ def build_parser() -> argparse.ArgumentParser:
                      "manifest at thousands of ranks, no tensors), `bench dcp` (a DCP checkpoint to one file: "
                      "megalite convert vs dcp_to_torch_save), `bench prepare` (prepare vs the tokenizers "
                      "library's encode_batch), `bench generate` (tokens/s vs transformers' generate with its KV "
-                     "cache), `bench blend` (data.mixture's blend vs megatron-core's helper)", _cmd_bench)
-    p.add_argument("what", choices=["ckpt", "train", "plan", "dcp", "prepare", "generate", "blend"])
+                     "cache), `bench blend` (data.mixture's blend vs megatron-core's helper), `bench documents` (a "
+                     "training step with document-masked attention vs random windows)", _cmd_bench)
+    p.add_argument("what", choices=["ckpt", "train", "plan", "dcp", "prepare", "generate", "blend", "documents"])
     p.add_argument("--size-mb", type=_positive(float), default=None,
                    help="ckpt: model + optimizer bytes over all ranks (1024); dcp: the DCP checkpoint's size "
-                        "(300); prepare: corpus size (32)")
+                        "(300); prepare: corpus size (32); documents: the corpus's stdlib sources (2)")
     p.add_argument("--sizes", default=None,
                    help="ckpt, dcp: several sizes in MiB (e.g. 128,512,1024), one whole run each, then a scaling "
                         "table: s/GiB per operation and size, megalite / peer, a fixed + per-GiB fit")
     p.add_argument("--world", type=_positive(int), default=4, help="ckpt: gloo processes")
     p.add_argument("--repeats", type=_positive(int), default=3, help="ckpt: repetitions of each measurement")
-    p.add_argument("--dir", default=None, help="ckpt, prepare, generate: folder to write in (default: the temp "
+    p.add_argument("--dir", default=None, help="ckpt, prepare, generate, documents: folder to write in (default: the temp "
                                                          "folder)")
-    p.add_argument("--steps", type=_positive(int), default=10, help="train: timed steps per measurement")
+    p.add_argument("--steps", type=_positive(int), default=10, help="train, documents: timed steps per measurement")
     p.add_argument("--new-tokens", type=_positive(int), default=64,
                    help="generate: tokens each run draws (default: 64)")
     p.add_argument("--nproc", type=_positive(int), default=4, help="train: processes for the layout table")
     p.add_argument("--n-embd", type=_positive(int), default=None,
-                   help="model width (train: 128, plan: 12288, generate: 576)")
+                   help="model width (train: 128, documents: 128, plan: 12288, generate: 576)")
     p.add_argument("--n-layer", type=_positive(int), default=None,
-                   help="model depth (train: 4, plan: 96, generate: 30)")
+                   help="model depth (train: 4, documents: 4, plan: 96, generate: 30)")
     p.add_argument("--block-size", type=_positive(int), default=None,
-                   help="sequence length (train: 128, plan: 2048, blend: 1024 tokens a sample)")
+                   help="sequence length (train: 128, plan: 2048, blend: 1024 tokens a sample, documents: 512)")
     p.add_argument("--n-head", type=_positive(int), default=96, help="plan: attention heads")
     p.add_argument("--vocab-size", type=_positive(int), default=None, help="plan: vocabulary (50304); prepare: the BPE "
-                                                                 "trained for it (4096); generate: 49152")
+                                                                 "trained for it (4096); documents: 4096; generate: 49152")
     p.add_argument("--tokenizer", default=None, help="prepare: a tokenizer to use instead of training one")
     p.add_argument("--tp", type=_positive(int), default=8, help="plan: tensor-parallel size")
     p.add_argument("--pp", type=_positive(int), default=16, help="plan: pipeline stages")
@@ -551,7 +558,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--reshard-to", default=None, metavar="TP,PP,DP[,CP]",
                    help="plan: what each rank of this layout reads to resume the last layout's checkpoint")
     p.add_argument("--rounds", type=_positive(int), default=None,
-                   help="train: alternating runs of each feature table's settings (2); prepare, generate: of "
+                   help="train: alternating runs of each feature table's settings (2); prepare, generate, documents: of "
                         "each (3)")
     p.add_argument("--pairs", type=_positive(int), default=5,
                    help="train: table 1's megalite/plain pairs of fresh processes")

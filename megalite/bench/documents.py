@@ -1,0 +1,108 @@
+"""`megalite bench documents`: a training step with document-masked attention against one on random windows.
+
+One token file (the standard library's sources, --size-mb of them, each file cut at its top-level breaks into
+documents of a few hundred tokens, a byte-level BPE of --vocab-size ids trained on them) and one model (GPT-2 shape: --n-layer, --n-embd, heads of 32, --block-size
+positions) at (1,1,1) in this process; three settings of the same tokens per step (--batch rows of
+block_size):
+
+    windows                    data.packing = "windows": random windows across documents, causal attention
+                               (SDPA's is_causal path)
+    documents                  data.packing = "documents": rows of whole documents, attention still across them
+    documents + document_mask  the same rows, attention block-causal inside each document and positions
+                               restarting at each (SDPA with a boolean (B, 1, T, T) mask per layer)
+
+Each round runs --steps timed steps of every setting after one untimed step, the order rotated every round, so
+a drift in machine speed hits all alike; the ratios are per round (the setting's median ms/step over the
+windows' of that round), their median over the rounds printed with their range. No goal: the number is what
+masking costs on this CPU (the GPU path, flex attention or varlen, is another measurement).
+"""
+from __future__ import annotations
+
+import os
+import shutil
+import statistics
+import tempfile
+import time
+from pathlib import Path
+from typing import Optional
+
+from . import StreamTable
+
+SETTINGS = {"windows": dict(packing="windows", document_mask=False),
+            "documents": dict(packing="documents", document_mask=False),
+            "documents + document_mask": dict(packing="documents", document_mask=True)}
+
+
+def _token_file(work: Path, size_mb: float, vocab_size: int) -> Path:
+    """The stdlib's sources up to size_mb, each file cut at its top-level breaks (two blank lines: a function, a
+    class, a block of imports) into documents of a few hundred tokens, as web text's are, written as a jsonl
+    corpus and prepared with a BPE trained on it."""
+    import json
+    from ..data import default_corpus_files, prepare
+    from ..tokenizer import train_bpe
+    texts = [t for f in default_corpus_files(int(size_mb * 1e6)) for t in f.read_text(errors="replace").split(
+        "\n\n\n") if t.strip()]
+    corpus = work / "docs.jsonl"
+    corpus.write_text("".join(json.dumps({"text": t}) + "\n" for t in texts))
+    out = work / "docs.bin"
+    prepare([corpus], out, tokenizer=train_bpe(texts, vocab_size), log=lambda *a: None, val_fraction=0.05)
+    return out
+
+
+def _trainer(path: Path, setting: dict, n_layer: int, n_embd: int, block: int, batch: int, vocab_size: int):
+    import torch
+    from ..config import load_config, resolve, validate
+    from ..parallel.grid import ParallelGrid
+    from ..run.train import build
+    cfg = load_config(None, [f"--data.path={path}", f"--data.packing={setting['packing']}",
+                             f"--data.document_mask={str(setting['document_mask']).lower()}",
+                             f"--model.n_layer={n_layer}", f"--model.n_embd={n_embd}",
+                             f"--model.n_head={max(1, n_embd // 32)}", f"--model.block_size={block}",
+                             f"--model.vocab_size={vocab_size}", "--model.dropout=0.0",
+                             f"--train.global_batch_size={batch}", f"--train.micro_batch_size={batch}",
+                             "--train.eval_batches=1", "--train.seed=5"])
+    return build(validate(resolve(cfg, 1), 1), ParallelGrid.single(), torch.device("cpu"))
+
+
+def bench_documents(size_mb: float = 2.0, vocab_size: int = 4096, n_layer: int = 4, n_embd: int = 128,
+                    block_size: int = 512, batch: int = 8, steps: int = 5, rounds: int = 3,
+                    dir: Optional[str] = None, log=print) -> dict:
+    import torch
+    from ..run.train import train_step
+    work = Path(tempfile.mkdtemp(prefix="megalite-bench-documents-", dir=dir))
+    try:
+        path = _token_file(work, size_mb, vocab_size)
+        trainers = {k: _trainer(path, s, n_layer, n_embd, block_size, batch, vocab_size) for k, s in SETTINGS.items()}
+        docs = trainers["documents"].sampler.starts.size - 1
+        log(f"bench documents: GPT-2 shape, {n_layer} layers, width {n_embd}, {block_size} positions; {batch} rows "
+            f"of {block_size} tokens a step; {docs:,} documents of the stdlib's sources ({size_mb:g} MB, BPE of "
+            f"{vocab_size:,} ids); {torch.get_num_threads()} torch threads, {os.cpu_count()} cores (load average "
+            f"{os.getloadavg()[0]:.1f} at the start)")
+        for tr in trainers.values():  # warm-up: first steps allocate and pick kernels
+            train_step(tr)
+        t = StreamTable(["setting", "round", "ms/step (median)", "documents a row", "counted targets"],
+                        [26, 5, 16, 15, 15], log=log)
+        ms = {k: [] for k in SETTINGS}
+        names = list(SETTINGS)
+        for r in range(rounds):
+            for k in names[r % len(names):] + names[:r % len(names)]:  # the order rotated every round
+                tr, times, counted, per_row = trainers[k], [], 0, []
+                for _ in range(steps):
+                    b = tr.sampler.batch_at(tr.sampler.batch_index)  # what the step draws: counted, documents
+                    counted += b.counted
+                    per_row += [] if b.docs is None else (b.docs.max(dim=1).values + 1).tolist()
+                    t0 = time.perf_counter()
+                    train_step(tr)
+                    times.append(1000 * (time.perf_counter() - t0))
+                ms[k].append(statistics.median(times))
+                t.row([k, r + 1, f"{ms[k][-1]:.1f}", f"{statistics.mean(per_row):.1f}" if per_row else "-",
+                       f"{counted / (steps * batch * block_size):.1%}"])
+        ratios = {k: [a / b for a, b in zip(ms[k], ms["windows"])] for k in names[1:]}
+        log("")
+        for k, rs in ratios.items():
+            log(f"{k} / windows ms per step: {statistics.median(rs):.2f}x (median of {rounds} rounds; range "
+                f"{min(rs):.2f}-{max(rs):.2f})")
+        log(f"load average {os.getloadavg()[0]:.1f} at the end")
+        return {"ms": ms, "ratios": ratios}
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
