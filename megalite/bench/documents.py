@@ -11,9 +11,11 @@ block_size):
     documents + document_mask  the same rows, attention block-causal inside each document and positions
                                restarting at each (SDPA with a boolean (B, 1, T, T) mask per layer)
 
-Each round runs --steps timed steps of every setting after one untimed step, the order rotated every round, so
-a drift in machine speed hits all alike; the ratios are per round (the setting's median ms/step over the
-windows' of that round), their median over the rounds printed with their range. No goal: the number is what
+After one untimed step of each, each round runs --steps steps of every setting, one step of each in turn (the
+order rotated every step), so a drift in machine speed hits all alike; the ratios are per round (the setting's
+median ms/step over the windows' of that round), their median over the rounds printed with their range, for
+the wall time and for this process's CPU time (the steadier on a machine that other jobs load: one torch
+thread, so CPU time is the step's work, not the time it waited for a core). No goal: the number is what
 masking costs on this CPU (the GPU path, flex attention or varlen, is another measurement).
 """
 from __future__ import annotations
@@ -80,29 +82,37 @@ def bench_documents(size_mb: float = 2.0, vocab_size: int = 4096, n_layer: int =
             f"{os.getloadavg()[0]:.1f} at the start)")
         for tr in trainers.values():  # warm-up: first steps allocate and pick kernels
             train_step(tr)
-        t = StreamTable(["setting", "round", "ms/step (median)", "documents a row", "counted targets"],
-                        [26, 5, 16, 15, 15], log=log)
-        ms = {k: [] for k in SETTINGS}
+        t = StreamTable(["setting", "round", "ms/step", "CPU ms/step", "documents a row", "counted targets"],
+                        [26, 5, 8, 11, 15, 15], log=log)
         names = list(SETTINGS)
+        wall, cpu = ({k: [] for k in names} for _ in range(2))
         for r in range(rounds):
-            for k in names[r % len(names):] + names[:r % len(names)]:  # the order rotated every round
-                tr, times, counted, per_row = trainers[k], [], 0, []
-                for _ in range(steps):
+            times = {k: ([], [], [], 0) for k in names}  # wall ms, CPU ms, documents a row, counted targets
+            for i in range(steps):  # one step of each setting in turn, the order rotated every step
+                for k in names[i % len(names):] + names[:i % len(names)]:
+                    tr, (w, c, per_row, counted) = trainers[k], times[k]
                     b = tr.sampler.batch_at(tr.sampler.batch_index)  # what the step draws: counted, documents
-                    counted += b.counted
                     per_row += [] if b.docs is None else (b.docs.max(dim=1).values + 1).tolist()
-                    t0 = time.perf_counter()
+                    times[k] = (w, c, per_row, counted + b.counted)
+                    t0, c0 = time.perf_counter(), time.process_time()
                     train_step(tr)
-                    times.append(1000 * (time.perf_counter() - t0))
-                ms[k].append(statistics.median(times))
-                t.row([k, r + 1, f"{ms[k][-1]:.1f}", f"{statistics.mean(per_row):.1f}" if per_row else "-",
+                    w.append(1000 * (time.perf_counter() - t0))
+                    c.append(1000 * (time.process_time() - c0))
+            for k in names:
+                w, c, per_row, counted = times[k]
+                wall[k].append(statistics.median(w))
+                cpu[k].append(statistics.median(c))
+                t.row([k, r + 1, f"{wall[k][-1]:.1f}", f"{cpu[k][-1]:.1f}",
+                       f"{statistics.mean(per_row):.1f}" if per_row else "-",
                        f"{counted / (steps * batch * block_size):.1%}"])
-        ratios = {k: [a / b for a, b in zip(ms[k], ms["windows"])] for k in names[1:]}
         log("")
-        for k, rs in ratios.items():
-            log(f"{k} / windows ms per step: {statistics.median(rs):.2f}x (median of {rounds} rounds; range "
-                f"{min(rs):.2f}-{max(rs):.2f})")
+        ratios = {}
+        for k in names[1:]:
+            for what, ms in (("ms per step", wall), ("CPU ms per step", cpu)):
+                rs = ratios[k, what] = [a / b for a, b in zip(ms[k], ms["windows"])]  # round by round
+                log(f"{k} / windows {what}: {statistics.median(rs):.2f}x (median of {rounds} rounds; range "
+                    f"{min(rs):.2f}-{max(rs):.2f})")
         log(f"load average {os.getloadavg()[0]:.1f} at the end")
-        return {"ms": ms, "ratios": ratios}
+        return {"ms": wall, "cpu_ms": cpu, "ratios": ratios}
     finally:
         shutil.rmtree(work, ignore_errors=True)
