@@ -501,7 +501,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--text-field", default="text", help="the text field of a .jsonl record or .parquet column "
                                                         "(default: %(default)s)")
     p.add_argument("--batch-rows", type=_positive(int), default=8,
-                   help="rows of block_size + 1 tokens per forward batch, over all dp ranks (default: %(default)s)")
+                   help="rows of block_size + 1 tokens a batch, over all dp ranks (rounded up to a multiple of dp x "
+                        "pp: each rank's rows are pp micro-batches; default: %(default)s)")
     p.set_defaults(allow_rest=True)
 
     p = add("bench", "benchmarks: `bench ckpt` (saves/loads vs DCP, torch.save and the disk), `bench train` "

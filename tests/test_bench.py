@@ -145,6 +145,28 @@ def test_bench_dcp_prints_its_table(tmp_path):
     assert list(tmp_path.iterdir()) == [], "the benchmark leaves nothing behind"
 
 
+def test_bench_documents_prints_its_table(tmp_path, capsys):
+    """`megalite bench documents` as docs/performance.md shows it, small (transcripts.SMALL_ARGS), in this process:
+    every shown line's shape is printed, each setting once a round, the documents' rows hold several documents
+    and not every target counts (padding, document starts), nothing is left behind."""
+    from megalite.cli import main
+    outs = []
+
+    def runner(cmd):
+        assert main([*shlex.split(cmd)[1:], "--dir", str(tmp_path)]) == 0
+        outs.append(capsys.readouterr().out)
+        return outs[-1]
+
+    assert transcripts.check("bench-documents", runner) == []
+    [out] = outs
+    for setting in ("windows", "documents", "documents \\+ document_mask"):
+        assert len(re.findall(rf"\n{setting} +[12] +[\d.]+ ", out)) == 2, setting
+    docs = re.search(r"\ndocuments \+ document_mask +1 +[\d.]+ +[\d.]+ +([\d.]+) +([\d.]+)%", out)
+    assert float(docs.group(1)) > 1 and float(docs.group(2)) < 100, out
+    assert re.search(r"\ndocuments \+ document_mask / windows CPU ms per step: [\d.]+x \(median of 2 rounds; range", out)
+    assert list(tmp_path.iterdir()) == []
+
+
 def test_stream_table_prints_each_row_when_it_is_measured():
     """A long bench is not silent until the end: the header and each row reach the log as they come."""
     from megalite.bench import StreamTable, table

@@ -4,7 +4,7 @@
   document's tokens after its first equals AutoModelForCausalLM's on that document alone (1e-5), for a jsonl
   corpus and for the token file `megalite prepare` made of it, a document longer than block_size included
   (scored by hand in transformers as lm-eval's rolling windows with one token of context);
-- at every layout: tp = 2, pp = 2 and dp = 2 (one grouped launch of two gloo ranks) give the single process's
+- at every layout: tp = 2 (with sp too), pp = 2 (1F1B, AFAB, vpp 2) and dp = 2 (one grouped launch of two gloo ranks) give the single process's
   per-document numbers (1e-5), and `megalite torchrun ... eval --parallel.pp=2` prints them;
 - bad input (a missing file, nothing to score, a token file of another tokenizer, --out that exists) is one
   line and writes nothing.
@@ -31,14 +31,14 @@ BLOCK = 32
 
 @pytest.fixture(scope="module")
 def folders(tmp_path_factory) -> dict:
-    """{family: folder}: a GPT-2 and a GQA Llama with block_size 32, random weights of std 0.2, saved by
+    """{family: folder}: a GPT-2 (2 layers) and a GQA Llama (4 layers: pp 2 x vpp 2) with block_size 32, random weights of std 0.2, saved by
     transformers with test_generate's byte-level BPE (bos/eot <|endoftext|>)."""
     transformers = pytest.importorskip("transformers")
     from test_generate import _tokenizer
     out = {}
     for family, config in (("gpt2", transformers.GPT2Config(n_layer=2, n_head=4, n_embd=32, n_positions=BLOCK)),
                            ("llama", transformers.LlamaConfig(
-                               num_hidden_layers=2, hidden_size=32, intermediate_size=64, num_attention_heads=4,
+                               num_hidden_layers=4, hidden_size=32, intermediate_size=64, num_attention_heads=4,
                                num_key_value_heads=2, max_position_embeddings=BLOCK, tie_word_embeddings=False))):
         tok = _tokenizer(chat=False)
         config.vocab_size, config.initializer_range, config.bos_token_id, config.eos_token_id = len(tok), 0.2, 0, 0
@@ -110,23 +110,28 @@ def test_per_document_logliks_are_transformers_for_a_corpus_and_its_token_file(f
     close(by_tokens, sorted(ref, key=lambda r: (r[1], r[0])))  # the val split's documents come after the train's
 
 
+LAYOUTS = {"tp2": ["--parallel.tp=2"], "tp2-sp": ["--parallel.tp=2", "--parallel.sp=true"], "pp2": ["--parallel.pp=2"],
+           "pp2-afab": ["--parallel.pp=2", "--parallel.schedule=afab"],
+           "pp2-vpp2": ["--parallel.pp=2", "--parallel.vpp=2"], "dp2": ["--parallel.dp=2"]}
+
+
 def _layouts(rank, world_size, tmp, folder, corpus):
     from megalite.config import load_config
     from megalite.run.evaluate import evaluate
-    for name, flags in (("tp2", ["--parallel.tp=2"]), ("pp2", ["--parallel.pp=2"]), ("dp2", ["--parallel.dp=2"]),
-                        ("pp2-afab", ["--parallel.pp=2", "--parallel.schedule=afab"])):
+    for name, flags in LAYOUTS.items():
         s = evaluate(str(folder), str(corpus), load_config(None, flags), batch_rows=3)
         if rank == 0:
             np.save(f"{tmp}/{name}.npy", np.stack([s.loglik, s.tokens]))
 
 
 def test_every_layout_gives_the_single_process_numbers(folders, corpus, tmp_path):
-    """tp = 2 (the Llama's 2 kv heads split), pp = 2 (1F1B and AFAB) and dp = 2 in one launch of two ranks,
+    """tp = 2 (the Llama's 2 kv heads split; with and without sp), pp = 2 (1F1B, AFAB, interleaved with vpp = 2)
+    and dp = 2 in one launch of two ranks,
     with 3 rows a batch (dp = 2 pads one): each document's numbers are the single process's (1e-5)."""
     from megalite.run.evaluate import evaluate
     ref = evaluate(str(folders["llama"]), str(corpus), Config(), batch_rows=3)
     run_parallel(_layouts, 2, tmp_path, args=(folders["llama"], corpus))
-    for name in ("tp2", "pp2", "dp2", "pp2-afab"):
+    for name in LAYOUTS:
         got = np.load(tmp_path / f"{name}.npy")
         assert (got[1] == ref.tokens).all(), name
         np.testing.assert_allclose(got[0], ref.loglik, rtol=1e-5, atol=1e-5, err_msg=name)
@@ -156,3 +161,29 @@ def test_bad_input_is_one_line_and_writes_nothing(folders, corpus, token_file, t
     assert rc == 2 and "already exists" in err and out.read_text() == "mine\n", err
     rc, _, err = H.cli_in_process("eval", "--model", folders["gpt2"], "--data", corpus, "--train.steps=3")
     assert rc == 2 and "only --parallel.*" in err, err
+
+
+def test_a_checkpoint_and_its_model_file_score_a_byte_token_file_in_rolling_windows(run111, model_file,
+                                                                                    convert_tokens):
+    """A megalite checkpoint and the model file converted from it, on the validation split of a byte token file
+    (no end-of-text id: one document, scored in windows of block_size + 1 tokens overlapping by one): the same
+    log-likelihood, and the one computed window by window with generate's load_model (1e-5)."""
+    from megalite.data import TokenDataset
+    from megalite.generate import load_model
+    from megalite.run.evaluate import evaluate
+    a = evaluate(str(run111["ckpt"]), str(convert_tokens), Config(), split="val", batch_rows=64)
+    b = evaluate(str(model_file), str(convert_tokens), Config(), split="val", batch_rows=64)
+    model = load_model(model_file).eval()
+    ids, seq = torch.from_numpy(np.asarray(TokenDataset(convert_tokens, "val").tokens, dtype=np.int64)), \
+        model.cfg.block_size
+    full = (len(ids) - 1) // seq  # windows of seq + 1 tokens, overlapping by one, then the rest
+    windows = [ids[k * seq:k * seq + seq + 1][None] for k in range(full)]
+    windows = [torch.cat(windows)] + ([ids[full * seq:][None]] if len(ids) - 1 > full * seq else [])
+    total = 0.0
+    with torch.no_grad():
+        for w in windows:
+            logp = torch.log_softmax(model(w[:, :-1]).double(), -1)
+            total += float(logp.gather(2, w[:, 1:, None]).sum())
+    assert len(a.tokens) == 1 and a.tokens[0] == b.tokens[0] == len(ids) - 1
+    assert a.loglik[0] == b.loglik[0]
+    assert abs(a.loglik[0] - total) <= 1e-5 * abs(total)

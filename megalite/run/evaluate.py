@@ -154,7 +154,8 @@ def config_for(model: str, cfg: Config) -> Config:
     cfg.data.packing, cfg.data.document_mask = "documents", True
     world = world_size_from_env()
     resolve(cfg, world)
-    cfg.train.micro_batch_size, cfg.train.global_batch_size = 1, max(cfg.parallel.dp, 1)
+    # what validate checks of the micro-batches: pp of them a batch (_score), as train's 1F1B would have
+    cfg.train.micro_batch_size, cfg.train.global_batch_size = 1, max(cfg.parallel.dp, 1) * max(cfg.parallel.pp, 1)
     return validate(cfg, world)
 
 
@@ -194,15 +195,17 @@ def _setup(model: str, data: str, cfg: Config, grid: ParallelGrid, device, split
 
 def _score(stage: GPTStage, docs: list, tok: Tokenizer, cfg: Config, grid: ParallelGrid, device,
            batch_rows: int) -> Scores:
-    """Every row through the pipeline, batch_rows at a time (rounded up to a multiple of dp), each dp rank its
-    share; each document's sum all-reduced over the job."""
+    """Every row through the pipeline, batch_rows at a time (rounded up to a multiple of dp x pp), each dp rank
+    its share as pp micro-batches (one a stage, so the pipeline fills); each document's sum all-reduced over the
+    job."""
     ids, window, owner = rows(docs, cfg.model.block_size)
     counted = (window[:, 1:] == window[:, :-1]) & (window[:, 1:] >= 0)  # (R, seq): targets inside a window
     target_doc = np.where(counted, owner[:, 1:], -1)
     nbytes = np.asarray(tok.token_bytes(), dtype=np.int64)
     scores = Scores(np.zeros(len(docs)), np.bincount(target_doc[counted], minlength=len(docs)),
                     int(nbytes[ids[:, 1:][counted]].sum()))
-    dp, per = grid.layout.dp, max(1, -(-batch_rows // grid.layout.dp))  # rows per dp rank per batch
+    dp, pp = grid.layout.dp, grid.layout.pp
+    per = -(-max(batch_rows, dp * pp) // (dp * pp)) * pp  # rows per dp rank per batch: a multiple of pp
     total = torch.zeros(len(docs), dtype=torch.float64)
     with torch.no_grad():
         for first in range(0, len(ids), dp * per):
@@ -220,24 +223,27 @@ def _score(stage: GPTStage, docs: list, tok: Tokenizer, cfg: Config, grid: Paral
 
 def _forward(stage: GPTStage, cfg: Config, grid: ParallelGrid, device, ids, window, per: int):
     """Per-token losses (float64, (rows, seq/cp)) of this dp rank's rows, padded to `per` rows, through the
-    pipeline one row per micro-batch; None on ranks that do not hold them (not the last stage, tp rank > 0)."""
+    pipeline in pp micro-batches; None on ranks that do not hold them (not the last stage, tp rank > 0)."""
     seq = cfg.model.block_size
     pad = per - ids.shape[0]
     ids = np.concatenate([ids, np.zeros((pad, seq + 1), dtype=np.int64)])
     window = np.concatenate([window, np.full((pad, seq + 1), -1, dtype=np.int64)])
     x, y, docs = (split_sequence(torch.from_numpy(a.copy()), grid.cp).to(device)
                   for a in (ids[:, :-1], ids[:, 1:], window[:, :-1]))
-    shape = (1, seq // grid.cp.size // (grid.tp.size if stage.sp else 1), cfg.model.n_embd)
+    m = grid.layout.pp
+    mb = per // m  # rows a micro-batch
+    shape = (mb, seq // grid.cp.size // (grid.tp.size if stage.sp else 1), cfg.model.n_embd)
     p2p = P2P(grid, shape, torch.float32, device) if grid.layout.pp > 1 else None
     vpp = len(stage.chunks)
 
     def stage_fn(inp, i, chunk=0):
-        out = stage(inp, None, chunk=chunk, docs=docs[i:i + 1])
-        if grid.is_last_stage and chunk == vpp - 1:  # (1, t, V/tp) logits -> (1, t) losses
-            return vocab_parallel_cross_entropy(out, y[i:i + 1], stage.cfg.vocab_size, stage.tp, stage.real_vocab)
+        rows_i = slice(i * mb, (i + 1) * mb)
+        out = stage(inp, None, chunk=chunk, docs=docs[rows_i])
+        if grid.is_last_stage and chunk == vpp - 1:  # (mb, t, V/tp) logits -> (mb, t) losses
+            return vocab_parallel_cross_entropy(out, y[rows_i], stage.cfg.vocab_size, stage.tp, stage.real_vocab)
         return out
 
-    losses = get_schedule(cfg.parallel.schedule, vpp, False)(stage_fn, list(x.split(1)), per, grid, p2p)
+    losses = get_schedule(cfg.parallel.schedule, vpp, False)(stage_fn, list(x.split(mb)), m, grid, p2p)
     if not (grid.is_last_stage and grid.coord.tp == 0):
         return None
     return torch.cat([l.double().cpu() for l in losses])
