@@ -299,12 +299,15 @@ def test_every_bench_removes_its_temp_folder_when_it_fails(tmp_path, monkeypatch
     import tempfile
     import benchmarks.stress as stress
     from megalite.bench.ckpt import bench_ckpt
+    from megalite.bench.documents import bench_documents
     from megalite.bench.prepare import bench_prepare
     from megalite.bench.train import bench_train
     for name, run in (("ckpt", lambda d: bench_ckpt(size_mb=1, world=2, repeats=1, dir=d, log=_fail)),
                       ("train", lambda d: bench_train(workdir=d, log=_fail)),
                       ("prepare", lambda d: bench_prepare(size_mb=0.05, vocab_size=300, rounds=1, dir=d,
-                                                          log=_fail))):
+                                                          log=_fail)),
+                      ("documents", lambda d: bench_documents(size_mb=0.05, vocab_size=300, n_layer=1, n_embd=32,
+                                                              block_size=32, dir=d, log=_fail))):
         d = tmp_path / name
         d.mkdir()
         with pytest.raises(_Stop):

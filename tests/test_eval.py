@@ -138,18 +138,25 @@ def test_every_layout_gives_the_single_process_numbers(folders, corpus, tmp_path
 
 
 def test_under_torchrun_the_command_prints_the_same_numbers(folders, corpus):
+    """`megalite eval` under torchrun at pp = 2 prints the single process's per-document lines; a bad --data under
+    torchrun is one error line (rank 0's), not one a rank."""
     p = H.ok(H.run(H.torchrun_cmd(2, "eval", "--model", folders["gpt2"], "--data", corpus, "--per-document",
                                   "--parallel.pp=2")))
     rc, out, err = H.cli_in_process("eval", "--model", folders["gpt2"], "--data", corpus, "--per-document")
     assert rc == 0, err
     close(per_document("\n".join(p.stdout.strip().splitlines()[:-1])), per_document("\n".join(
         out.strip().splitlines()[:-1])))
+    bad = H.run(H.torchrun_cmd(2, "eval", "--model", folders["gpt2"], "--data", corpus.with_name("none.txt"),
+                               "--parallel.tp=2"))  # a rank's error said once, by rank 0
+    said = [ln for ln in bad.stderr.splitlines() if ln.startswith("megalite eval: error:")]
+    assert bad.returncode != 0 and len(said) == 1 and said[0].endswith("--data: source '" + str(
+        corpus.with_name("none.txt")) + "' does not exist"), bad.stderr[-3000:]
 
 
 def test_bad_input_is_one_line_and_writes_nothing(folders, corpus, token_file, tmp_path):
     out = tmp_path / "per-doc.jsonl"
     (tmp_path / "empty.jsonl").write_text('{"text": "x"}\n\n')
-    cases = {tmp_path / "missing.txt": "does not exist", tmp_path / "empty.jsonl": "no token to score",
+    cases = {tmp_path / "missing.txt": "--data: source", tmp_path / "empty.jsonl": "no token to score",
              token_file: "another tokenizer"}
     for data, words in cases.items():
         rc, _, err = H.cli_in_process("eval", "--model", folders["gpt2"], "--data", data, "--per-document",

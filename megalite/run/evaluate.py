@@ -38,7 +38,7 @@ import torch
 import torch.distributed as dist
 
 from ..base.corpus import DEFAULT_TEXT_FIELD, RECORD_SUFFIXES, records
-from ..base.errors import DataError
+from ..base.errors import DataError, MegaliteError
 from ..base.fs import regular_or_absent, replace_atomically
 from ..config import Config, resolve, validate
 from ..data import TokenDataset, expand_sources
@@ -118,7 +118,10 @@ def read_documents(data: str, tok: Tokenizer, split: str = "all", text_field: st
     if path.suffix == ".bin":
         docs = _token_file(path, split, tok)
     else:
-        docs = [np.asarray(ids, dtype=np.int64) for ids in map(tok.encode, _texts(data, text_field))]
+        try:
+            docs = [np.asarray(ids, dtype=np.int64) for ids in map(tok.encode, _texts(data, text_field))]
+        except DataError as e:  # said by the reader prepare shares ("prepare: source ... does not exist")
+            raise DataError(f"--data: {str(e).removeprefix('prepare: ')}") from None
     docs = [d for d in docs if d.size]  # an empty text; the separator prepare puts where the val split begins
     if not any(d.size > 1 for d in docs):
         raise DataError(f"--data: '{data}' holds {len(docs)} document(s) and no token to score (a document needs "
@@ -163,9 +166,12 @@ def evaluate(model: str, data: str, cfg: Config, split: str = "all", text_field:
              batch_rows: int = 8, out: Optional[str] = None, force: bool = False) -> Scores:
     """Score --data with --model at cfg.parallel's layout (joining the torchrun job, or one process); every rank
     returns the same Scores. `out`: rank 0 writes the per-document lines there, once all is computed."""
-    cfg = config_for(model, cfg)
-    if out is not None and regular_or_absent(Path(out), "--out") is not None and not force:
-        raise DataError(f"--out {out} already exists (pass --force to replace it)")
+    try:  # before the job is joined: every rank reads the same flags and files, so says the same (rank 0 prints)
+        cfg = config_for(model, cfg)
+        if out is not None and regular_or_absent(Path(out), "--out") is not None and not force:
+            raise DataError(f"--out {out} already exists (pass --force to replace it)")
+    except MegaliteError as e:
+        raise e.everywhere() if world_size_from_env() > 1 else e
     with joined(cfg.parallel.timeout_s) as device:
         grid = ParallelGrid.create(cfg.parallel.layout, timeout=timedelta(seconds=cfg.parallel.timeout_s))
         stage, docs, tok = agree(lambda: _setup(model, data, cfg, grid, device, split, text_field), grid)
