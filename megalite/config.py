@@ -17,7 +17,7 @@ from pathlib import Path
 
 from .base.errors import ConfigError, LayoutError
 from .base.limits import MAX_COUNT, MAX_INT, MAX_SIZE, describe, finite  # noqa: F401 (MAX_COUNT: read elsewhere)
-from .base.fs import path_kind
+from .base.fs import path_kind, read_all
 from . import models
 from .parallel.grid import Layout
 
@@ -289,8 +289,8 @@ def load_config(path: str | Path | None = None, overrides: typing.Sequence[str] 
         if not p.is_file():  # /dev/null, a folder, a FIFO, a broken symlink: say what it is
             raise ConfigError(f"--config: '{p}' is {path_kind(p)}, expected a TOML file")
         try:
-            raw = tomllib.loads(p.read_text())
-        except tomllib.TOMLDecodeError as e:
+            raw = tomllib.loads(read_all(p, follow=True).decode("utf-8"))  # a FIFO refused at open, never waited on
+        except (tomllib.TOMLDecodeError, UnicodeDecodeError) as e:
             raise ConfigError(f"{p}: not valid TOML ({e})") from None
         cfg = Config.from_dict(raw, source=str(p), family_defaults=False)
     named = given(raw) if path is not None else set()

@@ -35,7 +35,8 @@ from typing import Iterable, Iterator, Optional
 from .base import limits
 from .base.corpus import RECORD_SUFFIXES, records
 from .base.errors import CheckpointError, DataError
-from .base.fs import folder_locked, identity, output_refusal, path_kind, remove_tree, replace_output, what_is
+from .base.fs import (by_descriptor, folder_locked, identity, open_read, output_refusal, path_kind, read_all,
+                      remove_tree, replace_output, what_is)
 from .base.jsonio import loads
 
 EOT = "<|endoftext|>"  # GPT-2's end-of-text token
@@ -201,7 +202,8 @@ def _read_text(path: Path, what: str) -> str:
     if not path.is_file():
         raise DataError(f"{what} '{path}' is {path_kind(path)}, expected a file")
     limits.within(path.stat().st_size, "tokenizer", f"{what} '{path}'", DataError)
-    data = path.read_bytes()
+    data = read_all(path, limits.FILE_BYTES["tokenizer"] + 1, follow=True)  # a FIFO refused at open, never waited on
+    limits.within(len(data), "tokenizer", f"{what} '{path}'", DataError)
     try:
         return data.decode("utf-8")
     except UnicodeDecodeError as e:
@@ -218,8 +220,9 @@ def gpt2_from_files(vocab: Path, merges: Path) -> Tokenizer:
         raise DataError(f"{vocab}: expected GPT-2's vocab.json, a JSON object of token -> non-negative id")
     check_ids(table.values(), str(vocab))
     _read_text(merges, "merges.txt")
-    try:
-        backend = Backend(models.BPE.from_file(str(vocab), str(merges)))
+    try:  # the library opens the two files by name: given the descriptors checked (base/fs.by_descriptor)
+        with by_descriptor(vocab) as v, by_descriptor(merges) as m:
+            backend = Backend(models.BPE.from_file(v, m))
     except Exception as e:  # noqa: BLE001 - the library's own parse error
         raise DataError(f"{merges}: the tokenizers library cannot read it with {vocab.name} "
                         f"({' '.join(str(e).split())}); expected GPT-2's merges.txt") from None
@@ -259,10 +262,9 @@ def _with_folder_eos(tok: Tokenizer, folder: Path) -> Tokenizer:
     """A tokenizer without GPT-2's end-of-text token (Llama 3's has <|end_of_text|>) takes its folder's own: the
     eos_token its tokenizer_config.json names, where the vocabulary has it (never a default: issue 38)."""
     cfg_path = folder / "tokenizer_config.json"
-    if tok.eot_id is not None or tok.is_byte or not cfg_path.is_file():
+    if tok.eot_id is not None or tok.is_byte or not cfg_path.exists():  # a FIFO there: refused at open
         return tok
-    limits.within(cfg_path.stat().st_size, "json", str(cfg_path), DataError)
-    cfg = loads(cfg_path.read_bytes(), str(cfg_path), DataError)
+    cfg = loads(read_all(cfg_path, limits.FILE_BYTES["json"] + 1, follow=True), str(cfg_path), DataError, kind="json")
     eos = cfg.get("eos_token") if isinstance(cfg, dict) else None
     eos = eos.get("content") if isinstance(eos, dict) else eos
     tok.eot_id = tok.backend.token_to_id(eos) if isinstance(eos, str) else None
@@ -314,8 +316,9 @@ def not_our_folder(out: Path) -> str:
         return f"it holds '{other[0]}'" + (f" and {len(other) - 1} more" if len(other) > 1 else "") if other \
             else f"it has no {TOKENIZER_JSON}"
     try:
-        config = loads((out / "tokenizer_config.json").read_bytes(), "tokenizer_config.json", DataError, kind="json")
-        special = loads((out / SPECIAL_MAP).read_bytes(), SPECIAL_MAP, DataError, kind="json") \
+        config = loads(read_all(out / "tokenizer_config.json", limits.FILE_BYTES["json"] + 1),
+                       "tokenizer_config.json", DataError, kind="json")
+        special = loads(read_all(out / SPECIAL_MAP, limits.FILE_BYTES["json"] + 1), SPECIAL_MAP, DataError, kind="json") \
             if SPECIAL_MAP in names else None
     except (OSError, DataError):
         config = special = None
@@ -463,7 +466,7 @@ def read_text_pieces(path, piece_chars: int = 1 << 20, block: int = 1 << 20, spe
     decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
     buf, scanned, offset = "", 0, 0
     hard = FORCED_CUT * piece_chars
-    with open(path, "rb") if isinstance(path, (str, os.PathLike)) else contextlib.nullcontext(path) as f:
+    with open_read(path, follow=True) if isinstance(path, (str, os.PathLike)) else contextlib.nullcontext(path) as f:
         while True:
             raw = f.read(block)
             buf += decoder.decode(raw, final=not raw)
@@ -519,8 +522,8 @@ def of_token_file(path: Path, meta: dict, vocab_size: int) -> Tokenizer:
     if not tpath.is_file():
         raise DataError(f"data.path: tokenizer_file '{tpath}' named by '{mpath.name}' is {path_kind(tpath)}, "
                         f"expected the tokenizer.json that made the token file")
-    limits.within(tpath.stat().st_size, "tokenizer", f"data.path: tokenizer_file '{tpath}'", DataError)
-    raw = tpath.read_bytes()
+    raw = read_all(tpath, limits.FILE_BYTES["tokenizer"] + 1, follow=True)
+    limits.within(len(raw), "tokenizer", f"data.path: tokenizer_file '{tpath}'", DataError)
     sha = meta.get("tokenizer_sha256")
     if sha is not None and sha != hashlib.sha256(raw).hexdigest():
         raise DataError(f"data.path: tokenizer_file '{tpath}' has sha256 {hashlib.sha256(raw).hexdigest()[:16]}..., "

@@ -9,7 +9,8 @@
     every file through base/fs           a weight_map naming a FIFO refused at once (no hang), a symlink refused
     a dtype megalite does not know       refused by the one dtype table, never called float32
     megalite torchrun                    --nproc-per-node abc/0 one line; a failed worker's exit code; the
-                                         survivor of a SIGKILLed worker one line (gloo's traceback before)
+                                         survivor of a SIGKILLed worker one line (gloo's traceback before);
+                                         a dead peer in NCCL's words and c10d's types (unit: no GPU here)
     W&B inside the run's folder          in tests/test_wandb.py's offline run (one W&B run serves both)
 
 Each test plants nothing of its own: the input is the attack; the commit that added a test says which fix,
@@ -162,6 +163,9 @@ def test_a_weight_map_naming_a_fifo_or_a_symlink_is_refused_at_once(tmp_path):
     assert not (tmp_path / "o.st").exists()
     (folder / shard).unlink()
     (folder / shard).symlink_to(real)  # a link to a regular file: the Hugging Face cache's snapshot layout
+    for name in ("config.json", "model.safetensors.index.json"):  # the cache links these to blobs as well
+        (folder / name).rename(tmp_path / f"blob-{name}")
+        (folder / name).symlink_to(tmp_path / f"blob-{name}")
     rc, _, err = cli_in_process("convert", folder, "--no-check", "--out", tmp_path / "o.st")
     assert rc == 0, err
 
@@ -205,3 +209,49 @@ def test_the_survivor_of_a_sigkilled_worker_says_one_line(tiny_toml, tmp_path):
     assert ours[0].startswith("megalite train: error: another rank of the job is gone (gloo: "), ours
     assert p.returncode == 128 + 9 and "rank 1 was killed by SIGKILL" in p.stderr, (p.returncode, p.stderr[-2000:])
 
+
+
+# ---------------------------------------------------------------- a dead peer in NCCL's words, and c10d's types
+# NCCL's texts as torch and NCCL print them: ProcessGroupNCCL's error for ncclRemoteError (ncclGetErrorString's
+# "remote process exited or there was a network error"), its watchdog's timeout and abort, its socket transport
+NCCL_REMOTE = ("NCCL error in: ../torch/csrc/distributed/c10d/ProcessGroupNCCL.cpp:1970, remote process exited or "
+               "there was a network error, NCCL version 2.21.5\nncclRemoteError: A call failed possibly due to a "
+               "network error or a remote process exiting prematurely.\nLast error:\nNET/IB : Got completion from "
+               "peer 10.5.0.34<33956> with error 5")
+NCCL_WATCHDOG = ("[Rank 0] Watchdog caught collective operation timeout: WorkNCCL(SeqNum=64, OpType=ALLREDUCE, "
+                 "NumelIn=1, NumelOut=1, Timeout(ms)=600000) ran for 600081 milliseconds before timing out.")
+NCCL_ABORTED = "NCCL communicator was aborted on rank 1."
+NCCL_SOCKET = ("NCCL error in: ProcessGroupNCCL.cpp:1970, unhandled system error (run with NCCL_DEBUG=INFO for "
+               "details), NCCL version 2.21.5\nLast error:\nnet.cc:747 NCCL WARN Net : Connection closed by peer")
+GLOO_CLOSED = ("[../third_party/gloo/gloo/transport/tcp/pair.cc:534] Read error [127.0.0.1]:29500: Connection "
+               "closed by peer")
+
+
+@pytest.mark.parametrize("kind, text, said", [
+    ("RuntimeError", GLOO_CLOSED, "gloo: Connection closed by peer"),
+    ("RuntimeError", "[gloo/transport/tcp/pair.cc:598] Connection reset by peer", "gloo: Connection reset by peer"),
+    ("DistBackendError", NCCL_REMOTE, "NCCL: ncclRemoteError"),
+    ("RuntimeError", NCCL_REMOTE.replace("ncclRemoteError: ", ""),
+     "NCCL: remote process exited or there was a network error"),
+    ("DistBackendError", NCCL_WATCHDOG, "NCCL: Watchdog caught collective operation timeout"),
+    ("DistBackendError", NCCL_ABORTED, "NCCL: NCCL communicator was aborted"),
+    ("DistBackendError", NCCL_SOCKET, "NCCL: Connection closed by peer"),
+    ("DistBackendError", "[c10d] Connection reset by peer", "c10d: Connection reset by peer"),
+    ("DistNetworkError", "Connection reset by peer\nException raised from recvBytes at TCPStoreLibUvBackend.cpp",
+     "c10d: Connection reset by peer"),
+    ("DistNetworkError", "failed to recv, got 0 bytes", "c10d network error: failed to recv, got 0 bytes"),
+    # an error of this rank's own keeps its traceback: a bug, a CUDA fault inside NCCL, a local socket word alone
+    ("DistBackendError", "NCCL error in: ProcessGroupNCCL.cpp:1970, unhandled cuda error (run with NCCL_DEBUG=INFO "
+                         "for details), NCCL version 2.21.5", None),
+    ("DistBackendError", "NCCL error in: ProcessGroupNCCL.cpp:1970, invalid usage, NCCL version 2.21.5", None),
+    ("RuntimeError", "Connection reset by peer", None),  # not a collective's error (an HTTP client's, say)
+    ("RuntimeError", "shape mismatch in NCCL test harness", None),
+    ("ValueError", GLOO_CLOSED, None),
+])
+def test_a_dead_peer_is_recognised_in_gloos_and_nccls_words_and_c10ds_types(kind, text, said):
+    import torch.distributed as dist
+    from megalite.parallel.process_group import peer_lost
+    cls = {"RuntimeError": RuntimeError, "ValueError": ValueError}.get(kind) or getattr(dist, kind)
+    got = peer_lost(cls(text))
+    assert got == said, (kind, got)
+    assert got is None or "\n" not in got  # one line, whatever the backend printed

@@ -10,9 +10,9 @@
   _init_weights does, norm gains 1; the std of each tensor within 6 standard errors (1/sqrt(2n) relative);
 - a torchtitan folder holding a model tensor megalite's Llama lacks: refused, not dropped; converted without
   --config / --norm-eps: torchtitan's own defaults (ComplexRoPE's theta, RMSNorm's eps), its forward's logits;
-- GQA ring attention with 4 kv heads for 8 query heads at cp = 2 (2 query heads per kv head, 4 kv heads on the
-  rank: `repeat` and `repeat_interleave` give different models) against the single process, forward and the
-  k / v gradients;
+- GQA ring attention with 4 kv heads for 8 query heads at cp = 2 (2 query heads per kv head), at tp = 1 (4 kv
+  heads on the rank) and tp = 2 (2 on the rank), where `repeat` and `repeat_interleave` give different models,
+  against the single process, forward and the k / v gradients, both layouts in one launch of 4 ranks;
 - llama3 rope scaling's band edges: megalite's model and the converter's reference forward (native.py) against
   transformers' own llama3 frequencies, with frequencies placed exactly on both edges and either side;
 - a bf16 model file's dtypes: every floating tensor stored BF16, in the megalite file and in the HF export.
@@ -290,34 +290,52 @@ def _gqa_single():
     return logits.detach(), {n: p.grad for n, p in model.named_parameters()}
 
 
+GQA_LAYOUTS = {"tp1": (1, 1, 2, 2),  # 4 kv heads on each rank, 2 query heads each (dp = 2 fills the 4 ranks)
+               "tp2": (2, 1, 1, 2)}  # kv heads split over tp: 2 on each rank, 2 query heads each
+
+
 def _gqa_ring_worker(rank, world_size, tmp):
+    """Both layouts in one launch of 4 ranks: the logits gathered over tp at this rank's positions, the gradients
+    summed over cp and gathered over tp (each parameter's partition tag)."""
     import torch.distributed as dist
+    from megalite.parallel.agree import everyone
     from megalite.parallel.context import local_positions, split_sequence
     from megalite.parallel.grid import Layout
-    grid = ParallelGrid.create(Layout(1, 1, 1, cp=2))
-    ids, tgt = _gqa_batch()
-    model = _gqa_model(grid)
-    logits = model(split_sequence(ids, grid.cp))  # (B, T/cp, V) at this rank's positions
-    loss = torch.nn.functional.cross_entropy(logits.flatten(0, 1), split_sequence(tgt, grid.cp).flatten()) / 2
-    loss.backward()  # the global mean: half of each rank's mean (equal token counts)
-    grads = {}
-    for n, p in model.named_parameters():
-        dist.all_reduce(p.grad, group=grid.cp.group)
-        grads[n] = p.grad
-    torch.save({"pos": local_positions(32, grid.cp), "logits": logits.detach(), "grads": grads},
-               f"{tmp}/gqa-{rank}.pt")
+    from megalite.parallel.tensor import vocab_parallel_cross_entropy
+    from megalite.testing import gather_full_model
+    for tag, lay in GQA_LAYOUTS.items():
+        grid = ParallelGrid.create(Layout(*lay))
+        ids, tgt = _gqa_batch()
+        model = _gqa_model(grid)
+        logits = model(split_sequence(ids, grid.cp))  # (B, T/cp, V/tp) at this rank's positions
+        loss = vocab_parallel_cross_entropy(logits, split_sequence(tgt, grid.cp), 128, grid.tp).mean() / grid.cp.size
+        loss.backward()  # the global mean: 1/cp of each rank's mean (equal token counts)
+        grads = []
+        for n, p in model.named_parameters():
+            dist.all_reduce(p.grad, group=grid.cp.group)
+            if hasattr(p, "partition"):
+                p.grad.partition = p.partition  # gathered over tp as its parameter is
+            grads.append((n, p.grad))
+        full = torch.cat(everyone(logits.detach(), grid, grid.tp), dim=-1) if grid.tp.active else logits.detach()
+        torch.save({"pos": local_positions(32, grid.cp), "logits": full, "grads": gather_full_model(grads, grid)},
+                   f"{tmp}/gqa-{tag}-{rank}.pt")
 
 
 def test_gqa_ring_attention_with_several_kv_heads_per_rank_equals_the_single_process(tmp_path):
+    """tp = 1: 4 kv heads on each cp rank; tp = 2: 2 kv heads on each rank, each read by 2 query heads (the kv
+    heads split over tp as the query heads are). Each against the single process."""
     from megalite.testing import run_parallel
-    run_parallel(_gqa_ring_worker, 2, tmp_path)
+    run_parallel(_gqa_ring_worker, 4, tmp_path)
     ref, ref_grads = _gqa_single()
     assert ref.abs().max() > 5  # logits far from uniform
-    for r in range(2):
-        got = torch.load(tmp_path / f"gqa-{r}.pt")
-        torch.testing.assert_close(got["logits"], ref[:, got["pos"]], rtol=1e-5, atol=1e-4)
-        for n in ("blocks.0.attn.k.weight", "blocks.0.attn.v.weight", "blocks.1.attn.q.weight"):
-            torch.testing.assert_close(got["grads"][n], ref_grads[n], rtol=1e-4, atol=1e-6, msg=lambda m: f"{n}: {m}")
+    for tag in GQA_LAYOUTS:
+        for r in range(4):
+            got = torch.load(tmp_path / f"gqa-{tag}-{r}.pt")
+            torch.testing.assert_close(got["logits"], ref[:, got["pos"]], rtol=1e-5, atol=1e-4,
+                                       msg=lambda m: f"{tag} rank {r} logits: {m}")
+            for n in ("blocks.0.attn.k.weight", "blocks.0.attn.v.weight", "blocks.1.attn.q.weight"):
+                torch.testing.assert_close(got["grads"][n], ref_grads[n], rtol=1e-4, atol=1e-6,
+                                           msg=lambda m: f"{tag} rank {r} {n}: {m}")
 
 
 # ---------------------------------------------------------------- llama3 rope scaling at its band edges

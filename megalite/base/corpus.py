@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Iterator
 
 from .errors import DataError
+from .fs import by_descriptor, open_read
 
 RECORD_SUFFIXES = (".jsonl", ".parquet")
 MAX_RECORD_BYTES = 1 << 26  # 64 MiB: a jsonl line is parsed whole
@@ -28,7 +29,7 @@ def records(path: Path, field: str = DEFAULT_TEXT_FIELD) -> Iterator[bytes]:
 def _jsonl(path: Path, field: str) -> Iterator[bytes]:
     """Each non-blank line's `field`; one line is held at a time (read with a cap: a line without an end is
     never read whole)."""
-    with open(path, "rb") as f:
+    with open_read(path, follow=True) as f:  # a FIFO refused at open, never waited on
         for number, raw in enumerate(iter(lambda: f.readline(MAX_RECORD_BYTES + 1), b""), start=1):
             where = f"prepare: '{path}' line {number}"
             if len(raw) > MAX_RECORD_BYTES:
@@ -64,12 +65,13 @@ def _parquet(path: Path, field: str) -> Iterator[bytes]:
     except ImportError as e:
         raise DataError(f"prepare: '{path}' is a parquet file, which needs the `pyarrow` package ({e}): "
                         f"`pip install pyarrow` (or megalite[parquet])") from None
-    try:
-        names = pq.ParquetFile(path).schema_arrow.names
-        if field in names:
-            pf = pq.ParquetFile(path, read_dictionary=[field])  # the text column as stored: never expanded
-    except (pyarrow.ArrowException, OSError) as e:
-        raise DataError(f"prepare: '{path}' is not a readable parquet file ({e})") from None
+    with by_descriptor(path) as name:  # a FIFO refused at open; pyarrow keeps a handle of its own on the file
+        try:
+            names = pq.ParquetFile(name).schema_arrow.names
+            if field in names:
+                pf = pq.ParquetFile(name, read_dictionary=[field])  # the text column as stored: never expanded
+        except (pyarrow.ArrowException, OSError) as e:
+            raise DataError(f"prepare: '{path}' is not a readable parquet file ({e})") from None
     if field not in names:
         raise DataError(f"prepare: '{path}' has no column '{field}' (columns: {', '.join(names[:20])}); "
                         f"--text-field names the text column")

@@ -6,6 +6,12 @@ folder, token files, tokenizer folders). The run lock is lock.py's, on top of th
                                     fsync, rename over, fsync the folder): readers see the old or the new
     open_read(path), read_all(path) an existing regular file read, never through a symlink (follow=True: a
                                     path the user named, which may be a link, but still a regular file)
+    by_descriptor(path)             the same file as a name a library that opens by name is given (safetensors,
+                                    pyarrow, tokenizers): /proc/self/fd/N of the descriptor checked
+    special_entries_refused(folder) a folder a library reads itself (transformers' from_pretrained) holds no
+                                    FIFO, device or socket
+
+Every reader of megalite opens through these (tests/test_safe_open.py scans the package for any other open).
     open_append(path)               a regular file of its folder appended to (metrics.jsonl, errors.log): never
                                     through a symlink, never a FIFO or device, never a name shared by hard links
     fsync_dir, unlink_quietly, remove_tree
@@ -144,6 +150,34 @@ def read_all(path: Path, limit: Optional[int] = None, follow: bool = False) -> b
     """The bytes of a regular file (open_read), at most `limit` of them when given."""
     with open_read(path, follow=follow) as f:
         return f.read() if limit is None else f.read(limit)
+
+
+@contextmanager
+def by_descriptor(path, follow: bool = True) -> Iterator[str]:
+    """A name for the regular file at `path` for a library that opens files by name (safetensors, pyarrow,
+    tokenizers' BPE files): /proc/self/fd/N of a descriptor `open_regular` took, so what was checked is what the
+    library reads (`path` itself, after the check, where there is no /proc). The descriptor is closed after the
+    body; a library's own descriptor or memory map outlives it."""
+    fd = open_regular(path, os.O_RDONLY, follow=follow)
+    try:
+        proc = f"/proc/self/fd/{fd}"
+        yield proc if os.path.exists(proc) else str(path)
+    finally:
+        os.close(fd)
+
+
+def special_entries_refused(folder) -> None:
+    """An UnsafeFileError naming the first FIFO, device or socket in `folder` (links followed, as a library
+    reading the folder follows them): run before a library that reads a folder by itself (transformers'
+    from_pretrained reads tokenizer_config.json, chat templates, generation_config.json by name), which would
+    block on a FIFO. A broken link is left to the library (it names what it misses)."""
+    for p in sorted(Path(folder).iterdir()):
+        try:
+            st = os.stat(p)
+        except FileNotFoundError:
+            continue
+        if not (stat.S_ISREG(st.st_mode) or stat.S_ISDIR(st.st_mode)):
+            raise UnsafeFileError(f"{p} is {kind_of(st)}, not a regular file", errno.EINVAL)
 
 
 def open_append(path: Path, log: Optional[Callable[[str], None]] = None):

@@ -21,7 +21,7 @@ from typing import Optional
 
 from . import limits
 from .errors import CheckpointError
-from .fs import write_new
+from .fs import read_all, write_new
 from .jsonio import loads
 
 FORMAT = "megalite-origin/1"
@@ -51,10 +51,10 @@ class Origin:
         else generation_config.json's)."""
         files = {}
         for name in FILES:
-            p = Path(folder) / name
-            if p.is_file():
-                limits.within(p.stat().st_size, "tokenizer" if name == TOKENIZER_JSON else "json", str(p), error)
-                files[name] = p.read_bytes()
+            p, kind = Path(folder) / name, "tokenizer" if name == TOKENIZER_JSON else "json"
+            if p.exists():  # a FIFO there is refused at open (never skipped, never waited on)
+                files[name] = read_all(p, limits.FILE_BYTES[kind] + 1, follow=True)
+                limits.within(len(files[name]), kind, str(p), error)
         if canonical is not None and files.get(TOKENIZER_JSON) == canonical.encode("utf-8"):
             del files[TOKENIZER_JSON]  # the canonical text: the tokenizer the run carries writes it again
         dtype = next((d for d in (stored, hf_config.get("dtype"), hf_config.get("torch_dtype")) if d in DTYPES), None)

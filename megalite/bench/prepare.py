@@ -28,6 +28,7 @@ from typing import Optional
 
 import numpy as np
 
+from ..base.fs import read_all
 from . import StreamTable, pair_verdict, sample_rss
 
 REF_BATCH_BYTES = 8 << 20
@@ -59,7 +60,7 @@ def _reference(tok, files: list[Path]) -> list:
         out.append(np.fromiter((i for enc in tok.backend.encode_batch(batch) for i in enc.ids), dtype=np.uint32))
 
     for f in files:
-        batch.append(f.read_bytes().decode("utf-8", errors="replace"))
+        batch.append(read_all(f, follow=True).decode("utf-8", errors="replace"))  # the user's corpus: never a FIFO
         size += len(batch[-1])
         if size >= REF_BATCH_BYTES:
             flush()

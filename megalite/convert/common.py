@@ -36,7 +36,7 @@ from typing import Callable, Iterable, Iterator, Optional
 import torch
 from safetensors import safe_open
 
-from ..base.fs import kind_of, open_regular, output_refusal, read_all, what_is
+from ..base.fs import by_descriptor, kind_of, output_refusal, read_all, what_is
 from ..base.lock import held
 from ..base.origin import Origin
 from ..checkpoint.manifest import FORMAT as MANIFEST_FORMAT, Manifest, entry_for
@@ -351,11 +351,8 @@ def open_safetensors(path: Path, follow: bool = False):
     or device refused at open, never waited on; a symlink refused unless `follow`, for the path the user named)
     and read through that descriptor, so what is checked is what is read; a ConvertError if it is not a
     readable safetensors file."""
-    fd = open_regular(path, os.O_RDONLY, follow=follow)
-    proc = f"/proc/self/fd/{fd}"
-    try:
-        return safe_open(proc if os.path.exists(proc) else str(path), framework="pt")
-    except Exception as e:  # noqa: BLE001 - safetensors raises its own error types for a damaged file
-        raise ConvertError(f"{path}: not a readable safetensors file ({e})") from None
-    finally:
-        os.close(fd)  # safe_open holds its own descriptor and map
+    with by_descriptor(path, follow=follow) as name:  # safe_open holds its own descriptor and map after
+        try:
+            return safe_open(name, framework="pt")
+        except Exception as e:  # noqa: BLE001 - safetensors raises its own error types for a damaged file
+            raise ConvertError(f"{path}: not a readable safetensors file ({e})") from None

@@ -27,7 +27,7 @@ from typing import Iterable, Iterator, Optional
 
 import torch
 
-from ..base.fs import path_kind
+from ..base.fs import open_regular, path_kind, read_all
 from ..base.errors import ConvertError
 from ..base import limits
 from ..checkpoint.stream import dtype_of
@@ -124,8 +124,10 @@ def read_index(folder: Path) -> tuple[dict[str, TensorInfo], list[str]]:
     if not path.is_file():
         raise ConvertError(f"{path}: is {path_kind(path)}, expected DCP's index file")
     limits.within(path.stat().st_size, "index", str(path), ConvertError)
+    data = read_all(path, limits.FILE_BYTES["index"] + 1, follow=True)  # a FIFO refused at open, never waited on
+    limits.within(len(data), "index", str(path), ConvertError)
     try:
-        md = unpickle.load(path.read_bytes(), unpickle.DCP_METADATA)
+        md = unpickle.load(data, unpickle.DCP_METADATA)
     except unpickle.OverBudget as e:
         raise ConvertError(f"{path}: {e}") from None
     except unpickle.RefusedGlobal as e:
@@ -304,7 +306,7 @@ class DcpFolder(Source):
                                f"checkpoint folder (a symlink?); refusing to read it")
         if not real.is_file():
             raise ConvertError(f"{path}: is {path_kind(path)}, expected a chunk file of the checkpoint")
-        return os.open(real, os.O_RDONLY)
+        return open_regular(real, os.O_RDONLY)  # resolved above; a FIFO put there since is still refused at open
 
     def _chunk(self, t: TensorInfo, c: Chunk) -> torch.Tensor:
         fd = self._open(c.file)

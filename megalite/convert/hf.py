@@ -12,7 +12,7 @@ import torch
 from einops import EinopsError
 
 from ..base import limits
-from ..base.fs import read_all, write_new
+from ..base.fs import read_all, special_entries_refused, write_new
 from ..base.origin import GENERATION, TOKENIZER_JSON, Origin
 from ..checkpoint.stream import StreamingWriter, dtype_of
 from ..config import model_from
@@ -36,11 +36,12 @@ class HFFolder(Source):
         p = self.folder = Path(path)
         self.where, self.guards = str(p), [p]
         cfg_file = p / "config.json"
-        if not cfg_file.is_file():
+        if not cfg_file.exists():  # a FIFO or a folder there is refused at open, naming what it is
             raise ConvertError(f"{p}: expected a transformers folder with config.json and model.safetensors "
                                f"(or {ST_INDEX})")
-        limits.within(cfg_file.stat().st_size, "json", str(cfg_file), ConvertError)
-        hf = parse_json(cfg_file.read_bytes().decode("utf-8", errors="replace"), str(cfg_file))
+        raw = read_all(cfg_file, limits.FILE_BYTES["json"] + 1, follow=True)  # a link into the HF cache's blobs
+        limits.within(len(raw), "json", str(cfg_file), ConvertError)
+        hf = parse_json(raw.decode("utf-8", errors="replace"), str(cfg_file))
         got = hf.get("model_type") if isinstance(hf, dict) else hf
         self.family: Family = BY_MODEL_TYPE.get(got) if isinstance(got, str) else None
         if self.family is None:
@@ -82,7 +83,7 @@ class HFFolder(Source):
         index = p / ST_INDEX
         if not index.is_file():
             raise ConvertError(f"{p}: has neither {ST_FILE} nor {ST_INDEX} (expected the weights as safetensors)")
-        raw = read_all(index, limits.FILE_BYTES["json"] + 1)  # a file the folder names: never through a link
+        raw = read_all(index, limits.FILE_BYTES["json"] + 1, follow=True)  # the HF cache links it too; never a FIFO
         limits.within(len(raw), "json", str(index), ConvertError)
         d = parse_json(raw.decode("utf-8", errors="replace"), str(index))
         wm = d.get("weight_map") if isinstance(d, dict) else None
@@ -170,6 +171,7 @@ def transformers_runner(folder: Path):
     except ImportError:
         return None
     logging.disable_progress_bar()  # its "Loading weights" bar would interleave with convert's own lines
+    special_entries_refused(folder)  # it reads generation_config.json and the rest by name: never a FIFO
     model = AutoModelForCausalLM.from_pretrained(str(folder), dtype=torch.float32).eval()
 
     def run(ids: torch.Tensor) -> torch.Tensor:

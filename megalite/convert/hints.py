@@ -19,7 +19,7 @@ from typing import Optional
 import torch
 
 from ..base import limits
-from ..base.errors import ConvertError
+from ..base.errors import ConvertError, UnsafeFileError
 from ..base.fs import read_all
 from ..base.jsonio import loads
 from ..base.limits import FILE_BYTES
@@ -62,7 +62,8 @@ def merge_config(h: Hints, path: Path) -> Hints:
     try:
         raw = read_all(Path(path), FILE_BYTES["json"] + 1, follow=True)
     except OSError as e:
-        raise ConvertError(f"--config {path}: not a readable JSON file ({type(e).__name__})") from None
+        why = e if isinstance(e, UnsafeFileError) else type(e).__name__  # a FIFO: what is there, said
+        raise ConvertError(f"--config {path}: not a readable JSON file ({why})") from None
     c = loads(raw, f"--config {path}", ConvertError, kind="json")  # its size and depth within limits' budget
     if not isinstance(c, dict):
         raise ConvertError(f"--config {path}: expected a JSON object (a transformers config.json)")

@@ -33,7 +33,7 @@ from einops import rearrange
 
 from .. import models
 from ..base import limits
-from ..base.fs import path_kind, read_all
+from ..base.fs import open_read, path_kind, read_all
 from ..config import ModelConfig, model_from
 from ..base.errors import ConfigError, ConvertError
 from ..base.jsonio import loads
@@ -52,7 +52,7 @@ def iteration_folder(path: Path) -> Path:
     if (path / META_JSON).is_file():
         return path
     latest = path / LATEST
-    if latest.is_file():
+    if latest.exists():  # a FIFO there is refused at open, naming what it is
         raw = read_all(latest, limits.FILE_BYTES["line"] + 1, follow=True)  # one byte past: a longer file is refused
         limits.within(len(raw), "line", str(latest), ConvertError)
         text = raw.decode("utf-8", errors="replace").strip()
@@ -93,7 +93,7 @@ def read_args(step: Path, required: bool = True) -> Optional[dict]:
     if not path.is_file():
         raise ConvertError(f"{path}: is {path_kind(path)}, expected megatron's common state (torch.save)")
     try:
-        with zipfile.ZipFile(path) as z:
+        with open_read(path, follow=True) as f, zipfile.ZipFile(f) as z:
             pkl = [n for n in z.namelist() if n.endswith("/data.pkl") and n.count("/") == 1]
             if len(pkl) != 1:
                 raise ConvertError(f"{path}: expected one <name>/data.pkl in the torch.save archive, found "

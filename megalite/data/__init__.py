@@ -326,14 +326,14 @@ def prepare(sources: list[str | Path], out: str | Path, val_fraction: float = 0.
                 val_start = train.tokens
                 f.write(sep.tobytes())
                 g.flush()
-                with open(tmp_val, "rb", opener=no_follow) as r:
+                with open_read(tmp_val) as r:
                     shutil.copyfileobj(r, f, 1 << 20)
                 num_tokens, top = train.tokens + sep.size + val.tokens, max(train.top, val.top, int(sep.max()))
             else:  # one split holds every document, in corpus order: the tail split
                 whole = val if val.docs else train
                 if whole is val:
                     g.flush()
-                    with open(tmp_val, "rb", opener=no_follow) as r:
+                    with open_read(tmp_val) as r:
                         shutil.copyfileobj(r, f, 1 << 20)
                 num_tokens, top, held_out = whole.tokens, whole.top, 0
                 val_start = num_tokens - int(num_tokens * val_fraction)
@@ -486,7 +486,8 @@ class TokenDataset:
             raise DataError(f"{what}: metadata '{mpath}' has vocab_size {vocab!r}, expected a positive integer")
         self.vocab_size = vocab
         self.limit = None  # the model's vocab size once check_vocab has run: every batch drawn is checked
-        self.tokens = np.memmap(path, dtype=dtype, mode="r", shape=(num_tokens,))[lo:hi]
+        with open_read(path, follow=True) as f:  # the map outlives the descriptor; a FIFO is refused at open
+            self.tokens = np.memmap(f, dtype=dtype, mode="r", shape=(num_tokens,))[lo:hi]
         mask = open_mask(path, meta, num_tokens, what)  # which targets count (data/masks.py); None: all
         self.mask = None if mask is None else mask[lo:hi]
 

@@ -20,7 +20,7 @@ import numpy as np
 
 from ..base import limits
 from ..base.errors import DataError
-from ..base.fs import identity as file_identity, write_new
+from ..base.fs import identity as file_identity, open_read, special_entries_refused, write_new
 from . import (FORMAT, VERSION, _commit, check_out, expand_sources, is_val_document, meta_path, outputs,
                token_dtype, tokenizer_path)
 from .masks import attach
@@ -35,6 +35,7 @@ def chat_tokenizer(folder):
         raise DataError(f"prepare --chat: --tokenizer '{folder}' is not a transformers tokenizer folder "
                         f"(tokenizer.json and its chat template)")
     from transformers import AutoTokenizer
+    special_entries_refused(folder)  # the library reads the folder's files by name: never a FIFO
     hf = AutoTokenizer.from_pretrained(folder)
     template = hf.chat_template if isinstance(hf.chat_template, str) else json.dumps(hf.chat_template or "")
     if not template:
@@ -49,7 +50,7 @@ def chat_tokenizer(folder):
 def _conversations(files: list[Path], field: str):
     """(line number, file, messages) of every non-empty line, each checked to be a list of role/content tables."""
     for path in files:
-        with open(path, "rb") as f:
+        with open_read(path, follow=True) as f:
             for n, line in enumerate(f, 1):
                 if len(line) > limits.FILE_BYTES["json"]:
                     raise DataError(f"prepare --chat: '{path}' line {n} is longer than {limits.FILE_BYTES['json']} bytes")

@@ -18,7 +18,7 @@ import numpy as np
 
 from ..base import limits
 from ..base.errors import DataError
-from ..base.fs import fsync_dir, path_kind, read_all, write_new
+from ..base.fs import fsync_dir, open_read, path_kind, read_all, write_new
 from ..base.jsonio import loads
 
 
@@ -69,4 +69,5 @@ def open_mask(path: Path, meta: dict, num_tokens: int, what: str):
     if size != num_tokens:
         raise DataError(f"{what}: the loss mask '{mfile}' has {size} bytes, but '{path}' holds {num_tokens} tokens "
                         f"(one byte per token): the mask disagrees with its tokens; write it again")
-    return np.memmap(mfile, dtype=np.uint8, mode="r", shape=(num_tokens,))
+    with open_read(mfile, follow=True) as f:  # the map outlives the descriptor; a FIFO is refused at open
+        return np.memmap(f, dtype=np.uint8, mode="r", shape=(num_tokens,))

@@ -20,8 +20,9 @@ from pathlib import Path
 from typing import Optional
 
 from ..base.errors import ConfigError, ConvertError
+from ..base.fs import read_all
 from ..base.jsonio import loads
-from ..base.limits import describe, within
+from ..base.limits import FILE_BYTES, describe, within
 from ..tokenizer import EOT, Tokenizer
 
 GENERATION, CONFIG, TOKENIZER_CONFIG, SPECIAL_MAP = ("generation_config.json", "config.json", "tokenizer_config.json",
@@ -73,9 +74,9 @@ def folder_files(path) -> dict:
     out = {}
     for name in FILES if p.is_dir() else ():
         f = p / name
-        if f.is_file():
-            within(f.stat().st_size, "json", str(f), ConvertError)
-            out[name] = f.read_bytes()
+        if f.exists():  # a FIFO there is refused at open (never skipped, never waited on)
+            out[name] = read_all(f, FILE_BYTES["json"] + 1, follow=True)
+            within(len(out[name]), "json", str(f), ConvertError)
     return out
 
 

@@ -98,27 +98,44 @@ def joined(timeout_s: float = 1800):
             signal.signal(signal.SIGTERM, signal.SIG_IGN)
         leave_distributed(error=e)
         lost = peer_lost(e)
-        if lost:  # the survivor of a dead rank: one line, not gloo's traceback (the dead rank says why)
+        if lost:  # the survivor of a dead rank: one line, not the backend's traceback (the dead rank says why)
             raise PeerLostError(f"another rank of the job is gone ({lost}); this rank stops too (the launcher's "
                                 f"summary names the rank that ended first)") from None
         raise
     leave_distributed()
 
 
-# what gloo's TCP transport says when the other end of a pair is gone (pair.cc: a read or write on a closed socket)
-PEER_GONE = ("Connection reset by peer", "Connection closed by peer", "Broken pipe")
+# what each backend says when the other end of a connection is gone; peer_lost reads these and nothing else
+GLOO_GONE = ("Connection reset by peer", "Connection closed by peer", "Broken pipe")  # gloo tcp/pair.cc
+NCCL_GONE = ("ncclRemoteError", "remote process exited or there was a network error",  # ncclGetErrorString
+             "Watchdog caught collective operation timeout",  # ProcessGroupNCCL's watchdog: a peer that never came
+             "NCCL communicator was aborted",  # the watchdog's abort, seen by the rank's next collective
+             "Connection closed by peer", "Connection reset by peer")  # NCCL's socket transport (net_socket)
 
 
 def peer_lost(e: BaseException) -> Optional[str]:
-    """Gloo's words for a dead peer in a failed collective's error (`RuntimeError` from
-    gloo/transport/tcp, torch's DistNetworkError), or None for any other error (a bug keeps its traceback)."""
+    """'<backend>: <its words>' when `e` is a failed collective whose backend says another rank is gone, else None
+    (a bug keeps its traceback). Read: gloo's socket words in gloo's error; NCCL's remote-error, watchdog-timeout
+    and abort words in an error that names NCCL (ProcessGroupNCCL, `NCCL error`); torch's c10d types where this
+    torch has them: a DistNetworkError is always a connection lost, a DistBackendError counts when it carries one
+    of those words (not an NCCL error of this rank's own: `unhandled cuda error`, `invalid usage`)."""
     if not isinstance(e, RuntimeError):
         return None
     text = str(e)
-    said = next((w for w in PEER_GONE if w in text), None)
-    if said is None or ("gloo" not in text and not isinstance(e, getattr(dist, "DistNetworkError", ()))):
-        return None
-    return f"gloo: {said}"
+    network = isinstance(e, getattr(dist, "DistNetworkError", ()))
+    backend_error = isinstance(e, getattr(dist, "DistBackendError", ()))
+    if "nccl" in text.lower():
+        said = next((w for w in NCCL_GONE if w in text), None)
+        return f"NCCL: {said}" if said else f"c10d network error: {_first_line(text)}" if network else None
+    said = next((w for w in GLOO_GONE if w in text), None)
+    if said is not None and ("gloo" in text or network or backend_error):
+        return f"gloo: {said}" if "gloo" in text else f"c10d: {said}"
+    return f"c10d network error: {_first_line(text)}" if network else None
+
+
+def _first_line(text: str, width: int = 160) -> str:
+    line = next((s.strip() for s in text.splitlines() if s.strip()), "no message")
+    return line if len(line) <= width else line[:width - 3] + "..."
 
 
 def _job_store(rank: int, world: int, timeout_s: float):
