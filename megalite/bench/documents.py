@@ -40,10 +40,11 @@ def _token_file(work: Path, size_mb: float, vocab_size: int) -> Path:
     class, a block of imports) into documents of a few hundred tokens, as web text's are, written as a jsonl
     corpus and prepared with a BPE trained on it."""
     import json
+    from ..base.fs import read_all
     from ..data import default_corpus_files, prepare
     from ..tokenizer import train_bpe
-    texts = [t for f in default_corpus_files(int(size_mb * 1e6)) for t in f.read_text(errors="replace").split(
-        "\n\n\n") if t.strip()]
+    texts = [t for f in default_corpus_files(int(size_mb * 1e6))
+             for t in read_all(f, follow=True).decode("utf-8", errors="replace").split("\n\n\n") if t.strip()]
     corpus = work / "docs.jsonl"
     corpus.write_text("".join(json.dumps({"text": t}) + "\n" for t in texts))
     out = work / "docs.bin"
