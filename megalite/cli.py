@@ -521,8 +521,8 @@ def build_parser() -> argparse.ArgumentParser:
                         "table: s/GiB per operation and size, megalite / peer, a fixed + per-GiB fit")
     p.add_argument("--world", type=_positive(int), default=4, help="ckpt: gloo processes")
     p.add_argument("--repeats", type=_positive(int), default=3, help="ckpt: repetitions of each measurement")
-    p.add_argument("--dir", default=None, help="ckpt, prepare, generate, documents: folder to write in (default: the temp "
-                                                         "folder)")
+    p.add_argument("--dir", default=None,
+                   help="ckpt, prepare, generate, documents: folder to write in (default: the temp folder)")
     p.add_argument("--steps", type=_positive(int), default=10, help="train, documents: timed steps per measurement")
     p.add_argument("--new-tokens", type=_positive(int), default=64,
                    help="generate: tokens each run draws (default: 64)")
@@ -534,8 +534,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--block-size", type=_positive(int), default=None,
                    help="sequence length (train: 128, plan: 2048, blend: 1024 tokens a sample, documents: 512)")
     p.add_argument("--n-head", type=_positive(int), default=96, help="plan: attention heads")
-    p.add_argument("--vocab-size", type=_positive(int), default=None, help="plan: vocabulary (50304); prepare: the BPE "
-                                                                 "trained for it (4096); documents: 4096; generate: 49152")
+    p.add_argument("--vocab-size", type=_positive(int), default=None,
+                   help="plan: vocabulary (50304); prepare, documents: the BPE trained for it (4096); generate: 49152")
     p.add_argument("--tokenizer", default=None, help="prepare: a tokenizer to use instead of training one")
     p.add_argument("--tp", type=_positive(int), default=8, help="plan: tensor-parallel size")
     p.add_argument("--pp", type=_positive(int), default=16, help="plan: pipeline stages")
@@ -559,8 +559,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--reshard-to", default=None, metavar="TP,PP,DP[,CP]",
                    help="plan: what each rank of this layout reads to resume the last layout's checkpoint")
     p.add_argument("--rounds", type=_positive(int), default=None,
-                   help="train: alternating runs of each feature table's settings (2); prepare, generate, documents: of "
-                        "each (3)")
+                   help="train: alternating runs of each feature table's settings (2); prepare, generate, documents: "
+                        "of each (3)")
     p.add_argument("--pairs", type=_positive(int), default=5,
                    help="train: table 1's megalite/plain pairs of fresh processes")
     p.add_argument("--cp-seq", type=_positive(int), default=None,

@@ -4,8 +4,11 @@
   document's tokens after its first equals AutoModelForCausalLM's on that document alone (1e-5), for a jsonl
   corpus and for the token file `megalite prepare` made of it, a document longer than block_size included
   (scored by hand in transformers as lm-eval's rolling windows with one token of context);
-- at every layout: tp = 2 (with sp too), pp = 2 (1F1B, AFAB, vpp 2) and dp = 2 (one grouped launch of two gloo ranks) give the single process's
-  per-document numbers (1e-5), and `megalite torchrun ... eval --parallel.pp=2` prints them;
+- at every layout: tp = 2 (with sp too), pp = 2 (1F1B, AFAB, vpp 2) and dp = 2 (one grouped launch of two gloo
+  ranks) give the single process's per-document numbers (1e-5), and `megalite torchrun ... eval
+  --parallel.pp=2` prints them;
+- a megalite checkpoint and its model file score a byte token file (one document) in rolling windows as
+  generate's load_model does window by window;
 - bad input (a missing file, nothing to score, a token file of another tokenizer, --out that exists) is one
   line and writes nothing.
 """
@@ -31,8 +34,8 @@ BLOCK = 32
 
 @pytest.fixture(scope="module")
 def folders(tmp_path_factory) -> dict:
-    """{family: folder}: a GPT-2 (2 layers) and a GQA Llama (4 layers: pp 2 x vpp 2) with block_size 32, random weights of std 0.2, saved by
-    transformers with test_generate's byte-level BPE (bos/eot <|endoftext|>)."""
+    """{family: folder}: a GPT-2 (2 layers) and a GQA Llama (4 layers: pp 2 x vpp 2) with block_size 32, random
+    weights of std 0.2, saved by transformers with test_generate's byte-level BPE (bos/eot <|endoftext|>)."""
     transformers = pytest.importorskip("transformers")
     from test_generate import _tokenizer
     out = {}

@@ -1,9 +1,9 @@
 """`megalite bench documents`: a training step with document-masked attention against one on random windows.
 
 One token file (the standard library's sources, --size-mb of them, each file cut at its top-level breaks into
-documents of a few hundred tokens, a byte-level BPE of --vocab-size ids trained on them) and one model (GPT-2 shape: --n-layer, --n-embd, heads of 32, --block-size
-positions) at (1,1,1) in this process; three settings of the same tokens per step (--batch rows of
-block_size):
+documents: a function, a class, 2.8 KB of text on average; a byte-level BPE of --vocab-size ids trained on
+them) and one model (GPT-2 shape: --n-layer, --n-embd, heads of 32, --block-size positions) at (1,1,1) in this
+process; three settings of the same tokens per step (8 rows of block_size):
 
     windows                    data.packing = "windows": random windows across documents, causal attention
                                (SDPA's is_causal path)
@@ -37,7 +37,7 @@ SETTINGS = {"windows": dict(packing="windows", document_mask=False),
 
 def _token_file(work: Path, size_mb: float, vocab_size: int) -> Path:
     """The stdlib's sources up to size_mb, each file cut at its top-level breaks (two blank lines: a function, a
-    class, a block of imports) into documents of a few hundred tokens, as web text's are, written as a jsonl
+    class, a block of imports) into documents of some hundreds of tokens, as web text's are, written as a jsonl
     corpus and prepared with a BPE trained on it."""
     import json
     from ..base.fs import read_all
