@@ -171,6 +171,8 @@ def test_bad_input_is_one_line_and_writes_nothing(folders, corpus, token_file, t
     assert rc == 2 and "already exists" in err and out.read_text() == "mine\n", err
     rc, _, err = H.cli_in_process("eval", "--model", folders["gpt2"], "--data", corpus, "--train.steps=3")
     assert rc == 2 and "only --parallel.*" in err, err
+    rc, _, err = H.cli_in_process("eval", "--model", folders["gpt2"], "--data", corpus, "--parallel.pp=2")
+    assert rc == 2 and "torchrun --nproc-per-node 2 -m megalite eval" in err, err
 
 
 def test_a_checkpoint_and_its_model_file_score_a_byte_token_file_in_rolling_windows(run111, model_file,

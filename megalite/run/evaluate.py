@@ -38,7 +38,7 @@ import torch
 import torch.distributed as dist
 
 from ..base.corpus import DEFAULT_TEXT_FIELD, RECORD_SUFFIXES, records
-from ..base.errors import DataError, MegaliteError
+from ..base.errors import ConfigError, DataError, MegaliteError
 from ..base.fs import regular_or_absent, replace_atomically
 from ..config import Config, resolve, validate
 from ..data import TokenDataset, expand_sources
@@ -155,7 +155,11 @@ def config_for(model: str, cfg: Config) -> Config:
         setattr(cfg.model, k, v)
     cfg.model.dropout = 0.0
     cfg.data.packing, cfg.data.document_mask = "documents", True
-    world = world_size_from_env()
+    world, par = world_size_from_env(), cfg.parallel
+    ranks = par.tp * par.cp * par.pp * max(par.dp, 1)
+    if world == 1 and ranks > 1:  # validate's hint names `megalite train`
+        raise ConfigError(f"world size 1: the --parallel.* flags ask for {ranks} processes; launch them with "
+                          f"`torchrun --nproc-per-node {ranks} -m megalite eval ...` (the same arguments after `eval`)")
     resolve(cfg, world)
     # what validate checks of the micro-batches: pp of them a batch (_score), as train's 1F1B would have
     cfg.train.micro_batch_size, cfg.train.global_batch_size = 1, max(cfg.parallel.dp, 1) * max(cfg.parallel.pp, 1)
