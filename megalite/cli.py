@@ -418,8 +418,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-shard-size", default="5GB", help="--format hf: shard the weights above this (bytes, "
                    "or with KB/MB/GB; transformers' default 5GB)")
     p.add_argument("--vocab-size", type=int, default=None, help="megatron: cut the padded vocabulary to this")
-    p.add_argument("--arch", default=None, help="gpt2 | llama: what model a DCP folder holds (llama: torchtitan's "
-                                                "Llama 3); for a Megatron folder, checked against it")
+    titan = ", ".join(f"{s.name}: torchtitan's {s.torchtitan.what}" for s in models.FAMILIES.values()
+                      if "torchtitan" in s.readers)
+    p.add_argument("--arch", default=None, help=f"what model a DCP folder holds ({titan}); for a Megatron folder, "
+                                                f"checked against it")
     hint = p.add_argument_group("what the tensors cannot tell (a Megatron checkpoint without args, a DCP folder)")
     hint.add_argument("--num-heads", type=int, default=None)
     hint.add_argument("--num-kv-heads", type=int, default=None, help="(default: read from the key width)")

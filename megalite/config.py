@@ -590,20 +590,12 @@ def check_evals(entries: list) -> None:
 
 
 def check_packing(cfg: Config) -> None:
-    """data.packing and data.document_mask, and what document packing does not compose with yet (one line)."""
+    """data.packing and data.document_mask (one line each)."""
     d = cfg.data
     if d.packing not in PACKINGS:
         raise ConfigError(f"data.packing = '{d.packing}': expected one of {', '.join(PACKINGS)}")
     if d.document_mask and d.packing != "documents":
         raise ConfigError("data.document_mask = true needs data.packing = 'documents' (windows cross documents)")
-    if d.packing == "documents" and d.mixture:
-        raise ConfigError("data.packing = 'documents' with data.mixture: not built yet; pack one data.path")
-    if d.document_mask and cfg.parallel.cp > 1:
-        raise ConfigError(f"data.document_mask with parallel.cp = {cfg.parallel.cp}: ring attention does not carry "
-                          f"document ids yet; use cp = 1")
-    if d.document_mask and cfg.model.dropout > 0:
-        raise ConfigError(f"data.document_mask with model.dropout = {cfg.model.dropout}: the attention-dropout path "
-                          f"does not take the document mask yet; use dropout = 0")
 
 
 def settings(cfg: Config) -> dict:

@@ -42,7 +42,7 @@ from einops import rearrange
 from torch.utils.checkpoint import checkpoint
 
 from .config import ModelConfig
-from .parallel.context import draw_seed, local_positions, ring_attention
+from .parallel.context import draw_seed, local_positions, ring_attention, split_sequence
 from .parallel.grid import Axis, ParallelGrid
 from .parallel.pipeline import chunk_layers
 from .parallel.partition import Partition, init_local, local_shape, partition_of, tag
@@ -294,8 +294,9 @@ class CausalSelfAttention(nn.Module):
 
     def forward(self, x, cache=None, docs=None, pos=None):  # (B, T, C) -> (B, T, C); sp (B, T/tp, C) -> (B, T/tp, C)
         """`cache` (generate.cache.LayerCache; one process, no cp): the keys and values of the tokens before x,
-        to which this call's are appended; x's tokens attend to all of them. `docs`, `pos` (B, T)
-        (data.document_mask): each token's document and its position in it."""
+        to which this call's are appended; x's tokens attend to all of them. `docs` (B, T·cp) (data.document_mask):
+        the document ids of the whole rows (global order; with cp the ring reads each chunk's), `pos` (B, T):
+        the position in its document of each token this rank holds."""
         q, k, v = self.heads(x, cache, pos)
         if cache is not None:
             k, v = cache.append(k, v)  # (B, kv heads, S, D): every token so far
@@ -303,7 +304,7 @@ class CausalSelfAttention(nn.Module):
         if self.cp.active or p > 0.0:  # ring attention (cp = 1: one block) with the counter-based dropout mask
             core = functools.partial(_ring_core, groups=self.groups, cp=self.cp, dropout_p=p,
                                      seed=draw_seed() if p else 0, head0=self.tp.rank * q.shape[1],
-                                     window=self.window)
+                                     window=self.window, docs=docs)
         else:
             core = functools.partial(_attention_core, dropout_p=0.0, window=self.window, docs=docs)
         if self.selective and torch.is_grad_enabled():
@@ -430,9 +431,10 @@ class GPTStage(nn.Module):
         targets is None); others return hidden. `cache` (generate.cache.KVCache; tp = pp = cp = 1): x's tokens
         come after those the cache holds, and their keys and values are added to it. `logits_to_keep` n > 0
         (transformers' argument): the logits of the last n tokens only (sampling reads the last). `docs` (B, T)
-        (data.document_mask): each token's document; attention stays inside it and positions restart at its
-        first token."""
-        pos = None if docs is None else document_positions(docs)
+        (data.document_mask): each token's document, for the whole rows (with cp: global order, not split); attention
+        stays inside it and positions restart at its first token, counted along the global row and then split
+        as the tokens are (context.split_sequence), so a document that crosses chunks keeps counting."""
+        pos = None if docs is None else split_sequence(document_positions(docs), self.cp)
         if self.first and chunk == 0:
             start = cache.length if cache is not None else 0
             x = self.drop(self.wte(x) + self.positions(x.shape[1], start, pos))  # (B, T, C); with sp (B, T/tp, C)
