@@ -4,9 +4,9 @@
   document's tokens after its first equals AutoModelForCausalLM's on that document alone (1e-5), for a jsonl
   corpus and for the token file `megalite prepare` made of it, a document longer than block_size included
   (scored by hand in transformers as lm-eval's rolling windows with one token of context);
-- at every layout: tp = 2 (with sp too), pp = 2 (1F1B, AFAB, vpp 2) and dp = 2 (one grouped launch of two gloo
-  ranks) give the single process's per-document numbers (1e-5), and `megalite torchrun ... eval
-  --parallel.pp=2` prints them;
+- at every layout: tp = 2 (with sp too), pp = 2 (1F1B, AFAB, vpp 2), dp = 2 and cp = 2 (one grouped launch of
+  two gloo ranks) give the single process's per-document numbers (1e-5 relative), and `megalite torchrun ...
+  eval --parallel.pp=2` prints them;
 - a megalite checkpoint and its model file score a byte token file (one document) in rolling windows as
   generate's load_model does window by window;
 - bad input (a missing file, nothing to score, a token file of another tokenizer, --out that exists) is one
@@ -116,7 +116,7 @@ def test_per_document_logliks_are_transformers_for_a_corpus_and_its_token_file(f
 
 LAYOUTS = {"tp2": ["--parallel.tp=2"], "tp2-sp": ["--parallel.tp=2", "--parallel.sp=true"], "pp2": ["--parallel.pp=2"],
            "pp2-afab": ["--parallel.pp=2", "--parallel.schedule=afab"],
-           "pp2-vpp2": ["--parallel.pp=2", "--parallel.vpp=2"], "dp2": ["--parallel.dp=2"]}
+           "pp2-vpp2": ["--parallel.pp=2", "--parallel.vpp=2"], "dp2": ["--parallel.dp=2"], "cp2": ["--parallel.cp=2"]}
 
 
 def _layouts(rank, world_size, tmp, folder, corpus):
@@ -129,8 +129,8 @@ def _layouts(rank, world_size, tmp, folder, corpus):
 
 
 def test_every_layout_gives_the_single_process_numbers(folders, corpus, tmp_path):
-    """tp = 2 (the Llama's 2 kv heads split; with and without sp), pp = 2 (1F1B, AFAB, interleaved with vpp = 2)
-    and dp = 2 in one launch of two ranks,
+    """tp = 2 (the Llama's 2 kv heads split; with and without sp), pp = 2 (1F1B, AFAB, interleaved with vpp = 2),
+    dp = 2 and cp = 2 (the ring reads the whole rows' document ids) in one launch of two ranks,
     with 3 rows a batch (dp = 2 pads one): each document's numbers are the single process's (1e-5)."""
     from megalite.run.evaluate import evaluate
     ref = evaluate(str(folders["llama"]), str(corpus), Config(), batch_rows=3)

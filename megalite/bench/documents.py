@@ -76,7 +76,7 @@ def bench_documents(size_mb: float = 2.0, vocab_size: int = 4096, n_layer: int =
     try:
         path = _token_file(work, size_mb, vocab_size)
         trainers = {k: _trainer(path, s, n_layer, n_embd, block_size, batch, vocab_size) for k, s in SETTINGS.items()}
-        docs = trainers["documents"].sampler.starts.size - 1
+        docs = trainers["documents"].sampler.packed.starts.size - 1
         log(f"bench documents: GPT-2 shape, {n_layer} layers, width {n_embd}, {block_size} positions; {batch} rows "
             f"of {block_size} tokens a step; {docs:,} documents of the stdlib's sources ({size_mb:g} MB, BPE of "
             f"{vocab_size:,} ids); {torch.get_num_threads()} torch threads, {os.cpu_count()} cores (load average "

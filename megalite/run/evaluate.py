@@ -14,8 +14,8 @@ torchrun (the same --parallel.* flags as `megalite train`).
                  position 0 (lm-eval's loglikelihood_rolling, with one token of context between windows)
     packed       windows go whole into rows of block_size + 1 tokens (data/documents.pack), with data.document_mask
                  keeping attention and positions inside each: a row of several documents gives each document's
-                 own numbers; rows are dealt out to dp ranks, micro-batches go through the pipeline
-                 (forward_only), and each document's sum is one float64 all-reduce over the job
+                 own numbers; rows are dealt out to dp ranks (cp ranks: their chunks of each), pp micro-batches
+                 go through the pipeline (forward_only), and each document's sum is one float64 all-reduce
 
 Reported: the mean loss over all scored tokens (nats), its perplexity, and bits per byte (the loss x tokens /
 bytes of their text / ln 2, as data.eval's eval/NAME/bpb); per document, its summed log-likelihood, its
@@ -238,8 +238,8 @@ def _forward(stage: GPTStage, cfg: Config, grid: ParallelGrid, device, ids, wind
     pad = per - ids.shape[0]
     ids = np.concatenate([ids, np.zeros((pad, seq + 1), dtype=np.int64)])
     window = np.concatenate([window, np.full((pad, seq + 1), -1, dtype=np.int64)])
-    x, y, docs = (split_sequence(torch.from_numpy(a.copy()), grid.cp).to(device)
-                  for a in (ids[:, :-1], ids[:, 1:], window[:, :-1]))
+    x, y = (split_sequence(torch.from_numpy(a.copy()), grid.cp).to(device) for a in (ids[:, :-1], ids[:, 1:]))
+    docs = torch.from_numpy(window[:, :-1].copy()).to(device)  # whole rows: with cp the ring reads each chunk's
     m = grid.layout.pp
     mb = per // m  # rows a micro-batch
     shape = (mb, seq // grid.cp.size // (grid.tp.size if stage.sp else 1), cfg.model.n_embd)
