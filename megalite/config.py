@@ -499,9 +499,6 @@ def validate(cfg: Config, world_size: int | None = None) -> Config:
     if par.zero1 and par.zero not in (0, 1):
         raise ConfigError(f"parallel.zero1 = true contradicts parallel.zero = {par.zero}: zero1 = true means zero = 1; "
                           f"drop parallel.zero1 to use zero = {par.zero}")
-    if par.zero_level == 3 and t.compile:  # measured: inductor's graph sees a block's freed (empty) weight
-        raise ConfigError("parallel.zero = 3 with train.compile = true: a compiled block does not see the weights "
-                          "ZeRO-3 gathers in its hooks; use zero 2, or train.compile = false")
     if par.dp_shard and (par.dp_shard < 2 or par.zero_level < 2 or (par.dp * par.cp) % par.dp_shard):
         raise ConfigError(f"parallel.dp_shard = {par.dp_shard}: expected 0 (cut over all dp x cp ranks) or a divisor "
                           f">= 2 of parallel.dp * parallel.cp = {par.dp * par.cp}, with parallel.zero 2 or 3 "
