@@ -236,12 +236,14 @@ def flex_check(device: torch.device, t) -> list:
     """4. train.attn_backend = "flex" against "sdpa" on one Mistral-shaped model (GQA, a sliding window of T/4)
     with packed documents (about 8 a row): the loss and every gradient (the CPU: the loss only, torch's
     flex_attention having no backward there) within 1e-4 of the largest, and the step time of each (GPU)."""
+    from .. import models
     from ..config import ModelConfig
     from ..model import GPTStage
     from ..parallel.grid import ParallelGrid
     cuda = device.type == "cuda"
     B, T = (4, 2048) if cuda else (2, 64)
-    cfg = ModelConfig(n_layer=2, n_head=8, n_embd=256, block_size=T, vocab_size=512, arch="mistral", n_kv_head=2,
+    windowed = models.family_for(sliding_window=True).name  # Mistral's spec
+    cfg = ModelConfig(n_layer=2, n_head=8, n_embd=256, block_size=T, vocab_size=512, arch=windowed, n_kv_head=2,
                       sliding_window=T // 4)
     g = torch.Generator().manual_seed(0)
     ids = torch.randint(0, cfg.vocab_size, (B, T + 1), generator=g).to(device)
