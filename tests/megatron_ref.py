@@ -15,6 +15,9 @@ writes into OUT_DIR:
                         megatron-core's dist_checkpointing.save alone (no args in common.pt)
     llama_tp4/          8 heads / 4 groups, Qwen-style q/k/v biases, Llama 3 rope scaling, theta 500000, TP=4
     llama_pp2vpp2/      PP=2 with 2 virtual chunks per stage (interleaved schedule), RoPE on interleaved pairs
+    qwen3_tp2/          Qwen3-shaped (Megatron-Bridge's Qwen3: qk_layernorm, RMSNorm q_layernorm / k_layernorm of
+                        the head width before RoPE, kv_channels 32 over hidden 64 / 4 heads, no biases), TP=2;
+                        qwen3_tp2_noargs/: saved by dist_checkpointing.save alone
     untied_tp2_noargs/  the untied GPT-2, saved by dist_checkpointing.save alone
     layers.pt           ColumnParallelLinear / RowParallelLinear at tp=2, with and without sequence
                         parallelism: full weights, input, output gradient, and each rank's output and gradients
@@ -225,11 +228,13 @@ def _save_plain(root: Path, sharded: dict) -> None:
     dist_checkpointing.save(sharded, str(root))
 
 
-def _llama(rank, world, out, name, tp, pp, vpp, heads, groups, qkv_bias, scaling, theta, plain, interleaved=False):
+def _llama(rank, world, out, name, tp, pp, vpp, heads, groups, qkv_bias, scaling, theta, plain, interleaved=False,
+           qk_norm=False, kv_channels=None):
     """A Llama-shaped GPTModel (RoPE, SwiGLU, RMSNorm, GQA, untied, no linear biases; Qwen-style qkv biases when
-    `qkv_bias`; Llama 3 rope scaling when `scaling`; RoPE on interleaved pairs when `interleaved`) at TP=tp, PP=pp with `vpp` model chunks per stage; saved as
-    Megatron-LM does (and, when `plain`, again as megatron-core alone does); megatron-core's own forward (its
-    pipeline schedule, interleaved when vpp > 1) on fixed tokens saved with the logits."""
+    `qkv_bias`; Llama 3 rope scaling when `scaling`; RoPE on interleaved pairs when `interleaved`; Qwen3's
+    q/k RMSNorm when `qk_norm`; a head width of `kv_channels`) at TP=tp, PP=pp with `vpp` model chunks per stage;
+    saved as Megatron-LM does (and, when `plain`, again as megatron-core alone does); megatron-core's own forward
+    (its pipeline schedule, interleaved when vpp > 1) on fixed tokens saved with the logits."""
     patch_for_cpu()
     from megatron.core import parallel_state as ps
     from megatron.core import tensor_parallel
@@ -242,11 +247,13 @@ def _llama(rank, world, out, name, tp, pp, vpp, heads, groups, qkv_bias, scaling
                   normalization="RMSNorm", layernorm_epsilon=1e-5, gated_linear_unit=True, activation_func=F.silu,
                   add_bias_linear=False, add_qkv_bias=qkv_bias, ffn_hidden_size=LLAMA_FFN,
                   tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp, rotary_interleaved=interleaved,
-                  virtual_pipeline_model_parallel_size=vpp if vpp > 1 else None)
+                  virtual_pipeline_model_parallel_size=vpp if vpp > 1 else None, qk_layernorm=qk_norm,
+                  **({"kv_channels": kv_channels} if kv_channels else {}))
     chunks = []
     for v in range(vpp):
         vp = v if vpp > 1 else None
-        chunks.append(GPTModel(cfg, get_gpt_layer_local_spec(normalization="RMSNorm"), vocab_size=LLAMA_PADDED,
+        chunks.append(GPTModel(cfg, get_gpt_layer_local_spec(normalization="RMSNorm", qk_layernorm=qk_norm),
+                               vocab_size=LLAMA_PADDED,
                                max_sequence_length=MAX_POS, position_embedding_type="rope", rotary_base=theta,
                                rope_scaling=scaling, rope_scaling_factor=8.0,
                                pre_process=ps.is_pipeline_first_stage(ignore_virtual=vp is None, vp_stage=vp),
@@ -273,7 +280,8 @@ def _llama(rank, world, out, name, tp, pp, vpp, heads, groups, qkv_bias, scaling
                                           collect_non_loss_data=True)
     if ps.is_pipeline_last_stage() and ps.get_tensor_model_parallel_rank() == 0:
         torch.save({"ids": ids, "logits": torch.cat([g.detach() for g in got])}, out / f"{name}.pt")
-    args = megatron_args(num_layers=LLAMA_LAYERS, num_attention_heads=heads, kv_channels=N_EMBD // heads,
+    args = megatron_args(num_layers=LLAMA_LAYERS, num_attention_heads=heads, kv_channels=kv_channels or N_EMBD // heads,
+                         qk_layernorm=qk_norm,
                          ffn_hidden_size=LLAMA_FFN, position_embedding_type="rope", rotary_base=theta,
                          rotary_percent=1.0, use_rope_scaling=scaling, rope_scaling_factor=8.0,
                          rotary_interleaved=interleaved,
@@ -368,6 +376,7 @@ def main(out: Path) -> None:
     run_job(_llama, 4, out, out, "llama_tp2pp2", 2, 2, 1, 4, 2, False, False, 10000.0, True)
     run_job(_llama, 4, out, out, "llama_tp4", 4, 1, 1, 8, 4, True, True, 500000.0, False)
     run_job(_llama, 2, out, out, "llama_pp2vpp2", 1, 2, 2, 4, 2, False, False, 10000.0, False, True)
+    run_job(_llama, 2, out, out, "qwen3_tp2", 2, 1, 1, 4, 2, False, False, 1e6, True, False, True, 32)
     (out / "done").write_text("ok")
 
 

@@ -193,11 +193,11 @@ def _titan_folder(path, extra: dict = {}):
                                    "rope.freqs_cis"])
 def test_a_torchtitan_tensor_megalites_llama_lacks_is_refused(tmp_path, extra):
     from megalite.base.errors import ConvertError
-    from megalite.convert.torchtitan import TorchtitanLlama
-    TorchtitanLlama(_titan_folder(tmp_path / "ok"), hn.Hints(num_heads=4))  # the folder without it converts
+    from megalite.convert.torchtitan import TorchtitanModel
+    TorchtitanModel(_titan_folder(tmp_path / "ok"), hn.Hints(num_heads=4))  # the folder without it converts
     with pytest.raises(ConvertError, match=rf"tensor '{extra}' is not part of a torchtitan Llama .*refusing to "
                                            rf"drop it") as e:
-        TorchtitanLlama(_titan_folder(tmp_path / "bad", {extra: torch.ones(8)}), hn.Hints(num_heads=4))
+        TorchtitanModel(_titan_folder(tmp_path / "bad", {extra: torch.ones(8)}), hn.Hints(num_heads=4))
     assert "\n" not in str(e.value)
 
 
@@ -242,7 +242,7 @@ def test_a_torchtitan_folder_without_config_or_norm_eps_is_torchtitans_own_forwa
     of a model built with torchtitan's defaults."""
     import torch.distributed.checkpoint as dcp
     from megalite.convert.check import megalite_runner
-    from megalite.convert.torchtitan import TorchtitanLlama
+    from megalite.convert.torchtitan import TorchtitanModel
     theta, eps = _torchtitan_defaults()
     model = _titan_model_with_its_defaults()
     ids = torch.randint(0, 64, (2, 16), generator=torch.Generator().manual_seed(5))
@@ -251,7 +251,7 @@ def test_a_torchtitan_folder_without_config_or_norm_eps_is_torchtitans_own_forwa
         want = model(ids, positions, model.get_attention_masks(positions))
     dcp.save({k: v.detach().clone() for k, v in model.state_dict().items()}, checkpoint_id=str(tmp_path / "t"),
              no_dist=True)
-    src = TorchtitanLlama(tmp_path / "t", hn.Hints(num_heads=4))
+    src = TorchtitanModel(tmp_path / "t", hn.Hints(num_heads=4))
     assert (src.model["rope_theta"], src.model["layer_norm_eps"], src.model["rope_scaling"]) == (theta, eps, {})
     got = megalite_runner(src)(ids)
     d = (got - want).abs().max().item()

@@ -22,7 +22,7 @@ import torch
 from megalite.convert import hints as hn
 from megalite.convert import megatron_llama
 from megalite.convert.megatron import MegatronGPT
-from megalite.convert.torchtitan import TorchtitanLlama
+from megalite.convert.torchtitan import TorchtitanModel
 from megalite.base.errors import ConvertError
 from helpers import cli_in_process as cli  # `megalite ARGS` in this process
 
@@ -184,7 +184,7 @@ TITAN = {"step-10": "torchtitan >= 0.2", "step-10-v01": "torchtitan <= 0.1, 'mod
 @needs_torchtitan
 @pytest.mark.parametrize("folder", list(TITAN))
 def test_torchtitan_llama3_matches_torchtitans_forward(ttref, tmp_path, folder):
-    src = TorchtitanLlama(ttref / folder, titan_hints(ttref, tmp_path))
+    src = TorchtitanModel(ttref / folder, titan_hints(ttref, tmp_path))
     d, kl = compare(src, torch.load(ttref / "ref.pt"))
     print(f"torchtitan {folder} ({src.naming}) -> transformers: max |d logit| {d:.2e}, KL {kl:.2e}; "
           f"{len(src.skipped)} training entries skipped")
@@ -229,7 +229,7 @@ def test_planted_bugs_fail_the_test_and_the_check(request, monkeypatch, tmp_path
         needs_torchtitan.mark.args[0] and pytest.skip(needs_torchtitan.mark.kwargs["reason"])
         ref_dir = request.getfixturevalue("ttref")
         h = titan_hints(ref_dir, tmp_path)
-        ref, read = torch.load(ref_dir / "ref.pt"), lambda: TorchtitanLlama(ref_dir / "step-10", h)
+        ref, read = torch.load(ref_dir / "ref.pt"), lambda: TorchtitanModel(ref_dir / "step-10", h)
         args = [ref_dir / "step-10", "--from", "dcp", "--arch", "llama", "--config", h.config]
     plant(monkeypatch)
     try:  # the test: against the trainer's own forward
@@ -279,11 +279,12 @@ def test_a_dcp_folder_that_does_not_fit_the_named_sizes_is_one_line(ttref, tmp_p
              (hn.Hints(), r"the number of attention heads cannot be read from the tensors; give --num-heads")]
     for h, pattern in cases:
         with pytest.raises(ConvertError, match=pattern):
-            TorchtitanLlama(ttref / "step-10", h)
-    with pytest.raises(ConvertError, match=r"rope_scaling rope_type = 'yarn': megalite models only Llama 3's"):
+            TorchtitanModel(ttref / "step-10", h)
+    with pytest.raises(ConvertError, match=r"rope_scaling rope_type 'yarn': megalite reads a torchtitan Llama 3 "
+                                           r"with 'llama3' rope scaling or none"):
         cfg = llama_config(tmp_path, num_attention_heads=4, rope_parameters={  # a whole yarn table: refused later
             "rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 16})
-        TorchtitanLlama(ttref / "step-10", hn.merge_config(hn.Hints(), cfg))
+        TorchtitanModel(ttref / "step-10", hn.merge_config(hn.Hints(), cfg))
 
 
 # ---------------------------------------------------------------- through the CLI: one file, split, train

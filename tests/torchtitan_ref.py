@@ -14,6 +14,11 @@ writes into OUT_DIR:
                     full checkpoints carried before PR #1347, beside an "optimizer" entry
     step-10-v01-model-only/
                     the <= 0.1 names without a prefix (its model-only last-step save)
+    qwen3.pt, qwen3-step-10/
+                    torchtitan's Qwen3Model (torchtitan/models/qwen3, built as its registry builds every dense size:
+                    _build_qwen3_layers with fused wqkv, q/k RMSNorm of the head width, CosSinRoPE, eps 1e-6,
+                    weight tying) at a head width of its own (4 heads of 32 over a width of 64); its forward's
+                    logits and its state saved by DCP (tok_embeddings and lm_head both, one tied tensor)
 
 torchtitan's FlexAttention is compiled with torch.compile; here its `_compiled_flex_attn` is the eager
 `flex_attention` (the same op: the compiled form agreed to 4.5e-8 on this model, and compiling costs ~60 s of
@@ -59,6 +64,34 @@ def build():
     return model.eval()
 
 
+Q3_HEAD_DIM, Q3_THETA, Q3_FFN = 32, 1e6, 96
+
+
+def build_qwen3():
+    """torchtitan's Qwen3Model as its config registry builds a dense size (qwen3/__init__.py's _0_6b), tiny."""
+    from torch.nn.attention.flex_attention import flex_attention
+    from torchtitan.models.common import CosSinRoPE, Embedding, Linear
+    from torchtitan.models.common.attention import FlexAttention
+    from torchtitan.models.qwen3 import Qwen3Model, _build_qwen3_layers, _qwen3_norm
+    FlexAttention._compiled_flex_attn = flex_attention
+    init = {"weight": torch.nn.init.normal_}
+    cfg = Qwen3Model.Config(
+        vocab_size=VOCAB, dim=DIM, norm=_qwen3_norm(DIM), enable_weight_tying=True,
+        tok_embeddings=Embedding.Config(num_embeddings=VOCAB, embedding_dim=DIM, param_init=init),
+        lm_head=Linear.Config(in_features=DIM, out_features=VOCAB, param_init=init),
+        layers=_build_qwen3_layers(n_layers=LAYERS, dim=DIM, n_heads=HEADS, n_kv_heads=KV_HEADS, head_dim=Q3_HEAD_DIM,
+                                   hidden_dim=Q3_FFN, fuse_qkv=True, attn_backend="flex",
+                                   rope=CosSinRoPE.Config(dim=Q3_HEAD_DIM, max_seq_len=MAX_SEQ, theta=Q3_THETA)))
+    model = Qwen3Model(cfg)
+    model.init_states()
+    g = torch.Generator().manual_seed(11)
+    with torch.no_grad():  # every parameter far from its init (q/k norms too)
+        for name, p in model.named_parameters():
+            r = torch.randn(p.shape, generator=g)
+            p.copy_(1.0 + 0.2 * r if p.dim() == 1 else 0.3 * r)
+    return model.eval()
+
+
 def v01_name(name: str) -> str:
     """torchtitan <= 0.1's name for a >= 0.2 name."""
     return name.replace("attention.qkv_linear.", "attention.").replace("lm_head.", "output.")
@@ -96,6 +129,15 @@ def main(out: Path) -> None:
     dcp.save({"model": old, "optimizer": optim, "train_state": train_state},
              checkpoint_id=str(out / "step-10-v01"), no_dist=True)
     dcp.save(old, checkpoint_id=str(out / "step-10-v01-model-only"), no_dist=True)
+
+    q3 = build_qwen3()
+    with torch.no_grad():
+        logits = q3(ids, positions, q3.get_attention_masks(positions))
+    config = {"dim": DIM, "n_heads": HEADS, "n_kv_heads": KV_HEADS, "head_dim": Q3_HEAD_DIM, "n_layers": LAYERS,
+              "vocab_size": VOCAB, "ffn_hidden": Q3_FFN, "rope_theta": Q3_THETA, "eps": 1e-6}
+    torch.save({"ids": ids, "logits": logits, "config": config}, out / "qwen3.pt")
+    sd = {k: v.detach().clone() for k, v in q3.state_dict().items()}
+    dcp.save(dict(sd, train_state=train_state), checkpoint_id=str(out / "qwen3-step-10"), no_dist=True)
     (out / "done").write_text("ok")
 
 

@@ -43,6 +43,9 @@ class Hints:
     vocab_size: Optional[int] = None  # from --config: the real vocabulary (padding cut to it)
     block_size: Optional[int] = None
     config: Optional[str] = None  # the file the values came from, for error lines
+    family: Optional[str] = None  # from --config: the family its model_type names
+    head_dim: Optional[int] = None  # from --config: a head's width (None: hidden / heads)
+    tie_embeddings: Optional[bool] = None  # from --config: tie_word_embeddings (its config class's default)
 
     def __post_init__(self):
         check_choice(self)  # a flag is typed and in range before anything reads it
@@ -77,15 +80,17 @@ def merge_config(h: Hints, path: Path) -> Hints:
     gpt2 = family.features.positions == "learned"  # GPT2Config's key names
     theta, scaling = (None, None) if gpt2 else llama_rope(c, where)
     told = "rope_theta" in c or "rope_theta" in (c.get("rope_parameters") or {})
-    act = c.get("activation_function" if gpt2 else "hidden_act")
+    act = c.get("activation_function" if gpt2 else "hidden_act", "gelu_new" if gpt2 else "silu")  # classes' defaults
     got = dict(num_heads=c.get("n_head" if gpt2 else "num_attention_heads"),
                num_kv_heads=None if gpt2 else c.get("num_key_value_heads"),
                rope_theta=theta if told else None,
                norm="layer" if gpt2 else "rms", norm_eps=c.get("layer_norm_epsilon" if gpt2 else "rms_norm_eps"),
                mlp={"gelu": "gelu", "gelu_new": "gelu_tanh", "gelu_pytorch_tanh": "gelu_tanh"}.get(act, "?") if gpt2
                else ("swiglu" if act == "silu" else f"{act}-gated"),
-               vocab_size=c.get("vocab_size"), block_size=c.get("n_positions" if gpt2 else "max_position_embeddings"))
-    out = dataclasses.replace(h, config=str(path), rope_scaling=scaling or None)
+               vocab_size=c.get("vocab_size"), block_size=c.get("n_positions" if gpt2 else "max_position_embeddings"),
+               head_dim=None if gpt2 else c.get("head_dim", family.hf.head_dim_default),
+               tie_embeddings=None if gpt2 else bool(c.get("tie_word_embeddings", family.hf.tie_default)))
+    out = dataclasses.replace(h, config=str(path), rope_scaling=scaling or None, family=family.name)
     for k, v in got.items():
         mine = getattr(h, k)
         if v is None:
@@ -116,16 +121,21 @@ def check_choice(h: Hints, where: Optional[str] = None) -> None:
             limits.finite(getattr(h, name), name_of(name), ConvertError, positive=True)
 
 
-def heads(h: Hints, hidden: int, q_rows: int, kv_rows: int, where: str, q_name: str, kv_name: str) -> tuple:
-    """(n_head, n_kv_head, head width) from --num-heads and the q / k widths the tensors have."""
+def heads(h: Hints, hidden: int, q_rows: int, kv_rows: int, where: str, q_name: str, kv_name: str,
+          own_width: bool = False) -> tuple:
+    """(n_head, n_kv_head, head width) from --num-heads and the q / k widths the tensors have; `own_width`: a
+    family whose head width may differ from hidden / heads (Qwen3's head_dim)."""
     if h.num_heads is None:
         raise ConvertError(f"{where}: the number of attention heads cannot be read from the tensors; give "
                            f"--num-heads (and --num-kv-heads for grouped-query attention), or --config config.json")
     H = h.num_heads
-    if hidden % H or q_rows % H:
+    if (hidden % H and not own_width) or q_rows % H:
         raise ConvertError(f"--num-heads {H} does not divide the hidden size {hidden} (the query width of tensor "
                            f"'{q_name}' is {q_rows})")
     hd = q_rows // H
+    if h.head_dim is not None and h.head_dim != hd:
+        raise ConvertError(f"--config {h.config}: head_dim = {h.head_dim} contradicts tensor '{q_name}': its "
+                           f"{q_rows} rows are {H} heads of width {hd}")
     if kv_rows % hd:
         raise ConvertError(f"--num-heads {H} gives a head width of {hd}, which does not divide the key width "
                            f"{kv_rows} of tensor '{kv_name}'")
@@ -147,12 +157,15 @@ def even_head_width(H: int, hd: int) -> None:
 
 # ---------------------------------------------------------------- the Llama family under megalite's names
 def llama_model(n_layer: int, n_head: int, n_kv_head: int, n_embd: int, ffn: int, vocab: int, tied: bool,
-                theta: float, scaling: Optional[dict], eps: float, block_size: int) -> dict:
-    """megalite's [model] dict for a Llama (arch, n_kv_head, intermediate_size, rope_theta, rope_scaling;
-    layer_norm_eps is RMSNorm's eps), every other key at ModelConfig's default."""
-    m = ModelConfig(arch=models.llama.SPEC.name, n_layer=n_layer, n_head=n_head, n_kv_head=n_kv_head, n_embd=n_embd,
-                    intermediate_size=ffn, vocab_size=vocab, block_size=block_size, dropout=0.0, tie_embeddings=tied,
-                    rope_theta=float(theta), rope_scaling=rope_scaling(scaling), layer_norm_eps=float(eps))
+                theta: float, scaling: Optional[dict], eps: float, block_size: int, arch: Optional[str] = None,
+                head_size: int = 0) -> dict:
+    """megalite's [model] dict for a Llama-shaped family (`arch`, default Llama; n_kv_head, intermediate_size,
+    rope_theta, rope_scaling; layer_norm_eps is RMSNorm's eps; head_size where a head's width is not
+    n_embd / n_head), every other key at ModelConfig's default."""
+    m = ModelConfig(arch=arch or models.llama.SPEC.name, n_layer=n_layer, n_head=n_head, n_kv_head=n_kv_head,
+                    n_embd=n_embd, intermediate_size=ffn, vocab_size=vocab, block_size=block_size, dropout=0.0,
+                    tie_embeddings=tied, rope_theta=float(theta), rope_scaling=rope_scaling(scaling),
+                    layer_norm_eps=float(eps), head_size=0 if head_size * n_head == n_embd else head_size)
     return dataclasses.asdict(m)
 
 
@@ -175,9 +188,10 @@ def rope_scaling(s: Optional[dict]) -> dict:
 
 
 def llama_shapes(m: dict, qkv_bias: bool = False) -> dict:
-    """Global shape of every megalite Llama tensor, in the model's order (with Qwen-style q/k/v biases, which
-    transformers' Qwen2 has and megalite's model does not)."""
-    C, hd, F, V = m["n_embd"], m["n_embd"] // m["n_head"], m["intermediate_size"], m["vocab_size"]
+    """Global shape of every tensor of a megalite Llama-shaped family, in the model's order (with Qwen2's q/k/v
+    biases where `qkv_bias`; with the per-head q/k norms where the family's spec has qk_norm)."""
+    C, hd, F, V = m["n_embd"], m.get("head_size") or m["n_embd"] // m["n_head"], m["intermediate_size"], m["vocab_size"]
+    qk_norm = models.spec_of(m).features.qk_norm
     q, kv = m["n_head"] * hd, m["n_kv_head"] * hd
     out = {"wte.weight": (V, C)}
     for i in range(m["n_layer"]):
@@ -186,6 +200,8 @@ def llama_shapes(m: dict, qkv_bias: bool = False) -> dict:
                     b + "attn.v.weight": (kv, C)})
         if qkv_bias:
             out.update({b + "attn.q.bias": (q,), b + "attn.k.bias": (kv,), b + "attn.v.bias": (kv,)})
+        if qk_norm:
+            out.update({b + "attn.q_norm.weight": (hd,), b + "attn.k_norm.weight": (hd,)})
         out.update({b + "attn.proj.weight": (C, q), b + "ln_2.weight": (C,), b + "mlp.gate.weight": (F, C),
                     b + "mlp.up.weight": (F, C), b + "mlp.proj.weight": (C, F)})
     out["ln_f.weight"] = (C,)

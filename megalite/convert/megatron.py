@@ -272,11 +272,16 @@ class MegatronGPT(ForeignModel):
         m["vocab_size"] = padded if vocab_size is None else vocab_size
         self.interleaved = m.pop("_interleaved", False)
         self.qkv_bias = m.pop("_qkv_bias", False)
+        qk_norm = m.pop("_qk_norm", False)
         self.m = m
         if models.spec_of(m).features.positions == "rope":
-            if self.qkv_bias:  # Qwen-style q/k/v biases (Megatron-Bridge's Qwen2): the family that has them
-                m["arch"] = models.family_for(positions="rope", qkv_bias=True, qk_norm=False,
+            # Megatron-Bridge's Qwen2 (q/k/v biases) and Qwen3 (qk_layernorm): the family that has those features
+            try:
+                m["arch"] = models.family_for(positions="rope", qkv_bias=self.qkv_bias, qk_norm=qk_norm,
                                               sliding_window=False).name
+            except KeyError:
+                raise ConvertError(f"{where}: add_qkv_bias = {self.qkv_bias} with qk_layernorm = {qk_norm}: no "
+                                   f"family megalite models has both") from None
             self.shapes = hn.llama_shapes(m, self.qkv_bias)
             self.parts = model_partitions(m)
             self.src = megatron_llama.llama_sources(dict(m, _interleaved=self.interleaved), set(self.ck.tensors))
@@ -297,7 +302,8 @@ class MegatronGPT(ForeignModel):
                 "proj": LAYERS + "self_attention.linear_proj.weight", "ln_2": self.src["blocks.0.ln_2.weight"][0],
                 "fc1": LAYERS + "mlp.linear_fc1.weight", "fc2": LAYERS + "mlp.linear_fc2.weight",
                 "ln_f": "decoder.final_layernorm.weight", "interleaved": self.interleaved,
-                "head": None if self.m["tie_embeddings"] else "output_layer.weight"}
+                "head": None if self.m["tie_embeddings"] else "output_layer.weight",
+                **{ours.split(".")[1]: theirs for ours, theirs in megatron_llama.own_names(self.m).items()}}
 
     def reference(self):
         """A Llama's own-layout forward (native.py) for --check; None for a GPT-2 (megalite's model on its

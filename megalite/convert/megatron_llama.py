@@ -1,5 +1,6 @@
 """Megatron-LM / megatron-core Llama-family checkpoints (RoPE, RMSNorm, SwiGLU, grouped-query attention, no
-linear biases; Qwen-style q/k/v biases where `add_qkv_bias`) -> megalite's Llama names and layout; and the
+linear biases; Qwen2's q/k/v biases where `add_qkv_bias`; Qwen3's per-head q/k RMSNorm where `qk_layernorm`, with
+its head width `kv_channels`) -> megalite's names and layout of the family with those features; and the
 arguments a checkpoint without Megatron-LM's `args` (megatron-core's `dist_checkpointing.save` alone) would
 have had, read from its tensors plus what the user tells (hints.py).
 
@@ -11,13 +12,16 @@ Megatron's layout (global tensors, whatever TP/PP/vpp it was saved at; layers st
     order at any TP);
   * norms: TransformerEngine-style `linear_qkv.layer_norm_weight` / `linear_fc1.layer_norm_weight` (also the
     local spec's sharded names), or the local `input_layernorm.weight` / `pre_mlp_layernorm.weight`;
-  * rotary: rotate-half (as transformers) unless `rotary_interleaved`, then the pairs are permuted per head.
+  * rotary: rotate-half (as transformers) unless `rotary_interleaved`, then the pairs are permuted per head;
+  * a family's own names beyond these (Qwen3's `self_attention.q_layernorm` / `k_layernorm`, (L, hd)) are its
+    spec's `megatron` table (models/qwen3.py).
 """
 from __future__ import annotations
 
 import torch
 from einops import rearrange
 
+from .. import models
 from ..base import limits
 from ..base.errors import ConvertError
 from . import hints as hn
@@ -47,7 +51,7 @@ def llama_from_args(a: dict, where: str) -> dict:
         if get(n):
             raise _refuse(where, n, get(n), "a mixture of experts (MoE)")
     for flag, what in (("multi_latent_attention", "multi-latent attention (MLA)"),
-                       ("qk_layernorm", "RMSNorm on queries and keys (qk_layernorm)"),
+                       ("qk_l2_norm", "L2-normalised queries and keys (qk_l2_norm)"),
                        ("layernorm_zero_centered_gamma", "zero-centred norm gains (weight + 1)"),
                        ("apply_layernorm_1p", "zero-centred norm gains (weight + 1)"),
                        ("apply_residual_connection_post_layernorm", "a residual taken after the norm"),
@@ -66,8 +70,8 @@ def llama_from_args(a: dict, where: str) -> dict:
     if C % H or not isinstance(G, int) or G < 1 or H % G:
         raise ConvertError(f"{where}: hidden_size = {C}, num_attention_heads = {H}, num_query_groups = {G}: expected "
                            f"heads dividing the hidden size and query groups dividing the heads")
-    if get("kv_channels") not in (None, C // H):
-        raise _refuse(where, "kv_channels", get("kv_channels"), f"a head width other than hidden / heads = {C // H}")
+    hd = C // H if get("kv_channels") is None else limits.number(get("kv_channels"), f"{where}: kv_channels",
+                                                                  ConvertError, 1, limits.MAX_SIZE)
     scaling = None
     if get("use_rope_scaling"):  # megatron's Llama 3.x scaling: factor from args, the rest fixed in its code
         factor = limits.finite(get("rope_scaling_factor", 8.0), f"{where}: rope_scaling_factor", ConvertError, True)
@@ -78,9 +82,10 @@ def llama_from_args(a: dict, where: str) -> dict:
     theta = limits.finite(get("rotary_base", 10000), f"{where}: rotary_base", ConvertError, positive=True)
     m = hn.llama_model(get("num_layers"), H, G, C, get("ffn_hidden_size"), 1,
                        not get("untie_embeddings_and_output_weights"), theta, scaling, eps,
-                       get("max_position_embeddings"))
+                       get("max_position_embeddings"), head_size=hd)
     m["_interleaved"] = bool(get("rotary_interleaved"))  # the reader's business, not the model's: popped there
     m["_qkv_bias"] = bool(get("add_qkv_bias"))
+    m["_qk_norm"] = bool(get("qk_layernorm"))
     return m
 
 
@@ -105,7 +110,7 @@ def args_from_tensors(tensors: dict, h: hn.Hints, where: str) -> dict:
                                f"expected a megatron GPT's (stacked over layers)")
     L, C, Q, F = qkv[0], word[1], proj[2], fc2[2]
     H, KV, hd = hn.heads(h, C, Q, (qkv[1] - Q) // 2, where, LAYERS + "self_attention.linear_proj.weight",
-                         LAYERS + "self_attention.linear_qkv.weight")
+                         LAYERS + "self_attention.linear_qkv.weight", own_width=wpe is None)
     mlp = "swiglu" if fc1[1] == 2 * F else "gelu" if fc1[1] == F else None
     if mlp is None:
         raise ConvertError(f"{where}: tensor '{LAYERS}mlp.linear_fc1.weight' has {fc1[1]} rows for an MLP width of "
@@ -126,6 +131,7 @@ def args_from_tensors(tensors: dict, h: hn.Hints, where: str) -> dict:
              untie_embeddings_and_output_weights="output_layer.weight" in tensors,
              add_bias_linear=LAYERS + "self_attention.linear_proj.bias" in tensors,
              add_qkv_bias=LAYERS + "self_attention.linear_qkv.bias" in tensors,
+             qk_layernorm=LAYERS + "self_attention.q_layernorm.weight" in tensors,
              normalization="RMSNorm" if norm == "rms" else "LayerNorm", swiglu=mlp == "swiglu",
              layernorm_epsilon=eps, norm_epsilon=eps, bias_gelu_fusion=(h.mlp == "gelu_tanh"),
              rotary_base=10000.0 if h.rope_theta is None else h.rope_theta, rotary_percent=1.0)
@@ -162,6 +168,13 @@ def split_fc1(t: torch.Tensor, part: str) -> torch.Tensor:
     return gate if part == "gate" else up
 
 
+def own_names(m: dict) -> dict:
+    """The family's megatron names beyond a Llama's (its spec's `megatron` table), stacked over layers:
+    megalite's per-layer name -> megatron's."""
+    t = models.spec_of(m).megatron
+    return {ours: LAYERS + theirs for ours, theirs in (t.PER_LAYER.items() if t is not None else ())}
+
+
 def llama_sources(m: dict, names: set) -> dict:
     """megalite name -> (megatron name, layer index, transform of that layer's tensor)."""
     def pick(*cands):
@@ -187,7 +200,8 @@ def llama_sources(m: dict, names: set) -> dict:
                  "attn.proj.weight": (LAYERS + "self_attention.linear_proj.weight", None), "ln_2.weight": (ln2, None),
                  "mlp.gate.weight": (LAYERS + "mlp.linear_fc1.weight", lambda t: split_fc1(t, "gate")),
                  "mlp.up.weight": (LAYERS + "mlp.linear_fc1.weight", lambda t: split_fc1(t, "up")),
-                 "mlp.proj.weight": (LAYERS + "mlp.linear_fc2.weight", None)}
+                 "mlp.proj.weight": (LAYERS + "mlp.linear_fc2.weight", None),
+                 **{ours: (theirs, None) for ours, theirs in own_names(m).items()}}
     out = {"wte.weight": ("embedding.word_embeddings.weight", None, None),
            "ln_f.weight": ("decoder.final_layernorm.weight", None, None),
            "lm_head.weight": ("output_layer.weight", None, None)}
@@ -200,13 +214,14 @@ def llama_sources(m: dict, names: set) -> dict:
 def their_shapes(m: dict, padded: int, qkv_bias: bool) -> dict:
     """The global shape each megatron tensor of this Llama must have (stacked over layers)."""
     L, C, H, G, F = m["n_layer"], m["n_embd"], m["n_head"], m["n_kv_head"], m["intermediate_size"]
-    hd = C // H
+    hd = m.get("head_size") or C // H
     out = {"embedding.word_embeddings.weight": (padded, C), "decoder.final_layernorm.weight": (C,),
            LAYERS + "self_attention.linear_qkv.weight": (L, (H + 2 * G) * hd, C),
            LAYERS + "self_attention.linear_proj.weight": (L, C, H * hd),
            LAYERS + "mlp.linear_fc1.weight": (L, 2 * F, C), LAYERS + "mlp.linear_fc2.weight": (L, C, F)}
     if qkv_bias:
         out[LAYERS + "self_attention.linear_qkv.bias"] = (L, (H + 2 * G) * hd)
+    out.update({theirs: (L, hd) for theirs in own_names(m).values()})  # Qwen3's q/k norms: a head's width
     if not m["tie_embeddings"]:
         out["output_layer.weight"] = (padded, C)
     return out

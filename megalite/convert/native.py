@@ -8,7 +8,9 @@ reshaping:
     ("b t (g n d) -> b t g n d": its H/G query heads, then the group's key, then its value), `linear_fc1`'s
     output split in two halves (gate, up) as megatron's SwiGLU does, rotate-half RoPE (or interleaved pairs
     where `rotary_interleaved`);
-  * torchtitan: wq / wk / wv separately, RoPE on complex pairs (dims 2i, 2i+1) as its ComplexRoPE does.
+  * torchtitan: wq / wk / wv separately, RoPE on complex pairs (dims 2i, 2i+1) as Llama 3's ComplexRoPE does, or
+    rotate-half as Qwen3's CosSinRoPE does; Qwen3's q_norm / k_norm over each head's width before RoPE, as its
+    GQAttention.forward applies them.
 So a converter that misorders the GQA groups, swaps gate and up, forgets the wq/wk permutation or keeps the
 vocabulary padding gives logits that differ, and the check fails (tests/test_foreign_llama.py plants each).
 Memory: the reference holds one layer's weights at a time.
@@ -61,7 +63,7 @@ def reference_logits(src, ids: torch.Tensor) -> torch.Tensor:
     """The source's own-layout forward: (B, T) ids -> (B, T, V) float64 logits over its real vocabulary."""
     m = src.m
     H, C, L = m["n_head"], m["n_embd"], m["n_layer"]
-    hd, eps = C // H, m["layer_norm_eps"]
+    hd, eps = m.get("head_size") or C // H, m["layer_norm_eps"]
     raw = src.raw  # (their tensor name, layer or None) -> float64 tensor as stored
     kind = src.native
     angles = torch.outer(torch.arange(ids.shape[1], dtype=torch.float64), _inv_freq(hd, m["rope_theta"],
@@ -80,6 +82,8 @@ def reference_logits(src, ids: torch.Tensor) -> torch.Tensor:
             q = (h @ raw(kind["wq"], i).T).unflatten(-1, (H, hd))
             k = (h @ raw(kind["wk"], i).T).unflatten(-1, (-1, hd))
             v = (h @ raw(kind["wv"], i).T).unflatten(-1, (-1, hd))
+        if "q_norm" in kind:  # over each head's width, before rotary
+            q, k = _rms(q, raw(kind["q_norm"], i), eps), _rms(k, raw(kind["k_norm"], i), eps)
         q, k = _rope(q, angles, kind["interleaved"]), _rope(k, angles, kind["interleaved"])
         x = x + _attend(q, k, v, H) @ raw(kind["proj"], i).T
         h = _rms(x, raw(kind["ln_2"], i), eps)

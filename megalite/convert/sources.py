@@ -138,6 +138,9 @@ def open_source(path, forced: Optional[str] = None, vocab_size: Optional[int] = 
         made = models.spec_of(g.m).name
         if arch is not None and made != arch:
             raise ConvertError(f"--arch {arch} contradicts {p}: its arguments and tensors make a {made}")
+        if hints is not None and hints.family is not None and hints.family != made:
+            raise ConvertError(f"--config {hints.config}: its model_type is a {hints.family}, but the arguments and "
+                               f"tensors of {p} make a {made}")
         return g
     if kind == "dcp":
         tt = " or ".join(readers["torchtitan"])
@@ -147,9 +150,9 @@ def open_source(path, forced: Optional[str] = None, vocab_size: Optional[int] = 
             return DcpFolder(p)
         if arch not in readers["torchtitan"]:
             raise ConvertError(f"--arch '{arch}': a DCP folder is read as a model only for --arch {tt} (torchtitan's "
-                               f"Llama 3)")
-        from .torchtitan import TorchtitanLlama
-        return TorchtitanLlama(p, hints or Hints())
+                               f"{', '.join(models.spec(n).torchtitan.what for n in readers['torchtitan'])})")
+        from .torchtitan import TorchtitanModel
+        return TorchtitanModel(p, hints or Hints(), arch=arch)
     if kind == "hf":
         return HFFolder(p)
     if is_checkpoint(p) or p.is_dir():

@@ -140,6 +140,33 @@ class LlamaHF:
     decoupled_head_dim = True  # transformers' Llama, Mistral, Qwen2 and Qwen3 all take a head_dim of their own
 
 
+class LlamaTitan:
+    """torchtitan's names for this family (torchtitan/models/llama3: its model's state_dict as its checkpointer
+    saves it), megalite name -> (torchtitan >= 0.2 name, <= 0.1 name); convert/torchtitan.py reads them.
+    A fused `wqkv` parameter is split back into wq/wk/wv by a state_dict hook before saving (FusedQKVLinear)."""
+    what = "Llama 3"
+    TOP = {"wte.weight": ("tok_embeddings.weight",) * 2, "ln_f.weight": ("norm.weight",) * 2,
+           "lm_head.weight": ("lm_head.weight", "output.weight")}
+    PER_LAYER = {
+        "ln_1.weight": ("attention_norm.weight",) * 2,
+        "attn.q.weight": ("attention.qkv_linear.wq.weight", "attention.wq.weight"),
+        "attn.k.weight": ("attention.qkv_linear.wk.weight", "attention.wk.weight"),
+        "attn.v.weight": ("attention.qkv_linear.wv.weight", "attention.wv.weight"),
+        "attn.proj.weight": ("attention.wo.weight",) * 2,
+        "ln_2.weight": ("ffn_norm.weight",) * 2,
+        "mlp.gate.weight": ("feed_forward.w1.weight",) * 2,
+        "mlp.up.weight": ("feed_forward.w3.weight",) * 2,
+        "mlp.proj.weight": ("feed_forward.w2.weight",) * 2,
+    }
+    # its RoPE: ComplexRoPE (each head's dims 2i, 2i+1 rotate together): wq / wk rows are permuted per head into
+    # megalite's (transformers') rotate-half on the way in
+    interleaved = True
+    # what a DCP folder cannot tell, where no flag or --config does: ComplexRoPE.Config's theta, RMSNorm.Config's
+    # eps (tests/test_defaults_reached.py reads both from torchtitan)
+    rope_theta, norm_eps = 10000.0, 1e-5
+    rope_scalings = ("llama3",)  # ComplexRoPE's "llama" scaling, transformers' llama3 (its yarn: hints refuse it)
+
+
 def rope_from_hf(hf: dict, where: str) -> tuple[float, dict]:
     """(rope_theta, rope_scaling) from 4.x's `rope_theta` + `rope_scaling` or 5.x's `rope_parameters`; both
     given and disagreeing is refused (transformers would read one of them)."""
@@ -183,4 +210,4 @@ def rope_from_hf(hf: dict, where: str) -> tuple[float, dict]:
 SPEC = FamilySpec(
     name="llama", about="Llama: RMSNorm, rotary (llama3/yarn scaling), grouped-query attention, SwiGLU",
     features=Features(head_size=True), keys=LLAMA_KEYS,
-    defaults={"tie_embeddings": False}, ffn_size=meta_ffn, hf=LlamaHF(), readers=("megatron", "torchtitan"))
+    defaults={"tie_embeddings": False}, ffn_size=meta_ffn, hf=LlamaHF(), torchtitan=LlamaTitan(), readers=("megatron", "torchtitan"))

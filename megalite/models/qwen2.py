@@ -35,4 +35,4 @@ def _full_attention_only(hf: dict, where: str) -> dict:
 SPEC = FamilySpec(
     name="qwen2", about="Qwen2/2.5: a Llama with q/k/v biases",
     features=Features(qkv_bias=True, head_size=True), keys=LLAMA_KEYS, defaults={"tie_embeddings": False},
-    ffn_size=meta_ffn, hf=Qwen2HF())
+    ffn_size=meta_ffn, hf=Qwen2HF(), readers=("megatron",))
