@@ -233,21 +233,21 @@ def test_each_document_ends_with_its_end_of_text_token_by_hand():
 
 
 def test_each_epoch_of_packed_documents_takes_them_in_an_order_of_its_own():
-    """DocumentSampler over 40 documents written by hand: every epoch holds each document once, and three epochs
+    """DocumentRows (the sampler's rows) over 40 documents written by hand: every epoch holds each document once, and three epochs
     take them in three orders. Planted: the epoch left out of the order's key: fails here."""
     import numpy as np
-    from megalite.data.documents import DocumentSampler
+    from megalite.data.documents import DocumentRows
     rng = np.random.default_rng(0)
     ids = np.concatenate([np.append(rng.integers(1, 50, int(n)), 0) for n in rng.integers(2, 9, 40)])
 
-    class Ids:  # what DocumentSampler reads of a TokenDataset (0 is end-of-text)
-        tokens, meta, path, limit = ids.astype(np.uint16), {"eot_id": 0}, "by-hand", None
+    class Ids:  # what DocumentRows reads of a TokenDataset (0 is end-of-text)
+        tokens, meta, path, limit, mask = ids.astype(np.uint16), {"eot_id": 0}, "by-hand", None, None
 
         def __len__(self):
             return len(self.tokens)
 
-    s = DocumentSampler(Ids(), 16, 4, 0, 1, seed=3)
-    orders = [s._epoch(e)[0].tolist() for e in range(3)]
+    packed = DocumentRows(Ids(), 16, seed=3)
+    orders = [packed._epoch(e)[0].tolist() for e in range(3)]
     assert all(sorted(o) == list(range(40)) for o in orders) and len({tuple(o) for o in orders}) == 3
 
 
