@@ -82,6 +82,8 @@ SMALL_ARGS = [
     ("bench-prepare", r"--size-mb \S+ --rounds \d+", "--size-mb 0.3 --vocab-size 300 --rounds 2"),
     ("bench-generate", r"--new-tokens \d+ --rounds \d+", "--n-layer 2 --n-embd 192 --vocab-size 512 --new-tokens 4 "
                                                           "--rounds 2"),
+    ("bench-documents", r"^megalite bench documents.*$", "megalite bench documents --size-mb 0.3 --vocab-size 300 "
+                                                          "--n-layer 2 --n-embd 32 --block-size 64 --steps 2 --rounds 2"),
     ("gpu-dry", r"--dry-run$", "--dry-run --window 0.5"),
     ("gpu", r"--window \S+", "--window 5"),
     ("stress", r"--trials \d+", "--trials 1 --steps 8 --seed 11 --width 32"),

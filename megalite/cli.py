@@ -50,6 +50,7 @@ EPILOGS = {
              "  megalite bench plan --tp 8 --pp 16 --dp 8,32,128 --reshard-to 8,8,256   (GPT-3 175B shape)\n"
              "  megalite bench dcp --size-mb 300\n"
              "  megalite bench prepare --size-mb 64 --rounds 3\n  megalite bench blend --block-size 1024\n"
+             "  megalite bench documents --steps 5 --rounds 3   (document masks vs windows, same tokens a step)\n"
              "  megalite bench generate --new-tokens 64 --rounds 3   (a 135M-class Llama on this CPU)",
     "torchrun": "example:\n  megalite torchrun --standalone --nproc-per-node 8 -m megalite train --config configs/tiny-cpu.toml "
                 "--parallel.tp=2 --parallel.pp=2 --parallel.dp=2",
@@ -59,6 +60,10 @@ EPILOGS = {
                 "  megalite generate --model runs/demo/hf/ --prompt 'The ' --ignore-eot\n"
                 "  megalite generate --model SmolLM2-135M-Instruct/ --chat --system 'Be brief.' --prompt 'Hi!' "
                 "--top-p 0.9",
+    "eval": "examples:\n  megalite eval --model runs/demo/model.safetensors --data held-out.jsonl\n"
+            "  megalite eval --model gpt2/ --data wiki.txt --per-document --out per-doc.jsonl\n"
+            "  megalite torchrun --nproc-per-node 2 -m megalite eval --model runs/demo/checkpoints --data val.bin "
+            "--split val --parallel.tp=2",
 }
 
 def _report(command: str, e: BaseException) -> None:
@@ -225,6 +230,23 @@ def _cmd_generate(args, rest) -> int:
     return 0
 
 
+def _cmd_eval(args, rest) -> int:
+    from .config import ConfigError, load_config
+    from .run.evaluate import evaluate
+    bad = [r for r in rest if not r.startswith("--parallel.")]
+    if bad:
+        raise ConfigError(f"eval: {bad[0]}: only --parallel.* overrides apply (the model brings its [model] section)")
+    if args.out is not None and not args.per_document:
+        raise ConfigError("eval: --out holds the per-document lines: pass --per-document with it")
+    scores = evaluate(args.model, args.data, load_config(None, rest), split=args.split, text_field=args.text_field,
+                      batch_rows=args.batch_rows, out=args.out if args.per_document else None, force=args.force)
+    if int(os.environ.get("RANK", "0")) == 0:
+        if args.per_document and args.out is None:
+            print("\n".join(scores.lines()))
+        print(scores.summary() + (f"; per document: {args.out}" if args.per_document and args.out else ""))
+    return 0
+
+
 def _sizes(text: str) -> list[float]:
     from .config import ConfigError
     try:
@@ -265,6 +287,11 @@ def _cmd_bench(args, rest) -> int:
         from .bench.generate import bench_generate
         bench_generate(n_layer=args.n_layer or 30, n_embd=args.n_embd or 576, vocab_size=args.vocab_size or 49152,
                        new_tokens=args.new_tokens, rounds=args.rounds or 3, dir=args.dir)
+    elif args.what == "documents":
+        from .bench.documents import bench_documents
+        bench_documents(size_mb=_given(args.size_mb, 2.0), vocab_size=_given(args.vocab_size, 4096),
+                        n_layer=args.n_layer or 4, n_embd=args.n_embd or 128, block_size=_given(args.block_size, 512),
+                        steps=args.steps, rounds=_given(args.rounds, 3), dir=args.dir)
     elif args.what == "prepare":
         from .bench.prepare import bench_prepare
         bench_prepare(size_mb=_given(args.size_mb, 32), vocab_size=_given(args.vocab_size, 4096),
@@ -457,36 +484,60 @@ def build_parser() -> argparse.ArgumentParser:
                         "one; config.json's; the tokenizer's eos and <|endoftext|>), which by default end the "
                         "text, as in transformers")
 
+    p = add("eval", "a model's loss, perplexity and bits per byte over a corpus or token file, each document "
+                    "scored alone from position 0 (packed with document masks), in one process or under torchrun "
+                    "at any layout (--parallel.tp=2 ...)", _cmd_eval)
+    p.add_argument("--model", required=True, help="a transformers folder, a megalite model file or a megalite "
+                                                  "checkpoint (root or step folder)")
+    p.add_argument("--data", required=True,
+                   help="text files or a folder (each file a document), a .jsonl/.parquet corpus (each record a "
+                        "document), encoded with the model's tokenizer; or a token file `megalite prepare "
+                        "--tokenizer MODEL` wrote (documents cut at its end-of-text ids)")
+    p.add_argument("--per-document", action="store_true",
+                   help="one JSON line per document: its summed log-likelihood, scored tokens, mean loss")
+    p.add_argument("--out", default=None, help="with --per-document: write the lines to this file (jsonl) "
+                                               "instead of stdout")
+    p.add_argument("--force", action="store_true", help="replace --out if it exists")
+    p.add_argument("--split", choices=["all", "train", "val"], default="all",
+                   help="a token file: which of its splits to score (default: %(default)s)")
+    p.add_argument("--text-field", default="text", help="the text field of a .jsonl record or .parquet column "
+                                                        "(default: %(default)s)")
+    p.add_argument("--batch-rows", type=_positive(int), default=8,
+                   help="rows of block_size + 1 tokens a batch, over all dp ranks (rounded up to a multiple of dp x "
+                        "pp: each rank's rows are pp micro-batches; default: %(default)s)")
+    p.set_defaults(allow_rest=True)
+
     p = add("bench", "benchmarks: `bench ckpt` (saves/loads vs DCP, torch.save and the disk), `bench train` "
                      "(vs plain PyTorch, pipeline bubbles, layouts), `bench plan` (checkpoint write plan and "
                      "manifest at thousands of ranks, no tensors), `bench dcp` (a DCP checkpoint to one file: "
                      "megalite convert vs dcp_to_torch_save), `bench prepare` (prepare vs the tokenizers "
                      "library's encode_batch), `bench generate` (tokens/s vs transformers' generate with its KV "
-                     "cache), `bench blend` (data.mixture's blend vs megatron-core's helper)", _cmd_bench)
-    p.add_argument("what", choices=["ckpt", "train", "plan", "dcp", "prepare", "generate", "blend"])
+                     "cache), `bench blend` (data.mixture's blend vs megatron-core's helper), `bench documents` (a "
+                     "training step with document-masked attention vs random windows)", _cmd_bench)
+    p.add_argument("what", choices=["ckpt", "train", "plan", "dcp", "prepare", "generate", "blend", "documents"])
     p.add_argument("--size-mb", type=_positive(float), default=None,
                    help="ckpt: model + optimizer bytes over all ranks (1024); dcp: the DCP checkpoint's size "
-                        "(300); prepare: corpus size (32)")
+                        "(300); prepare: corpus size (32); documents: the corpus's stdlib sources (2)")
     p.add_argument("--sizes", default=None,
                    help="ckpt, dcp: several sizes in MiB (e.g. 128,512,1024), one whole run each, then a scaling "
                         "table: s/GiB per operation and size, megalite / peer, a fixed + per-GiB fit")
     p.add_argument("--world", type=_positive(int), default=4, help="ckpt: gloo processes")
     p.add_argument("--repeats", type=_positive(int), default=3, help="ckpt: repetitions of each measurement")
-    p.add_argument("--dir", default=None, help="ckpt, prepare, generate: folder to write in (default: the temp "
-                                                         "folder)")
-    p.add_argument("--steps", type=_positive(int), default=10, help="train: timed steps per measurement")
+    p.add_argument("--dir", default=None,
+                   help="ckpt, prepare, generate, documents: folder to write in (default: the temp folder)")
+    p.add_argument("--steps", type=_positive(int), default=10, help="train, documents: timed steps per measurement")
     p.add_argument("--new-tokens", type=_positive(int), default=64,
                    help="generate: tokens each run draws (default: 64)")
     p.add_argument("--nproc", type=_positive(int), default=4, help="train: processes for the layout table")
     p.add_argument("--n-embd", type=_positive(int), default=None,
-                   help="model width (train: 128, plan: 12288, generate: 576)")
+                   help="model width (train: 128, documents: 128, plan: 12288, generate: 576)")
     p.add_argument("--n-layer", type=_positive(int), default=None,
-                   help="model depth (train: 4, plan: 96, generate: 30)")
+                   help="model depth (train: 4, documents: 4, plan: 96, generate: 30)")
     p.add_argument("--block-size", type=_positive(int), default=None,
-                   help="sequence length (train: 128, plan: 2048, blend: 1024 tokens a sample)")
+                   help="sequence length (train: 128, plan: 2048, blend: 1024 tokens a sample, documents: 512)")
     p.add_argument("--n-head", type=_positive(int), default=96, help="plan: attention heads")
-    p.add_argument("--vocab-size", type=_positive(int), default=None, help="plan: vocabulary (50304); prepare: the BPE "
-                                                                 "trained for it (4096); generate: 49152")
+    p.add_argument("--vocab-size", type=_positive(int), default=None,
+                   help="plan: vocabulary (50304); prepare, documents: the BPE trained for it (4096); generate: 49152")
     p.add_argument("--tokenizer", default=None, help="prepare: a tokenizer to use instead of training one")
     p.add_argument("--tp", type=_positive(int), default=8, help="plan: tensor-parallel size")
     p.add_argument("--pp", type=_positive(int), default=16, help="plan: pipeline stages")
@@ -510,8 +561,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--reshard-to", default=None, metavar="TP,PP,DP[,CP]",
                    help="plan: what each rank of this layout reads to resume the last layout's checkpoint")
     p.add_argument("--rounds", type=_positive(int), default=None,
-                   help="train: alternating runs of each feature table's settings (2); prepare, generate: of "
-                        "each (3)")
+                   help="train: alternating runs of each feature table's settings (2); prepare, generate, documents: "
+                        "of each (3)")
     p.add_argument("--pairs", type=_positive(int), default=5,
                    help="train: table 1's megalite/plain pairs of fresh processes")
     p.add_argument("--cp-seq", type=_positive(int), default=None,

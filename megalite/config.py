@@ -19,6 +19,7 @@ from .base.errors import ConfigError, LayoutError
 from .base.limits import MAX_COUNT, MAX_INT, MAX_SIZE, describe, finite  # noqa: F401 (MAX_COUNT: read elsewhere)
 from .base.fs import path_kind, read_all
 from . import models
+from .attention import check_backend
 from .parallel.grid import Layout
 
 if sys.version_info >= (3, 11):
@@ -137,6 +138,9 @@ class TrainConfig:
     out_dir: str = "runs/tiny"
     precision: str = "auto"  # "auto" (bf16 autocast on GPU, fp32 on CPU) | "fp32" | "bf16"
     recompute: str = "none"  # activation recomputation: "none" | "selective" (attention core) | "full" (blocks)
+    # the masked attention core (megalite/attention.py): "auto" (flex on CUDA when a document mask or a sliding
+    # window needs one, sdpa otherwise) | "sdpa" (a boolean mask per layer) | "flex" (one BlockMask per micro-batch)
+    attn_backend: str = "auto"
     compile: bool = False  # torch.compile each transformer block of this rank's pipeline stage (megalite/run/compile.py)
     fused_adamw: str = "auto"  # torch's fused AdamW kernel: "auto" (on CUDA) | "on" (any device that has it) | "off"
     tensorboard: bool = False  # also write TensorBoard event files to <out_dir>/tensorboard (needs `tensorboard`)
@@ -493,15 +497,13 @@ def validate(cfg: Config, world_size: int | None = None) -> Config:
                           f"or a value in (0, 1)")
     check_mixture(cfg.data.mixture)
     check_packing(cfg)
+    check_backend(t.attn_backend, m.dropout, par.cp)
     check_evals(cfg.data.eval)
     if par.zero not in (0, 1, 2, 3):
         raise ConfigError(f"parallel.zero = {par.zero}: expected 0, 1, 2 or 3")
     if par.zero1 and par.zero not in (0, 1):
         raise ConfigError(f"parallel.zero1 = true contradicts parallel.zero = {par.zero}: zero1 = true means zero = 1; "
                           f"drop parallel.zero1 to use zero = {par.zero}")
-    if par.zero_level == 3 and t.compile:  # measured: inductor's graph sees a block's freed (empty) weight
-        raise ConfigError("parallel.zero = 3 with train.compile = true: a compiled block does not see the weights "
-                          "ZeRO-3 gathers in its hooks; use zero 2, or train.compile = false")
     if par.dp_shard and (par.dp_shard < 2 or par.zero_level < 2 or (par.dp * par.cp) % par.dp_shard):
         raise ConfigError(f"parallel.dp_shard = {par.dp_shard}: expected 0 (cut over all dp x cp ranks) or a divisor "
                           f">= 2 of parallel.dp * parallel.cp = {par.dp * par.cp}, with parallel.zero 2 or 3 "
@@ -590,20 +592,12 @@ def check_evals(entries: list) -> None:
 
 
 def check_packing(cfg: Config) -> None:
-    """data.packing and data.document_mask, and what document packing does not compose with yet (one line)."""
+    """data.packing and data.document_mask (one line each)."""
     d = cfg.data
     if d.packing not in PACKINGS:
         raise ConfigError(f"data.packing = '{d.packing}': expected one of {', '.join(PACKINGS)}")
     if d.document_mask and d.packing != "documents":
         raise ConfigError("data.document_mask = true needs data.packing = 'documents' (windows cross documents)")
-    if d.packing == "documents" and d.mixture:
-        raise ConfigError("data.packing = 'documents' with data.mixture: not built yet; pack one data.path")
-    if d.document_mask and cfg.parallel.cp > 1:
-        raise ConfigError(f"data.document_mask with parallel.cp = {cfg.parallel.cp}: ring attention does not carry "
-                          f"document ids yet; use cp = 1")
-    if d.document_mask and cfg.model.dropout > 0:
-        raise ConfigError(f"data.document_mask with model.dropout = {cfg.model.dropout}: the attention-dropout path "
-                          f"does not take the document mask yet; use dropout = 0")
 
 
 def settings(cfg: Config) -> dict:
@@ -747,6 +741,7 @@ DOCS = {
     "train.beta2": "AdamW beta2, in [0, 1)",
     "train.grad_clip": "clip the global gradient norm to this (0: no clipping)",
     "train.on_nonfinite": "a NaN/inf loss or grad-norm: stop (one-line error) | skip (drop that update)",
+    "train.attn_backend": "masked attention: auto (flex on CUDA for document masks and windows) | sdpa | flex",
     "train.recompute": "activation recomputation: none | selective (attention core) | full (each block)",
     "train.compile": "torch.compile each transformer block (the first step pays the compilation)",
     "train.fused_adamw": "torch's fused AdamW kernel: auto (on CUDA) | on (wherever torch has it) | off",

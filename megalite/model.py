@@ -40,8 +40,9 @@ import functools
 
 from torch.utils.checkpoint import checkpoint
 
+from .attention import block_mask, flex_core, uses_flex
 from .config import ModelConfig
-from .parallel.context import draw_seed, local_positions, ring_attention
+from .parallel.context import draw_seed, local_positions, ring_attention, split_sequence
 from .parallel.grid import Axis, ParallelGrid
 from .parallel.pipeline import chunk_layers
 from .parallel.partition import Partition, init_local, local_shape, partition_of, tag
@@ -292,18 +293,22 @@ class CausalSelfAttention(nn.Module):
             cos, sin = rope_cos_sin(self.inv_freq, pos, q.dtype, self.rope_scale)
         return rotate(q, cos, sin), rotate(k, cos, sin), v
 
-    def forward(self, x, cache=None, docs=None, pos=None):  # (B, T, C) -> (B, T, C); sp (B, T/tp, C) -> (B, T/tp, C)
+    def forward(self, x, cache=None, docs=None, pos=None, flex=None):  # (B, T, C) -> (B, T, C); sp: (B, T/tp, C)
         """`cache` (generate.cache.LayerCache; one process, no cp): the keys and values of the tokens before x,
-        to which this call's are appended; x's tokens attend to all of them. `docs`, `pos` (B, T)
-        (data.document_mask): each token's document and its position in it."""
+        to which this call's are appended; x's tokens attend to all of them. `docs` (B, T·cp) (data.document_mask):
+        the document ids of the whole rows (global order; with cp the ring reads each chunk's), `pos` (B, T):
+        the position in its document of each token this rank holds. `flex` (a BlockMask, attention.block_mask):
+        run the core with flex_attention under this micro-batch's mask (train.attn_backend)."""
         q, k, v = self.heads(x, cache, pos)
         if cache is not None:
             k, v = cache.append(k, v)  # (B, kv heads, S, D): every token so far
         p = self.dropout if self.training else 0.0
-        if self.cp.active or p > 0.0:  # ring attention (cp = 1: one block) with the counter-based dropout mask
+        if flex is not None and cache is None:  # GPTStage chose flex: no cp, no dropout (attention.uses_flex)
+            core = functools.partial(flex_core, mask=flex)
+        elif self.cp.active or p > 0.0:  # ring attention (cp = 1: one block) with the counter-based dropout mask
             core = functools.partial(_ring_core, groups=self.groups, cp=self.cp, dropout_p=p,
                                      seed=draw_seed() if p else 0, head0=self.tp.rank * q.shape[1],
-                                     window=self.window)
+                                     window=self.window, docs=docs)
         else:
             core = functools.partial(_attention_core, dropout_p=0.0, window=self.window, docs=docs)
         if self.selective and torch.is_grad_enabled():
@@ -352,15 +357,17 @@ class Block(nn.Module):
         self.ln_2, self.mlp = norm(cfg, place), MLP(cfg, tp, sp, place)
         self.drop = SeqDropout(cfg.dropout, tp, sp, cp)
 
-    def forward(self, x, cache=None, docs=None, pos=None):
-        x = x + self.drop(self.attn(self.ln_1(x), cache, docs, pos))
+    def forward(self, x, cache=None, docs=None, pos=None, flex=None):
+        x = x + self.drop(self.attn(self.ln_1(x), cache, docs, pos, flex))
         return x + self.drop(self.mlp(self.ln_2(x)))
 
 
 class GPTStage(nn.Module):
     def __init__(self, cfg: ModelConfig, grid: ParallelGrid, layers: Optional[range] = None, vpp: int = 1,
-                 sp: bool = False, recompute: str = "none", real_vocab: Optional[int] = None):
+                 sp: bool = False, recompute: str = "none", real_vocab: Optional[int] = None,
+                 attn_backend: str = "auto"):
         super().__init__()
+        self.attn_backend, self._flex = attn_backend, None  # train.attn_backend; (docs, (B, T), the last BlockMask)
         self.cfg, self.tp, self.cp = cfg, grid.tp, grid.cp
         # ids from real_vocab (the tokenizer's size) up to vocab_size are padding: never in the loss
         self.real_vocab = min(cfg.vocab_size, real_vocab or cfg.vocab_size)
@@ -403,13 +410,13 @@ class GPTStage(nn.Module):
                 p.copy_(init_local(name, partition_of(p), "normal" if kind == "scaled" else kind, seed, scale,
                                    self.tp.rank, self.tp.size))
 
-    def run_block(self, i: int, x, cache=None, docs=None, pos=None):
+    def run_block(self, i: int, x, cache=None, docs=None, pos=None, flex=None):
         """Block i (global id) on x; with full recomputation only x is kept, and the block is rerun (RNG
         replayed) in backward."""
         block = self.blocks[str(i)]
         if self.full_recompute and torch.is_grad_enabled():
-            return checkpoint(block, x, None, docs, pos, use_reentrant=False)
-        return block(x, cache, docs, pos)
+            return checkpoint(block, x, None, docs, pos, flex, use_reentrant=False)
+        return block(x, cache, docs, pos, flex)
 
     def positions(self, T: int, start: int = 0, pos=None):
         """Learned: the wpe rows of the T tokens this rank holds (sp: its share; cp: their global positions;
@@ -423,6 +430,20 @@ class GPTStage(nn.Module):
             return self.wpe[local_positions(T * self.cp.size, self.cp, self.tp, self.sp).to(self.wpe.device)]
         return self.wpe[slice(*seq_chunk(T, self.tp))] if self.sp else self.wpe[start:start + T]
 
+    def flex_mask(self, x, docs=None):
+        """The BlockMask this forward's layers share when it runs flex (attention.uses_flex), else None: built
+        once per micro-batch outside the blocks (a compiled block takes it as an input), and kept for the next
+        chunk (vpp) of the same micro-batch (the same `docs` tensor). x: this chunk's input (ids, or hidden
+        (B, T/tp, C) under sp)."""
+        window = self.cfg.sliding_window if self.cfg.spec.features.sliding_window else 0
+        if not uses_flex(self.attn_backend, x.device, docs is not None or window > 0,
+                         self.cfg.dropout if self.training else 0.0, self.cp.size):
+            return None
+        B, T = x.shape[0], x.shape[1] * (self.tp.size if self.sp and x.dim() == 3 else 1)
+        if self._flex is None or self._flex[0] is not docs or self._flex[1] != (B, T):
+            self._flex = (docs, (B, T), block_mask(docs, window, B, T, x.device))
+        return self._flex[2]
+
     def forward(self, x, targets=None, chunk: int = 0, cache=None, logits_to_keep: int = 0, docs=None):
         """Chunk 0 of the first stage: x is ids (B, T); others: hidden (B, T, C) ((B, T/tp, C) with sp).
         With cp, T is this rank's T/cp tokens (its two chunks, context.split_sequence) at their global positions.
@@ -430,14 +451,16 @@ class GPTStage(nn.Module):
         targets is None); others return hidden. `cache` (generate.cache.KVCache; tp = pp = cp = 1): x's tokens
         come after those the cache holds, and their keys and values are added to it. `logits_to_keep` n > 0
         (transformers' argument): the logits of the last n tokens only (sampling reads the last). `docs` (B, T)
-        (data.document_mask): each token's document; attention stays inside it and positions restart at its
-        first token."""
-        pos = None if docs is None else document_positions(docs)
+        (data.document_mask): each token's document, for the whole rows (with cp: global order, not split); attention
+        stays inside it and positions restart at its first token, counted along the global row and then split
+        as the tokens are (context.split_sequence), so a document that crosses chunks keeps counting."""
+        pos = None if docs is None else split_sequence(document_positions(docs), self.cp)
+        flex = self.flex_mask(x, docs) if cache is None else None
         if self.first and chunk == 0:
             start = cache.length if cache is not None else 0
             x = self.drop(self.wte(x) + self.positions(x.shape[1], start, pos))  # (B, T, C); with sp (B, T/tp, C)
         for i in self.chunks[chunk]:
-            x = self.run_block(i, x, cache.layer(i) if cache is not None else None, docs, pos)
+            x = self.run_block(i, x, cache.layer(i) if cache is not None else None, docs, pos, flex)
         if not (self.last and chunk == len(self.chunks) - 1):
             return x
         x = self.ln_f(x[:, -logits_to_keep:] if logits_to_keep else x)

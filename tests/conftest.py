@@ -24,6 +24,14 @@ def convert_tokens(tmp_path_factory) -> Path:
     return H.make_token_file(tmp_path_factory.mktemp("convert_tokens"), H.synthetic_text())
 
 
+@pytest.fixture(scope="session")
+def bpe_docs(tmp_path_factory) -> tuple:
+    """~1,300 documents of 1 to 8 words (~5-40 tokens each) as one BPE token file with an end-of-text token
+    (the document-packing tests): (path, vocab size)."""
+    paths, vocab = H.document_corpora(tmp_path_factory.mktemp("docs"))
+    return paths[0], vocab
+
+
 # ---------------------------------------------------------------- read-only inputs of the bad-input tests
 @pytest.fixture(scope="session")
 def inputs_world(tmp_path_factory, token_file) -> dict:

@@ -66,6 +66,69 @@ def make_token_file(folder: Path, text: str) -> Path:
     return folder / "tokens.bin"
 
 
+def document_corpora(folder: Path, parts: int = 1, words: int = 40000, vocab: int = 300) -> tuple[list, int]:
+    """`parts` BPE token files of documents (jsonl records of 1 to 8 words, ~5-40 tokens each, cut in turn from
+    synthetic text) made by one 300-id BPE with an end-of-text token: ([paths], the tokenizer's vocab size)."""
+    import numpy as np
+    from megalite.data import prepare
+    from megalite.tokenizer import train_bpe
+    text = synthetic_text(words).split()
+    rng = np.random.default_rng(0)
+    lines, at, k = [[] for _ in range(parts)], 0, 0
+    while at < len(text) - 40:  # document k goes to file k mod parts
+        n = int(rng.integers(1, 9))
+        lines[k % parts].append(json.dumps({"text": " ".join(text[at:at + n])}))
+        at, k = at + n, k + 1
+    tok = train_bpe([" ".join(text)], vocab)
+    paths = []
+    for k, part in enumerate(lines):
+        (folder / f"docs{k}.jsonl").write_text("\n".join(part) + "\n")
+        prepare([folder / f"docs{k}.jsonl"], folder / f"docs{k}.bin", tokenizer=tok, log=lambda *a: None)
+        paths.append(folder / f"docs{k}.bin")
+    return paths, tok.vocab_size
+
+
+def document_reference_loss(hf, batch) -> float:
+    """The mean over a packed batch's counted targets of each document's own loss: transformers' model `hf` on
+    the document's tokens of the row alone, from position 0."""
+    import torch.nn.functional as F
+    total = 0.0
+    for r in range(batch.x.shape[0]):
+        for d in sorted(set(batch.docs[r].tolist()) - {-1}):
+            at = batch.docs[r] == d
+            with torch.no_grad():
+                logits = hf(input_ids=batch.x[r][at][None]).logits[0].float()
+            ce = F.cross_entropy(logits, batch.y[r][at], reduction="none")
+            total += float((ce * batch.mask[r][at]).sum())
+    return total / batch.counted
+
+
+def _resume_worker(rank, world_size, tmp_dir, first, second):
+    from megalite.run.train import train as train_fn
+    for cfg, name in ((first, "first"), (second, "second")):
+        tr = train_fn(cfg, log=lambda *a: None)
+        if rank == 0:
+            (Path(tmp_dir) / f"{name}.json").write_text(json.dumps([r["batch_hash"] for r in tr.history]))
+
+
+def resumed_across_layouts(tokens, tmp_path: Path, base: dict) -> tuple[list, object, list]:
+    """The tiny run of `base` (4 steps, checkpoint.dir set) trained in three launches: 2 ranks at dp = 2
+    (micro-batch 4) stop at step 2, resume at cp = 2 (micro-batch 8) to step 3, and one process (micro-batch 1)
+    finishes: (every step's batch_hash, the last launch's Trainer, its log lines)."""
+    from megalite.testing import run_parallel
+    first = TINY.config(tokens, tmp_path / "b", **base, **{"train.stop_at_step": 2, "parallel.dp": 2,
+                                                           "train.micro_batch_size": 4})
+    second = TINY.config(tokens, tmp_path / "b", **base, **{"train.stop_at_step": 3, "parallel.dp": 1,
+                                                            "parallel.cp": 2, "train.micro_batch_size": 8})
+    run_parallel(_resume_worker, 2, tmp_path, args=(first, second))
+    lines = []
+    last = train_in_process(TINY.config(tokens, tmp_path / "b", **base, **{"train.micro_batch_size": 1}),
+                            log=lines.append)
+    got = json.loads((tmp_path / "first.json").read_text()) + json.loads((tmp_path / "second.json").read_text()) \
+        + [r["batch_hash"] for r in last.history]
+    return got, last, lines
+
+
 def batch_hashes_by_hand(token_file: Path, seed: int, steps: int, global_batch: int, seq: int,
                          val_fraction: float = 0.1) -> dict:
     """{step: batch_hash} written out from the token file alone, in plain Python integers: batch k is drawn by

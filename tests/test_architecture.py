@@ -33,6 +33,7 @@ FLOORS = {
     "base": 1,                                  # torch-free: errors, jsonio, faults, fs
     "parallel": 2,                              # the grid, the process group, the parallel layers
     "models": 2,                                # the family specs: data plus a few functions (no family above)
+    "attention": 2,                             # which kernel runs a masked attention core (sdpa, flex)
     "config": 3, "tokenizer": 3,                # tokenizer: reads tokenizers, opens no checkpoint
     "model": 4, "checkpoint": 4,                # checkpoint/: the format's engine (and which tokenizer it carries)
     "data": 6, "convert": 6,

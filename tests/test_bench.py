@@ -146,6 +146,28 @@ def test_bench_dcp_prints_its_table(tmp_path):
     assert list(tmp_path.iterdir()) == [], "the benchmark leaves nothing behind"
 
 
+def test_bench_documents_prints_its_table(tmp_path, capsys):
+    """`megalite bench documents` as docs/performance.md shows it, small (transcripts.SMALL_ARGS), in this process:
+    every shown line's shape is printed, each setting once a round, the documents' rows hold several documents
+    and not every target counts (padding, document starts), nothing is left behind."""
+    from megalite.cli import main
+    outs = []
+
+    def runner(cmd):
+        assert main([*shlex.split(cmd)[1:], "--dir", str(tmp_path)]) == 0
+        outs.append(capsys.readouterr().out)
+        return outs[-1]
+
+    assert transcripts.check("bench-documents", runner) == []
+    [out] = outs
+    for setting in ("windows", "documents", "documents \\+ document_mask"):
+        assert len(re.findall(rf"\n{setting} +[12] +[\d.]+ ", out)) == 2, setting
+    docs = re.search(r"\ndocuments \+ document_mask +1 +[\d.]+ +[\d.]+ +([\d.]+) +([\d.]+)%", out)
+    assert float(docs.group(1)) > 1 and float(docs.group(2)) < 100, out
+    assert re.search(r"\ndocuments \+ document_mask / windows CPU ms per step: [\d.]+x \(median of 2 rounds; range", out)
+    assert list(tmp_path.iterdir()) == []
+
+
 def test_stream_table_prints_each_row_when_it_is_measured():
     """A long bench is not silent until the end: the header and each row reach the log as they come."""
     from megalite.bench import StreamTable, table
@@ -278,12 +300,15 @@ def test_every_bench_removes_its_temp_folder_when_it_fails(tmp_path, monkeypatch
     import tempfile
     import benchmarks.stress as stress
     from megalite.bench.ckpt import bench_ckpt
+    from megalite.bench.documents import bench_documents
     from megalite.bench.prepare import bench_prepare
     from megalite.bench.train import bench_train
     for name, run in (("ckpt", lambda d: bench_ckpt(size_mb=1, world=2, repeats=1, dir=d, log=_fail)),
                       ("train", lambda d: bench_train(workdir=d, log=_fail)),
                       ("prepare", lambda d: bench_prepare(size_mb=0.05, vocab_size=300, rounds=1, dir=d,
-                                                          log=_fail))):
+                                                          log=_fail)),
+                      ("documents", lambda d: bench_documents(size_mb=0.05, vocab_size=300, n_layer=1, n_embd=32,
+                                                              block_size=32, dir=d, log=_fail))):
         d = tmp_path / name
         d.mkdir()
         with pytest.raises(_Stop):

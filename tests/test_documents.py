@@ -3,35 +3,13 @@ the loss of a packed batch equal to each document's own loss computed alone from
 model on the same weights; planted leaks (one layer without the mask, positions not restarted) fail."""
 from __future__ import annotations
 
-import json
-
 import numpy as np
 import pytest
 import torch
-import torch.nn.functional as F
 
 import helpers as H
 from megalite.base.errors import ConfigError, DataError
 from megalite.data import TokenDataset, documents as D
-
-
-@pytest.fixture(scope="module")
-def bpe_docs(tmp_path_factory):
-    """~1,300 documents of 1 to 8 words (jsonl records, ~5-40 tokens), a 300-id BPE with an end-of-text token."""
-    from megalite.data import prepare
-    from megalite.tokenizer import train_bpe
-    d = tmp_path_factory.mktemp("docs")
-    words = H.synthetic_text(40000).split()
-    rng = np.random.default_rng(0)
-    lines, at = [], 0
-    while at < len(words) - 40:
-        n = int(rng.integers(1, 9))
-        lines.append(json.dumps({"text": " ".join(words[at:at + n])}))
-        at += n
-    (d / "docs.jsonl").write_text("\n".join(lines) + "\n")
-    tok = train_bpe([" ".join(words)], 300)
-    prepare([d / "docs.jsonl"], d / "docs.bin", tokenizer=tok, log=lambda *a: None)
-    return d / "docs.bin", tok.vocab_size
 
 
 def test_rows_hold_whole_documents_cut_only_when_longer_than_a_row():
@@ -47,11 +25,11 @@ def test_a_packed_batch_keeps_documents_whole_and_counts_no_boundary(bpe_docs):
     s = D.DocumentSampler(ds, 16, 8, 0, 1, seed=3)
     b = s.next_batch()
     lengths = np.diff(starts)
-    order, packed = s._epoch(0)
+    order, packed = s.packed._epoch(0)
     for row in packed[:8]:  # whole documents, or a row-long piece of one longer than a row
         assert sum(n for _, _, n in row) <= 17
         assert all(n == lengths[order[d]] or lengths[order[d]] > 17 for d, _, n in row)
-    ids, doc_ids = s.rows(0, 8)
+    ids, doc_ids, _ = s.rows(0, 8)
     for r, row in enumerate(packed[:8]):
         for j, (d, off, n) in enumerate(row):
             a = starts[order[d]] + off
@@ -63,31 +41,15 @@ def test_a_packed_batch_keeps_documents_whole_and_counts_no_boundary(bpe_docs):
     assert torch.equal(torch.cat([h.x for h in halves]), b.x) and torch.equal(torch.cat([h.docs for h in halves]), b.docs)
 
 
-def test_byte_token_files_and_unbuilt_compositions_are_one_line(token_file):
+def test_byte_token_files_and_bad_packing_keys_are_one_line(token_file):
     with pytest.raises(DataError, match="without an end-of-text token"):
         D.DocumentSampler(TokenDataset(token_file, "train"), 16, 8, 0, 1, seed=0)
     from megalite.config import resolve, validate
     for over, expected in [({"data.document_mask": True}, "needs data.packing = 'documents'"),
-                           ({"data.packing": "docs"}, "data.packing = 'docs'"),
-                           ({"data.packing": "documents", "data.document_mask": True, "parallel.cp": 2,
-                             "parallel.dp": 1}, "ring attention does not carry")]:
+                           ({"data.packing": "docs"}, "data.packing = 'docs'")]:
         cfg = H.TINY.config(token_file, **over)
         with pytest.raises(ConfigError, match=expected):
-            validate(resolve(cfg, 2 if "parallel.cp" in over else None), 2 if "parallel.cp" in over else None)
-
-
-def _reference_loss(hf, batch) -> float:
-    """The mean over the counted targets of each document's own loss: transformers' model on the document's
-    tokens of the row alone, from position 0."""
-    total = 0.0
-    for r in range(batch.x.shape[0]):
-        for d in sorted(set(batch.docs[r].tolist()) - {-1}):
-            at = batch.docs[r] == d
-            with torch.no_grad():
-                logits = hf(input_ids=batch.x[r][at][None]).logits[0].float()
-            ce = F.cross_entropy(logits, batch.y[r][at], reduction="none")
-            total += float((ce * batch.mask[r][at]).sum())
-    return total / batch.counted
+            validate(resolve(cfg, None), None)
 
 
 @pytest.mark.parametrize("arch", ["gpt2", "llama"])
@@ -106,13 +68,14 @@ def test_the_packed_loss_is_each_documents_own_loss_by_transformers(bpe_docs, tm
     hf = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "hf").eval()
     b = tr.sampler.batch_at(7)
     assert max(len(set(r.tolist()) - {-1}) for r in b.docs) >= 3  # rows hold several documents
-    want = _reference_loss(hf, b)
+    want = H.document_reference_loss(hf, b)
     got = run_pipeline(tr, b.x, b.y, False, b.mask, b.counted, b.docs)
     assert got == pytest.approx(want, rel=1e-6)
     # planted leaks: each fails that comparison, by over 10 times the distance megalite's loss has from transformers'
     attn = tr.model.blocks["0"].attn
     leak = attn.forward
-    monkeypatch.setattr(attn, "forward", lambda x, cache=None, docs=None, pos=None: leak(x, cache, None, pos))
+    monkeypatch.setattr(attn, "forward",
+                        lambda x, cache=None, docs=None, pos=None, flex=None: leak(x, cache, None, pos))
     leaked = run_pipeline(tr, b.x, b.y, False, b.mask, b.counted, b.docs)
     monkeypatch.undo()
     import megalite.model

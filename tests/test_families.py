@@ -125,8 +125,8 @@ def _plants():
         "window-off-by-one": ("mistral", M, "_attention_core",
                               _mutated(M._attention_core, "< window)", "<= window)")),
         "yarn-attention-factor-ignored": ("qwen2-yarn", M, "rope_attention_factor", lambda cfg: 1.0),
-        "ring-window-off-by-one": ("mistral", C._Blocks, "scores",
-                                   _mutated(C._Blocks.scores, "(dist >= self.window)", "(dist > self.window)")),
+        "ring-window-off-by-one": ("mistral", C._Blocks, "visible",
+                                   _mutated(C._Blocks.visible, "(dist < self.window)", "(dist <= self.window)")),
     }
 
 

@@ -14,6 +14,7 @@ from helpers import CKPT, step_names, tmp_dirs, train_in_process
 from megalite.checkpoint.tree import read_latest
 from megalite.checkpoint.verify import verify
 from megalite.base.faults import KILL_POINTS
+from megalite.testing import run_parallel
 
 STEPS = 4
 EXACT = ("step", "loss", "lr", "grad_norm", "tokens_seen", "val_loss", "batch_hash")
@@ -115,6 +116,44 @@ def test_kill_during_a_resave_of_the_step_latest_names(tmp_path, token_file, ref
         assert read_latest(root) == "step_00000002" and not (root / "step_00000002").exists()
         assert tmp_dirs(root) == [".tmp-old-step_00000002", ".tmp-step_00000002"]
     _resume_and_compare(token_file, tmp_path, reference, expect_from=2)
+
+
+ZERO3 = {"parallel.dp": 2, "parallel.zero": 3, "model.dropout": 0.0}  # dropout off: resumed at (1,1,1) below
+
+
+def _zero3_worker(rank, world_size, tmp_dir, tokens):
+    from pathlib import Path
+    train_in_process(_config(tokens, Path(tmp_dir), **ZERO3, **{"checkpoint.keep_last": 1}))
+
+
+def test_kill_at_each_boundary_of_a_zero3_save(tmp_path, token_file, monkeypatch):
+    """ZeRO-3 at dp 2 (each rank writes the chunks it holds): one rank SIGKILLed at each boundary of a fresh
+    save (rank 1 after writing its slices, rank 0 at the steps only it takes); run_parallel then ends the
+    other rank, as torchrun would. `latest` names the last whole step, it verifies, and it resumes, here in
+    one process at zero 0, continuing the single process's curve (1e-5 relative: the dp 2 steps before it
+    round their reductions otherwise)."""
+    from megalite.parallel.process_group import GLOO_GONE
+    from megalite.testing import RankFailed
+    ref = _exact(train_in_process(_config(token_file, tmp_path / "ref", **{"model.dropout": 0.0})).history)
+    for point, nth, latest_after in FRESH:
+        d = tmp_path / point
+        for k, v in {"MEGALITE_KILL_POINT": point, "MEGALITE_KILL_NTH": str(nth),
+                     "MEGALITE_KILL_RANK": "1" if point == "slices_written" else "0"}.items():
+            monkeypatch.setenv(k, v)
+        with pytest.raises(RankFailed) as died:
+            run_parallel(_zero3_worker, 2, d, args=(token_file,))
+        said = str(died.value)  # the other rank's collective found its peer gone (gloo's words), or the kill itself
+        assert any(w in said for w in (*GLOO_GONE, "killed by a signal")), said[-400:]
+        monkeypatch.delenv("MEGALITE_KILL_POINT")
+        assert _latest_verifies(d / "ck") == f"step_{latest_after:08d}", point
+        logs = []
+        tr = train_in_process(_config(token_file, d, **{"model.dropout": 0.0, "checkpoint.resume": "auto"}),
+                              log=logs.append)
+        assert any(line.startswith("resumed from") and f" at step {latest_after} " in line for line in logs), logs
+        got = _exact(tr.history)
+        assert [r["step"] for r in got] == [r["step"] for r in ref[latest_after:]], point
+        worst = max(abs(a["loss"] - b["loss"]) / b["loss"] for a, b in zip(got, ref[latest_after:]))
+        assert worst < 1e-5, (point, worst)
 
 
 def test_every_kill_point_is_exercised():

@@ -103,35 +103,16 @@ def test_the_sampler_is_the_same_at_every_dp_and_resumes_from_its_cursors(tmp_pa
         later.load_state_dict({"batch_index": 3})
 
 
-def _resume_worker(rank, world_size, tmp_dir, first, second):
-    from megalite.run.train import train
-    for cfg, name in ((first, "first"), (second, "second")):
-        tr = train(cfg, log=lambda *a: None)
-        if rank == 0:
-            (Path(tmp_dir) / f"{name}.json").write_text(json.dumps([r["batch_hash"] for r in tr.history]))
-
-
 def test_a_run_on_a_mixture_resumes_at_another_dp_cp_and_micro_batch_with_the_same_batch_hash(tmp_path):
     """3 sources: one process, micro-batch 2, 4 steps is the reference. Then 2 ranks at dp = 2 (micro-batch 4)
     stop at step 2, resume at cp = 2 (micro-batch 8) to step 3, and one process (micro-batch 1) finishes step
     4: every step's batch_hash is the reference's; the start-up line prints the realised shares."""
-    from megalite.testing import run_parallel
     files = _three(tmp_path)
     mix = [{"path": str(f), "weight": w} for f, w in zip(files, (0.5, 0.3, 0.2))]
     base = {"data.mixture": mix, "train.steps": 4, "model.n_layer": 2, "checkpoint.dir": str(tmp_path / "ck")}
     ref = H.train_in_process(H.TINY.config(files[0], tmp_path / "a", **{**base, "checkpoint.dir": ""}))
-    want = [r["batch_hash"] for r in ref.history]
-    first = H.TINY.config(files[0], tmp_path / "b", **base, **{"train.stop_at_step": 2, "parallel.dp": 2,
-                                                                  "train.micro_batch_size": 4})
-    second = H.TINY.config(files[0], tmp_path / "b", **base, **{"train.stop_at_step": 3, "parallel.dp": 1,
-                                                                   "parallel.cp": 2, "train.micro_batch_size": 8})
-    run_parallel(_resume_worker, 2, tmp_path, args=(first, second))
-    lines = []
-    last = H.train_in_process(H.TINY.config(files[0], tmp_path / "b", **base, **{"train.micro_batch_size": 1}),
-                              log=lines.append)
-    got = json.loads((tmp_path / "first.json").read_text()) + json.loads((tmp_path / "second.json").read_text()) \
-        + [r["batch_hash"] for r in last.history]
-    assert got == want
+    got, _, lines = H.resumed_across_layouts(files[0], tmp_path, base)
+    assert got == [r["batch_hash"] for r in ref.history]
     assert any("a mixture of 3 sources" in line and "of 48 samples" in line for line in lines), lines
 
 

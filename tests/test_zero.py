@@ -1,7 +1,8 @@
 """Issue 41: ZeRO-2 (gradients cut over dp x cp) and ZeRO-3 (weights too, gathered per block) against the single
 process, GPT-2 and Llama, at dp 2 and 4 and at (tp, pp, dp) = (2, 2, 2) with sp and vpp 2; their checkpoints
 resume at another zero level and dp. Tolerances as test_features_parallel.py (whose helpers these are): losses
-1e-5 relative per step, parameters 1e-4 relative.
+1e-5 relative per step, parameters 1e-4 relative (1e-3 after 30 steps). Rows run 4 steps, three of them (ZeRO-2
+and 3, Llama and GPT-2, dp 2 and 4, (2,2,2)+sp+vpp, cp 2) the issue's 30; `-m slow` runs every row over 30.
 
 One 8-process launch runs every layout in sequence; the single-process references run in this process.
 """
@@ -20,7 +21,10 @@ from megalite.testing import gather_full_model, run_parallel
 from test_features_parallel import BF16_LOSS_RTOL, _compare
 
 STEPS = {"train.steps": 4}  # a checkpoint at step 2; resumed runs train steps 3 and 4
+LONG = {"train.steps": 30}  # the issue's 30 steps: a subset in the default run, every row in `-m slow`
 LLAMA = {"model.arch": "llama", "model.n_kv_head": 2, "model.rope_theta": 500000.0}  # 4 heads, 2 kv heads
+LLAMA_KV1 = {**LLAMA, "model.n_kv_head": 1}  # tp 2 > one kv head: both tp ranks hold the k/v rows alike
+QWEN2_KV1 = {"model.arch": "qwen2", "model.n_kv_head": 1, "model.tie_embeddings": True}  # k/v biases shared too
 QWEN3 = {"model.arch": "qwen3", "model.n_kv_head": 2, "model.head_size": 16, "model.rope_theta": 1e6}
 M4 = {"train.micro_batch_size": 4}  # m = 2 micro-batches per dp rank at dp 2, 1 at dp 4
 # (2,2,2) + sp + vpp 2: two chunks per stage, interleaved 1F1B over m = 2 micro-batches
@@ -30,10 +34,16 @@ RUNS = [
     ("z2-A", {**A, "parallel.zero": 2, "checkpoint.dir": "{tmp}/ckpt-z2", "checkpoint.interval": 2}),
     ("z3-A", {**A, "parallel.zero": 3, "train.recompute": "selective", "parallel.overlap_grad_reduce": True,
               "checkpoint.dir": "{tmp}/ckpt-z3", "checkpoint.interval": 2}),
-    ("z3-A-llama", {**A, **LLAMA, "parallel.zero": 3}),
+    ("z3-A-llama", {**A, **LLAMA, **LONG, "parallel.zero": 3}),
     # Qwen3: per-head q/k norms (their gradients summed over tp, as chunks) and a decoupled head size
     ("z3-A-qwen3", {**A, **QWEN3, "parallel.zero": 3}),
-    ("z2-dp4-llama", {"parallel.pp": 2, "parallel.dp": 4, "train.micro_batch_size": 2, **LLAMA,
+    # tp 2 > n_kv_head 1: the k/v chunks (weights and Qwen2's biases) summed over the tp ranks sharing the head
+    ("z2-kv1-llama", {"parallel.tp": 2, "parallel.dp": 4, "train.micro_batch_size": 2, **LLAMA_KV1,
+                      "parallel.zero": 2}),
+    ("z3-kv1-llama", {**A, **LLAMA_KV1, "parallel.zero": 3}),
+    ("z3-kv1-qwen2", {"parallel.tp": 2, "parallel.dp": 4, "train.micro_batch_size": 2, **QWEN2_KV1,
+                      "parallel.zero": 3, "parallel.overlap_grad_reduce": True}),
+    ("z2-dp4-llama", {**LONG, "parallel.pp": 2, "parallel.dp": 4, "train.micro_batch_size": 2, **LLAMA,
                       "parallel.zero": 2}),
     # dp 4, full recomputation (a recomputed block is gathered before its recomputation), one all-gather per
     # step (the blocks stay whole from the first forward to the last backward), prefetch
@@ -42,7 +52,7 @@ RUNS = [
                      "parallel.overlap_grad_reduce": True}),
     ("z3-dp8", {"parallel.dp": 8, "train.micro_batch_size": 1, "parallel.zero": 3}),
     # cp 2: the chunks cut over dp x cp = 4 (the ranks holding a stage's weights); bf16 autocast (fp32 chunks)
-    ("z3-cp2", {"parallel.cp": 2, "parallel.tp": 2, "parallel.dp": 2, "parallel.zero": 3, **M4}),
+    ("z3-cp2", {**LONG, "parallel.cp": 2, "parallel.tp": 2, "parallel.dp": 2, "parallel.zero": 3, **M4}),
     ("z2-bf16", {**A, "parallel.zero": 2, "train.precision": "bf16"}),
     # resumed at another zero level and dp: ZeRO-3 (2,2,2) -> ZeRO-1 (1,2,4); ZeRO-2 (2,2,2) -> ZeRO-3 (2,1,4)
     ("z3-to-z1", {"parallel.pp": 2, "parallel.dp": 4, "train.micro_batch_size": 2, "parallel.zero1": True,
@@ -63,7 +73,7 @@ def _worker(rank, world_size, rdzv, tokens, out, runs):
     for name, overrides in runs:
         overrides = {k: v.format(tmp=out) if isinstance(v, str) else v for k, v in overrides.items()}
         tr = train(H.TINY.config(tokens, f"{out}/run-{name}", **{**STEPS, **overrides}), log=lambda *a: None)
-        held = sum(p.numel() for _, p in tr.params)  # zero 3: nothing gathered between steps
+        held = sum(p.untyped_storage().nbytes() for _, p in tr.params)  # zero 3: nothing gathered between steps
         with tr.grads.whole():
             params = gather_full_model(tr.params, tr.grid)
         units = [u for u in getattr(tr.grads, "units", []) if u.named]
@@ -77,27 +87,39 @@ def _single(tokens, tmp, name, **overrides):
     return {"history": tr.history, "params": gather_full_model(tr.params, tr.grid)}
 
 
-def test_zero_2_and_3_match_one_process_and_resume_at_other_levels(tmp_path, token_file):
-    run_parallel(_worker, 8, tmp_path / "rdzv8", args=(token_file, tmp_path, RUNS))
-    ref, ref_llama = _single(token_file, tmp_path, "ref"), _single(token_file, tmp_path, "ref-llama", **LLAMA)
-    ref16 = _single(token_file, tmp_path, "ref16", **{"train.precision": "bf16"})
-    ref_qwen3 = _single(token_file, tmp_path, "ref-qwen3", **QWEN3)
-    failures = []
-    for name, overrides in RUNS:
+FAMILIES = {"kv1-llama": LLAMA_KV1, "kv1-qwen2": QWEN2_KV1, "llama": LLAMA, "qwen3": QWEN3, "bf16": {
+    "train.precision": "bf16"}}  # a run named ...-<key> is compared with one process of those settings
+
+
+def _check_runs(tmp_path, token_file, runs):
+    """Launch `runs` on 8 ranks, then compare each with one process of its family and step count."""
+    run_parallel(_worker, 8, tmp_path / "rdzv8", args=(token_file, tmp_path, runs))
+    refs, failures = {}, []
+    for name, overrides in runs:
         run = torch.load(tmp_path / f"{name}.pt")
         resumed = "checkpoint.resume" in overrides
-        bf16 = "bf16" in name  # test_features_parallel's bf16 tolerance (2^-8 / 4), against bf16 at (1,1,1)
-        _compare(name, run, ref16 if bf16 else ref_llama if "llama" in name else ref_qwen3 if "qwen3" in name else ref,
-                 BF16_LOSS_RTOL if bf16 else 1e-5, None if bf16 else 1e-4, failures, first_step=3 if resumed else 1)
+        family = next((k for k in FAMILIES if name.endswith(k)), "")
+        steps = overrides.get("train.steps", STEPS["train.steps"])
+        if (family, steps) not in refs:
+            refs[family, steps] = _single(token_file, tmp_path, f"ref-{family}-{steps}", **FAMILIES.get(family, {}),
+                                          **{"train.steps": steps})
+        bf16 = family == "bf16"  # test_features_parallel's bf16 tolerance (2^-8 / 4), against bf16 at (1,1,1)
+        # parameters: 1e-4 after 4 steps; after 30 AdamW steps 1e-3 (the rounding of the reductions grows in the
+        # zero-initialised biases, whose norms stay small: measured 1.6e-4 on a qkv bias at dp 4)
+        _compare(name, run, refs[family, steps], BF16_LOSS_RTOL if bf16 else 1e-5,
+                 None if bf16 else 1e-4 if steps <= 4 else 1e-3, failures, first_step=3 if resumed else 1)
         level = overrides.get("parallel.zero", 0)
         if level >= 2:
             # each unit (a block, the rest of the stage) reduce-scatters once per micro-batch and step
             m = 16 // (overrides["train.micro_batch_size"] * overrides["parallel.dp"])  # cp: the same rows
-            steps = 2 if resumed else 4
-            assert run["reduced"] == steps * m * run["units"], (name, run["reduced"], run["units"])
+            assert run["reduced"] == (steps - 2 if resumed else steps) * m * run["units"], (name, run["reduced"])
         if level == 3:
             assert run["held"] == 0, (name, "weights left gathered between steps", run["held"])
     assert not failures, "\n".join(failures)
+
+
+def test_zero_2_and_3_match_one_process_and_resume_at_other_levels(tmp_path, token_file):
+    _check_runs(tmp_path, token_file, RUNS)
     man = json.loads((tmp_path / "ckpt-z3" / "step_00000002" / "manifest.json").read_text())
     assert man["config"]["parallel"]["zero"] == 3 and man["layout"]["zero1"] is True
     # the same training at ZeRO-1, 2 and 3 converts to one model file (the rounding of the reductions aside)
@@ -109,6 +131,17 @@ def test_zero_2_and_3_match_one_process_and_resume_at_other_levels(tmp_path, tok
     assert files[2].read_bytes() == files[3].read_bytes()
     one, three = load_file(files[1]), load_file(files[3])
     assert one.keys() == three.keys() and max(H.rel_err(one[k], three[k]) for k in one) < 1e-4
+    # the ZeRO-3 (2,2,2) checkpoint resumed at ZeRO-1 in one process (1,1,1) continues as the uninterrupted run
+    failures = []
+    _compare("z3-to-111", _single(token_file, tmp_path, "z3-to-111", **{
+        "parallel.zero1": True, "checkpoint.resume": str(tmp_path / "ckpt-z3" / "step_00000002")}),
+        torch.load(tmp_path / "z3-A.pt"), 1e-5, 1e-4, failures, first_step=3)
+    assert not failures, "\n".join(failures)
+
+
+@pytest.mark.slow  # every row at 30 steps (a checkpoint every 2): ~200 s here, against ~45 s for the default
+def test_every_row_matches_one_process_over_30_steps(tmp_path, token_file):
+    _check_runs(tmp_path, token_file, [(name, {**o, **LONG}) for name, o in RUNS])
 
 
 def test_zero_levels_in_the_config():
@@ -126,8 +159,7 @@ def test_zero_levels_in_the_config():
         with pytest.raises(ConfigError, match=rf"^parallel.dp_shard = {bad['dp_shard']}: expected 0 .*$"):
             validate(resolve(cfg(**bad)))
     assert validate(resolve(cfg(dp=4, zero=2, dp_shard=2), 4)).parallel.dp_shard == 2
-    with pytest.raises(ConfigError, match=r"^parallel.zero = 3 with train.compile = true: .*$"):
-        validate(resolve(Config.from_dict({"parallel": {"zero": 3}, "train": {"compile": True}})))
+    assert validate(resolve(Config.from_dict({"parallel": {"zero": 3}, "train": {"compile": True}}))).train.compile
 
 
 def test_hybrid_groups():
@@ -175,10 +207,17 @@ def _against_fsdp2(rank, world_size, tmp_dir):
     x = torch.randint(0, 256, (world_size, 4, 16), generator=gen)[rank]  # this rank's rows, every step: the
     y = torch.randint(0, 256, (world_size, 4, 16), generator=gen)[rank]  # loss falls as they are learnt
     out = []
+    def blocks():  # the storages of the block weights now (gathered ones among them)
+        return {p.untyped_storage()._cdata for b in ours.blocks.values() for p in b.parameters()}
+
     for step in range(5):
         shards.zero()
         shards.arm(1)
-        loss = ours(x, y)
+        saved = []  # what autograd keeps for backward that views a block's gathered weight (a Linear's weight.t())
+        with torch.autograd.graph.saved_tensors_hooks(
+                lambda t: (saved.append(t) if t.untyped_storage()._cdata in blocks() else None, t)[1], lambda t: t):
+            loss = ours(x, y)
+        assert saved and sum(t.untyped_storage().nbytes() for t in saved) == 0, "forward left weights gathered"
         loss.backward()
         shards.finish()
         opt.step(3e-3)
@@ -200,6 +239,30 @@ def test_zero_3_equals_pytorch_fsdp2_on_gloo(tmp_path):
     print(f"ZeRO-3 vs FSDP2 fully_shard, 5 steps at dp 2: worst loss relative difference {worst:.2e}")
     assert losses[-1][0] < losses[0][0] - 0.05  # it trains
     assert worst < 1e-5, losses
+
+
+def _compiled_zero3(rank, world_size, tmp_dir, tokens):
+    from torch._dynamo.utils import counters
+    from megalite.parallel.grid import Layout, ParallelGrid
+    from megalite.run.train import build, train_step
+    torch.set_num_threads(1)
+    losses = {}
+    for on in (False, True):
+        cfg = H.TINY.config(tokens, f"{tmp_dir}/run", **{"train.compile": on, "parallel.dp": 2, "parallel.zero": 3,
+                                                         "model.n_layer": 2})
+        counters.clear()
+        tr = build(cfg, ParallelGrid.create(Layout(1, 1, 2)), torch.device("cpu"))
+        losses[on] = [train_step(tr)["loss"] for _ in range(3)]
+    assert counters["stats"]["unique_graphs"] >= 1, dict(counters["stats"])  # dynamo compiled the blocks
+    assert losses[False] == losses[True], losses
+
+
+@pytest.mark.slow  # inductor compiles a block's graph in two processes: ~20-60 s here
+def test_zero_3_with_compiled_blocks_equals_eager(tmp_path, token_file):
+    """train.compile with ZeRO-3 at dp 2: the gather/free hooks run outside the compiled graph (zero.eager), so
+    each compiled block takes the gathered weights as inputs; 3 steps, the eager run's losses bit for bit.
+    Planted: without zero.eager, inductor's graph is handed a freed weight (`wrong number of dimensions1`)."""
+    run_parallel(_compiled_zero3, 2, tmp_path, args=(token_file,))
 
 
 TABLE = [(1, 4, 1), (1, 2, 2), (1, 1, 4), (2, 2, 1), (2, 1, 2)]  # (tp, pp, dp) on 4 ranks

@@ -16,6 +16,7 @@ import os
 import sys
 import tempfile
 import time
+import warnings
 from pathlib import Path
 
 import torch
@@ -223,8 +224,61 @@ def _checks(cfg, device: torch.device, window_s: float, peaks: tuple, out: Path,
     if problems:
         log("gpu-check: FAIL:\n  " + "\n  ".join(problems[:20]))
         return 1
+    problems += flex_check(device, t)
+    if problems:
+        log("gpu-check: FAIL:\n  " + "\n  ".join(problems[:20]))
+        return 1
     log("gpu-check: all checks passed")
     return 0
+
+
+def flex_check(device: torch.device, t) -> list:
+    """4. train.attn_backend = "flex" against "sdpa" on one Mistral-shaped model (GQA, a sliding window of T/4)
+    with packed documents (about 8 a row): the loss and every gradient (the CPU: the loss only, torch's
+    flex_attention having no backward there) within 1e-4 of the largest, and the step time of each (GPU)."""
+    from ..config import ModelConfig
+    from ..model import GPTStage
+    from ..parallel.grid import ParallelGrid
+    cuda = device.type == "cuda"
+    B, T = (4, 2048) if cuda else (2, 64)
+    cfg = ModelConfig(n_layer=2, n_head=8, n_embd=256, block_size=T, vocab_size=512, arch="mistral", n_kv_head=2,
+                      sliding_window=T // 4)
+    g = torch.Generator().manual_seed(0)
+    ids = torch.randint(0, cfg.vocab_size, (B, T + 1), generator=g).to(device)
+    docs = (torch.rand(B, T, generator=g) < 8 / T).cumsum(1).to(device)  # document ids, runs along each row
+    out, problems = {}, []
+    for backend in ("sdpa", "flex"):
+        m = GPTStage(cfg, ParallelGrid.single(), attn_backend=backend).to(device)
+        m.init_weights(7)
+
+        def step():
+            m.zero_grad(set_to_none=True)
+            with torch.set_grad_enabled(cuda), warnings.catch_warnings():
+                warnings.simplefilter("ignore")  # flex unfused on the CPU says so
+                loss = m(ids[:, :-1], ids[:, 1:], docs=docs)
+            if cuda:
+                loss.backward()
+            return loss
+        loss = step()  # the first: compiles flex
+        sync = torch.cuda.synchronize if cuda else (lambda: None)
+        sync()
+        t0 = time.perf_counter()
+        for _ in range(5 if cuda else 1):
+            step()
+        sync()
+        out[backend] = (loss.item(), [p.grad for p in m.parameters()] if cuda else [],
+                        (time.perf_counter() - t0) / (5 if cuda else 1))
+        t.row([f"4. documents + window, {backend}: {'forward + backward' if cuda else 'forward'} "
+               f"(B, T) = ({B}, {T})", f"{out[backend][2] * 1000:.1f} ms"])
+    (ls, gs, _), (lf, gf, _) = out["sdpa"], out["flex"]
+    if abs(ls - lf) > 1e-4 * abs(ls):
+        problems.append(f"flex loss {lf} != sdpa loss {ls}")
+    for a, b in zip(gs, gf):
+        if (a - b).abs().max() > 1e-4 * a.abs().max():
+            problems.append(f"flex gradient differs from sdpa's by {(a - b).abs().max():.2e}")
+    t.row(["4. flex vs sdpa: loss" + (" and gradients" if cuda else " (CPU: no flex backward)"),
+           "ok" if not problems else f"FAILED ({len(problems)})"])
+    return problems
 
 
 def main(argv=None) -> int:

@@ -17,7 +17,10 @@ windows that share one token at each seam, and epoch e = j // n_s visits them in
 permutation of [0, n_s) (`permute`: a Feistel network on the next even power of two, cycle-walking back into
 range), keyed by (seed, source, epoch, stream): every epoch another order, the same on every machine and
 layout, nothing stored. Windows are the same for every dp size (all ranks draw the global batch and keep
-their rows), so `batch_hash` is layout-free as for one source.
+their rows), so `batch_hash` is layout-free as for one source. With data.packing = "documents" a sample is
+instead a row of whole documents of that source (data/documents.py's DocumentRows: its documents in a keyed
+order per epoch, packed): each row comes from one source, the blend's shares are shares of rows, and a
+cursor counts rows.
 """
 from __future__ import annotations
 
@@ -27,7 +30,9 @@ import numpy as np
 
 from ..base.errors import DataError
 from ..config import MAX_COUNT
-from . import TokenDataset, _splitmix64, check_vocab, rows_to_batch
+from . import TokenDataset, check_vocab, rows_to_batch
+from .documents import DocumentRows, document_batch
+from .keyed import key as _key, permute
 
 TRAIN, VAL = 0, 1  # the permutation streams of training and validation samples
 
@@ -60,32 +65,6 @@ def blend(weights: np.ndarray, n: int, counts=None) -> tuple[np.ndarray, np.ndar
 
 
 # ---------------------------------------------------------------- each source's windows
-def _key(*parts: int) -> np.ndarray:
-    """A 64-bit key from small non-negative integers (a 1-element array: numpy wraps array arithmetic)."""
-    k = np.zeros(1, dtype=np.uint64)
-    for p in parts:
-        k = _splitmix64(k ^ np.uint64(p))
-    return k
-
-
-def permute(p: np.ndarray, n: int, key: np.ndarray) -> np.ndarray:
-    """A keyed bijection of [0, n) applied to `p` (values in [0, n)): four Feistel rounds on 2h bits
-    (4**h >= n, so fewer than 4 walks on average) repeated while a value lands at n or above (cycle walking:
-    still a bijection of [0, n)). Vectorised; no table of n entries."""
-    half = max(1, ((max(n, 2) - 1).bit_length() + 1) // 2)
-    mask = np.uint64((1 << half) - 1)
-    rounds = [_splitmix64(key ^ np.uint64(r + 1)) for r in range(4)]
-    x = np.asarray(p, dtype=np.uint64).copy()
-    todo = np.ones(x.shape, dtype=bool)
-    while todo.any():
-        lo, hi = x[todo] & mask, x[todo] >> np.uint64(half)
-        for rk in rounds:
-            lo, hi = hi ^ (_splitmix64(lo ^ rk) & mask), lo
-        x[todo] = (hi << np.uint64(half)) | lo
-        todo = x >= np.uint64(n)
-    return x.astype(np.int64)
-
-
 class Source:
     """One split of one mixture entry: its token file and its windows of `seq` + 1 tokens."""
 
@@ -96,7 +75,21 @@ class Source:
         if self.windows < 1:
             raise DataError(f"{where}.path: the {split} split of '{path}' has {len(self.dataset)} tokens, fewer "
                             f"than one window of train.seq_len + 1 = {seq + 1}")
-        self.seq = seq
+        self.seq, self._packed = seq, {}
+
+    def packed(self, seed: int, stream: int):
+        """This source's rows of whole documents (data.packing = "documents"), keyed by its index too."""
+        if (seed, stream) not in self._packed:
+            self._packed[(seed, stream)] = DocumentRows(self.dataset, self.seq, seed, stream, source=self.index)
+        return self._packed[(seed, stream)]
+
+    def samples(self, j: np.ndarray, seed: int, stream: int, packing: str) -> tuple:
+        """This source's samples `j` as (token rows, document ids or None, loss-mask rows or None), each
+        (len(j), seq + 1): windows, or rows of whole documents."""
+        if packing == "documents":
+            return self.packed(seed, stream).rows(j)
+        at = self.starts(j, seed, stream)[:, None] + np.arange(self.seq + 1)
+        return self.dataset.tokens[at], None, None if self.dataset.mask is None else self.dataset.mask[at]
 
     def starts(self, j: np.ndarray, seed: int, stream: int) -> np.ndarray:
         """The first token of this source's samples `j`: epoch j // windows, in that epoch's permuted order."""
@@ -137,25 +130,42 @@ def one_tokenizer(sources: list, model_vocab: int):
     return first
 
 
-def _rows(sources: list, src: np.ndarray, idx: np.ndarray, seed: int, stream: int, limit: int | None):
-    """The (n, seq + 1) token rows of the blend's samples (source `src`, index `idx` within it), and their
-    loss-mask rows when any source has a mask (a source without one counts every target), else None."""
-    seq = sources[0].seq
-    rows = np.empty((src.size, seq + 1), dtype=np.int64)
+def _check_ids(source: Source, rows: np.ndarray, limit: int | None) -> None:
+    """Every id of a source's rows below the model's vocab size (`limit`; None: not checked), on every rank."""
+    if limit is not None and rows.size and int(rows.max()) >= limit:
+        raise DataError(f"{source.where}.path: token file '{source.dataset.path}' holds token id {int(rows.max())}, "
+                        f"expected ids below model.vocab_size = {limit}; the file is corrupt").everywhere()
+
+
+def _rows(sources: list, src: np.ndarray, idx: np.ndarray, seed: int, stream: int, limit: int | None,
+          packing: str = "windows"):
+    """The (n, seq + 1) token rows of the blend's samples (source `src`, index `idx` within it), their document
+    ids with packing "documents" (else None), and their loss-mask rows when any source has a mask (a source
+    without one counts every target), else None."""
+    shape = (src.size, sources[0].seq + 1)
+    rows = np.empty(shape, dtype=np.int64)
+    docs = np.empty(shape, dtype=np.int64) if packing == "documents" else None
     masked = any(s.dataset.mask is not None for s in sources)
-    masks = np.ones((src.size, seq + 1), dtype=np.uint8) if masked else None
+    masks = np.ones(shape, dtype=np.uint8) if masked else None
     for s, source in enumerate(sources):
         mine = np.flatnonzero(src == s)
         if mine.size:
-            at = source.starts(idx[mine], seed, stream)[:, None] + np.arange(seq + 1)
-            rows[mine] = source.dataset.tokens[at]
-            if source.dataset.mask is not None:
-                masks[mine] = source.dataset.mask[at]
-            if limit is not None and rows[mine].size and int(rows[mine].max()) >= limit:
-                raise DataError(f"{source.where}.path: token file '{source.dataset.path}' holds token id "
-                                f"{int(rows[mine].max())}, expected ids below model.vocab_size = {limit}; the file "
-                                f"is corrupt").everywhere()
-    return rows, masks
+            ids, doc_ids, m = source.samples(idx[mine], seed, stream, packing)
+            rows[mine] = ids
+            if docs is not None:
+                docs[mine] = doc_ids
+            if m is not None:
+                masks[mine] = m
+            _check_ids(source, ids, limit)
+    return rows, docs, masks
+
+
+def _batch(sources, src, idx, seed, stream, packing, dp_rank, dp_size):
+    """This rank's Batch of the blend's samples (src, idx): windows, or rows of whole documents."""
+    rows, docs, masks = _rows(sources, src, idx, seed, stream, sources[0].dataset.limit, packing)
+    if docs is not None:
+        return document_batch(rows, docs, dp_rank, dp_size, None, None, masks)
+    return rows_to_batch(rows, masks, dp_rank, dp_size)
 
 
 # ---------------------------------------------------------------- the training sampler
@@ -169,6 +179,7 @@ class MixtureSampler:
     dp_rank: int
     dp_size: int
     seed: int
+    packing: str = "windows"  # data.packing: a sample is a window, or a row of whole documents
 
     def __post_init__(self):
         if self.global_batch_size % self.dp_size:
@@ -179,8 +190,7 @@ class MixtureSampler:
     def next_batch(self):
         src, idx, self.cursors = blend(self.weights, self.global_batch_size, self.cursors)
         self.batch_index += 1
-        rows, masks = _rows(self.sources, src, idx, self.seed, TRAIN, self.sources[0].dataset.limit)
-        return rows_to_batch(rows, masks, self.dp_rank, self.dp_size)
+        return _batch(self.sources, src, idx, self.seed, TRAIN, self.packing, self.dp_rank, self.dp_size)
 
     def shares(self) -> str:
         """`a.bin 0.700 (0.700 realised of 1,600 samples), ...`: the start-up line's account of the blend."""
@@ -191,7 +201,7 @@ class MixtureSampler:
     def state_dict(self) -> dict:
         return {"batch_index": self.batch_index, "mixture": {
             "sources": [str(s.dataset.path) for s in self.sources], "weights": [float(w) for w in self.weights],
-            "cursors": list(self.cursors)}}
+            "cursors": list(self.cursors), "packing": self.packing}}
 
     def load_state_dict(self, state: dict) -> None:
         """The checkpoint's position: its batch index and cursors, for the same sources at the same weights
@@ -208,6 +218,10 @@ class MixtureSampler:
             raise DataError(f"checkpoint.resume: the checkpoint's data.mixture has weights {mix.get('weights')} "
                             f"over {len(mix.get('sources') or [])} sources, this run's {ours['weights']} over "
                             f"{len(self.sources)}: a resumed run continues the same blend; start a new run to change it")
+        if mix.get("packing", "windows") != self.packing:
+            raise DataError(f"checkpoint.resume: the checkpoint's mixture was drawn with data.packing = "
+                            f"'{mix.get('packing', 'windows')}', this run's is '{self.packing}' (a source's cursor "
+                            f"counts its windows or its rows of documents); resume with its packing or start a new run")
         cursors = mix.get("cursors")
         if not (isinstance(cursors, list) and len(cursors) == len(self.sources)
                 and all(isinstance(c, int) and not isinstance(c, bool) and 0 <= c for c in cursors)
@@ -218,10 +232,11 @@ class MixtureSampler:
 
 
 def eval_batches(sources: list, weights: np.ndarray, batch_size: int, dp_rank: int, dp_size: int,
-                 num_batches: int, seed: int) -> list:
+                 num_batches: int, seed: int, packing: str = "windows") -> list:
     """Fixed validation batches of a mixture: the blend of the sources' val splits from its start, the windows
-    in the permutation stream VAL (apart from training's), so every evaluation compares the same tokens."""
+    (or rows of documents) in the permutation stream VAL (apart from training's), so every evaluation compares
+    the same tokens."""
     src, idx, _ = blend(weights, batch_size * num_batches)
-    rows, masks = _rows(sources, src, idx, seed, VAL, sources[0].dataset.limit)
-    part = lambda a, i: None if a is None else a[i * batch_size:(i + 1) * batch_size]  # noqa: E731
-    return [rows_to_batch(part(rows, i), part(masks, i), dp_rank, dp_size) for i in range(num_batches)]
+    part = lambda i: slice(i * batch_size, (i + 1) * batch_size)  # noqa: E731
+    return [_batch(sources, src[part(i)], idx[part(i)], seed, VAL, packing, dp_rank, dp_size)
+            for i in range(num_batches)]

@@ -23,7 +23,8 @@ each (dk, dv) has collected every rank's contribution and one last hop takes it 
 
 Per (q chunk a, kv chunk b) block the causal mask is: b < a whole block; b == a lower triangle; b > a nothing
 (skipped). A sliding window also skips the blocks wholly farther back than it and masks the ones it
-cuts. With the load-balanced chunks every off-diagonal ring step computes exactly half of the (2c x 2c)
+cuts. Document ids (data.document_mask) hide the pairs of different documents and skip a block whose two
+chunks share no document in any row; every rank holds its rows' ids, so they are read, not sent. With the load-balanced chunks every off-diagonal ring step computes exactly half of the (2c x 2c)
 block's pairs on every rank.
 
 Attention dropout is a counter-based mask: keep(b, h, i, j) = hash(seed, b, h, i, j) >= p * 2^32 for row b of
@@ -166,9 +167,9 @@ class _RingAttention(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx, q, k, v, cp: Axis, dropout_p: float, seed: int, head0: int, window: int):
+    def forward(ctx, q, k, v, cp: Axis, dropout_p: float, seed: int, head0: int, window: int, docs):
         with torch.autocast(q.device.type, enabled=False):
-            ctx.meta = (cp, dropout_p, seed, head0, window)
+            ctx.meta = (cp, dropout_p, seed, head0, window, docs)
             out, lse = _forward(q.float(), torch.stack([k.float(), v.float()]), *ctx.meta)
         ctx.save_for_backward(q, k, v, out, lse)
         return out.to(q.dtype)
@@ -178,35 +179,56 @@ class _RingAttention(torch.autograd.Function):
         q, k, v, out, lse = ctx.saved_tensors
         with torch.autocast(q.device.type, enabled=False):
             dq, dkv = _backward(q.float(), torch.stack([k.float(), v.float()]), out, lse, g.float(), *ctx.meta)
-        return dq.to(q.dtype), dkv[0].to(k.dtype), dkv[1].to(v.dtype), None, None, None, None, None
+        return dq.to(q.dtype), dkv[0].to(k.dtype), dkv[1].to(v.dtype), None, None, None, None, None, None
 
 
 class _Blocks:
-    """The per-block maths both passes share: chunk views, scores with the causal (and sliding-window) mask, the
-    dropout mask."""
+    """The per-block maths both passes share: chunk views, scores with the causal (sliding-window, document)
+    mask, the dropout mask."""
 
-    def __init__(self, q, cp: Axis, dropout_p: float, seed: int, head0: int, window: int = 0):
-        self.cp, self.p, self.seed, self.window = cp, dropout_p, seed, window
+    def __init__(self, q, cp: Axis, dropout_p: float, seed: int, head0: int, window: int = 0, docs=None):
+        self.cp, self.p, self.seed, self.window, self.docs = cp, dropout_p, seed, window, docs
         self.mine = chunk_ids(cp.rank, cp.size)
         self.c = q.shape[2] // len(self.mine)
         self.scale = 1.0 / math.sqrt(q.shape[-1])
         self.heads = torch.arange(head0, head0 + q.shape[1])
         self.device, self.batch = q.device, q.shape[0]
         self.causal = torch.ones(self.c, self.c, dtype=torch.bool, device=q.device).tril()
+        self._seen = {}  # (a, b) -> the block's visible pairs, built once a pass
 
     def chunk(self, t, i):  # (..., T/cp, D) -> chunk i of this rank's local order
         return t[..., i * self.c:(i + 1) * self.c, :]
 
     def blocks(self, src: int):
-        return _blocks(self.mine, chunk_ids(src, self.cp.size), self.c, self.window)
+        """The blocks of src's kv chunks this rank computes: the causal (window) ones, less, with documents, those
+        whose query and key chunks share no document in any row (their scores would all be hidden)."""
+        out = _blocks(self.mine, chunk_ids(src, self.cp.size), self.c, self.window)
+        return out if self.docs is None else [blk for blk in out if bool(self.visible(blk[2], blk[3]).any())]
+
+    def doc(self, k: int):  # (B, c): the document ids of global chunk k
+        return self.docs[:, k * self.c:(k + 1) * self.c]
+
+    def visible(self, a: int, b: int):
+        """The pairs (query of chunk a, key of chunk b) the mask leaves, (c, c) or with documents (B, 1, c, c);
+        None when it hides nothing."""
+        if (a, b) not in self._seen:
+            vis = None
+            if self.window and (a - b + 1) * self.c - 1 >= self.window:  # the block's farthest pair is outside
+                i = torch.arange(self.c, device=self.device)
+                dist = (a - b) * self.c + i[:, None] - i[None, :]  # query position - key position
+                vis = (dist >= 0) & (dist < self.window)
+            elif a == b:
+                vis = self.causal
+            if self.docs is not None:  # the global row's document ids of both chunks: every rank holds them
+                same = (self.doc(a)[:, :, None] == self.doc(b)[:, None, :])[:, None]
+                vis = same if vis is None else same & vis
+            self._seen[(a, b)] = vis
+        return self._seen[(a, b)]
 
     def scores(self, q_i, k_j, a: int, b: int):  # (B, H, c, D) x2 -> (B, H, c, c) for global chunks a, b
         s = (q_i @ k_j.transpose(-1, -2)) * self.scale
-        if self.window and (a - b + 1) * self.c - 1 >= self.window:  # the block's farthest pair is outside
-            i = torch.arange(self.c, device=s.device)
-            dist = (a - b) * self.c + i[:, None] - i[None, :]  # query position - key position
-            return s.masked_fill((dist < 0) | (dist >= self.window), float("-inf"))
-        return s.masked_fill(~self.causal, float("-inf")) if a == b else s
+        vis = self.visible(a, b)
+        return s if vis is None else s.masked_fill(~vis, float("-inf"))
 
     def keep(self, a: int, b: int):
         """Dropout's 1/(1-p)-scaled keep mask of the block (q chunk a, kv chunk b), or None without dropout."""
@@ -217,9 +239,9 @@ class _Blocks:
         return keep.to(torch.float32) / (1.0 - self.p)
 
 
-def _forward(q, kv, cp: Axis, dropout_p, seed, head0, window):
+def _forward(q, kv, cp: Axis, dropout_p, seed, head0, window, docs):
     """q (B, H, T/cp, D), kv (2, B, H, T/cp, D) -> output (B, H, T/cp, D), log-sum-exp (B, H, T/cp)."""
-    blk = _Blocks(q, cp, dropout_p, seed, head0, window)
+    blk = _Blocks(q, cp, dropout_p, seed, head0, window, docs)
     n = len(blk.mine)
     m = [torch.full(q.shape[:2] + (blk.c,), float("-inf"), device=q.device) for _ in range(n)]  # row max
     l = [torch.zeros(q.shape[:2] + (blk.c,), device=q.device) for _ in range(n)]  # row sum of exp  # noqa: E741
@@ -232,7 +254,8 @@ def _forward(q, kv, cp: Axis, dropout_p, seed, head0, window):
         for i, j, a, b in blk.blocks(src):
             s = blk.scores(blk.chunk(q, i), blk.chunk(kv[0], j), a, b)
             m_new = torch.maximum(m[i], s.amax(-1))
-            # a row a sliding window hides wholly, so far, has max -inf: its terms are 0, not exp(-inf + inf)
+            # a row the window (or its document) hides wholly, so far, has max -inf: its terms are 0, not
+            # exp(-inf + inf)
             m_new = torch.where(torch.isinf(m_new), torch.zeros_like(m_new), m_new)
             p = torch.exp(s - m_new.unsqueeze(-1))
             fix = torch.exp(m[i] - m_new)  # rescales what was summed under the old max
@@ -249,14 +272,14 @@ def _forward(q, kv, cp: Axis, dropout_p, seed, head0, window):
     return out.transpose(1, 2).contiguous().transpose(1, 2), lse
 
 
-def _backward(q, kv, out, lse, g, cp: Axis, dropout_p, seed, head0, window):
+def _backward(q, kv, out, lse, g, cp: Axis, dropout_p, seed, head0, window, docs):
     """Gradients of the forward above: dq (B, H, T/cp, D) and this rank's own dkv (2, B, H, T/cp, D).
 
     With P = softmax(S) (rows normalised over the whole sequence: exp(S - lse)) and the dropout's scaled mask D:
     out = (P * D) V, so dV = (P * D)^T g, dP = (g V^T) * D, and dS = P * (dP - delta) with
     delta = rowsum(dP * P) = rowsum(g * out) (the flash-attention identity), dQ = dS K / sqrt(d), dK = dS^T Q / sqrt(d).
     """
-    blk = _Blocks(q, cp, dropout_p, seed, head0, window)
+    blk = _Blocks(q, cp, dropout_p, seed, head0, window, docs)
     delta = (g * out).sum(-1)  # (B, H, T/cp)
     dq = torch.zeros_like(q)
     dkv = torch.zeros_like(kv)
@@ -285,11 +308,14 @@ def _backward(q, kv, out, lse, g, cp: Axis, dropout_p, seed, head0, window):
     return dq, dkv
 
 
-def ring_attention(q, k, v, cp: Axis, dropout_p: float = 0.0, seed: int = 0, head0: int = 0, window: int = 0):
+def ring_attention(q, k, v, cp: Axis, dropout_p: float = 0.0, seed: int = 0, head0: int = 0, window: int = 0,
+                   docs: Optional[torch.Tensor] = None):
     """Causal attention, (B, H, T/cp, D) x3 -> (B, H, T/cp, D), of this cp rank's tokens (local order: chunks r and
     2cp-1-r) against the whole sequence held by the ring (the ranks of `cp.group`). With cp = 1 it is plain
     causal attention with the counter-based dropout (the single process's path when dropout is on).
     `head0`: the global index of q's first head (tp rank x heads per rank), for the dropout mask. `window` > 0:
     query i sees only keys j with i - window < j <= i; blocks wholly outside it are skipped, the partial ones
-    masked."""
-    return _RingAttention.apply(q, k, v, cp, dropout_p, seed, head0, window)
+    masked. `docs` (B, T) (data.document_mask): the document ids of the whole rows, in global order (every rank
+    holds its rows' ids: nothing travels); a query sees only keys of its own document, and a block whose chunks
+    share no document is skipped."""
+    return _RingAttention.apply(q, k, v, cp, dropout_p, seed, head0, window, docs)

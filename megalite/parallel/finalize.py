@@ -35,7 +35,7 @@ import torch.distributed as dist
 
 from .data import GradBuffer
 from .grid import Axis, ParallelGrid
-from .partition import Partition, partition_of, tp_box, tp_replica, tp_replicas, valid_view
+from .partition import Partition, partition_of, tp_replica, tp_replicas, valid_view
 
 
 @dataclass(frozen=True)
@@ -62,14 +62,19 @@ def finalize_grads(params: list, buffer: GradBuffer, grid: ParallelGrid, sp: boo
     `params` are (global name, parameter) in a fixed order (the same on every rank of an axis).
     Collectives: all-reduce over dp x cp (buckets), over embed and tp (one each, when active), over mp (the norm).
     With zero 2 and 3 (`buffer` a parallel.zero.ShardedState) step 1 is its reduce-scatters and step 2 sums
-    each rank's chunks (a tied copy and its source, or a tensor's tp replicas, are cut alike, so the sum of the
-    chunks is the chunk of the sum); the norm adds the chunks' squares over dp x cp as well.
+    each rank's chunks (a tied copy and its source, a tensor's tp replicas, or the ranks sharing a kv head, are
+    cut alike, so the sum of the chunks is the chunk of the sum); the norm adds the chunks' squares over dp x cp
+    as well.
     """
     buffer.finish()
     grads = [(name, p, buffer.grad(name, p)) for name, p in params]
     for r in reductions(grid, sp):
         all_reduce_grads([g for _, p, g in grads if r.selects(partition_of(p))], r.axis)
-    shared_reduce([p for _, p in params if is_shared(partition_of(p), grid.tp.size)], grid.tp)
+    # a whole gradient's piece is its valid rows; a zero 2/3 chunk is cut from those rows, alike on every
+    # rank that shares the piece (same valid count, same dp rank), so the sum of the chunks is the sum's chunk
+    whole = buffer.chunks_over is None
+    shared_reduce([(partition_of(p), valid_view(g, partition_of(p), grid.tp.rank, grid.tp.size) if whole else g)
+                   for _, p, g in grads if is_shared(partition_of(p), grid.tp.size)], grid.tp)
     return grad_norm(grads, grid, chunks_over=buffer.chunks_over)
 
 
@@ -78,24 +83,29 @@ def is_shared(part: Partition, tp_size: int) -> bool:
     return part.dim is not None and tp_replicas(part, tp_size) > 1
 
 
-def shared_reduce(params: list, axis: Axis) -> None:
-    """Sum each piece's gradient over the tp ranks that hold that piece, in one all-reduce over tp: every rank
-    puts its gradient at its piece's place in a zeroed whole tensor, so the sum adds exactly the ranks sharing
-    a piece (the others add zeros). The whole k/v tensors are small (n_kv_head * head_dim rows): one collective
-    over tp costs less than a process group per kv head."""
-    if not axis.active or not params:
+def shared_reduce(grads: list, axis: Axis) -> None:
+    """Sum each piece's gradient over the tp ranks that hold that piece, in one all-reduce over tp.
+
+    `grads`: (partition, this rank's gradient of its piece: the valid rows, or a zero 2/3 chunk of them).
+    Every rank puts its gradient in row `piece` of a zeroed (pieces, numel) buffer, so the sum adds exactly
+    the ranks sharing a piece (the others add zeros). The pieces are whole kv heads, all of one size, so the
+    buffers agree in size across tp. k/v tensors are small (n_kv_head * head_dim rows): one collective over
+    tp costs less than a process group per kv head."""
+    if not axis.active or not grads:
         return
-    parts = [(p, partition_of(p), tp_box(partition_of(p), axis.rank, axis.size)) for p in params]
-    whole = [torch.zeros(part.global_shape, dtype=p.grad.dtype, device=p.grad.device) for p, part, _ in parts]
-    for w, (p, part, box) in zip(whole, parts):
-        w[box.index] = valid_view(p.grad, part, axis.rank, axis.size)
-    flat = torch.cat([w.reshape(-1) for w in whole])
+    rows = []
+    for part, g in grads:
+        reps = tp_replicas(part, axis.size)
+        buf = torch.zeros(axis.size // reps, g.numel(), dtype=g.dtype, device=g.device)
+        buf[axis.rank // reps] = g.reshape(-1)
+        rows.append(buf)
+    flat = torch.cat([r.reshape(-1) for r in rows])
     dist.all_reduce(flat, group=axis.group)
     offset = 0
-    for w, (p, part, box) in zip(whole, parts):
-        n = w.numel()
-        valid_view(p.grad, part, axis.rank, axis.size).copy_(flat[offset:offset + n].view_as(w)[box.index])
-        offset += n
+    for (part, g), buf in zip(grads, rows):
+        mine = flat[offset:offset + buf.numel()].view_as(buf)[axis.rank // tp_replicas(part, axis.size)]
+        g.copy_(mine.view_as(g))
+        offset += buf.numel()
 
 
 def all_reduce_grads(grads: list, axis: Axis) -> None:

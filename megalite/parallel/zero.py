@@ -39,13 +39,19 @@ import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
 
-from ..base.errors import ConfigError
 
 # torch >= 2.12 names them *_single (the *_tensor spellings warn); older torch has only those
 _reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 _all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 from .grid import Axis
-from .partition import partition_of, shard_range, tp_box, tp_replicas
+from .partition import partition_of, shard_range, tp_box
+
+
+def eager(hook):
+    """A hook dynamo never traces (train.compile compiles each block's call, hooks included): it runs between
+    the compiled graphs, so they see the weights it gathered as their inputs, as torch's FSDP2 hooks are
+    skipped by dynamo (`torch._dynamo.config.skip_fsdp_hooks`) when a fully_shard block is compiled."""
+    return torch._dynamo.disable(hook, recursive=True)
 
 
 class Unit:
@@ -72,11 +78,6 @@ class ShardedState:
         self.tp, self.dp, self.replicate, self.level = tp, dp, replicate, level
         self.chunks_over = dp  # the gradient norm adds the chunks' squares over it (finalize.grad_norm)
         self.reshard, self.overlap = reshard_after_forward, overlap
-        shared = [(n, tp_replicas(partition_of(p), tp.size)) for n, p in named_params
-                  if partition_of(p).dim is not None and tp_replicas(partition_of(p), tp.size) > 1]
-        if shared:  # finalize's shared_reduce sums whole k/v gradients over tp: not written for chunks
-            raise ConfigError(f"parallel.zero = {level}: {shared[0][0]} is held alike by {shared[0][1]} tp ranks "
-                              f"(parallel.tp larger than its heads); zero >= 2 expects parallel.tp <= the kv heads")
         self.named = list(named_params)
         self.valid = {n: tp_box(partition_of(p), tp.rank, tp.size).numel for n, p in self.named}
         self.range = {n: shard_range(k, dp.rank, dp.size) for n, k in self.valid.items()}
@@ -102,14 +103,15 @@ class ShardedState:
                 for n, p in self.named:
                     a, b = self.range[n]
                     self.weights[n] = p.detach().reshape(-1)[a:b].clone()
+                    self._own_storage(n, p)
             for u in self.units:
                 self._free(u)
             self._modules = list(units)
             for i, m in enumerate(units):
-                m.register_forward_pre_hook(lambda mod, args, i=i: self._before_forward(i))
-                m.register_forward_hook(lambda mod, args, out, i=i: self._after_forward(i, out))
-            root.register_forward_pre_hook(lambda mod, args: self.gather(self.root))
-            root.register_forward_hook(lambda mod, args, out: self._after_root(out))
+                m.register_forward_pre_hook(eager(lambda mod, args, i=i: self._before_forward(i)))
+                m.register_forward_hook(eager(lambda mod, args, out, i=i: self._after_forward(i, out)))
+            root.register_forward_pre_hook(eager(lambda mod, args: self.gather(self.root)))
+            root.register_forward_hook(eager(lambda mod, args, out: self._after_root(out)))
 
     # ------------------------------------------------------------ the GradBuffer interface
     def zero(self) -> None:
@@ -200,16 +202,21 @@ class ShardedState:
         off = 0
         with torch.no_grad():
             for name, p in u.named:
-                c = self.chunk[name]
-                whole = torch.zeros(self.shapes[name], dtype=rows.dtype, device=rows.device)
-                whole.view(-1)[:self.valid[name]] = rows[:, off:off + c].reshape(-1)[:self.valid[name]]
-                p.data = whole
+                c, k = self.chunk[name], self.valid[name]
+                p.untyped_storage().resize_(p.numel() * p.element_size())
+                whole = p.data.view(-1)  # .data: the write leaves p's version counter (autograd's check) alone
+                whole[:k] = rows[:, off:off + c].reshape(-1)[:k]
+                whole[k:] = 0
                 off += c
         u.gathered = True
 
     def _free(self, u: Unit) -> None:
+        """Resize each weight's storage to nothing (FSDP2's free): the tensors autograd saved for backward that
+        view a weight (a Linear saves weight.t()) share that storage, so they release it too, and see the
+        weight again when the gather before backward refills the same storage in place. Replacing p.data
+        instead would leave those views holding the whole weight from forward to backward."""
         for _, p in u.named:
-            p.data = torch.empty(0, dtype=p.dtype, device=p.device)
+            p.untyped_storage().resize_(0)
         u.gathered = False
 
     def _before_forward(self, i: int) -> None:
@@ -256,6 +263,11 @@ class ShardedState:
                 for n, p in self.named:
                     a, b = self.range[n]
                     self.weights[n].copy_(p.detach().reshape(-1)[a:b])
+                    self._own_storage(n, p)  # a reader that viewed it through numpy left it unresizable
             for u in self.units:
                 self._free(u)
+
+    def _own_storage(self, name: str, p) -> None:
+        """Give p a storage of its own that _free can resize (outside forward and backward: nothing views it)."""
+        p.data = torch.zeros(self.shapes[name], dtype=p.dtype, device=p.device)
 

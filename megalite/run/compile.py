@@ -6,7 +6,9 @@ dynamo compiles one graph for training and one for evaluation (no_grad) and reus
 micro-batch; the embeddings, the final LayerNorm, the LM head and the vocab-parallel cross-entropy stay eager
 (their collectives and custom autograd functions are the pipeline's, not worth a graph break each). The
 first step pays the compilation (seconds on a GPU, tens of seconds on a loaded CPU); later steps run the
-compiled kernels. Tested equal to eager on the CPU (tests/test_gpu_path.py).
+compiled kernels. Tested equal to eager on the CPU (tests/test_gpu_path.py). ZeRO-3's gather and free hooks
+are registered after this and run outside the graph (parallel.zero.eager), so a compiled block sees the gathered
+weights as inputs (tests/test_zero.py).
 """
 from __future__ import annotations
 

@@ -25,13 +25,14 @@ from ..convert.sources import open_source
 from ..parallel.partition import partition_of, tp_box, valid_view
 
 
-def _source(path: str):
+def source(path: str, what: str = "train.init_from"):
+    """convert's Source at `path`, which must name a model; a problem is said as `what` (the setting or flag)."""
     try:
         src = open_source(path)
     except MegaliteError as e:  # ConvertError, DataError: said as the setting that named the path
-        raise ConfigError(f"train.init_from: {e}") from None
+        raise ConfigError(f"{what}: {e}") from None
     if src.model is None:
-        raise ConfigError(f"train.init_from = '{path}': names no model (a plain DCP folder); convert it first")
+        raise ConfigError(f"{what} = '{path}': names no model (a plain DCP folder); convert it first")
     return src
 
 
@@ -40,7 +41,7 @@ def adopt(cfg: Config) -> None:
     path = cfg.train.init_from
     if not path:
         return
-    m = _source(path).model
+    m = source(path).model
     clash = [f"model.{k} = {getattr(cfg.model, k)!r} but {path} has {v!r}" for k, v in m.items()
              if f"model.{k}" in cfg.named and k not in TRAINING_ONLY and getattr(cfg.model, k) != v]
     if clash:
@@ -51,13 +52,14 @@ def adopt(cfg: Config) -> None:
             setattr(cfg.model, k, v)
 
 
-def load(tr, path: str) -> Optional[Origin]:
+def load(tr, path: str, what: str = "train.init_from") -> Optional[Origin]:
     """Fill this rank's parameters from the source at `path` (each its own region, cast to the parameter's
-    dtype); returns the source's origin, which the run's checkpoints carry."""
-    src = _source(path)
+    dtype); returns the source's origin, which the run's checkpoints carry. `what`: who named the path, in errors
+    (`megalite eval`: --model)."""
+    src = source(path, what)
     tok = src.tokenizer()
     if tok is not None and tr.tokenizer is not None and tok.sha256 != tr.tokenizer.sha256:
-        raise DataError(f"train.init_from: {path} carries a tokenizer ({tok.kind}, vocab {tok.vocab_size}, sha256 "
+        raise DataError(f"{what}: {path} carries a tokenizer ({tok.kind}, vocab {tok.vocab_size}, sha256 "
                         f"{tok.sha256[:12]}) that is not the one of data.path '{tr.cfg.data.path}' "
                         f"({tr.tokenizer.kind}, vocab {tr.tokenizer.vocab_size}, sha256 {tr.tokenizer.sha256[:12]}); "
                         f"prepare the data with the model's own: megalite prepare FILES --tokenizer {path} --out X.bin")
@@ -66,7 +68,7 @@ def load(tr, path: str) -> Optional[Origin]:
         spec, want = src.specs.get(name), list(partition_of(p).global_shape)
         if spec is None or list(spec.shape) != want:
             got = "no such tensor" if spec is None else f"shape {list(spec.shape)}"
-            raise ConfigError(f"train.init_from: {path} has {got} for '{name}', the model needs {want}")
+            raise ConfigError(f"{what}: {path} has {got} for '{name}', the model needs {want}")
     chunks = getattr(tr.grads, "weights", None) or {}  # ZeRO-3 (parallel/zero.py): a chunk of each, held there
     with torch.no_grad():
         for name, p in tr.params:

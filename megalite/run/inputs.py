@@ -19,9 +19,10 @@ def open_data(cfg: Config, dp_rank: int, dp: int) -> tuple:
         train_src, w = mixture.open_sources(cfg.data.mixture, "train", seq_len(cfg), frac)
         val_src, vw = mixture.open_sources(cfg.data.mixture, "val", seq_len(cfg), frac)
         tok = mixture.one_tokenizer(train_src + val_src, cfg.model.vocab_size)
-        sampler = mixture.MixtureSampler(train_src, w, t.global_batch_size, dp_rank, dp, t.seed)
-        val = mixture.eval_batches(val_src, vw, t.global_batch_size, dp_rank, dp, t.eval_batches, t.seed)
-        every = mixture.eval_batches(val_src, vw, t.global_batch_size, 0, 1, t.eval_batches, t.seed)
+        pk = cfg.data.packing
+        sampler = mixture.MixtureSampler(train_src, w, t.global_batch_size, dp_rank, dp, t.seed, pk)
+        val = mixture.eval_batches(val_src, vw, t.global_batch_size, dp_rank, dp, t.eval_batches, t.seed, pk)
+        every = mixture.eval_batches(val_src, vw, t.global_batch_size, 0, 1, t.eval_batches, t.seed, pk)
         return sampler, val, tokens_per_byte((y for _, y in every), tok), tok
     train_ds, val_ds = TokenDataset(cfg.data.path, "train", frac), TokenDataset(cfg.data.path, "val", frac)
     check_vocab(train_ds, cfg.model.vocab_size)

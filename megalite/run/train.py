@@ -24,6 +24,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+from ..attention import check_device
 from ..base import faults
 from . import metrics, tensorboard_log, wandb_log
 from ..parallel.rng import seed_everything
@@ -89,8 +90,9 @@ def build(cfg: Config, grid: ParallelGrid, device: torch.device) -> Trainer:
     # the tokenizer is carried by every checkpoint; rows past its vocab are never predicted
     sampler, val, per_byte, tok = open_data(cfg, grid.coord.dp, grid.layout.dp)
     evals = open_evals(cfg, grid.coord.dp, grid.layout.dp, tok)
+    check_device(t.attn_backend, device)
     model = GPTStage(cfg.model, grid, vpp=par.vpp, sp=par.sp, recompute=t.recompute,
-                     real_vocab=tok.vocab_size).to(device)
+                     real_vocab=tok.vocab_size, attn_backend=t.attn_backend).to(device)
     model.init_weights(t.seed)
     if t.compile:
         compile_blocks(model)
