@@ -332,3 +332,70 @@ class SavedBytes:
         self.refs[key] -= 1
         if not self.refs[key]:
             self.live -= self.size.pop(key)
+
+
+def paired(o: dict, other: str, raw: dict, pairs: int, run_single, log=print, label: str = "") -> list:
+    """`pairs` back-to-back pairs of fresh processes, megalite and `other`, the order alternating: each pair's
+    medians and ratios (wall clock and CPU time per step), then a row per side and the median ratios."""
+    tokens = o["batch"] * o["model"]["block_size"]
+    runs = {other: [], "megalite": []}
+    w = len(other) + 8
+    t = StreamTable(["pair", f"{other} ms/step", "megalite ms/step", "ratio", f"{other} cpu ms", "megalite cpu ms",
+                     "cpu ratio"], [4, w, 16, 5, w, 15, 9], log=log)
+    ratios, cpu_ratios = [], []
+    for i in range(pairs):  # a pair runs back to back: drifts in machine speed hit both of its runs
+        for kind in ((other, "megalite") if i % 2 == 0 else ("megalite", other)):
+            runs[kind].append(run_single(kind, raw, o["steps"]))
+        med = {k: statistics.median(runs[k][-1]["times"]) for k in runs}
+        cpu = {k: statistics.median(runs[k][-1]["cpu"]) for k in runs}
+        ratios.append(med[other] / med["megalite"])
+        cpu_ratios.append(cpu[other] / cpu["megalite"])
+        t.row([i + 1, f"{med[other] * 1000:.1f}", f"{med['megalite'] * 1000:.1f}", f"{ratios[-1]:.3f}",
+               f"{cpu[other] * 1000:.1f}", f"{cpu['megalite'] * 1000:.1f}", f"{cpu_ratios[-1]:.3f}"])
+    t = StreamTable(["model", "tokens/s", "ms/step (median)", "cpu ms/step (median)", "peak RSS MiB"],
+                    [max(8, w - 8), 8, 16, 20, 12], log=log)
+    rows = []
+    for kind in runs:
+        med = statistics.median(x for r in runs[kind] for x in r["times"])
+        cpu = statistics.median(x for r in runs[kind] for x in r["cpu"])
+        rows.append({"model": label + kind, "tokens_per_s": tokens / med, "ms_per_step": med * 1000,
+                     "cpu_ms_per_step": cpu * 1000, "peak_rss_mib": max(r["maxrss_mib"] for r in runs[kind])})
+        t.row([kind, f"{tokens / med:,.0f}", f"{med * 1000:.1f}", f"{cpu * 1000:.1f}", f"{rows[-1]['peak_rss_mib']:.0f}"])
+    key = f"vs_{other}"
+    rows[1].update({key: statistics.median(ratios), f"{key}_range": (min(ratios), max(ratios)), "pairs": ratios,
+                    f"{key}_cpu": statistics.median(cpu_ratios), f"{key}_cpu_range": (min(cpu_ratios), max(cpu_ratios)),
+                    "cpu_pairs": cpu_ratios})
+    what = f"megalite / {other} tokens/s{' (' + label.rstrip('-').capitalize() + ')' if label else ''}"
+    log(f"{what}: {statistics.median(ratios):.3f} (median of {pairs} pairs; range {min(ratios):.3f}-{max(ratios):.3f})")
+    log(f"{what} by CPU time per step: {statistics.median(cpu_ratios):.3f} (median of {pairs} pairs; range "
+        f"{min(cpu_ratios):.3f}-{max(cpu_ratios):.3f})")
+    return rows
+
+
+def reference_step(cfg, model, loss):
+    """A training step of an outside `model` (bench.train's PlainGPT, a transformers class) with the config's recipe:
+    torch.optim.AdamW (no decay on 1-d tensors, as megalite's tags say), clipping, megalite's batches (its
+    BatchSampler) and LR schedule; `loss(model, x, y)` is one micro-batch's mean loss."""
+    import torch
+    from ..config import num_microbatches
+    from ..data import BatchSampler, TokenDataset
+    from ..run.schedule import lr_at
+    t, m = cfg.train, num_microbatches(cfg)
+    groups = [{"params": [p for p in model.parameters() if p.dim() >= 2], "weight_decay": t.weight_decay},
+              {"params": [p for p in model.parameters() if p.dim() < 2], "weight_decay": 0.0}]
+    opt = torch.optim.AdamW(groups, lr=t.lr, betas=(t.beta1, t.beta2), eps=1e-8)
+    sampler = BatchSampler(TokenDataset(cfg.data.path, "train"), cfg.model.block_size, t.global_batch_size, 0, 1,
+                           t.seed)
+    done = [0]
+
+    def step():
+        for g in opt.param_groups:
+            g["lr"] = lr_at(done[0], t)
+        x, y = sampler.next_batch()
+        opt.zero_grad(set_to_none=True)
+        for xm, ym in zip(x.chunk(m), y.chunk(m)):
+            (loss(model, xm, ym) / m).backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), t.grad_clip)
+        opt.step()
+        done[0] += 1
+    return step

@@ -18,13 +18,12 @@ from __future__ import annotations
 
 import json
 import os
-import statistics
 
 import torch
 
 from .. import models
 from ..parallel import agree
-from . import SavedBytes, StreamTable
+from . import SavedBytes, StreamTable, paired, reference_step
 
 LLAMA = models.llama.SPEC.name
 
@@ -43,69 +42,33 @@ def _transformers_step(cfg):
     config's dims and recipe (torch AdamW, clipping, megalite's batches and schedule)."""
     import dataclasses
     import transformers
-    from ..config import num_microbatches
     from ..convert.family import family_of
-    from ..data import BatchSampler, TokenDataset
-    from ..run.schedule import lr_at
-    m, t, n_micro = cfg.model, cfg.train, num_microbatches(cfg)
-    torch.manual_seed(t.seed)
+    m = cfg.model
+    torch.manual_seed(cfg.train.seed)
     hf = family_of(dataclasses.asdict(m)).hf_config(dataclasses.asdict(m))
     hf.pop("architectures"), hf.pop("torch_dtype")
     hf.update(bos_token_id=None, eos_token_id=None, pad_token_id=None)
     config = transformers.AutoConfig.for_model(**hf)
     config._attn_implementation = "sdpa"
-    model = transformers.AutoModelForCausalLM.from_config(config).train()
-    groups = [{"params": [p for p in model.parameters() if p.dim() >= 2], "weight_decay": t.weight_decay},
-              {"params": [p for p in model.parameters() if p.dim() < 2], "weight_decay": 0.0}]
-    opt = torch.optim.AdamW(groups, lr=t.lr, betas=(t.beta1, t.beta2), eps=1e-8)
-    sampler = BatchSampler(TokenDataset(cfg.data.path, "train"), m.block_size, t.global_batch_size, 0, 1, t.seed)
-    done = [0]
 
-    def step():
-        for g in opt.param_groups:
-            g["lr"] = lr_at(done[0], t)
-        x, y = sampler.next_batch()
-        opt.zero_grad(set_to_none=True)
-        for xm, ym in zip(x.chunk(n_micro), y.chunk(n_micro)):
-            logits = model(input_ids=xm).logits
-            loss = torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), ym.reshape(-1))
-            (loss / n_micro).backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), t.grad_clip)
-        opt.step()
-        done[0] += 1
-    return step
+    def loss(model, x, y):
+        logits = model(input_ids=x).logits
+        return torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), y.reshape(-1))
+    return reference_step(cfg, transformers.AutoModelForCausalLM.from_config(config).train(), loss)
 
 
 def vs_transformers(o: dict, pairs: int, run_single, log=print, arch: str = LLAMA) -> list:
     """Table 9 (see the module docstring), for family `arch`; run_single(kind, raw, steps) runs one in a fresh
     interpreter."""
-    tokens = o["batch"] * o["model"]["block_size"]
     cls = models.spec(arch).hf.architecture
     raw = {"model": llama_model(o, arch), "parallel": {"tp": 1, "pp": 1, "dp": 1},  # as table 1's (1,1,1) runs
            "train": {"global_batch_size": o["batch"], "micro_batch_size": o["micro"], "steps": 1000,
                      "warmup_steps": 10, "eval_batches": 1, "out_dir": o["work"]}, "data": {"path": o["data"]}}
     log(f"\n9. {cls} (model.arch = {arch}, {raw['model']['n_kv_head']} kv heads of {o['model']['n_head']}): "
         f"megalite (1,1,1) vs transformers' {cls} (same dims and batch, eager, SDPA, torch.optim.AdamW), {pairs} "
-        f"pairs of fresh processes, the order alternating; ratio = megalite / transformers tokens/s within a pair")
-    runs = {"transformers": [], "megalite": []}
-    t = StreamTable(["pair", "transformers ms/step", "megalite ms/step", "ratio"], [4, 20, 16, 5], log=log)
-    ratios = []
-    for i in range(pairs):
-        for kind in (("transformers", "megalite") if i % 2 == 0 else ("megalite", "transformers")):
-            runs[kind].append(run_single(kind, raw, o["steps"]))
-        med = {k: statistics.median(runs[k][-1]["times"]) for k in runs}
-        ratios.append(med["transformers"] / med["megalite"])
-        t.row([i + 1, f"{med['transformers'] * 1000:.1f}", f"{med['megalite'] * 1000:.1f}", f"{ratios[-1]:.3f}"])
-    rows = []
-    for kind in runs:
-        med = statistics.median(x for r in runs[kind] for x in r["times"])
-        rows.append({"model": f"{arch}-{kind}", "tokens_per_s": tokens / med, "ms_per_step": med * 1000,
-                     "peak_rss_mib": max(r["maxrss_mib"] for r in runs[kind])})
-    rows[1].update(vs_transformers=statistics.median(ratios), vs_transformers_range=(min(ratios), max(ratios)),
-                   pairs=ratios)
-    log(f"megalite / transformers tokens/s ({arch.capitalize()}): {statistics.median(ratios):.3f} (median of {pairs} pairs; range "
-        f"{min(ratios):.3f}-{max(ratios):.3f})")
-    return rows
+        f"pairs of fresh processes, the order alternating; ratio = megalite / transformers tokens/s within a pair, "
+        f"by the wall clock and by the process's CPU time per step")
+    return paired(o, "transformers", raw, pairs, run_single, log, label=f"{arch}-")
 
 
 def llama_block_formula(s: int, b: int, m, t: int, cp: int, bytes_per: int = 4) -> tuple[int, int]:

@@ -1,7 +1,9 @@
 """`megalite bench train`: throughput against plain PyTorch, pipeline bubbles, and a layout table.
 
 1. megalite at tp=pp=dp=1 and `PlainGPT` below (the same GPT-2, written the nanoGPT way, with
-   torch.optim.AdamW), each in a fresh interpreter: tokens/s (median step after warm-up), peak RSS.
+   torch.optim.AdamW), each in a fresh interpreter: tokens/s (median step after warm-up), peak RSS, and the
+   step's CPU time (time.process_time of the one-thread process: its own work, which other jobs on a loaded
+   machine disturb far less than the wall clock).
 2. Pipeline bubble per schedule: 1 - busy / window, the window running from the first stage's start to the
    last stage's end (after a barrier), busy = a stage's schedule time outside torch.distributed calls, mean
    over stages (megalite.bench.bubble.idle_of), vs (pp-1)/(m+pp-1); and the peak bytes saved for backward
@@ -33,7 +35,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from ..parallel import agree
-from . import SavedBytes, StreamTable, patch_dist
+from . import SavedBytes, StreamTable, paired, patch_dist, reference_step
 from .bubble import _Stamped, idle_of
 from .context import bench_context
 from .features import bench_features
@@ -85,17 +87,20 @@ class PlainGPT(nn.Module):
         return F.cross_entropy(logits.view(-1, logits.size(-1)), targets.view(-1))
 
 
+def plain_step(cfg):
+    """A training step of PlainGPT with the config's dims and recipe (bench.reference_step)."""
+    torch.manual_seed(cfg.train.seed)
+    return reference_step(cfg, PlainGPT(cfg.model), lambda model, x, y: model(x, y))
+
+
 def _single(kind: str, raw: dict, steps: int, warmup: int = 2) -> None:
     """In a fresh interpreter: time `steps` steps of one model; print one JSON line."""
     import resource
-    from ..config import Config, num_microbatches
-    from ..data import BatchSampler, TokenDataset
-    from ..run.schedule import lr_at
+    from ..config import Config
     from ..parallel.grid import ParallelGrid
     from ..run.train import build, train_step
     torch.set_num_threads(1)
     cfg = Config.from_dict(raw)
-    t, m = cfg.train, num_microbatches(cfg)
     if kind == "megalite":
         tr = build(cfg, ParallelGrid.single(), torch.device("cpu"))
         step = lambda: train_step(tr)  # noqa: E731
@@ -103,32 +108,16 @@ def _single(kind: str, raw: dict, steps: int, warmup: int = 2) -> None:
         from .llama import _transformers_step
         step = _transformers_step(cfg)
     else:
-        torch.manual_seed(t.seed)
-        model = PlainGPT(cfg.model)
-        groups = [{"params": [p for p in model.parameters() if p.dim() >= 2], "weight_decay": t.weight_decay},
-                  {"params": [p for p in model.parameters() if p.dim() < 2], "weight_decay": 0.0}]
-        opt = torch.optim.AdamW(groups, lr=t.lr, betas=(t.beta1, t.beta2), eps=1e-8)
-        sampler = BatchSampler(TokenDataset(cfg.data.path, "train"), cfg.model.block_size, t.global_batch_size,
-                               0, 1, t.seed)
-        done = [0]
-
-        def step():
-            for g in opt.param_groups:
-                g["lr"] = lr_at(done[0], t)
-            x, y = sampler.next_batch()
-            opt.zero_grad(set_to_none=True)
-            for xm, ym in zip(x.chunk(m), y.chunk(m)):
-                (model(xm, ym) / m).backward()
-            torch.nn.utils.clip_grad_norm_(model.parameters(), t.grad_clip)
-            opt.step()
-            done[0] += 1
-    times = []
+        step = plain_step(cfg)
+    times, cpu = [], []
     for i in range(warmup + steps):
-        t0 = time.perf_counter()
+        t0, c0 = time.perf_counter(), time.process_time()
         step()
         if i >= warmup:
             times.append(time.perf_counter() - t0)
-    print(json.dumps({"times": times, "maxrss_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024}))
+            cpu.append(time.process_time() - c0)
+    print(json.dumps({"times": times, "cpu": cpu,
+                      "maxrss_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024}))
 
 
 def _raw(o: dict, layout, micro: int, batch: int, schedule: str = "1f1b") -> dict:
@@ -205,29 +194,10 @@ def _run_single(kind, raw, steps) -> dict:
 
 def vs_plain(o: dict, pairs: int, log=print) -> list:
     """Table 1: megalite (1,1,1) and PlainGPT, each in a fresh interpreter, in `pairs` back-to-back pairs."""
-    tokens = o["batch"] * o["model"]["block_size"]
-    single = []
     log(f"\n1. megalite (1,1,1) vs plain PyTorch (nanoGPT-style, torch.optim.AdamW), {pairs} pairs of fresh "
-        f"processes, the order alternating; ratio = megalite / plain tokens/s within a pair")
-    runs = {"plain": [], "megalite": []}
-    t = StreamTable(["pair", "plain ms/step", "megalite ms/step", "ratio"], [4, 13, 16, 5], log=log)
-    ratios = []
-    for i in range(pairs):  # a pair runs back to back: drifts in machine speed hit both of its runs
-        for kind in (("plain", "megalite") if i % 2 == 0 else ("megalite", "plain")):
-            runs[kind].append(_run_single(kind, _raw(o, (1, 1, 1), o["micro"], o["batch"]), o["steps"]))
-        med = {k: statistics.median(runs[k][-1]["times"]) for k in runs}
-        ratios.append(med["plain"] / med["megalite"])
-        t.row([i + 1, f"{med['plain'] * 1000:.1f}", f"{med['megalite'] * 1000:.1f}", f"{ratios[-1]:.3f}"])
-    t = StreamTable(["model", "tokens/s", "ms/step (median)", "peak RSS MiB"], [8, 8, 16, 12], log=log)
-    for kind in runs:
-        med = statistics.median(x for r in runs[kind] for x in r["times"])
-        single.append({"model": kind, "tokens_per_s": tokens / med, "ms_per_step": med * 1000,
-                       "peak_rss_mib": max(r["maxrss_mib"] for r in runs[kind])})
-        t.row([kind, f"{tokens / med:,.0f}", f"{med * 1000:.1f}", f"{single[-1]['peak_rss_mib']:.0f}"])
-    single[1].update(vs_plain=statistics.median(ratios), vs_plain_range=(min(ratios), max(ratios)), pairs=ratios)
-    log(f"megalite / plain tokens/s: {statistics.median(ratios):.3f} (median of {pairs} pairs; range "
-        f"{min(ratios):.3f}-{max(ratios):.3f})")
-    return single
+        f"processes, the order alternating; ratio = megalite / plain tokens/s within a pair, by the wall clock "
+        f"and by the process's CPU time per step")
+    return paired(o, "plain", _raw(o, (1, 1, 1), o["micro"], o["batch"]), pairs, _run_single, log)
 
 
 def bench_train(steps: int = 10, nproc: int = 4, n_embd: int = 128, n_layer: int = 4, n_head: int = 4,

@@ -137,7 +137,7 @@ def grad_norm(named_grads, grid: ParallelGrid, chunks_over: Optional[Axis] = Non
         part = partition_of(p)
         if part.tied_to or tp_replica(part, grid.tp.rank, grid.tp.size) != 0:
             continue
-        sq += g.detach().double().pow(2).sum()
+        sq += g.detach().double().square_().sum()  # squared in place: the float64 copy is the only temporary
     if grid.mp.active:
         dist.all_reduce(sq, group=grid.mp.group)
     if chunks_over is not None and chunks_over.active:

@@ -203,7 +203,11 @@ class ColumnParallelLinear(nn.Module):
         self.in_features = in_features
 
     def forward(self, x):  # (..., in) -> (..., stack * out / tp)
-        w, b = self.weight.reshape(-1, self.in_features), None if self.bias is None else self.bias.reshape(-1)
+        w, b = self.weight, self.bias
+        if w.dim() > 2:  # stacked: one (stack * out / tp, in) matrix (a view; an unstacked weight needs none)
+            w, b = w.reshape(-1, self.in_features), None if b is None else b.reshape(-1)
+        if not self.tp.active:  # one rank: nn.Linear's own call, nothing around it
+            return F.linear(x, w, b)
         (y,) = column_parallel(x, [w], self.tp, self.sp, bias=b)
         return gather_from_tp(y, self.tp) if self.gather_output else y
 
@@ -237,6 +241,8 @@ class RowParallelLinear(nn.Module):
                            tp) if bias else None
 
     def forward(self, x):  # (..., in / tp) -> (..., out)
+        if not self.tp.active:  # nothing to reduce: the bias inside the matmul, as nn.Linear adds it
+            return F.linear(x, self.weight, self.bias)
         y = F.linear(x, self.weight)
         y = reduce_scatter_to_sp(y, self.tp) if self.sp else reduce_from_tp(y, self.tp)
         return y if self.bias is None else y + self.bias
