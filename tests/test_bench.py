@@ -165,6 +165,11 @@ def test_bench_documents_prints_its_table(tmp_path, capsys):
     docs = re.search(r"\ndocuments \+ document_mask +1 +[\d.]+ +[\d.]+ +([\d.]+) +([\d.]+)%", out)
     assert float(docs.group(1)) > 1 and float(docs.group(2)) < 100, out
     assert re.search(r"\ndocuments \+ document_mask / windows CPU ms per step: [\d.]+x \(median of 2 rounds; range", out)
+    for setting in ("windows", "documents", "documents \\+ document_mask"):  # the loader outruns the step
+        drawn, times, used = re.search(rf"\n{setting} loader: ([\d,]+) tokens/s drawn \(CPU\), ([\d,]+)x the ([\d,]+) "
+                                       r"tokens/s a training step consumes", out).groups()
+        drawn, times, used = (int(v.replace(",", "")) for v in (drawn, times, used))
+        assert times > 1 and abs(drawn / used - times) <= 1, (setting, drawn, times, used)
     assert list(tmp_path.iterdir()) == []
 
 

@@ -113,7 +113,19 @@ def bench_documents(size_mb: float = 2.0, vocab_size: int = 4096, n_layer: int =
                 rs = ratios[k, what] = [a / b for a, b in zip(ms[k], ms["windows"])]  # round by round
                 log(f"{k} / windows {what}: {statistics.median(rs):.2f}x (median of {rounds} rounds; range "
                     f"{min(rs):.2f}-{max(rs):.2f})")
+        log("")
+        loader = {}
+        for k in names:  # the loader alone: the batches of as many steps drawn again, against what a step takes
+            tr, n = trainers[k], steps * rounds
+            c0 = time.process_time()
+            for i in range(n):
+                tr.sampler.batch_at(i)
+            drawn = n * batch * block_size / max(time.process_time() - c0, 1e-9)
+            used = batch * block_size / (statistics.median(cpu[k]) / 1000)
+            loader[k] = drawn / used
+            log(f"{k} loader: {drawn:,.0f} tokens/s drawn (CPU), {loader[k]:,.0f}x the {used:,.0f} tokens/s "
+                f"a training step consumes")
         log(f"load average {os.getloadavg()[0]:.1f} at the end")
-        return {"ms": wall, "cpu_ms": cpu, "ratios": ratios}
+        return {"ms": wall, "cpu_ms": cpu, "ratios": ratios, "loader": loader}
     finally:
         shutil.rmtree(work, ignore_errors=True)
