@@ -265,7 +265,8 @@ class CausalSelfAttention(nn.Module):
         if self.features.fused_qkv:
             qkv = self.qkv(x)  # (B, T, 3 * C/tp)
             B, T = qkv.shape[:2]  # "b t (three h d) -> three b h t d" as views (einops' Python costs a step ~1%)
-            q, k, v = qkv.reshape(B, T, 3, -1, self.head_dim).permute(2, 0, 3, 1, 4)
+            # split, not unbind: backward concatenates the three gradients (no stack and copy)
+            q, k, v = (t.view(B, T, -1, self.head_dim).transpose(1, 2) for t in qkv.split(qkv.shape[-1] // 3, -1))
         else:
             lin = (self.q, self.k, self.v)
             qkv = column_parallel(x, [m.weight for m in lin], self.tp, self.sp)  # one input gather for all three
