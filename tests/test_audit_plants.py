@@ -349,3 +349,42 @@ def test_a_qwen3_config_without_head_dim_has_transformers_default_head_width():
     assert transformers.Qwen3Config(**hf).head_dim == 128
     m = FAMILIES["qwen3"].model_from_hf(hf, "config.json")
     assert ModelConfig(**m).head_dim == 128
+
+
+def test_a_mistral_config_without_sliding_window_has_transformers_default_window():
+    """config.json without sliding_window: MistralConfig's default is 4096 (null: no window), as transformers reads
+    it. Planted: the default lost (absent read as no window): fails here."""
+    hf = transformers.MistralConfig(vocab_size=96, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+                                    num_attention_heads=4, num_key_value_heads=2).to_dict()
+    hf.pop("sliding_window", None)
+    assert transformers.MistralConfig(**hf).sliding_window == 4096
+    assert ModelConfig(**FAMILIES["mistral"].model_from_hf(hf, "config.json")).sliding_window == 4096
+    assert FAMILIES["mistral"].model_from_hf({**hf, "sliding_window": None}, "config.json")["sliding_window"] == 0
+
+
+def test_an_only_at_value_of_another_json_type_is_refused():
+    """docs/families.md's only-at values are JSON values: `true` is not `pretraining_tp` 1 and `0` is not
+    `mlp_bias` false, though Python's True == 1 and 0 == False. Planted: the type check dropped from the
+    comparison (True taken as 1): fails here."""
+    from megalite.base.errors import ConvertError
+    hf = transformers.LlamaConfig(vocab_size=96, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+                                  num_attention_heads=4, num_key_value_heads=2).to_dict()
+    FAMILIES["llama"].read_config({**hf, "pretraining_tp": 1, "mlp_bias": False}, "config.json")
+    for key, value in (("pretraining_tp", True), ("mlp_bias", 0)):
+        with pytest.raises(ConvertError, match=key):
+            FAMILIES["llama"].read_config({**hf, key: value}, "config.json")
+
+
+def test_a_qwen2_config_saying_attention_bias_false_is_refused():
+    """transformers' Qwen2Attention builds q/k/v with bias whatever config.json says (Qwen2Config has no
+    attention_bias key), so `attention_bias: false` contradicts the model it names: refused in one line naming
+    the key; true is accepted. Planted: false accepted as well: fails here."""
+    from megalite.base.errors import ConvertError
+    hf = transformers.Qwen2Config(vocab_size=96, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+                                  num_attention_heads=4, num_key_value_heads=2).to_dict()
+    model = transformers.Qwen2ForCausalLM(transformers.Qwen2Config(**{**hf, "attention_bias": False}))
+    assert model.model.layers[0].self_attn.q_proj.bias is not None
+    FAMILIES["qwen2"].read_config({**hf, "attention_bias": True}, "config.json")
+    with pytest.raises(ConvertError, match="attention_bias") as e:
+        FAMILIES["qwen2"].read_config({**hf, "attention_bias": False}, "config.json")
+    assert "\n" not in str(e.value)
