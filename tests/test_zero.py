@@ -50,7 +50,9 @@ RUNS = [
     ("z3-dp4-keep", {"parallel.tp": 2, "parallel.dp": 4, "train.micro_batch_size": 1, "parallel.zero": 3,
                      "train.recompute": "full", "parallel.reshard_after_forward": False,
                      "parallel.overlap_grad_reduce": True}),
-    ("z3-dp8", {"parallel.dp": 8, "train.micro_batch_size": 1, "parallel.zero": 3}),
+    # dp 8 with full recomputation and resharding on: a block freed after its forward is gathered again for its
+    # backward, and the recomputed forward inside that backward must not free it (audit plant z5)
+    ("z3-dp8", {"parallel.dp": 8, "train.micro_batch_size": 1, "parallel.zero": 3, "train.recompute": "full"}),
     # cp 2: the chunks cut over dp x cp = 4 (the ranks holding a stage's weights); bf16 autocast (fp32 chunks)
     ("z3-cp2", {**LONG, "parallel.cp": 2, "parallel.tp": 2, "parallel.dp": 2, "parallel.zero": 3, **M4}),
     ("z2-bf16", {**A, "parallel.zero": 2, "train.precision": "bf16"}),
