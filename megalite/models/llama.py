@@ -43,6 +43,7 @@ class LlamaHF:
               ("hidden_size", "columns of model.embed_tokens.weight in", -1, ("model.embed_tokens.weight",)))
     tie_default = False  # the config class's tie_word_embeddings default
     head_dim_default = None  # None: hidden_size / num_attention_heads (LlamaConfig); Qwen3Config: 128
+    positions_default = 2048  # the config class's max_position_embeddings default (megalite's block_size)
     name = "llama"
 
     @property
@@ -105,7 +106,7 @@ class LlamaHF:
         theta, scaling = rope_from_hf(hf, where)
         m = dict(arch=self.name, n_layer=sizes["num_hidden_layers"], n_head=Hn, n_embd=C, n_kv_head=kv,
                  vocab_size=sizes["vocab_size"], intermediate_size=sizes["intermediate_size"],
-                 block_size=H.positive_int(hf, "max_position_embeddings", where, 2048),
+                 block_size=H.positive_int(hf, "max_position_embeddings", where, self.positions_default),
                  layer_norm_eps=H.positive_float(hf, "rms_norm_eps", where, 1e-6),
                  tie_embeddings=H.boolean(hf, "tie_word_embeddings", where, self.tie_default),
                  rope_theta=theta, rope_scaling=scaling, dropout=0.0, **self.own_model(hf, where))

@@ -12,6 +12,7 @@ class MistralHF(LlamaHF):
     model_type, config_class, name = "mistral", "MistralConfig", "mistral"
     architectures = ("MistralForCausalLM", "MistralModel")
     ONLY_AT = {}
+    positions_default = 4096 * 32  # MistralConfig's
 
     def own_keys(self):
         return ("sliding_window",)

@@ -13,6 +13,7 @@ class Qwen2HF(LlamaHF):
     architectures = ("Qwen2ForCausalLM", "Qwen2Model")
     ONLY_AT = {"use_sliding_window": (False,), "attention_bias": (True,)}
     HARMLESS = ("sliding_window", "max_window_layers")  # read by transformers only with use_sliding_window: true
+    positions_default = 32768  # Qwen2Config's
 
     def own_keys(self):
         return ("layer_types",)

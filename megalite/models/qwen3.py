@@ -14,7 +14,7 @@ class Qwen3HF(LlamaHF):
     architectures = ("Qwen3ForCausalLM", "Qwen3Model")
     ONLY_AT = {"use_sliding_window": (False,), "attention_bias": (False,)}
     HARMLESS = ("sliding_window", "max_window_layers")
-    head_dim_default = 128  # Qwen3Config's
+    head_dim_default, positions_default = 128, 32768  # Qwen3Config's
 
     def own_keys(self):
         return ("layer_types",)
