@@ -1,0 +1,165 @@
+"""Adversarial config.json inputs for the rotary families (issue 39's attack on the strict reader): each value
+transformers 5 loads is either read as transformers reads it (megalite's logits = transformers' own forward on
+the same folder) or refused in one line naming config.json, the field and what was expected. The reference for
+every accepted case is transformers' AutoModelForCausalLM on the edited folder itself; the refusals name what
+transformers does with the value in the test's comment.
+
+Folders are saved once per module by transformers (tests/test_families.py's tiny models, 2 layers, width 64)."""
+import json
+import shutil
+
+import pytest
+import torch
+
+from test_families import IDS, hf_folder, hf_logits
+from megalite.base.errors import ConvertError
+from megalite.convert import convert, split
+from megalite.generate import load_model
+from megalite.run.init_from import source
+
+transformers = pytest.importorskip("transformers")
+# YaRN where truncation matters: head width 16, original context 64 at theta 1e4 put beta_slow's dim at 2.02
+# (ceil: 3), so the ramp differs with truncate off
+YARN = {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 64, "rope_theta": 1e4}
+
+
+@pytest.fixture(scope="module")
+def folders(tmp_path_factory):
+    root = tmp_path_factory.mktemp("inputs")
+    return {case: hf_folder(root / case, case) for case in ("qwen2", "qwen3", "mistral")}
+
+
+def _edit(folders, tmp_path, case, drop=(), **changes):
+    dst = tmp_path / "edited"
+    shutil.copytree(folders[case], dst)
+    c = json.loads((dst / "config.json").read_text())
+    c.update(changes)
+    for k in drop:
+        c.pop(k, None)
+    (dst / "config.json").write_text(json.dumps(c))
+    return dst
+
+
+def _same_as_transformers(folder, out, check=True):
+    theirs = hf_logits(folder)
+    mine = load_model(convert(folder, out, quiet=True, check=check))(IDS).detach()
+    d = (theirs - mine).abs().max().item()
+    assert d <= 1e-5 * (1 + theirs.abs().max().item()), d
+
+
+ROPE = ("rope_scaling", "rope_theta")  # dropped: rope_parameters alone, as transformers 5 writes it
+
+
+@pytest.mark.parametrize("case,drop,changes", [
+    # transformers reads rope_parameters.get("truncate", True): null is falsy, so no truncation
+    ("qwen2", ROPE, dict(rope_parameters={**YARN, "truncate": None})),
+    ("qwen2", ROPE, dict(rope_parameters={**YARN, "truncate": False})),
+    # beta_fast or 32, beta_slow or 1, `if mscale and mscale_all_dim`: a 0 is the default
+    ("qwen2", ROPE, dict(rope_parameters={**YARN, "beta_fast": 0, "beta_slow": 0})),
+    ("qwen2", ROPE, dict(rope_parameters={**YARN, "mscale": 0, "mscale_all_dim": 1.0})),
+    ("qwen2", ROPE, dict(rope_parameters={**YARN, "beta_fast": None, "attention_factor": None, "mscale": None})),
+    # standardize_rope_params: original_max_position_embeddings defaults to max_position_embeddings
+    ("qwen2", ROPE, dict(rope_parameters={k: v for k, v in YARN.items() if k != "original_max_position_embeddings"})),
+    ("qwen3", ROPE, dict(rope_parameters={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+                                          "high_freq_factor": 4.0, "rope_theta": 1e4})),
+    # convert_rope_params_to_dict moves a partial_rotary_factor into rope_parameters; 1 is every dim
+    ("qwen2", ROPE, dict(rope_parameters={**YARN, "partial_rotary_factor": 1.0})),
+    ("mistral", ROPE, dict(rope_parameters={"rope_type": "default", "rope_theta": 1e4, "partial_rotary_factor": 1})),
+    # a top-level rope_theta of null beside rope_parameters' own: transformers keeps rope_parameters'
+    ("qwen3", (), dict(rope_theta=None)),
+    # ACT2FN["swish"] is nn.SiLU
+    ("mistral", (), dict(hidden_act="swish")),
+])
+def test_rope_and_act_values_read_as_transformers_reads_them(folders, tmp_path, case, drop, changes):
+    _same_as_transformers(_edit(folders, tmp_path, case, drop, **changes), tmp_path / "m.safetensors")
+
+
+def test_yarn_truncate_null_reaches_training_and_split_unscaled(folders, tmp_path):
+    """train.init_from and split read config.json with the same reader: a null truncate is no truncation there
+    too (before: truncated, a silently different model where no --check runs)."""
+    src = _edit(folders, tmp_path, "qwen2", ROPE, rope_parameters={**YARN, "truncate": None})
+    assert source(str(src)).model["rope_scaling"]["truncate"] is False
+    _same_as_transformers(src, tmp_path / "m.safetensors", check=False)
+    split(src, tmp_path / "ck", 2, 1, 1, quiet=True)  # runs the self-check against transformers
+
+
+@pytest.mark.parametrize("rope,field,expected", [
+    ({**YARN, "factor": True}, "rope_parameters.factor", "a positive number"),
+    ({**YARN, "factor": "4"}, "rope_parameters.factor", "a positive number"),
+    ({**YARN, "original_max_position_embeddings": 0}, "rope_parameters.original_max_position_embeddings",
+     "a positive number"),
+    ({**YARN, "beta_fast": -1}, "rope_parameters.beta_fast", "a positive number"),
+    ({**YARN, "attention_factor": 0}, "rope_parameters.attention_factor", "a positive number"),
+    ({**YARN, "truncate": 0}, "rope_parameters.truncate", "true, false or null"),
+    ({**YARN, "partial_rotary_factor": 0.5}, "rope_parameters.partial_rotary_factor", "1"),
+    ({"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 4.0, "high_freq_factor": 1.0, "rope_theta": 1e4},
+     "rope_parameters.high_freq_factor", "larger than low_freq_factor"),
+    ({"rope_type": "dynamic", "factor": 2.0, "rope_theta": 1e4}, "rope_parameters.rope_type", "'yarn'"),
+    ({"rope_type": "longrope", "short_factor": [1.0] * 8, "long_factor": [1.0] * 8, "rope_theta": 1e4},
+     "rope_parameters.rope_type", "'yarn'"),
+    ({"rope_type": "linear", "factor": 2.0, "rope_theta": 1e4}, "rope_parameters.rope_type", "'yarn'"),
+    ({"rope_type": "default", "mrope_section": [2, 3, 3], "rope_theta": 1e4}, "rope_parameters.mrope_section",
+     "plain RoPE"),
+])
+def test_rope_values_megalite_cannot_reproduce_are_refused_naming_the_field(folders, tmp_path, rope, field, expected):
+    src = _edit(folders, tmp_path, "qwen2", ROPE, rope_parameters=rope)
+    with pytest.raises(ConvertError) as e:
+        convert(src, tmp_path / "m.safetensors", quiet=True)
+    msg = str(e.value)
+    assert "\n" not in msg and "config.json" in msg and field in msg and expected in msg, msg
+    assert not (tmp_path / "m.safetensors").exists()
+
+
+FULL, SLIDING = ["full_attention"] * 2, ["sliding_attention"] * 2
+
+
+@pytest.mark.parametrize("case,drop,changes", [
+    # Qwen2Config: layer i slides only where use_sliding_window and i >= max_window_layers
+    ("qwen2", ("layer_types",), dict(use_sliding_window=True, sliding_window=5, max_window_layers=2)),
+    ("qwen3", (), dict(use_sliding_window=True, sliding_window=5, max_window_layers=0, layer_types=FULL)),
+    ("qwen2", ("layer_types",), dict(use_sliding_window=False, sliding_window=5, max_window_layers=0)),
+    ("qwen3", (), dict(layer_types=None)),
+    # MistralForCausalLM never reads layer_types (MistralConfig warns): accepted where they say what it does
+    ("mistral", (), dict(layer_types=SLIDING)),
+    # pinned: the window at and past its bounds, absent (MistralConfig's 4096), null (none)
+    ("mistral", (), dict(sliding_window=1)),
+    ("mistral", (), dict(sliding_window=1000)),
+    ("mistral", ("sliding_window",), {}),
+    ("mistral", ("head_dim",), {}),
+    ("mistral", (), dict(head_dim=None)),
+    ("qwen2", ("tie_word_embeddings",), {}),
+    ("qwen2", (), dict(torch_dtype="bfloat16", dtype="float16")),
+])
+def test_window_keys_read_as_transformers_reads_them(folders, tmp_path, case, drop, changes):
+    _same_as_transformers(_edit(folders, tmp_path, case, drop, **changes), tmp_path / "m.safetensors")
+
+
+@pytest.mark.parametrize("case,changes,field,expected", [
+    # transformers' own validator: layer_types must have num_hidden_layers entries
+    ("qwen2", dict(layer_types=[]), "layer_types", "2 entries"),
+    ("qwen3", dict(layer_types=["full_attention"] * 3), "layer_types", "2 entries"),
+    ("qwen2", dict(layer_types="full_attention"), "layer_types", "a list"),
+    # a window on some or all layers: Qwen2/Qwen3's sliding layers are not modelled
+    ("qwen2", dict(use_sliding_window=True, sliding_window=5, max_window_layers=1, layer_types=None),
+     "layer_types", "\"full_attention\""),
+    ("qwen3", dict(use_sliding_window=True, sliding_window=5, layer_types=["full_attention", "sliding_attention"]),
+     "layer_types", "\"full_attention\""),
+    ("qwen2", dict(use_sliding_window="yes"), "use_sliding_window", "true or false"),
+    # Qwen2Attention reads getattr(config, "head_dim", ...) (null: a crash); Qwen3Config's head_dim is an int
+    ("qwen2", dict(head_dim=None), "head_dim", "a positive integer"),
+    ("qwen3", dict(head_dim=None), "head_dim", "a positive integer"),
+    # MistralForCausalLM slides every layer (or none): a list that says otherwise is refused; without a window
+    # transformers' mask fails on any layer_types
+    ("mistral", dict(layer_types=FULL), "layer_types", "sliding_window"),
+    ("mistral", dict(sliding_window=None, layer_types=FULL), "layer_types", "sliding_window"),
+    ("mistral", dict(layer_types=["full_attention", "sliding_attention"]), "layer_types", "sliding_window"),
+    ("mistral", dict(sliding_window=0), "sliding_window", "a positive integer"),
+    ("mistral", dict(sliding_window=5.0), "sliding_window", "a positive integer"),
+])
+def test_window_values_megalite_cannot_reproduce_are_refused_naming_the_field(folders, tmp_path, case, changes,
+                                                                              field, expected):
+    src = _edit(folders, tmp_path, case, **changes)
+    with pytest.raises(ConvertError) as e:
+        convert(src, tmp_path / "m.safetensors", quiet=True)
+    msg = str(e.value)
+    assert "\n" not in msg and "config.json" in msg and field in msg and expected in msg, msg
