@@ -163,3 +163,45 @@ def test_window_values_megalite_cannot_reproduce_are_refused_naming_the_field(fo
         convert(src, tmp_path / "m.safetensors", quiet=True)
     msg = str(e.value)
     assert "\n" not in msg and "config.json" in msg and field in msg and expected in msg, msg
+
+
+@pytest.mark.parametrize("changes,field", [
+    (dict(use_sliding_window=True, sliding_window=4, max_window_layers=0, num_hidden_layers=2), "use_sliding_window"),
+    (dict(use_sliding_window=True, sliding_window=4), "use_sliding_window"),  # which layers slide: not told
+    (dict(layer_types=["full_attention", "sliding_attention"]), "layer_types"),
+    (dict(layer_types=["full_attention"] * 3, num_hidden_layers=2), "layer_types"),
+    (dict(tie_word_embeddings="false"), "tie_word_embeddings"),
+])
+def test_convert_config_refuses_the_window_and_types_an_import_refuses(tmp_path, changes, field):
+    """`convert --config config.json` (Megatron-LM, torchtitan) reads the family's window and layer keys as the
+    import does: a sliding layer is refused in one line, not a model without the window (before: layer_types and,
+    after the import learnt use_sliding_window, that key too went unchecked on this path)."""
+    from megalite.convert import hints as hn
+    p = tmp_path / "config.json"
+    base = dict(model_type="qwen3", num_attention_heads=4, num_key_value_heads=2, head_dim=16, vocab_size=96)
+    p.write_text(json.dumps(base))
+    hn.merge_config(hn.Hints(), p)
+    p.write_text(json.dumps({**base, "use_sliding_window": True, "layer_types": ["full_attention"] * 2}))
+    hn.merge_config(hn.Hints(), p)  # every layer full: transformers' no window
+    p.write_text(json.dumps({**base, **changes}))
+    with pytest.raises(ConvertError) as e:
+        hn.merge_config(hn.Hints(), p)
+    assert "\n" not in str(e.value) and field in str(e.value) and "config.json" in str(e.value), str(e.value)
+
+
+def test_a_megatron_checkpoint_with_a_yarn_config_is_refused_naming_the_file(tmp_path):
+    """megatron-core models only Llama 3's scaling: a --config with YaRN (read by the family's rope reader) is
+    refused naming the file (before: 'rope_scaling rope_type = ...' with no file). The sizes are a tensor-less
+    stand-in for a checkpoint without args (shapes are all args_from_tensors reads)."""
+    from types import SimpleNamespace as NS
+    from megalite.convert import hints as hn
+    from megalite.convert.megatron_llama import LAYERS, args_from_tensors
+    p = tmp_path / "config.json"
+    p.write_text(json.dumps(dict(model_type="qwen2", num_attention_heads=4, num_key_value_heads=2, vocab_size=96,
+                                 rope_parameters=YARN)))
+    shapes = {"embedding.word_embeddings.weight": (96, 64), LAYERS + "self_attention.linear_qkv.weight": (2, 128, 64),
+              LAYERS + "self_attention.linear_proj.weight": (2, 64, 64), LAYERS + "mlp.linear_fc1.weight": (2, 192, 64),
+              LAYERS + "mlp.linear_fc2.weight": (2, 64, 96)}
+    with pytest.raises(ConvertError) as e:
+        args_from_tensors({n: NS(shape=s) for n, s in shapes.items()}, hn.merge_config(hn.Hints(), p), "ck")
+    assert "\n" not in str(e.value) and f"--config {p}: rope_scaling rope_type = 'yarn'" in str(e.value), str(e.value)

@@ -25,6 +25,7 @@ from ..base.jsonio import loads
 from ..base.limits import FILE_BYTES
 from .. import models
 from ..config import ModelConfig
+from ..models.hf import boolean
 from ..models.llama import rope_from_hf as llama_rope
 
 NORMS, MLPS = ("rms", "layer"), ("swiglu", "gelu", "gelu_tanh")
@@ -89,7 +90,7 @@ def merge_config(h: Hints, path: Path) -> Hints:
                else ("swiglu" if act == "silu" else f"{act}-gated"),
                vocab_size=c.get("vocab_size"), block_size=c.get("n_positions" if gpt2 else "max_position_embeddings"),
                head_dim=None if gpt2 else c.get("head_dim", family.hf.head_dim_default),
-               tie_embeddings=None if gpt2 else bool(c.get("tie_word_embeddings", family.hf.tie_default)))
+               tie_embeddings=None if gpt2 else boolean(c, "tie_word_embeddings", where, family.hf.tie_default))
     out = dataclasses.replace(h, config=str(path), rope_scaling=scaling or None, family=family.name)
     for k, v in got.items():
         mine = getattr(h, k)
@@ -169,19 +170,20 @@ def llama_model(n_layer: int, n_head: int, n_kv_head: int, n_embd: int, ffn: int
     return dataclasses.asdict(m)
 
 
-def rope_scaling(s: Optional[dict]) -> dict:
-    """A transformers / torchtitan rope scaling table as megalite's ({}: none); what it does not model refused."""
+def rope_scaling(s: Optional[dict], where: str = "rope_scaling") -> dict:
+    """A transformers / torchtitan rope scaling table as megalite's ({}: none); what it does not model refused,
+    named as `where` (`--config FILE: rope_scaling` where a config.json gave it)."""
     if not s:
         return {}
     kind = s.get("rope_type", s.get("type"))
     if kind != "llama3":
-        raise ConvertError(f"rope_scaling rope_type = {kind!r}: megalite models only Llama 3's ('llama3'), or none")
+        raise ConvertError(f"{where} rope_type = {kind!r}: megalite models only Llama 3's ('llama3'), or none")
     out = {"rope_type": "llama3"}
     for k in ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings"):
-        out[k] = limits.finite(s.get(k), f"rope_scaling {k}", ConvertError, positive=True)
+        out[k] = limits.finite(s.get(k), f"{where} {k}", ConvertError, positive=True)
     ctx = out["original_max_position_embeddings"]
     if float(ctx) != int(ctx):  # a count of positions: 8192.0 is 8192, 8192.5 is no context length
-        raise ConvertError(f"rope_scaling original_max_position_embeddings = {ctx!r}: expected a whole number of "
+        raise ConvertError(f"{where} original_max_position_embeddings = {ctx!r}: expected a whole number of "
                            f"positions")
     out["original_max_position_embeddings"] = int(ctx)
     return out

@@ -117,15 +117,17 @@ def architectures(hf: dict, where: str, allowed: tuple) -> None:
         raise ConvertError(f"{where}: architectures = {_show(arch)}, expected one of {', '.join(allowed)}")
 
 
-def layer_types(hf: dict, n_layer: int, where: str):
+def layer_types(hf: dict, n_layer, where: str):
     """config.json's `layer_types` (transformers 5: one "full_attention" / "sliding_attention" per layer), or None
     where absent or null; a value that is not a list of n_layer strings is refused (transformers' own
-    validate_layer_type refuses a wrong count)."""
+    validate_layer_type refuses a wrong count). n_layer None: a partial config (`convert --config`) whose
+    num_hidden_layers the tensors tell."""
     types = hf.get("layer_types")
     if types is None:
         return None
-    if not isinstance(types, list) or len(types) != n_layer or not all(isinstance(t, str) for t in types):
+    count_ok = n_layer is None or isinstance(types, list) and len(types) == n_layer
+    if not isinstance(types, list) or not count_ok or not all(isinstance(t, str) for t in types):
         got = f"has {len(types)} entries" if isinstance(types, list) else "is not a list"
-        raise ConvertError(f"{where}: layer_types = {_show(types)} {got}, expected a list of {n_layer} entries "
-                           f"(one per layer, num_hidden_layers = {n_layer})")
+        raise ConvertError(f"{where}: layer_types = {_show(types)} {got}, expected a list of {n_layer or 'layer'} "
+                           f"entries (one string per layer, num_hidden_layers = {n_layer})")
     return types

@@ -122,8 +122,10 @@ class LlamaHF:
     def check_keys(self, hf: dict, where: str) -> list:
         """The harmless keys of config.json `hf`; every key whose value changes the forward refused in one line
         (models/hf.py's rule, the one reading of a config.json: import, split, generate and convert --config)."""
-        return H.classify(hf, self.HONOURED | set(self.own_keys()), {**self.ONLY_AT, "model_type":
-                          (self.model_type,)}, self.HARMLESS, where, self.config_class)
+        harmless = H.classify(hf, self.HONOURED | set(self.own_keys()), {**self.ONLY_AT, "model_type":
+                              (self.model_type,)}, self.HARMLESS, where, self.config_class)
+        self.own_model(hf, where)  # the family's own keys (its window and layer types) refused here too
+        return harmless
 
     def own_keys(self) -> tuple:
         return ()
