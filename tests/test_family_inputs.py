@@ -183,6 +183,11 @@ def test_convert_config_refuses_the_window_and_types_an_import_refuses(tmp_path,
     hn.merge_config(hn.Hints(), p)
     p.write_text(json.dumps({**base, "use_sliding_window": True, "layer_types": ["full_attention"] * 2}))
     hn.merge_config(hn.Hints(), p)  # every layer full: transformers' no window
+    yarn = {k: v for k, v in YARN.items() if k != "original_max_position_embeddings"}
+    for positions, want in ((None, 32768), (640, 640)):  # Qwen3Config's max_position_embeddings, or the file's
+        told = {} if positions is None else {"max_position_embeddings": positions}
+        p.write_text(json.dumps({**base, "rope_parameters": yarn, **told}))
+        assert hn.merge_config(hn.Hints(), p).rope_scaling["original_max_position_embeddings"] == want
     p.write_text(json.dumps({**base, **changes}))
     with pytest.raises(ConvertError) as e:
         hn.merge_config(hn.Hints(), p)
