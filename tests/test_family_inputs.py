@@ -67,6 +67,8 @@ ROPE = ("rope_scaling", "rope_theta")  # dropped: rope_parameters alone, as tran
     ("mistral", ROPE, dict(rope_parameters={"rope_type": "default", "rope_theta": 1e4, "partial_rotary_factor": 1})),
     # a top-level rope_theta of null beside rope_parameters' own: transformers keeps rope_parameters'
     ("qwen3", (), dict(rope_theta=None)),
+    # convert_rope_params_to_dict: `rope_scaling or rope_parameters`, so an empty rope_scaling is none
+    ("qwen2", ("rope_theta",), dict(rope_scaling={}, rope_parameters=YARN)),
     # ACT2FN["swish"] is nn.SiLU
     ("mistral", (), dict(hidden_act="swish")),
 ])

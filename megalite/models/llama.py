@@ -187,6 +187,7 @@ def rope_from_hf(hf: dict, where: str, max_positions: int = 2048) -> tuple[float
     for key, v in (("rope_parameters", params), ("rope_scaling", old)):
         if v is not None and not isinstance(v, dict):
             raise ConvertError(f"{where}: {key} = {H._show(v)}, expected an object or null")
+    old = old or None  # convert_rope_params_to_dict reads `rope_scaling or rope_parameters`: {} is none
     if params is not None and old is not None:
         a = {k: v for k, v in params.items() if k != "rope_theta"}
         b = {("rope_type" if k == "type" else k): v for k, v in old.items()}
