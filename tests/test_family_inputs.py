@@ -156,6 +156,13 @@ def test_window_keys_read_as_transformers_reads_them(folders, tmp_path, case, dr
     ("mistral", dict(sliding_window=None, layer_types=FULL), "layer_types", "sliding_window"),
     ("mistral", dict(layer_types=["full_attention", "sliding_attention"]), "layer_types", "sliding_window"),
     ("mistral", dict(sliding_window=0), "sliding_window", "a positive integer"),
+    # pinned: biases and activations a family's class does not have (MistralAttention and Qwen2Attention hard-code
+    # their biases, so transformers would load random ones or drop stored ones)
+    ("mistral", dict(attention_bias=True), "attention_bias", "not a MistralConfig field"),
+    ("mistral", dict(mlp_bias=True), "mlp_bias", "not a MistralConfig field"),
+    ("qwen2", dict(attention_bias=False), "attention_bias", "only attention_bias = true"),
+    ("qwen3", dict(hidden_act="gelu"), "hidden_act", "\"silu\""),
+    ("qwen2", dict(num_key_value_heads=3), "num_key_value_heads", "does not divide"),
     ("mistral", dict(sliding_window=5.0), "sliding_window", "a positive integer"),
 ])
 def test_window_values_megalite_cannot_reproduce_are_refused_naming_the_field(folders, tmp_path, case, changes,
