@@ -180,6 +180,8 @@ def test_window_values_megalite_cannot_reproduce_are_refused_naming_the_field(fo
     (dict(layer_types=["full_attention", "sliding_attention"]), "layer_types"),
     (dict(layer_types=["full_attention"] * 3, num_hidden_layers=2), "layer_types"),
     (dict(tie_word_embeddings="false"), "tie_word_embeddings"),
+    (dict(head_dim="16"), "head_dim"),  # before: '16' taken, then said to contradict the tensors
+    (dict(head_dim=True), "head_dim"),
 ])
 def test_convert_config_refuses_the_window_and_types_an_import_refuses(tmp_path, changes, field):
     """`convert --config config.json` (Megatron-LM, torchtitan) reads the family's window and layer keys as the
@@ -192,6 +194,8 @@ def test_convert_config_refuses_the_window_and_types_an_import_refuses(tmp_path,
     hn.merge_config(hn.Hints(), p)
     p.write_text(json.dumps({**base, "use_sliding_window": True, "layer_types": ["full_attention"] * 2}))
     hn.merge_config(hn.Hints(), p)  # every layer full: transformers' no window
+    p.write_text(json.dumps({**base, "hidden_act": "swish"}))
+    assert hn.merge_config(hn.Hints(), p).mlp == "swiglu"  # ACT2FN["swish"] is nn.SiLU, as the import reads it
     yarn = {k: v for k, v in YARN.items() if k != "original_max_position_embeddings"}
     for positions, want in ((None, 32768), (640, 640)):  # Qwen3Config's max_position_embeddings, or the file's
         told = {} if positions is None else {"max_position_embeddings": positions}

@@ -88,7 +88,7 @@ def merge_config(h: Hints, path: Path) -> Hints:
                rope_theta=theta if told else None,
                norm="layer" if gpt2 else "rms", norm_eps=c.get("layer_norm_epsilon" if gpt2 else "rms_norm_eps"),
                mlp={"gelu": "gelu", "gelu_new": "gelu_tanh", "gelu_pytorch_tanh": "gelu_tanh"}.get(act, "?") if gpt2
-               else ("swiglu" if act == "silu" else f"{act}-gated"),
+               else ("swiglu" if act in ("silu", "swish") else f"{act}-gated"),  # ACT2FN: both SiLU
                vocab_size=c.get("vocab_size"), block_size=c.get("n_positions" if gpt2 else "max_position_embeddings"),
                head_dim=None if gpt2 else c.get("head_dim", family.hf.head_dim_default),
                tie_embeddings=None if gpt2 else boolean(c, "tie_word_embeddings", where, family.hf.tie_default))
@@ -115,7 +115,7 @@ def check_choice(h: Hints, where: Optional[str] = None) -> None:
         v = getattr(h, name)
         if v is not None and v not in allowed:
             raise ConvertError(f"{name_of(name)} {limits.describe(v)}: expected one of {', '.join(allowed)}")
-    for name in ("num_heads", "num_kv_heads", "vocab_size", "block_size"):
+    for name in ("num_heads", "num_kv_heads", "vocab_size", "block_size", "head_dim"):
         if getattr(h, name) is not None:
             limits.number(getattr(h, name), name_of(name), ConvertError, lo=1, hi=limits.MAX_SIZE)
     for name in ("rope_theta", "norm_eps"):
