@@ -147,6 +147,9 @@ def test_window_keys_read_as_transformers_reads_them(folders, tmp_path, case, dr
     ("qwen3", dict(use_sliding_window=True, sliding_window=5, layer_types=["full_attention", "sliding_attention"]),
      "layer_types", "\"full_attention\""),
     ("qwen2", dict(use_sliding_window="yes"), "use_sliding_window", "true or false"),
+    # the layer count is checked before the sliding layers are counted
+    ("qwen2", dict(use_sliding_window=True, layer_types=None, num_hidden_layers=10**12 + 0.5), "num_hidden_layers",
+     "a positive integer"),
     # Qwen2Attention reads getattr(config, "head_dim", ...) (null: a crash); Qwen3Config's head_dim is an int
     ("qwen2", dict(head_dim=None), "head_dim", "a positive integer"),
     ("qwen3", dict(head_dim=None), "head_dim", "a positive integer"),
@@ -177,6 +180,8 @@ def test_window_values_megalite_cannot_reproduce_are_refused_naming_the_field(fo
 @pytest.mark.parametrize("changes,field", [
     (dict(use_sliding_window=True, sliding_window=4, max_window_layers=0, num_hidden_layers=2), "use_sliding_window"),
     (dict(use_sliding_window=True, sliding_window=4), "use_sliding_window"),  # which layers slide: not told
+    # no layer list of 10**12 entries is built (a --config has no stored tensors to check the count against)
+    (dict(use_sliding_window=True, sliding_window=4, num_hidden_layers=10**12), "layer 28 is \"sliding_attention\""),
     (dict(layer_types=["full_attention", "sliding_attention"]), "layer_types"),
     (dict(layer_types=["full_attention"] * 3, num_hidden_layers=2), "layer_types"),
     (dict(tie_word_embeddings="false"), "tie_word_embeddings"),

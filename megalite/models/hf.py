@@ -117,6 +117,12 @@ def architectures(hf: dict, where: str, allowed: tuple) -> None:
         raise ConvertError(f"{where}: architectures = {_show(arch)}, expected one of {', '.join(allowed)}")
 
 
+def layer_count(hf: dict, where: str):
+    """num_hidden_layers as a positive integer, or None where a partial config (`convert --config`) leaves it out
+    or null (the tensors tell it)."""
+    return None if hf.get("num_hidden_layers") is None else positive_int(hf, "num_hidden_layers", where)
+
+
 def layer_types(hf: dict, n_layer, where: str):
     """config.json's `layer_types` (transformers 5: one "full_attention" / "sliding_attention" per layer), or None
     where absent or null; a value that is not a list of n_layer strings is refused (transformers' own

@@ -23,7 +23,7 @@ class MistralHF(LlamaHF):
     def own_model(self, hf, where):
         w = hf.get("sliding_window", 4096)
         w = 0 if w is None else H.positive_int({"sliding_window": w}, "sliding_window", where)
-        types = H.layer_types(hf, hf.get("num_hidden_layers"), where)
+        types = H.layer_types(hf, H.layer_count(hf, where), where)
         if types is not None and (not w or any(t != "sliding_attention" for t in types)):
             raise ConvertError(f"{where}: layer_types = {H._show(types)}: MistralForCausalLM applies sliding_window "
                                f"= {H._show(w or None)} to every layer and never reads layer_types (expected no "

@@ -33,11 +33,10 @@ class Qwen2HF(LlamaHF):
 def _full_attention_only(hf: dict, where: str) -> dict:
     """{} where every layer of this Qwen config attends in full (Qwen2Config / Qwen3Config's __post_init__
     decides which layers slide); a sliding layer refused in one line naming it."""
-    n = hf.get("num_hidden_layers")  # absent only in a `convert --config` file (the tensors tell it)
+    n = H.layer_count(hf, where)
     sliding = H.boolean(hf, "use_sliding_window", where, False) and hf.get("sliding_window", 4096) is not None
     types = H.layer_types(hf, n, where)
-    said = "layer_types"
-    if types is None and sliding and not isinstance(n, int):
+    if types is None and sliding and n is None:
         raise ConvertError(f"{where}: use_sliding_window = true without layer_types or num_hidden_layers: megalite "
                            f"cannot tell which layers slide (it reproduces only \"full_attention\" layers)")
     if types is None and not sliding:
@@ -46,12 +45,15 @@ def _full_attention_only(hf: dict, where: str) -> dict:
         first = hf.get("max_window_layers", 28)
         if isinstance(first, bool) or not isinstance(first, int) or first < 0:
             raise ConvertError(f"{where}: max_window_layers = {H._show(first)}, expected a non-negative integer")
-        types = ["sliding_attention" if i >= first else "full_attention" for i in range(n)]
-        said = f"layer_types (from use_sliding_window = true, max_window_layers = {first})"
+        if first < n:  # layers first, ..., n - 1 slide
+            raise ConvertError(f"{where}: layer_types (from use_sliding_window = true, max_window_layers = {first}): "
+                               f"layer {first} is \"sliding_attention\"; megalite reproduces only \"full_attention\" "
+                               f"layers for this family")
+        return {}
     wrong = [i for i, t in enumerate(types) if t != "full_attention"]
     if wrong:
-        raise ConvertError(f"{where}: {said}: layer {wrong[0]} is {H._show(types[wrong[0]])}; megalite reproduces "
-                           f"only \"full_attention\" layers for this family")
+        raise ConvertError(f"{where}: layer_types: layer {wrong[0]} is {H._show(types[wrong[0]])}; megalite "
+                           f"reproduces only \"full_attention\" layers for this family")
     return {}
 
 
