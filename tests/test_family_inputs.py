@@ -69,6 +69,18 @@ ROPE = ("rope_scaling", "rope_theta")  # dropped: rope_parameters alone, as tran
     ("qwen3", (), dict(rope_theta=None)),
     # convert_rope_params_to_dict: `rope_scaling or rope_parameters`, so an empty rope_scaling is none
     ("qwen2", ("rope_theta",), dict(rope_scaling={}, rope_parameters=YARN)),
+    # pinned, modelled as written: factor below 1 (transformers warns), the betas swapped (it warns), an explicit
+    # attention_factor, DeepSeek's mscale pair (for these classes only their ratio scales cos and sin; the softmax
+    # factor yarn_apply_mscale adds is MLA's), llama3 on a Qwen (ROPE_INIT_FUNCTIONS serves every family)
+    ("qwen2", ROPE, dict(rope_parameters={**YARN, "factor": 0.5})),
+    ("qwen2", ROPE, dict(rope_parameters={**YARN, "beta_fast": 1, "beta_slow": 32})),
+    ("qwen3", ROPE, dict(rope_parameters={**YARN, "attention_factor": 1.3, "truncate": False})),
+    ("mistral", ROPE, dict(rope_parameters={**YARN, "mscale": 1.0, "mscale_all_dim": 0.707})),
+    ("qwen2", ROPE, dict(rope_parameters={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+                                          "high_freq_factor": 4.0, "original_max_position_embeddings": 64,
+                                          "rope_theta": 1e4})),
+    ("qwen2", ("rope_parameters", "rope_theta"), dict(rope_scaling={"type": "yarn", "factor": 4.0,
+                                                                    "original_max_position_embeddings": 64})),
     # ACT2FN["swish"] is nn.SiLU
     ("mistral", (), dict(hidden_act="swish")),
 ])
