@@ -62,6 +62,8 @@ ROPE = ("rope_scaling", "rope_theta")  # dropped: rope_parameters alone, as tran
     ("qwen2", ROPE, dict(rope_parameters={k: v for k, v in YARN.items() if k != "original_max_position_embeddings"})),
     ("qwen3", ROPE, dict(rope_parameters={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
                                           "high_freq_factor": 4.0, "rope_theta": 1e4})),
+    # _compute_yarn_parameters: a null factor is max_position_embeddings / original_max_position_embeddings (64 / 16)
+    ("qwen2", ROPE, dict(rope_parameters={**YARN, "factor": None, "original_max_position_embeddings": 16})),
     # convert_rope_params_to_dict moves a partial_rotary_factor into rope_parameters; 1 is every dim
     ("qwen2", ROPE, dict(rope_parameters={**YARN, "partial_rotary_factor": 1.0})),
     ("mistral", ROPE, dict(rope_parameters={"rope_type": "default", "rope_theta": 1e4, "partial_rotary_factor": 1})),

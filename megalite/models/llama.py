@@ -221,6 +221,11 @@ def rope_from_hf(hf: dict, where: str, max_positions: int = 2048) -> tuple[float
     if extra:
         raise ConvertError(f"{where}: {field}.{extra[0]} is not a field of rope_type '{kind}' megalite knows")
     scaling.setdefault("original_max_position_embeddings", max_positions)  # standardize_rope_params' default
+    if kind == "yarn" and "factor" in scaling and scaling["factor"] is None and isinstance(max_positions, int) \
+            and not isinstance(max_positions, bool):  # _compute_yarn_parameters: the ratio of the two contexts
+        key = f"{field}.original_max_position_embeddings"
+        original = H.positive_float({key: scaling["original_max_position_embeddings"]}, key, where, 1.0)
+        scaling["factor"] = max_positions / original
     missing = [k for k in need if scaling.get(k) is None]
     if missing:
         raise ConvertError(f"{where}: {field}.{missing[0]} is missing (rope_type '{kind}' needs {', '.join(need)})")
