@@ -242,3 +242,28 @@ def test_a_megatron_checkpoint_with_a_yarn_config_is_refused_naming_the_file(tmp
     with pytest.raises(ConvertError) as e:
         args_from_tensors({n: NS(shape=s) for n, s in shapes.items()}, hn.merge_config(hn.Hints(), p), "ck")
     assert "\n" not in str(e.value) and f"--config {p}: rope_scaling rope_type = 'yarn'" in str(e.value), str(e.value)
+
+
+@pytest.mark.parametrize("cls,heads,kv", [("MistralConfig", 16, 8), ("Qwen3Config", 64, 32), ("LlamaConfig", 4, 4)])
+def test_num_key_value_heads_absent_is_the_classs_default(tmp_path, cls, heads, kv):
+    """config.json without num_key_value_heads: MistralConfig's default is 8 kv heads, Qwen2Config's and
+    Qwen3Config's 32, LlamaConfig's the attention heads (before: always the attention heads, so a Mistral of 16
+    heads over 8 kv heads was refused as disagreeing with its own tensors, which transformers loads)."""
+    keys = dict(head_dim=4) if cls == "Qwen3Config" else {}
+    cfg = getattr(transformers, cls)(vocab_size=128, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+                                     num_attention_heads=heads, num_key_value_heads=kv, max_position_embeddings=64,
+                                     **keys)
+    torch.manual_seed(0)
+    transformers.AutoModelForCausalLM.from_config(cfg, dtype=torch.float32).save_pretrained(tmp_path / "hf")
+    folder = tmp_path / "hf"
+    c = json.loads((folder / "config.json").read_text())
+    del c["num_key_value_heads"]
+    (folder / "config.json").write_text(json.dumps(c))
+    _same_as_transformers(folder, tmp_path / "m.safetensors")
+
+
+def test_num_key_value_heads_absent_that_does_not_divide_is_named(folders, tmp_path):
+    src = _edit(folders, tmp_path, "mistral", drop=("num_key_value_heads",))  # 4 heads: MistralConfig's 8 kv
+    with pytest.raises(ConvertError, match=r"config\.json: num_key_value_heads = 8 \(absent: MistralConfig's "
+                                           r"default\) does not divide num_attention_heads = 4$"):
+        convert(src, tmp_path / "m.safetensors", quiet=True)

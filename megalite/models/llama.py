@@ -48,6 +48,7 @@ class LlamaHF:
     head_dim_default = None  # None: hidden_size / num_attention_heads (LlamaConfig); Qwen3Config: 128
     head_dim_nullable = True  # LlamaConfig and MistralConfig read head_dim null as hidden / heads
     max_positions_default = 2048  # the config class's max_position_embeddings default
+    kv_heads_default = None  # num_key_value_heads absent: None is num_attention_heads (LlamaConfig)
     name = "llama"
 
     @property
@@ -98,10 +99,12 @@ class LlamaHF:
         sizes = {k: H.positive_int(hf, k, where) for k in ("vocab_size", "hidden_size", "num_hidden_layers",
                                                            "num_attention_heads", "intermediate_size")}
         C, Hn = sizes["hidden_size"], sizes["num_attention_heads"]
-        kv = H.positive_int(hf, "num_key_value_heads", where, Hn) if hf.get("num_key_value_heads") is not None \
-            else Hn
+        kv = hf.get("num_key_value_heads", self.kv_heads_default)  # null: num_attention_heads (every class)
+        kv = Hn if kv is None else H.positive_int({"num_key_value_heads": kv}, "num_key_value_heads", where)
         if Hn % kv:
-            raise ConvertError(f"{where}: num_key_value_heads = {kv} does not divide num_attention_heads = {Hn}")
+            absent = "" if "num_key_value_heads" in hf else f" (absent: {self.config_class}'s default)"
+            raise ConvertError(f"{where}: num_key_value_heads = {kv}{absent} does not divide num_attention_heads = "
+                               f"{Hn}")
         if hf.get("hidden_act", "silu") not in ("silu", "swish"):  # ACT2FN: both are SiLU
             raise ConvertError(f"{where}: hidden_act = {H._show(hf['hidden_act'])} is not supported (megalite "
                                f"reproduces only \"silu\", SwiGLU)")

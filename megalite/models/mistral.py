@@ -16,6 +16,7 @@ class MistralHF(LlamaHF):
     architectures = ("MistralForCausalLM", "MistralModel")
     ONLY_AT = {}
     max_positions_default = 4096 * 32
+    kv_heads_default = 8  # the config class's num_key_value_heads default
 
     def own_keys(self):
         return ("sliding_window", "layer_types")

@@ -19,6 +19,7 @@ class Qwen2HF(LlamaHF):
     HARMLESS = ("sliding_window", "max_window_layers")  # read (below) only where use_sliding_window is true
     head_dim_nullable = False  # no head_dim field: Qwen2Attention reads a null one as it is
     max_positions_default = 32768
+    kv_heads_default = 32  # the config class's num_key_value_heads default
 
     def own_keys(self):
         return ("layer_types", "use_sliding_window")

@@ -17,6 +17,7 @@ class Qwen3HF(LlamaHF):
     head_dim_default = 128  # Qwen3Config's
     head_dim_nullable = False  # Qwen3Config's head_dim is an int
     max_positions_default = 32768
+    kv_heads_default = 32  # the config class's num_key_value_heads default
 
     def own_keys(self):
         return ("layer_types", "use_sliding_window")
