@@ -312,21 +312,26 @@ def test_an_origins_dtype_is_what_the_weights_are_stored_in_not_what_config_json
 @pytest.mark.parametrize("family,cls", [("qwen2", "Qwen2Config"), ("qwen3", "Qwen3Config")])
 def test_a_sliding_window_config_of_qwen_is_refused_key_by_key(family, cls):
     """transformers' own Qwen2/Qwen3 config with use_sliding_window true (its layer_types then 'sliding_attention':
-    the forward changes) is refused in one line naming the key, and so is each of its two keys alone.
-    Planted: use_sliding_window moved to the harmless keys; layer_types accepting 'sliding_attention': each
-    fails here (the default-like rule passes the other key's default value)."""
+    the forward changes) is refused in one line naming the key, and so is each way of saying it alone: the
+    layer_types list, or use_sliding_window true without one (Qwen2Config then derives the sliding layers from
+    max_window_layers). use_sliding_window true beside an all-"full_attention" layer_types is transformers' no
+    window (tests/test_family_inputs.py compares its logits). Planted: use_sliding_window moved to the harmless
+    keys, or layer_types accepting 'sliding_attention': each fails here."""
     from megalite.base.errors import ConvertError
     hf = getattr(transformers, cls)(vocab_size=96, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
                                     num_attention_heads=4, num_key_value_heads=2, use_sliding_window=True,
                                     sliding_window=4, max_window_layers=0).to_dict()
     assert hf["use_sliding_window"] is True and set(hf["layer_types"]) == {"sliding_attention"}
     fam = FAMILIES[family]
-    for key, value in (("use_sliding_window", True), ("layer_types", hf["layer_types"])):
-        alone = {**hf, "use_sliding_window": False, "layer_types": ["full_attention"] * 2, key: value}
+    full = {**hf, "use_sliding_window": False, "layer_types": ["full_attention"] * 2}
+    no_list = {k: v for k, v in hf.items() if k != "layer_types"}
+    for key, config in (("use_sliding_window", no_list), ("layer_types", {**full, "layer_types": hf["layer_types"]}),
+                        ("layer_types", hf)):
         with pytest.raises(ConvertError, match=key) as e:
-            fam.read_config(alone, "config.json")
+            fam.read_config(config, "config.json")
         assert "\n" not in str(e.value)
-    fam.read_config({**hf, "use_sliding_window": False, "layer_types": ["full_attention"] * 2}, "config.json")
+    fam.read_config(full, "config.json")
+    fam.read_config({**full, "use_sliding_window": True}, "config.json")
 
 
 def test_a_tokenizer_json_that_is_not_the_canonical_text_travels_byte_for_byte(tmp_path):

@@ -25,6 +25,7 @@ from ..base.jsonio import loads
 from ..base.limits import FILE_BYTES
 from .. import models
 from ..config import ModelConfig
+from ..models.hf import boolean
 from ..models.llama import rope_from_hf as llama_rope
 
 NORMS, MLPS = ("rms", "layer"), ("swiglu", "gelu", "gelu_tanh")
@@ -78,7 +79,8 @@ def merge_config(h: Hints, path: Path) -> Hints:
                            f"{', '.join(repr(k) for k in models.BY_MODEL_TYPE)}")
     family.hf.check_keys(c, where)  # the family's own reading: every key that changes the forward refused
     gpt2 = family.features.positions == "learned"  # GPT2Config's key names
-    theta, scaling = (None, None) if gpt2 else llama_rope(c, where)
+    theta, scaling = (None, None) if gpt2 else llama_rope(c, where, c.get("max_position_embeddings",
+                                                                       family.hf.max_positions_default))
     told = "rope_theta" in c or "rope_theta" in (c.get("rope_parameters") or {})
     act = c.get("activation_function" if gpt2 else "hidden_act", "gelu_new" if gpt2 else "silu")  # classes' defaults
     got = dict(num_heads=c.get("n_head" if gpt2 else "num_attention_heads"),
@@ -86,10 +88,10 @@ def merge_config(h: Hints, path: Path) -> Hints:
                rope_theta=theta if told else None,
                norm="layer" if gpt2 else "rms", norm_eps=c.get("layer_norm_epsilon" if gpt2 else "rms_norm_eps"),
                mlp={"gelu": "gelu", "gelu_new": "gelu_tanh", "gelu_pytorch_tanh": "gelu_tanh"}.get(act, "?") if gpt2
-               else ("swiglu" if act == "silu" else f"{act}-gated"),
+               else ("swiglu" if act in ("silu", "swish") else f"{act}-gated"),  # ACT2FN: both SiLU
                vocab_size=c.get("vocab_size"), block_size=c.get("n_positions" if gpt2 else "max_position_embeddings"),
                head_dim=None if gpt2 else c.get("head_dim", family.hf.head_dim_default),
-               tie_embeddings=None if gpt2 else bool(c.get("tie_word_embeddings", family.hf.tie_default)))
+               tie_embeddings=None if gpt2 else boolean(c, "tie_word_embeddings", where, family.hf.tie_default))
     out = dataclasses.replace(h, config=str(path), rope_scaling=scaling or None, family=family.name)
     for k, v in got.items():
         mine = getattr(h, k)
@@ -113,7 +115,7 @@ def check_choice(h: Hints, where: Optional[str] = None) -> None:
         v = getattr(h, name)
         if v is not None and v not in allowed:
             raise ConvertError(f"{name_of(name)} {limits.describe(v)}: expected one of {', '.join(allowed)}")
-    for name in ("num_heads", "num_kv_heads", "vocab_size", "block_size"):
+    for name in ("num_heads", "num_kv_heads", "vocab_size", "block_size", "head_dim"):
         if getattr(h, name) is not None:
             limits.number(getattr(h, name), name_of(name), ConvertError, lo=1, hi=limits.MAX_SIZE)
     for name in ("rope_theta", "norm_eps"):
@@ -169,19 +171,20 @@ def llama_model(n_layer: int, n_head: int, n_kv_head: int, n_embd: int, ffn: int
     return dataclasses.asdict(m)
 
 
-def rope_scaling(s: Optional[dict]) -> dict:
-    """A transformers / torchtitan rope scaling table as megalite's ({}: none); what it does not model refused."""
+def rope_scaling(s: Optional[dict], where: str = "rope_scaling") -> dict:
+    """A transformers / torchtitan rope scaling table as megalite's ({}: none); what it does not model refused,
+    named as `where` (`--config FILE: rope_scaling` where a config.json gave it)."""
     if not s:
         return {}
     kind = s.get("rope_type", s.get("type"))
     if kind != "llama3":
-        raise ConvertError(f"rope_scaling rope_type = {kind!r}: megalite models only Llama 3's ('llama3'), or none")
+        raise ConvertError(f"{where} rope_type = {kind!r}: megalite models only Llama 3's ('llama3'), or none")
     out = {"rope_type": "llama3"}
     for k in ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings"):
-        out[k] = limits.finite(s.get(k), f"rope_scaling {k}", ConvertError, positive=True)
+        out[k] = limits.finite(s.get(k), f"{where} {k}", ConvertError, positive=True)
     ctx = out["original_max_position_embeddings"]
     if float(ctx) != int(ctx):  # a count of positions: 8192.0 is 8192, 8192.5 is no context length
-        raise ConvertError(f"rope_scaling original_max_position_embeddings = {ctx!r}: expected a whole number of "
+        raise ConvertError(f"{where} original_max_position_embeddings = {ctx!r}: expected a whole number of "
                            f"positions")
     out["original_max_position_embeddings"] = int(ctx)
     return out

@@ -144,7 +144,7 @@ def args_from_tensors(tensors: dict, h: hn.Hints, where: str) -> dict:
         a.update(position_embedding_type="rope", max_position_embeddings=4096 if h.block_size is None else h.block_size)
         hn.even_head_width(H, hd)
         if h.rope_scaling:
-            s = hn.rope_scaling(h.rope_scaling)
+            s = hn.rope_scaling(h.rope_scaling, f"--config {h.config}: rope_scaling")
             if (s["low_freq_factor"], s["high_freq_factor"], s["original_max_position_embeddings"]) != (1.0, 4.0, 8192):
                 raise ConvertError(f"--config {h.config}: rope_scaling {s}: a megatron-core model's Llama 3 scaling "
                                    f"has low/high_freq_factor 1/4 and original_max_position_embeddings 8192")

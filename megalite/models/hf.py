@@ -115,3 +115,25 @@ def architectures(hf: dict, where: str, allowed: tuple) -> None:
     arch = hf.get("architectures") or [allowed[0]]
     if not isinstance(arch, list) or any(a not in allowed for a in arch):
         raise ConvertError(f"{where}: architectures = {_show(arch)}, expected one of {', '.join(allowed)}")
+
+
+def layer_count(hf: dict, where: str):
+    """num_hidden_layers as a positive integer, or None where a partial config (`convert --config`) leaves it out
+    or null (the tensors tell it)."""
+    return None if hf.get("num_hidden_layers") is None else positive_int(hf, "num_hidden_layers", where)
+
+
+def layer_types(hf: dict, n_layer, where: str):
+    """config.json's `layer_types` (transformers 5: one "full_attention" / "sliding_attention" per layer), or None
+    where absent or null; a value that is not a list of n_layer strings is refused (transformers' own
+    validate_layer_type refuses a wrong count). n_layer None: a partial config (`convert --config`) whose
+    num_hidden_layers the tensors tell."""
+    types = hf.get("layer_types")
+    if types is None:
+        return None
+    count_ok = n_layer is None or isinstance(types, list) and len(types) == n_layer
+    if not isinstance(types, list) or not count_ok or not all(isinstance(t, str) for t in types):
+        got = f"has {len(types)} entries" if isinstance(types, list) else "is not a list"
+        raise ConvertError(f"{where}: layer_types = {_show(types)} {got}, expected a list of {n_layer or 'layer'} "
+                           f"entries (one string per layer, num_hidden_layers = {n_layer})")
+    return types

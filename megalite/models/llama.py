@@ -15,6 +15,9 @@ LLAMA_KEYS = ("n_kv_head", "intermediate_size", "rope_theta", "rope_scaling", "h
 ROPE_KEYS = {"llama3": ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings"),
              "yarn": ("factor", "original_max_position_embeddings")}
 YARN_OPTIONAL = ("attention_factor", "beta_fast", "beta_slow", "mscale", "mscale_all_dim", "truncate")
+# _compute_yarn_parameters reads these as `value or default` (beta_fast or 32, `if mscale and mscale_all_dim`):
+# a 0 there is the default, read as absent
+YARN_OR_DEFAULT = ("beta_fast", "beta_slow", "mscale", "mscale_all_dim")
 
 
 class LlamaHF:
@@ -43,7 +46,9 @@ class LlamaHF:
               ("hidden_size", "columns of model.embed_tokens.weight in", -1, ("model.embed_tokens.weight",)))
     tie_default = False  # the config class's tie_word_embeddings default
     head_dim_default = None  # None: hidden_size / num_attention_heads (LlamaConfig); Qwen3Config: 128
-    positions_default = 2048  # the config class's max_position_embeddings default (megalite's block_size)
+    head_dim_nullable = True  # LlamaConfig and MistralConfig read head_dim null as hidden / heads
+    max_positions_default = 2048  # the config class's max_position_embeddings default
+    kv_heads_default = None  # num_key_value_heads absent: None is num_attention_heads (LlamaConfig)
     name = "llama"
 
     @property
@@ -94,19 +99,22 @@ class LlamaHF:
         sizes = {k: H.positive_int(hf, k, where) for k in ("vocab_size", "hidden_size", "num_hidden_layers",
                                                            "num_attention_heads", "intermediate_size")}
         C, Hn = sizes["hidden_size"], sizes["num_attention_heads"]
-        kv = H.positive_int(hf, "num_key_value_heads", where, Hn) if hf.get("num_key_value_heads") is not None \
-            else Hn
+        kv = hf.get("num_key_value_heads", self.kv_heads_default)  # null: num_attention_heads (every class)
+        kv = Hn if kv is None else H.positive_int({"num_key_value_heads": kv}, "num_key_value_heads", where)
         if Hn % kv:
-            raise ConvertError(f"{where}: num_key_value_heads = {kv} does not divide num_attention_heads = {Hn}")
-        if hf.get("hidden_act", "silu") != "silu":
+            absent = "" if "num_key_value_heads" in hf else f" (absent: {self.config_class}'s default)"
+            raise ConvertError(f"{where}: num_key_value_heads = {kv}{absent} does not divide num_attention_heads = "
+                               f"{Hn}")
+        if hf.get("hidden_act", "silu") not in ("silu", "swish"):  # ACT2FN: both are SiLU
             raise ConvertError(f"{where}: hidden_act = {H._show(hf['hidden_act'])} is not supported (megalite "
                                f"reproduces only \"silu\", SwiGLU)")
         D = self._head_dim(hf, C, Hn, where)
         H.architectures(hf, where, self.architectures)
-        theta, scaling = rope_from_hf(hf, where)
+        positions = H.positive_int(hf, "max_position_embeddings", where, self.max_positions_default)
+        theta, scaling = rope_from_hf(hf, where, positions)
         m = dict(arch=self.name, n_layer=sizes["num_hidden_layers"], n_head=Hn, n_embd=C, n_kv_head=kv,
                  vocab_size=sizes["vocab_size"], intermediate_size=sizes["intermediate_size"],
-                 block_size=H.positive_int(hf, "max_position_embeddings", where, self.positions_default),
+                 block_size=positions,
                  layer_norm_eps=H.positive_float(hf, "rms_norm_eps", where, 1e-6),
                  tie_embeddings=H.boolean(hf, "tie_word_embeddings", where, self.tie_default),
                  rope_theta=theta, rope_scaling=scaling, dropout=0.0, **self.own_model(hf, where))
@@ -117,8 +125,10 @@ class LlamaHF:
     def check_keys(self, hf: dict, where: str) -> list:
         """The harmless keys of config.json `hf`; every key whose value changes the forward refused in one line
         (models/hf.py's rule, the one reading of a config.json: import, split, generate and convert --config)."""
-        return H.classify(hf, self.HONOURED | set(self.own_keys()), {**self.ONLY_AT, "model_type":
-                          (self.model_type,)}, self.HARMLESS, where, self.config_class)
+        harmless = H.classify(hf, self.HONOURED | set(self.own_keys()), {**self.ONLY_AT, "model_type":
+                              (self.model_type,)}, self.HARMLESS, where, self.config_class)
+        self.own_model(hf, where)  # the family's own keys (its window and layer types) refused here too
+        return harmless
 
     def own_keys(self) -> tuple:
         return ()
@@ -128,6 +138,9 @@ class LlamaHF:
 
     def _head_dim(self, hf: dict, C: int, Hn: int, where: str) -> int:
         given = hf.get("head_dim", self.head_dim_default)
+        if given is None and "head_dim" in hf and not self.head_dim_nullable:
+            raise ConvertError(f"{where}: field 'head_dim' = null, expected a positive integer ({self.config_class} "
+                               f"does not read null as hidden_size / num_attention_heads)")
         if given is None:
             if C % Hn:
                 raise ConvertError(f"{where}: hidden_size = {C} is not a multiple of num_attention_heads = {Hn}")
@@ -168,13 +181,16 @@ class LlamaTitan:
     rope_scalings = ("llama3",)  # ComplexRoPE's "llama" scaling, transformers' llama3 (its yarn: hints refuse it)
 
 
-def rope_from_hf(hf: dict, where: str) -> tuple[float, dict]:
-    """(rope_theta, rope_scaling) from 4.x's `rope_theta` + `rope_scaling` or 5.x's `rope_parameters`; both
-    given and disagreeing is refused (transformers would read one of them)."""
+def rope_from_hf(hf: dict, where: str, max_positions: int = 2048) -> tuple[float, dict]:
+    """(rope_theta, rope_scaling) from 4.x's `rope_theta` + `rope_scaling` or 5.x's `rope_parameters`, read as
+    transformers 5 reads them (modeling_rope_utils: standardize_rope_params, _compute_yarn_parameters); both
+    given and disagreeing is refused (transformers would read one of them). `max_positions`: the config's
+    max_position_embeddings, a scaling's original_max_position_embeddings when it gives none."""
     params, old = hf.get("rope_parameters"), hf.get("rope_scaling")
     for key, v in (("rope_parameters", params), ("rope_scaling", old)):
         if v is not None and not isinstance(v, dict):
             raise ConvertError(f"{where}: {key} = {H._show(v)}, expected an object or null")
+    old = old or None  # convert_rope_params_to_dict reads `rope_scaling or rope_parameters`: {} is none
     if params is not None and old is not None:
         a = {k: v for k, v in params.items() if k != "rope_theta"}
         b = {("rope_type" if k == "type" else k): v for k, v in old.items()}
@@ -183,12 +199,17 @@ def rope_from_hf(hf: dict, where: str) -> tuple[float, dict]:
                                f"disagree (expected one of them, or the same scaling in both)")
     field = "rope_parameters" if params is not None else "rope_scaling"
     scaling = dict(params if params is not None else old or {})
-    if params is not None and "rope_theta" in params and "rope_theta" in hf and \
-            params["rope_theta"] != hf["rope_theta"]:
+    if params is not None and "rope_theta" in params and hf.get("rope_theta") is not None and \
+            params["rope_theta"] != hf["rope_theta"]:  # a top-level null: transformers keeps rope_parameters'
         raise ConvertError(f"{where}: rope_theta = {H._show(hf['rope_theta'])} and rope_parameters.rope_theta = "
                            f"{H._show(params['rope_theta'])} disagree (expected one value)")
     theta = H.positive_float({"rope_theta": scaling.pop("rope_theta", hf.get("rope_theta", 10000.0))},
                              "rope_theta", where, 10000.0)
+    if "partial_rotary_factor" in scaling:  # moved here by transformers 5 from the top level: 1 rotates every dim
+        prf = scaling.pop("partial_rotary_factor")
+        if not H._same(prf, 1):
+            raise ConvertError(f"{where}: {field}.partial_rotary_factor = {H._show(prf)} is not supported "
+                               f"(megalite rotates every dim of a head: expected 1)")
     kind = scaling.pop("rope_type", scaling.pop("type", "default"))
     if kind == "default":
         if scaling:
@@ -202,10 +223,32 @@ def rope_from_hf(hf: dict, where: str) -> tuple[float, dict]:
     extra = sorted(set(scaling) - set(need) - set(optional))
     if extra:
         raise ConvertError(f"{where}: {field}.{extra[0]} is not a field of rope_type '{kind}' megalite knows")
+    scaling.setdefault("original_max_position_embeddings", max_positions)  # standardize_rope_params' default
+    if kind == "yarn" and "factor" in scaling and scaling["factor"] is None and isinstance(max_positions, int) \
+            and not isinstance(max_positions, bool):  # _compute_yarn_parameters: the ratio of the two contexts
+        key = f"{field}.original_max_position_embeddings"
+        original = H.positive_float({key: scaling["original_max_position_embeddings"]}, key, where, 1.0)
+        scaling["factor"] = max_positions / original
     missing = [k for k in need if scaling.get(k) is None]
     if missing:
         raise ConvertError(f"{where}: {field}.{missing[0]} is missing (rope_type '{kind}' needs {', '.join(need)})")
-    return theta, {"rope_type": kind, **{k: scaling[k] for k in need + optional if scaling.get(k) is not None}}
+    out = {"rope_type": kind}
+    for k in need + optional:
+        v = scaling.get(k)
+        if k == "truncate":  # read as rope_parameters.get("truncate", True): null is falsy, no truncation
+            if v is not None and not isinstance(v, bool):
+                raise ConvertError(f"{where}: {field}.truncate = {H._show(v)}, expected true, false or null")
+            if k in scaling:
+                out[k] = bool(v)
+            continue
+        if v is None or (k in YARN_OR_DEFAULT and H._same(v, 0)):
+            continue
+        H.positive_float({f"{field}.{k}": v}, f"{field}.{k}", where, 1.0)
+        out[k] = v
+    if kind == "llama3" and not out["high_freq_factor"] > out["low_freq_factor"]:
+        raise ConvertError(f"{where}: {field}.high_freq_factor = {H._show(out['high_freq_factor'])} must be larger "
+                           f"than low_freq_factor = {H._show(out['low_freq_factor'])}")
+    return theta, out
 
 
 SPEC = FamilySpec(

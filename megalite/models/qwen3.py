@@ -12,12 +12,15 @@ from .spec import FamilySpec, Features, meta_ffn
 class Qwen3HF(LlamaHF):
     model_type, config_class, name = "qwen3", "Qwen3Config", "qwen3"
     architectures = ("Qwen3ForCausalLM", "Qwen3Model")
-    ONLY_AT = {"use_sliding_window": (False,), "attention_bias": (False,)}
+    ONLY_AT = {"attention_bias": (False,)}
     HARMLESS = ("sliding_window", "max_window_layers")
-    head_dim_default, positions_default = 128, 32768  # Qwen3Config's
+    head_dim_default = 128  # Qwen3Config's
+    head_dim_nullable = False  # Qwen3Config's head_dim is an int
+    max_positions_default = 32768
+    kv_heads_default = 32  # the config class's num_key_value_heads default
 
     def own_keys(self):
-        return ("layer_types",)
+        return ("layer_types", "use_sliding_window")
 
     def own_model(self, hf, where):
         return _full_attention_only(hf, where)
