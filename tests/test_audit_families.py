@@ -1,4 +1,4 @@
-"""Issue 43's planted-bug audit of the model families (docs/reliability.md has the table): for each realistic
+"""Issue 39's planted-bug audit of the model families (docs/reliability.md has the table): for each realistic
 mistake in the family specs, YaRN, the sliding window and the converters that no earlier test caught, one small
 check against an outside reference (transformers' config classes and forward, torch's grouped-query SDPA).
 Each was confirmed by planting its mistake and watching it fail; one process, a few seconds in all."""
