@@ -101,7 +101,6 @@ def test_ring_attention_pairs_query_heads_with_kv_heads_as_torch_gqa_does(groups
         assert torch.allclose(a, b, atol=1e-5)
 
 
-
 @pytest.mark.parametrize("cp", [2, 3])
 def test_the_ring_visits_no_block_that_the_sliding_window_hides_wholly(cp):
     """The (q chunk, kv chunk) blocks ring attention visits (context._blocks) each hold at least one pair the
@@ -117,6 +116,7 @@ def test_the_ring_visits_no_block_that_the_sliding_window_hides_wholly(cp):
                     for _, _, a, b in _blocks(chunk_ids(r, cp), chunk_ids(src, cp), c, window):
                         dist = torch.arange(a * c, (a + 1) * c)[:, None] - torch.arange(b * c, (b + 1) * c)[None]
                         assert bool(((dist >= 0) & (dist < window)).any()), (cp, c, window, a, b)
+
 
 LLAMA3 = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
           "original_max_position_embeddings": 8}

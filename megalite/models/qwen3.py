@@ -4,30 +4,22 @@ summed over tp since each rank holds other heads), a head width of its own (head
 size), no q/k/v biases."""
 from __future__ import annotations
 
-from .llama import LLAMA_KEYS, LlamaHF, LlamaTitan
-from .qwen2 import _full_attention_only
+from .llama import LLAMA_KEYS, LlamaTitan
+from .qwen2 import Qwen2HF
 from .spec import FamilySpec, Features, meta_ffn
 
 
-class Qwen3HF(LlamaHF):
+class Qwen3HF(Qwen2HF):
+    """Qwen2's config.json rules (the sliding layers, defaults of the sizes), without the q/k/v biases and with a
+    head width of its own."""
     model_type, config_class, name = "qwen3", "Qwen3Config", "qwen3"
     architectures = ("Qwen3ForCausalLM", "Qwen3Model")
     ONLY_AT = {"attention_bias": (False,)}
-    HARMLESS = ("sliding_window", "max_window_layers")
     head_dim_default = 128  # Qwen3Config's
-    head_dim_nullable = False  # Qwen3Config's head_dim is an int
-    max_positions_default = 32768
-    kv_heads_default = 32  # the config class's num_key_value_heads default
-
-    def own_keys(self):
-        return ("layer_types", "use_sliding_window")
-
-    def own_model(self, hf, where):
-        return _full_attention_only(hf, where)
+    # head_dim_nullable False as Qwen2's: Qwen3Config's head_dim is an int
 
     def own_config(self, m):
-        return {"attention_bias": False, "use_sliding_window": False, "sliding_window": None,
-                "max_window_layers": m["n_layer"]}
+        return {"attention_bias": False, **super().own_config(m)}
 
 
 class Qwen3Titan(LlamaTitan):
