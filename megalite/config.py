@@ -142,7 +142,7 @@ class TrainConfig:
     # window needs one, sdpa otherwise) | "sdpa" (a boolean mask per layer) | "flex" (one BlockMask per micro-batch)
     attn_backend: str = "auto"
     compile: bool = False  # torch.compile each transformer block of this rank's pipeline stage (megalite/run/compile.py)
-    fused_adamw: str = "auto"  # torch's fused AdamW kernel: "auto" (on CUDA) | "on" (any device that has it) | "off"
+    fused_adamw: str = "auto"  # torch's fused AdamW kernel: "auto"/"on" (any device that has it: CUDA, CPU) | "off"
     tensorboard: bool = False  # also write TensorBoard event files to <out_dir>/tensorboard (needs `tensorboard`)
     wandb: bool = False  # also log to a Weights & Biases run, files in <out_dir>/wandb (needs `wandb`)
     wandb_project: str = "megalite"
@@ -744,7 +744,7 @@ DOCS = {
     "train.attn_backend": "masked attention: auto (flex on CUDA for document masks and windows) | sdpa | flex",
     "train.recompute": "activation recomputation: none | selective (attention core) | full (each block)",
     "train.compile": "torch.compile each transformer block (the first step pays the compilation)",
-    "train.fused_adamw": "torch's fused AdamW kernel: auto (on CUDA) | on (wherever torch has it) | off",
+    "train.fused_adamw": "torch's fused AdamW kernel: auto = on (wherever torch has it: CUDA, the CPU) | off",
     "train.tensorboard": "also write TensorBoard event files to <out_dir>/tensorboard (pip install tensorboard)",
     "train.wandb": "also log the same scalars to a Weights & Biases run, its files in <out_dir>/wandb (pip install "
                    "wandb; WANDB_MODE=offline works without a login)",

@@ -106,10 +106,13 @@ def _check_runs(tmp_path, token_file, runs):
             refs[family, steps] = _single(token_file, tmp_path, f"ref-{family}-{steps}", **FAMILIES.get(family, {}),
                                           **{"train.steps": steps})
         bf16 = family == "bf16"  # test_features_parallel's bf16 tolerance (2^-8 / 4), against bf16 at (1,1,1)
-        # parameters: 1e-4 after 4 steps; after 30 AdamW steps 1e-3 (the rounding of the reductions grows in the
-        # zero-initialised biases, whose norms stay small: measured 1.6e-4 on a qkv bias at dp 4)
+        # parameters: 3e-4 after 4 steps; after 30 AdamW steps 1e-3 (the rounding of the reductions grows in the
+        # zero-initialised biases, whose norms stay small: measured 1.6e-4 on a qkv bias at dp 4 after 30 steps;
+        # after 4, z3-kv1-qwen2's k bias (norm 0.015) 2.6e-5 to 1.9e-4 over train seeds 1-3 with the elementwise
+        # AdamW, 2.6e-5 to 1.2e-4 with the fused kernel: last-bit noise that Adam's 1/sqrt(v) enlarges where
+        # gradients are small. A real fault moves them by ~lr: a decayed bias is off by 1e-2 relative)
         _compare(name, run, refs[family, steps], BF16_LOSS_RTOL if bf16 else 1e-5,
-                 None if bf16 else 1e-4 if steps <= 4 else 1e-3, failures, first_step=3 if resumed else 1)
+                 None if bf16 else 3e-4 if steps <= 4 else 1e-3, failures, first_step=3 if resumed else 1)
         level = overrides.get("parallel.zero", 0)
         if level >= 2:
             # each unit (a block, the rest of the stage) reduce-scatters once per micro-batch and step

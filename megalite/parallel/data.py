@@ -182,13 +182,59 @@ class GradBuffer:
 
 
 def use_fused(setting: str, device: torch.device) -> bool:
-    """train.fused_adamw: "auto" uses torch's fused AdamW kernel on CUDA, "on" wherever torch has one for the
-    device type (CPU included, torch >= 2.4), "off" never (the elementwise ops of `ShardedAdamW.step`)."""
+    """train.fused_adamw: "auto" (the default) and "on" use torch's fused AdamW kernel wherever torch has one for
+    the device type (CUDA; the CPU from torch 2.4), "off" never (the elementwise ops of `ShardedAdamW.step`)."""
     if setting == "off":
         return False
     from torch.optim.optimizer import _get_fused_kernels_supported_devices
-    has = hasattr(torch, "_fused_adamw_") and device.type in _get_fused_kernels_supported_devices()
-    return has and (setting == "on" or device.type == "cuda")
+    return hasattr(torch, "_fused_adamw_") and device.type in _get_fused_kernels_supported_devices()
+
+
+# torch's CPU fused AdamW computes a tensor in SIMD vectors and its last numel % (vector width) elements one by one,
+# and the two loops round differently (tests/test_fused_adamw.py: about 8% of the elements differ after 8 steps):
+# an element's last bit would depend on where the piece holding it ends (a ZeRO shard, a tp slice). 64 elements is a multiple of every vector width and task
+# unit the kernel uses (16 fp32 / 32 bf16 lanes at most), so a run of 64 goes wholly through the vector loop.
+VECTOR_RUN = 64
+
+
+def fused_adamw(groups: list, step: torch.Tensor, lr: float, betas: tuple, eps: float, weight_decay: float,
+                grad_scale=None) -> None:
+    """torch's fused AdamW kernel (`torch._fused_adamw_`) on `groups` = [weights, grads, exp_avgs, exp_avg_sqs],
+    four lists of matching 1-d pieces, in place; `grad_scale` (a tensor or None) divides the gradients (written
+    back). On the CPU every element goes through the kernel's vector loop, whichever piece holds it: each piece's
+    head of whole VECTOR_RUNs in place, the tails packed end to end into zero-padded buffers of whole runs (a
+    zero weight, gradient and moments stay zero through a step: eps keeps the denominator positive) and copied
+    back. So an element's update has the same bits at every layout and ZeRO level, as the elementwise ops do.
+    CUDA's kernel computes every element by the same code: its pieces go in as they are."""
+    def kernel(lists: list) -> None:
+        torch._fused_adamw_(*lists, [], [step] * len(lists[0]), lr=lr, beta1=betas[0], beta2=betas[1],
+                            weight_decay=weight_decay, eps=eps, amsgrad=False, maximize=False, grad_scale=grad_scale)
+
+    if groups[0][0].device.type != "cpu":
+        kernel(groups)
+        return
+    heads, tails = [[] for _ in groups], [[] for _ in groups]
+    for pieces in zip(*groups):
+        n = pieces[0].numel()
+        cut = n - n % VECTOR_RUN
+        for role, t in enumerate(pieces):
+            if cut:
+                heads[role].append(t[:cut])
+            if cut < n:
+                tails[role].append(t[cut:])
+    if heads[0]:
+        kernel(heads)
+    if not tails[0]:
+        return
+    sizes = [t.numel() for t in tails[0]]
+    total = sum(sizes)
+    packed = [ts[0].new_zeros(-(-total // VECTOR_RUN) * VECTOR_RUN) for ts in tails]
+    for ts, buf in zip(tails, packed):
+        torch.cat(ts, out=buf[:total])
+    kernel([[buf] for buf in packed])
+    for ts, buf in zip(tails, packed):  # the weights, the moments, and the unscaled gradients
+        for t, part in zip(ts, buf[:total].split(sizes)):
+            t.copy_(part)
 
 
 @dataclass
@@ -207,12 +253,14 @@ class ShardedAdamW:
     range r of its stage's flat space (`dp_pieces`). The arithmetic is elementwise, so both give the same
     result; only memory and traffic differ. State is keyed by global parameter name, never by position.
 
-    `fused`: an in-place step is torch's fused AdamW kernel (`torch._fused_adamw_`, the kernel behind
-    torch.optim.AdamW(fused=True)) over every piece at once, two calls (with and without decay); equal to the
-    elementwise ops within float32 rounding (the kernel computes lr / bias-corrections in another order and
-    unscales the gradient by dividing by 1 / grad_scale), tested to 1e-6 relative over several steps. A step
-    after a `hold` (async checkpoint) copies each held tensor into its spare buffer and runs the same kernel
-    there (one extra copy of the held state, in the step; bitwise the same update as without the hold).
+    `fused` (train.fused_adamw, the default wherever torch has the kernel): an in-place step is torch's fused
+    AdamW kernel (`fused_adamw`, the kernel behind torch.optim.AdamW(fused=True)) over every piece at once, two
+    calls (with and without decay), every element through its vector loop: the same bits whichever piece holds
+    an element. Equal to the elementwise ops within float32 rounding (the kernel computes lr / bias-corrections
+    in another order and unscales the gradient by dividing by 1 / grad_scale), tested to 1e-6 relative over
+    several steps. A step after a `hold` (async checkpoint) copies each held tensor into its spare buffer and
+    runs the same kernel there (one extra copy of the held state, in the step; bitwise the same update as
+    without the hold).
     """
 
     def __init__(self, named_params: list, tp: Axis, dp: Axis, zero1: bool = False, betas=(0.9, 0.95),
@@ -297,8 +345,8 @@ class ShardedAdamW:
             self._all_gather()
 
     def _fused_step(self, lr: float, grad_scale: float) -> None:
-        """The same update in place, by torch's fused kernel: one call for the pieces with weight decay, one
-        for those without (biases, LayerNorms)."""
+        """The same update in place, by torch's fused kernel (`fused_adamw`): one call for the pieces with weight
+        decay, one for those without (biases, LayerNorms)."""
         mine = [e for e in self.entries if e.end > e.start]
         if not mine:
             return
@@ -308,13 +356,10 @@ class ShardedAdamW:
         scale = None if grad_scale == 1.0 else torch.tensor(1.0 / grad_scale, device=dev)
         for decay in (True, False):
             es = [e for e in mine if e.decay == decay]
-            if not es:
-                continue
-            torch._fused_adamw_([self._weight(e, self._live(e.name, 0)) for e in es], [self._grad(e) for e in es],
-                                [self.exp_avg[e.name] for e in es], [self.exp_avg_sq[e.name] for e in es], [],
-                                [step] * len(es), lr=lr, beta1=self.betas[0], beta2=self.betas[1],
-                                weight_decay=self.weight_decay if decay else 0.0, eps=self.eps, amsgrad=False,
-                                maximize=False, grad_scale=scale)
+            if es:
+                fused_adamw([[self._weight(e, self._live(e.name, 0)) for e in es], [self._grad(e) for e in es],
+                             [self.exp_avg[e.name] for e in es], [self.exp_avg_sq[e.name] for e in es]], step, lr,
+                            self.betas, self.eps, self.weight_decay if decay else 0.0, scale)
 
     # ------------------------------------------------------------ zero-copy snapshots (async checkpoints)
     # A tensor is (name, i): i = 0 the parameter, 1 its exp_avg, 2 its exp_avg_sq.
