@@ -115,8 +115,9 @@ def _zero1_worker(rank, world_size, tmp, tokens):
     # One micro-batch per rank and no clipping: every ZeRO level updates the same bits as ZeRO 0, with either
     # kernel. At dp 2 the gradients are the same bits (a + b, halved), and an element's update does not depend
     # on the piece that holds it (ZeRO-1's range cut mid-tensor, ZeRO-2/3's chunks of every tensor; width 24,
-    # so that biases, norms and their chunks end in part-vectors: fused_adamw's runs). (ZeRO-2/3 reduce each micro-batch and add the norm's
-    # squares chunk by chunk: with several micro-batches or clipping, the same values in another order.)
+    # so that biases, norms and their chunks end in part-vectors: fused_adamw's runs). (ZeRO-2/3 reduce each
+    # micro-batch and add the norm's squares chunk by chunk: with several micro-batches or clipping, the same
+    # values in another order.)
     for fused in ("off", "on"):
         for zero in (1, 2, 3):
             (la, pa), (lb, pb) = out[fused, 0, 0.0], out[fused, zero, 0.0]
@@ -131,9 +132,9 @@ def _zero1_worker(rank, world_size, tmp, tokens):
 
 
 def test_fused_adamw_with_zero1_pieces(token_file, tmp_path):
-    """dp 2, ZeRO 0 to 3, three steps, one micro-batch per rank, no clipping: each level's weights and losses are bitwise ZeRO 0's,
-    with the fused kernel (the default) and with the elementwise ops; with clipping at ZeRO-1, fused and
-    elementwise agree within 1e-6 (losses) and 1e-6 absolute (weights)."""
+    """dp 2, ZeRO 0 to 3, three steps, one micro-batch per rank, no clipping: each level's weights and losses
+    are bitwise ZeRO 0's, with the fused kernel (the default) and with the elementwise ops; with clipping at
+    ZeRO-1, fused and elementwise agree within 1e-6 (losses) and 1e-6 absolute (weights)."""
     from megalite.testing import run_parallel
     run_parallel(_zero1_worker, 2, tmp_path, args=(str(token_file),))
 

@@ -191,9 +191,10 @@ def use_fused(setting: str, device: torch.device) -> bool:
 
 
 # torch's CPU fused AdamW computes a tensor in SIMD vectors and its last numel % (vector width) elements one by one,
-# and the two loops round differently (tests/test_fused_adamw.py: about 8% of the elements differ after 8 steps):
-# an element's last bit would depend on where the piece holding it ends (a ZeRO shard, a tp slice). 64 elements is a multiple of every vector width and task
-# unit the kernel uses (16 fp32 / 32 bf16 lanes at most), so a run of 64 goes wholly through the vector loop.
+# and the two loops round differently (measured: ~8% of the elements held in tails differ after 8 steps): an
+# element's last bit would depend on where the piece holding it ends (a ZeRO shard, a tp slice). 64 elements is a
+# multiple of every vector width and task unit the kernel uses (16 fp32 / 32 bf16 lanes at most), so a run of 64
+# goes wholly through the vector loop.
 VECTOR_RUN = 64
 
 
