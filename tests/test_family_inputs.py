@@ -201,6 +201,11 @@ def test_window_values_megalite_cannot_reproduce_are_refused_naming_the_field(fo
     (dict(tie_word_embeddings="false"), "tie_word_embeddings"),
     (dict(head_dim="16"), "head_dim"),  # before: '16' taken, then said to contradict the tensors
     (dict(head_dim=True), "head_dim"),
+    # the scaling's original context read from it: named as itself (before: as rope_scaling's field)
+    (dict(max_position_embeddings="32768", rope_parameters={k: v for k, v in YARN.items()
+                                                            if k != "original_max_position_embeddings"}),
+     ": max_position_embeddings"),
+    (dict(max_position_embeddings=0), ": max_position_embeddings"),
 ])
 def test_convert_config_refuses_the_window_and_types_an_import_refuses(tmp_path, changes, field):
     """`convert --config config.json` (Megatron-LM, torchtitan) reads the family's window and layer keys as the

@@ -79,8 +79,12 @@ def merge_config(h: Hints, path: Path) -> Hints:
                            f"{', '.join(repr(k) for k in models.BY_MODEL_TYPE)}")
     family.hf.check_keys(c, where)  # the family's own reading: every key that changes the forward refused
     gpt2 = family.features.positions == "learned"  # GPT2Config's key names
-    theta, scaling = (None, None) if gpt2 else llama_rope(c, where, c.get("max_position_embeddings",
-                                                                       family.hf.max_positions_default))
+    positions = None
+    if not gpt2:  # also a scaling's original context when the file gives none: checked here, under its own name
+        positions = c.get("max_position_embeddings")
+        positions = family.hf.max_positions_default if positions is None else \
+            limits.number(positions, f"{where}: max_position_embeddings", ConvertError, lo=1, hi=limits.MAX_SIZE)
+    theta, scaling = (None, None) if gpt2 else llama_rope(c, where, positions)
     told = "rope_theta" in c or "rope_theta" in (c.get("rope_parameters") or {})
     act = c.get("activation_function" if gpt2 else "hidden_act", "gelu_new" if gpt2 else "silu")  # classes' defaults
     got = dict(num_heads=c.get("n_head" if gpt2 else "num_attention_heads"),
