@@ -47,7 +47,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-MARKER = re.compile(r"^<!--\s*(transcript|run|tested-by|fragment):\s*(.*?)\s*-->\n```(\w*)\n(.*?)^```$", re.M | re.S)
+MARKER = re.compile(r"^<!--\s*(transcript|run|tested-by|fragment):\s*([^\n]*?)\s*-->\n```(\w*)\n(.*?)^```$", re.M | re.S)
 FENCE = re.compile(r"^```(\w*)\n(.*?)^```$", re.M | re.S)
 COMMAND_LANGS = ("bash", "sh", "console", "python")  # a fenced block in one of these must carry a marker
 
