@@ -62,10 +62,11 @@ def test_every_element_has_the_same_bits_wherever_its_piece_is_cut(longest):
         f"torch's kernel rounded its scalar tails as its vector loop on this CPU ({cpu})"
 
 
-@pytest.mark.parametrize("sizes", [[64], [1], [63, 65, 1], [7] * 9, [VECTOR_RUN * 3, 5, VECTOR_RUN]])
+@pytest.mark.parametrize("sizes", [[64, 64], [1, 1], [63, 65, 1], [7] * 9, [VECTOR_RUN * 3, 5, VECTOR_RUN]])
 def test_pieces_at_and_around_a_run_are_computed_alike(sizes):
-    """Bounds of the cut: a piece of exactly one run (no tail), of one element (no head), 63 / 65, many tails
-    that together fill less than one run, and whole runs beside a tail: all equal the whole tensor's step."""
+    """Bounds of the cut: pieces of exactly one run (no tail), of one element (no head), 63 / 65, many tails
+    that together fill less than one run, and whole runs beside a tail: all equal the whole tensor's step. (Two
+    pieces at least: a single piece is the whole tensor's own call.)"""
     n = sum(sizes)
     cuts = [0]
     for k in sizes:
